@@ -1,0 +1,22 @@
+"""landmark-memory: random-access memory for transformers by Landmark Attention."""
+
+from .config import LandmarkConfig
+from .kernels import landmark_attention
+from .model import LandmarkGPT
+from .rope import RotaryEmbedding
+from .tokenizer import (
+    LANDMARK_TOKEN,
+    insert_landmarks,
+    landmark_mask,
+    lm_targets,
+    load_tokenizer,
+    normal_positions,
+    strip_landmarks,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LandmarkConfig", "LandmarkGPT", "RotaryEmbedding", "landmark_attention", "load_tokenizer", "LANDMARK_TOKEN",
+    "insert_landmarks", "strip_landmarks", "lm_targets", "landmark_mask", "normal_positions",
+]

@@ -1,0 +1,184 @@
+"""LandmarkGPT: a GPT-2-style decoder (pre-LayerNorm, RoPE) with landmark or full attention."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from .config import LandmarkConfig
+from .kernels import landmark_attention
+from .rope import RotaryEmbedding
+from .tokenizer import IGNORE_INDEX, insert_landmarks, normal_positions
+
+FORMAT = "landmark-memory/LandmarkGPT"
+FORMAT_VERSION = 1
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, positions):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.cfg.n_head, self.cfg.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        if self.cfg.attention == "landmark":
+            y = landmark_attention(q, k, v, self.cfg.block_size, backend=self.cfg.kernel_backend)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions):
+        x = x + self.attn(self.ln_1(x), positions)
+        return x + self.mlp(self.ln_2(x))
+
+
+class LandmarkGPT(nn.Module):
+    """Decoder-only language model over normal token ids.
+
+    ``model(idx)`` takes normal token ids (B, T), inserts landmarks itself (landmark
+    attention only) and returns logits (B, T, vocab) at the normal positions.
+    ``model(idx, targets)`` returns ``(logits, loss)``, the mean next-token cross-entropy over
+    targets that are not -100. A target that falls on a landmark moves to the next normal token
+    by construction: logits exist only at normal positions.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, targets=None):
+        cfg = self.config
+        if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        T = idx.shape[1]
+        x = insert_landmarks(idx, cfg.block_size, cfg.landmark_id) if cfg.attention == "landmark" else idx  # (B, T')
+        positions = torch.arange(x.shape[1], device=idx.device)
+        h = self.drop(self.wte(x))  # (B, T', C)
+        for block in self.blocks:
+            h = block(h, positions)
+        if cfg.attention == "landmark":
+            h = h[:, normal_positions(T, cfg.block_size, idx.device)]  # (B, T, C)
+        logits = self.lm_head(self.ln_f(h))  # (B, T, V)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Continue ``idx`` (B, T) by ``max_new_tokens``, re-running the whole context each step
+        (no cache: a reference decoder for short texts). ``temperature=0`` is greedy."""
+        for _ in range(max_new_tokens):
+            logits = self(idx)[:, -1].float()  # (B, V)
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+    def save_pretrained(self, path):
+        """Write ``config.json`` and ``model.safetensors`` into the folder ``path``.
+
+        Each file is written under a temporary name, synced, then renamed, config last: a
+        crash leaves the previous files or the new ones, never a half-written file."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / WEIGHTS_NAME, lambda f: save_model(self, f, metadata={"format": FORMAT}))
+        doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": self.config.to_dict()}
+        _atomic_write(path / CONFIG_NAME, lambda f: Path(f).write_text(json.dumps(doc, indent=2) + "\n"))
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu"):
+        """Load a model written by ``save_pretrained``."""
+        path = Path(path)
+        cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
+        for f in (cfg_file, weights):
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} is missing: {path} is not a saved LandmarkGPT "
+                                        "(save one with model.save_pretrained or experiments/train.py)")
+        try:
+            doc = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON ({e}); the save was damaged, save the model again") from None
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"{cfg_file} describes {doc.get('format')!r}, not a {FORMAT} model")
+        if doc.get("format_version", 0) > FORMAT_VERSION:
+            raise ValueError(f"{path} was written in format version {doc['format_version']}; this landmark-memory "
+                             f"reads up to {FORMAT_VERSION}: upgrade the package")
+        model = cls(LandmarkConfig.from_dict(doc["config"]))
+        missing, unexpected = load_model(model, weights, strict=False, device=str(device))
+        if missing or unexpected:
+            raise ValueError(f"{weights} does not match its config: missing {sorted(missing)}, "
+                             f"unexpected {sorted(unexpected)}")
+        return model.to(device)
+
+
+def _atomic_write(dest, write):
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    try:
+        write(str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
