@@ -138,6 +138,8 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=getattr(torch, dtype))
                          if dtype != "float32" else contextlib.nullcontext())
         self.out = Path(cfg.out_dir or f"out/{preset or 'run'}")
+        if self.master:
+            self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed + self.rank)
 
         self.tok = load_tokenizer()
@@ -267,8 +269,6 @@ class Trainer:
 
     def run(self):
         cfg = self.cfg
-        if self.master:
-            self.out.mkdir(parents=True, exist_ok=True)
         self.log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, attention={cfg.attention}, "
                  f"block_size={cfg.block_size}, device={self.device}, world_size={self.world}")
         t0 = time.time()

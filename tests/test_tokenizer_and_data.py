@@ -1,0 +1,107 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
+from landmark_memory.data import PasskeyMix, WindowSampler, list_text_files, split_books, strip_gutenberg
+from landmark_memory.tokenizer import IGNORE_INDEX, LANDMARK_TOKEN, SPECIAL_TOKENS
+
+LM = 1
+
+
+def test_shipped_tokenizer_has_reserved_specials_and_round_trips_text():
+    tok = load_tokenizer()
+    assert 8192 <= tok.get_vocab_size() <= 16384
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    assert tok.token_to_id(LANDMARK_TOKEN) == LM
+    text = "‘Curiouser and curiouser!’ cried Alice.\n  The pass key is 31337. Ünïcødé ✓"
+    ids = tok.encode(text).ids
+    assert LM not in ids
+    assert tok.decode(ids) == text
+
+
+def test_landmark_text_in_input_is_not_the_landmark_token():
+    tok = load_tokenizer()
+    ids = tok.encode("a <|landmark|> b", add_special_tokens=False).ids
+    assert tok.decode(ids, skip_special_tokens=False).count("<|landmark|>") == 1  # it round-trips as text...
+    assert tok.get_vocab_size() > max(ids)
+
+
+@pytest.mark.parametrize("T,bs", [(0, 3), (1, 1), (7, 3), (9, 3), (130, 50), (150, 50)])
+def test_insert_then_strip_round_trips(T, bs):
+    idx = torch.randint(4, 100, (2, T))
+    x = insert_landmarks(idx, bs, LM)
+    assert x.shape == (2, T + T // bs)
+    lm = landmark_mask(x.shape[1], bs)
+    assert (x[:, lm] == LM).all() and (x[:, ~lm] != LM).all()
+    assert torch.equal(x[:, normal_positions(T, bs)], idx)
+    assert torch.equal(strip_landmarks(x, bs), idx)
+
+
+def test_landmark_positions_follow_the_rule():
+    x = insert_landmarks(torch.arange(10, 17), 3, LM)  # 7 normal tokens, block 3
+    assert x.tolist() == [10, 11, 12, LM, 13, 14, 15, LM, 16]
+
+
+def test_strip_landmarks_along_another_dim():
+    h = torch.randn(2, 9, 5)
+    assert torch.equal(strip_landmarks(h, 2, dim=1), h[:, [0, 1, 3, 4, 6, 7]])
+
+
+def test_lm_targets_skip_landmarks_and_carry_no_loss_on_them():
+    x = insert_landmarks(torch.arange(10, 17), 3, LM)  # [10 11 12 L 13 14 15 L 16]
+    y = lm_targets(x, 3)
+    I = IGNORE_INDEX
+    assert y.tolist() == [11, 12, 13, I, 14, 15, 16, I, I]
+
+
+@pytest.mark.parametrize("T,bs", [(12, 3), (101, 50), (5, 7)])
+def test_lm_targets_at_normal_positions_are_the_next_token(T, bs):
+    idx = torch.randint(4, 100, (3, T))
+    y = lm_targets(insert_landmarks(idx, bs, LM), bs)
+    assert torch.equal(strip_landmarks(y, bs)[:, :-1], idx[:, 1:])
+    assert (y[:, landmark_mask(y.shape[1], bs)] == IGNORE_INDEX).all()
+
+
+def test_strip_gutenberg_keeps_only_the_body():
+    text = "\ufeffHeader\r\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\nBody line.\r\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nLicence"
+    assert strip_gutenberg(text) == "Body line.\n"
+    assert strip_gutenberg("plain text") == "plain text\n"
+
+
+def test_split_books_holds_out_whole_books_reproducibly(tmp_path):
+    for i in range(20):
+        (tmp_path / f"b{i:02d}.txt").write_text("x")
+    files = list_text_files(tmp_path)
+    train, val = split_books(files)
+    assert len(val) == 1 and len(train) == 19 and not set(train) & set(val)
+    assert split_books(files, 4) == split_books(files, 4)
+    with pytest.raises(ValueError, match="hold out"):
+        split_books(files[:1], 1)
+
+
+def test_list_text_files_explains_missing_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        list_text_files(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no .txt files"):
+        list_text_files(tmp_path)
+
+
+def test_passkey_mix_plants_fact_and_answer_without_changing_length():
+    tok = load_tokenizer()
+    mix = PasskeyMix(tok, rate=1.0)
+    w = np.full(200, 5, dtype=np.int64)
+    out = mix(w.copy(), random.Random(3))
+    text = tok.decode(out.tolist())
+    key = text.split("The pass key is ")[1].split(".")[0]
+    assert len(out) == 200
+    assert f"{key} is the pass key" in text and text.rstrip().endswith(f"What is the pass key? The pass key is {key}.")
+
+
+def test_window_sampler_targets_are_inputs_shifted():
+    tokens = np.arange(1000, dtype=np.uint16)
+    x, y = WindowSampler(tokens, seq_len=32, batch_size=4, seed=0).batch()
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
