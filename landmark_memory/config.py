@@ -27,7 +27,7 @@ class LandmarkConfig:
     rope_base: float = 10000.0
     dropout: float = 0.0
     bias: bool = False
-    kernel_backend: str = "reference"
+    kernel_backend: str = "auto"  # Triton on CUDA, reference elsewhere
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:

@@ -4,7 +4,7 @@ import torch
 
 from .reference import grouped_softmax, landmark_attention_reference, landmark_weights
 
-BACKENDS = ("reference",)
+BACKENDS = ("auto", "reference", "triton")
 
 
 def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
@@ -22,8 +22,11 @@ def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
     q, k, v : Tensor (B, H, T, D), same dtype and device.
     block_size : int, normal tokens per block (>= 1).
     scale : float, optional, score scale; default ``1 / sqrt(D)``.
-    backend : {"reference"}
+    backend : {"reference", "triton", "auto"}
         ``"reference"``: plain PyTorch with autograd, O(T^2) memory.
+        ``"triton"``: fused forward and backward, O(T) memory; CUDA tensors (or CPU tensors
+        under ``TRITON_INTERPRET=1``), head dims 16-256 in powers of two.
+        ``"auto"``: Triton on CUDA tensors, the reference elsewhere.
 
     Returns
     -------
@@ -42,6 +45,10 @@ def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
                          "q and k must match and v must share (B, H, T)")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError("q, k, v must share one dtype and device")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from .triton_landmark import landmark_attention_triton
+
+        return landmark_attention_triton(q, k, v, block_size, scale)
     return landmark_attention_reference(q, k, v, block_size, scale)
 
 

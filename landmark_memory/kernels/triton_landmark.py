@@ -1,0 +1,230 @@
+"""Fused grouped-softmax landmark attention in Triton: forward and parallel backward.
+
+The grouped softmax is a plain softmax over *effective* scores. For query i and a normal token
+j of an earlier block c, with landmark score s_ic and the block's log-sum-exp
+lse_ic = log sum_{j' in c} exp(s_ij'),
+
+    s'_ij = s_ij + s_ic - lse_ic            (earlier block: gated by its landmark)
+    s'_ij = s_ij                            (normal token of i's own block, j <= i)
+    s'_ij = -inf                            (landmarks, later positions)
+
+Block c's tokens then carry exp(s_ic) in total, exactly the landmark's share of the local
+group, so softmax(s') equals equations 1-4 and the FlashAttention online softmax applies
+unchanged. The only new work is the per-block log-sum-exp, which is tile-local: every key tile
+holds BPT whole blocks, each padded from L = block_size + 1 to LP (a power of two) slots, so
+any block size works and no block straddles two tiles. Nothing T x T is ever stored.
+
+Backward: with dS' the usual softmax gradient of s', for an earlier block c
+    ds_ij = dS'_ij - pc_ij * G_ic,  ds_ic(landmark) = G_ic,  G_ic = sum_{j in c} dS'_ij,
+where pc is the within-block softmax; own-block tokens pass dS' through.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_empty_like = torch.empty_like  # every element of an output is written; tests poison this
+
+
+@triton.jit
+def _effective_scores(s, offs_m, tile, T, BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """Effective scores s' (BLOCK_M, BPT * LP) of one key tile, plus what backward needs:
+    the within-block softmax pc, and masks of gated (earlier-block) tokens and their landmarks."""
+    L: tl.constexpr = BS + 1
+    BLOCK_N: tl.constexpr = BPT * LP
+    slot = tl.arange(0, LP)[None, None, :]  # (1, 1, LP) offset inside a block
+    blk = tile * BPT + tl.arange(0, BPT)[None, :, None]  # (1, BPT, 1) block index
+    pos = blk * L + slot  # (1, BPT, LP) key position
+    exists = (slot < L) & (pos < T)
+    normal = exists & (slot < BS)
+    qpos = offs_m[:, None, None]  # (BLOCK_M, 1, 1)
+    earlier = blk < qpos // L  # block completed before the query's block
+    own = (blk == qpos // L) & normal & (pos <= qpos)
+
+    s3 = tl.reshape(s, (BLOCK_M, BPT, LP))
+    s_norm = tl.where(normal, s3, float("-inf"))
+    mc = tl.max(s_norm, axis=2)
+    mc = tl.where(mc == float("-inf"), 0.0, mc)
+    e = tl.exp(s_norm - mc[:, :, None])
+    zc = tl.sum(e, axis=2)
+    zc = tl.where(zc == 0.0, 1.0, zc)
+    pc = e / zc[:, :, None]  # within-block softmax
+    s_lm = tl.sum(tl.where(slot == BS, s3, 0.0), axis=2)  # landmark score per block
+    gate = s_lm - mc - tl.log(zc)  # (BLOCK_M, BPT)
+    gated = earlier & normal
+    s_eff = tl.where(gated, s3 + gate[:, :, None], tl.where(own, s3, float("-inf")))
+    lm_gate = earlier & exists & (slot == BS)
+    return (tl.reshape(s_eff, (BLOCK_M, BLOCK_N)), tl.reshape(pc, (BLOCK_M, BLOCK_N)),
+            tl.reshape(gated, (BLOCK_M, BLOCK_N)), tl.reshape(lm_gate, (BLOCK_M, BLOCK_N)))
+
+
+@triton.jit
+def _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M: tl.constexpr, BPT: tl.constexpr, LP: tl.constexpr):
+    """Gradient w.r.t. the raw scores from the gradient w.r.t. the effective scores."""
+    BLOCK_N: tl.constexpr = BPT * LP
+    g = tl.sum(tl.reshape(tl.where(gated, dse, 0.0), (BLOCK_M, BPT, LP)), axis=2)  # (BLOCK_M, BPT)
+    g = tl.reshape(tl.broadcast_to(g[:, :, None], (BLOCK_M, BPT, LP)), (BLOCK_M, BLOCK_N))
+    return tl.where(gated, dse - pc * g, tl.where(lm_gate, g, dse))
+
+
+@triton.jit
+def _tile_positions(tile, T, BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr):
+    n = tl.arange(0, BPT * LP)
+    pos = (tile * BPT + n // LP) * (BS + 1) + n % LP
+    return pos, (n % LP < BS + 1) & (pos < T)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, T, scale,
+                BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    base = bh.to(tl.int64) * T * HEAD_DIM
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    for tile in range(0, last // (BPT * (BS + 1)) + 1):  # causal: stop at the last query's tile
+        pos, valid = _tile_positions(tile, T, BS, LP, BPT)
+        k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
+        m_new = tl.maximum(m_i, tl.max(s_eff, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s_eff - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    mask = offs_m < T
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log(l_i), mask=mask)
+    o = acc / l_i[:, None]
+    tl.store(O + base + offs_m[:, None] * HEAD_DIM + d[None, :], o.to(O.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
+                     BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    base = bh.to(tl.int64) * T * HEAD_DIM
+    d = tl.arange(0, HEAD_DIM)
+    pos, valid = _tile_positions(tile, T, BS, LP, BPT)
+    k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    dk = tl.zeros((BPT * LP, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BPT * LP, HEAD_DIM), tl.float32)
+    first = (tile * BPT * (BS + 1)) // BLOCK_M  # earlier queries never see this tile
+    for start_m in range(first * BLOCK_M, T, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < T
+        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
+        do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
+        if UPCAST:
+            q, do = q.to(tl.float32), do.to(tl.float32)
+        lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+        delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
+        p = tl.where(mask_m[:, None], tl.exp(s_eff - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do)
+        dse = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        ds = _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+    tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=valid[:, None])
+    tl.store(DV + base + pos[:, None] * HEAD_DIM + d[None, :], dv.to(DV.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
+                   BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    base = bh.to(tl.int64) * T * HEAD_DIM
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
+    do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    for tile in range(0, last // (BPT * (BS + 1)) + 1):
+        pos, valid = _tile_positions(tile, T, BS, LP, BPT)
+        k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
+        p = tl.where(mask_m[:, None], tl.exp(s_eff - lse[:, None]), 0.0)
+        dse = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        ds = _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + base + offs_m[:, None] * HEAD_DIM + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
+
+
+def _tiling(block_size, T):
+    """(LP, BPT, BLOCK_M): padded block width, whole blocks per key tile, queries per tile."""
+    LP = triton.next_power_of_2(block_size + 1)
+    BPT = max(1, 64 // LP)
+    BLOCK_M = 64
+    return LP, BPT, BLOCK_M
+
+
+class _LandmarkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_size, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        B, H, T, D = q.shape
+        LP, BPT, BLOCK_M = _tiling(block_size, T)
+        o = _empty_like(q)
+        lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, T)
+        meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET)
+        _fwd_kernel[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, o, lse, T, scale, **meta)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.block_size, ctx.scale, ctx.meta = block_size, scale, meta
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        B, H, T, D = q.shape
+        meta = ctx.meta
+        delta = (do.float() * o.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
+        dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+        span = meta["BPT"] * (ctx.block_size + 1)
+        _bwd_dkdv_kernel[(triton.cdiv(T, span), B * H)](q, k, v, do, lse, delta, dk, dv, T, ctx.scale, **meta)
+        _bwd_dq_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, dq, T, ctx.scale, **meta)
+        return dq, dk, dv, None, None
+
+
+def landmark_attention_triton(q, k, v, block_size, scale=None):
+    """Fused landmark attention; same contract as ``landmark_attention``."""
+    D = q.shape[-1]
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the Triton backend supports head dims 16, 32, 64, 128 and 256, got {D}; "
+                         "use backend='reference'")
+    if q.device.type != "cuda" and not _INTERPRET:
+        raise ValueError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU); "
+                         "use backend='reference' or 'auto'")
+    scale = D ** -0.5 if scale is None else float(scale)
+    return _LandmarkAttention.apply(q, k, v, block_size, scale)
