@@ -1,0 +1,102 @@
+"""Landmark attention kernels vs PyTorch SDPA (full causal attention, the ceiling).
+
+    python experiments/bench_kernel.py                       # GPU: bf16, T = 1K..16K, D = 64, 128
+    python experiments/bench_kernel.py --T 512,1024 --D 64   # CPU: reference vs SDPA only
+
+Prints forward and forward+backward time and peak memory per backend, and each backend's
+time as a ratio of SDPA's measured in the same run. The Triton backend needs a GPU; the
+reference is skipped where its T x T buffers would not fit.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from landmark_memory.kernels import landmark_attention
+
+
+def _timed(fn, reps, device):
+    fn()  # warm up (and compile)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps, torch.cuda.max_memory_allocated() / 2**20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps, float("nan")
+
+
+def bench(backend, B, H, T, D, block_size, dtype, device, reps):
+    """(forward ms, forward MiB, fwd+bwd ms, fwd+bwd MiB); None where it does not fit."""
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    if backend == "sdpa":
+        def attn():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        def attn():
+            return landmark_attention(q, k, v, block_size, backend=backend)
+
+    def fwd():
+        with torch.no_grad():
+            attn()
+
+    def fwd_bwd():
+        torch.autograd.grad(attn(), (q, k, v), do)
+
+    try:
+        return (*_timed(fwd, reps, device), *_timed(fwd_bwd, reps, device))
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del q, k, v, do
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--D", default="64,128")
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=50)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--reps", type=int, default=None, help="default: 10 on GPU, 2 on CPU")
+    ap.add_argument("--max-reference-T", type=int, default=8192, help="skip the O(T^2) reference beyond this")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    reps = args.reps or (10 if device.type == "cuda" else 2)
+    backends = ["sdpa", "reference"] + (["triton"] if device.type == "cuda" else [])
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs")
+    print("| T | D | backend | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd / SDPA | fwd+bwd / SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for D in map(int, args.D.split(",")):
+        for T in map(int, args.T.split(",")):
+            base = None
+            for backend in backends:
+                r = None if backend == "reference" and T > args.max_reference_T else \
+                    bench(backend, args.B, args.H, T, D, args.block_size, dtype, device, reps)
+                if backend == "sdpa":
+                    base = r
+                if r is None:
+                    print(f"| {T} | {D} | {backend} | skipped (too large) | | | | | |")
+                    continue
+                ratio = (f"{r[0] / base[0]:.2f}x | {r[2] / base[2]:.2f}x" if base else "- | -")
+                mib = [f"{m:.0f}" if m == m else "-" for m in (r[1], r[3])]  # no peak memory on CPU
+                print(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
