@@ -72,10 +72,44 @@ def _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M: tl.constexpr, BPT: tl.cons
 
 
 @triton.jit
-def _tile_positions(tile, T, BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr):
+def _load_kv_tile(K, V, base, tile, T, BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys and values (BPT * LP, HEAD_DIM) of key tile ``tile``: BPT whole blocks, each padded
+    to LP rows (padding rows load as 0), with their positions and validity."""
     n = tl.arange(0, BPT * LP)
     pos = (tile * BPT + n // LP) * (BS + 1) + n % LP
-    return pos, (n % LP < BS + 1) & (pos < T)
+    valid = (n % LP < BS + 1) & (pos < T)
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:  # the interpreter computes bf16 arithmetic on raw bits: work in fp32 there
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v, pos, valid
+
+
+@triton.jit
+def _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """Queries, output gradients, log-sum-exps and rowsum(dO * O) of a query tile."""
+    mask_m = offs_m < T
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
+    do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS: tl.constexpr, LP: tl.constexpr,
+                      BPT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Recomputed probabilities p (BLOCK_M, BLOCK_N) and the raw-score gradient ds of one tile."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
+    p = tl.where(offs_m[:, None] < T, tl.exp(s_eff - lse[:, None]), 0.0)
+    dse = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return p, _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
 
 
 @triton.jit
@@ -94,11 +128,7 @@ def _fwd_kernel(Q, K, V, O, LSE, T, scale,
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
     for tile in range(0, last // (BPT * (BS + 1)) + 1):  # causal: stop at the last query's tile
-        pos, valid = _tile_positions(tile, T, BS, LP, BPT)
-        k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v, pos, valid = _load_kv_tile(K, V, base, tile, T, BS, LP, BPT, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale
         s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
         m_new = tl.maximum(m_i, tl.max(s_eff, axis=1))
@@ -121,29 +151,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
     tile, bh = tl.program_id(0), tl.program_id(1)
     base = bh.to(tl.int64) * T * HEAD_DIM
     d = tl.arange(0, HEAD_DIM)
-    pos, valid = _tile_positions(tile, T, BS, LP, BPT)
-    k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    k, v, pos, valid = _load_kv_tile(K, V, base, tile, T, BS, LP, BPT, HEAD_DIM, UPCAST)
     dk = tl.zeros((BPT * LP, HEAD_DIM), tl.float32)
     dv = tl.zeros((BPT * LP, HEAD_DIM), tl.float32)
     first = (tile * BPT * (BS + 1)) // BLOCK_M  # earlier queries never see this tile
     for start_m in range(first * BLOCK_M, T, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < T
-        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
-        do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
-        if UPCAST:
-            q, do = q.to(tl.float32), do.to(tl.float32)
-        lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
-        delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
-        p = tl.where(mask_m[:, None], tl.exp(s_eff - lse[:, None]), 0.0)
+        q, do, lse, delta = _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM, UPCAST)
+        p, ds = _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS, LP, BPT, BLOCK_M)
         dv += tl.dot(tl.trans(p).to(do.dtype), do)
-        dse = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        ds = _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q)
     tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=valid[:, None])
     tl.store(DV + base + pos[:, None] * HEAD_DIM + d[None, :], dv.to(DV.dtype.element_ty), mask=valid[:, None])
@@ -156,29 +172,16 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     base = bh.to(tl.int64) * T * HEAD_DIM
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < T
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
-    do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
+    q, do, lse, delta = _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM, UPCAST)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
     for tile in range(0, last // (BPT * (BS + 1)) + 1):
-        pos, valid = _tile_positions(tile, T, BS, LP, BPT)
-        k = tl.load(K + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + base + pos[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
-        p = tl.where(mask_m[:, None], tl.exp(s_eff - lse[:, None]), 0.0)
-        dse = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        ds = _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
+        k, v, pos, valid = _load_kv_tile(K, V, base, tile, T, BS, LP, BPT, HEAD_DIM, UPCAST)
+        p, ds = _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS, LP, BPT, BLOCK_M)
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + base + offs_m[:, None] * HEAD_DIM + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(DQ + base + offs_m[:, None] * HEAD_DIM + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=offs_m[:, None] < T)
 
 
 def _tiling(block_size, T):
