@@ -29,8 +29,13 @@ class RotaryEmbedding(nn.Module):
         at position 10^6 a float32 angle is already off by ~0.06 rad. The rotation itself runs
         in float32 (float64 for float64 inputs); the result has x's dtype."""
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=x.device) / self.head_dim)
-        angles = torch.as_tensor(positions, device=x.device).double()[..., None] * inv_freq  # (..., T, D/2)
-        cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+        cos, sin = self.cos_sin(positions, x.device, dt)  # (..., T, D/2)
         x1, x2 = x.to(dt).chunk(2, dim=-1)  # (..., T, D/2) each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    def cos_sin(self, positions, device=None, dtype=torch.float32):
+        """cos and sin of the rotation angles at ``positions``: two (*positions.shape, D/2)
+        tensors, angles computed in float64 and then cast to ``dtype``."""
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
+        angles = torch.as_tensor(positions, device=device).double()[..., None] * inv_freq
+        return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -110,7 +110,8 @@ def test_grouped_softmax_generic_groups():
     (dict(block_size=0), "block_size"),
     (dict(backend="cuda-magic"), "unknown backend"),
     (dict(q=torch.randn(2, 5, 4)), "4-d"),
-    (dict(k=torch.randn(1, 2, 6, 4)), "shapes disagree"),
+    (dict(k=torch.randn(1, 2, 6, 4)), "must share"),
+    (dict(k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8)), "q and k shapes disagree"),
     (dict(v=torch.randn(1, 2, 5, 4, dtype=torch.float64)), "dtype"),
 ])
 def test_bad_input_is_rejected_clearly(bad, match):

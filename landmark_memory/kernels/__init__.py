@@ -2,7 +2,7 @@
 
 import torch
 
-from .reference import grouped_softmax, landmark_attention_reference, landmark_weights
+from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -32,6 +32,76 @@ def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
     -------
     Tensor (B, H, T, D).
     """
+    _check_common(q, k, v, block_size, backend)
+    if q.shape != k.shape:
+        raise ValueError(f"q and k shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from .triton_landmark import landmark_attention_triton
+
+        return landmark_attention_triton(q, k, v, block_size, scale)
+    return landmark_attention_reference(q, k, v, block_size, scale)
+
+
+def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_table, block_pos,
+                                 rope_base=10000.0, scale=None, backend="auto"):
+    """Attention of a chunk of queries over its local keys and retrieved memory blocks.
+
+    The local keys ``k``, ``v`` start at a block boundary and follow the in-sequence rules of
+    ``landmark_attention``; the queries are their last ``T_q`` positions (``T_q = 1`` while
+    decoding: the local keys are then the current block so far). Each query also sees up to
+    ``K`` blocks of a shared pool, listed per (batch, head, query) in ``block_table``. A
+    retrieved block behaves exactly like an earlier in-sequence block: its landmark joins the
+    query's own softmax group and gates the block's normal tokens.
+
+    Positions: ``q`` and ``k`` come rotated (RoPE) at the positions the caller chose. Pool keys
+    are stored rotated by their offset inside their block (row t by ``t``), so one pool entry
+    serves every query; ``block_pos`` says where each listed block starts, and the kernel
+    rotates the query by ``-block_pos`` (RoPE scores depend only on position differences). No
+    per-query copy of any block is made.
+
+    Parameters
+    ----------
+    q : Tensor (B, H, T_q, D), rotated queries.
+    k, v : Tensor (B, H, T_k, D), local keys (rotated) and values, T_k >= T_q.
+    block_size : int, normal tokens per block.
+    pool_k, pool_v : Tensor (n_pool, H, block_size + 1, D), retrieved blocks, landmark last;
+        keys rotated by row offset.
+    block_table : int Tensor (B, H, T_q, K), pool indices; -1 marks an empty slot.
+    block_pos : int Tensor (B, H, T_q, K), start position of each listed block.
+    rope_base : float, RoPE base of the model.
+    scale : float, optional; default ``1 / sqrt(D)``.
+    backend : {"reference", "triton", "auto"}; the Triton path is inference only (no autograd).
+
+    Returns
+    -------
+    Tensor (B, H, T_q, D).
+    """
+    _check_common(q, k, v, block_size, backend)
+    B, H, Tq, D = q.shape
+    if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < Tq:
+        raise ValueError(f"local keys k {tuple(k.shape)} must be (B, H, T_k, D) with T_k >= T_q for q {tuple(q.shape)}")
+    L = block_size + 1
+    for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
+        if t.dim() != 4 or t.shape[1:] != (H, L, D):
+            raise ValueError(f"{name} must be (n_pool, H={H}, block_size + 1={L}, D={D}), got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
+    for name, t in (("block_table", block_table), ("block_pos", block_pos)):
+        if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={Tq}, K), got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if block_pos.shape != block_table.shape:
+        raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")
+    if not q.is_cuda and block_table.numel() and not (-1 <= block_table.min() and block_table.max() < pool_k.shape[0]):
+        raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from .triton_landmark import landmark_inference_triton
+
+        return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale)
+    return landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale)
+
+
+def _check_common(q, k, v, block_size, backend):
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -40,16 +110,10 @@ def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-d tensor (B, H, T, D), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if q.shape != k.shape or q.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"q, k, v shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
-                         "q and k must match and v must share (B, H, T)")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share (B, H, T)")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError("q, k, v must share one dtype and device")
-    if backend == "triton" or (backend == "auto" and q.is_cuda):
-        from .triton_landmark import landmark_attention_triton
-
-        return landmark_attention_triton(q, k, v, block_size, scale)
-    return landmark_attention_reference(q, k, v, block_size, scale)
 
 
-__all__ = ["landmark_attention", "landmark_attention_reference", "landmark_weights", "grouped_softmax", "BACKENDS"]
+__all__ = ["landmark_attention", "landmark_attention_inference", "landmark_inference_reference", "landmark_attention_reference", "landmark_weights", "grouped_softmax", "BACKENDS"]

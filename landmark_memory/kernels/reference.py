@@ -63,19 +63,62 @@ def grouped_softmax(x, g):
     return torch.where(keep, e / torch.where(keep, z, 1), 0)
 
 
+def _gated_weights(scores, G, own, gate_col, zero_col):
+    """Equations 3-4 from scores and groups, for any key layout.
+
+    scores, G : (..., Tq, N); own : (Tq,) the query's own group id; gate_col : (N,) column of
+    each key's landmark (ignored where unused); zero_col : (..., N) bool, keys whose final
+    weight is 0 (landmarks)."""
+    S = grouped_softmax(scores, G)
+    gate = S.gather(-1, gate_col.expand_as(S))  # S_{i, p_j}
+    return torch.where(zero_col, 0, torch.where(G == own[:, None], S, S * gate))
+
+
 def landmark_weights(q, k, block_size, scale=None):
     """(B, H, T, T) final attention weights W of equations 3-4 (rows sum to 1)."""
     T = q.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = landmark_positions(T, block_size, q.device)
     G = landmark_groups(T, block_size, q.device)  # (T, T)
-    S = grouped_softmax((q @ k.transpose(-2, -1)) * scale, G)  # (B, H, T, T)
-    own_group = G == p[:, None]  # G_ij = p_i: the query's own (local) group
-    gate = S.gather(-1, p.clamp(max=T - 1).expand_as(S))  # S_{i, p_j}
-    is_lm = landmark_mask(T, block_size, q.device)
-    return torch.where(is_lm, 0, torch.where(own_group, S, S * gate))
+    return _gated_weights((q @ k.transpose(-2, -1)) * scale, G, p, p.clamp(max=T - 1),
+                          landmark_mask(T, block_size, q.device))
 
 
 def landmark_attention_reference(q, k, v, block_size, scale=None):
     """Landmark attention by the paper's equations. See ``landmark_attention``."""
     return landmark_weights(q, k, block_size, scale) @ v
+
+
+def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+                                 scale=None):
+    """Chunk attention over local keys plus retrieved memory blocks, by the same equations.
+
+    Every retrieved block is rotated to its absolute positions and laid out in front of the
+    local keys as one more earlier block: its landmark joins the query's own group and gates
+    its normal tokens. See ``landmark_attention_inference`` for the arguments."""
+    from ..rope import RotaryEmbedding
+
+    B, H, Tq, D = q.shape
+    Tk, n_slots, L = k.shape[-2], block_table.shape[-1], block_size + 1
+    scale = D ** -0.5 if scale is None else scale
+    i = torch.arange(Tk - Tq, Tk, device=q.device)  # query positions in the local layout
+    p_loc = landmark_positions(Tk, block_size, q.device)
+    own = p_loc[i]  # (Tq,)
+
+    heads = torch.arange(H, device=q.device)[None, :, None, None]
+    rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+    rk = RotaryEmbedding(D, rope_base)(pool_k[rows, heads], block_pos[..., None])  # (B, H, Tq, K, L, D)
+    rv = pool_v[rows, heads]  # (B, H, Tq, K, L, D)
+    s_ret = torch.einsum("bhqd,bhqkld->bhqkl", q, rk).flatten(-2) * scale  # (B, H, Tq, K * L)
+    s_loc = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+
+    slot = torch.arange(n_slots, device=q.device)[:, None]
+    t = torch.arange(L, device=q.device)[None, :]
+    G_ret = torch.where(t == block_size, own[:, None, None], Tk + 1 + slot)  # (Tq, K, L): unique group per slot
+    G_ret = torch.where((block_table < 0)[..., None], -1, G_ret).flatten(-2)  # (B, H, Tq, K * L)
+    G_loc = landmark_groups(Tk, block_size, q.device)[i].expand(B, H, Tq, Tk)
+    gate_col = torch.cat([(slot * L + block_size).expand(n_slots, L).flatten(), n_slots * L + p_loc.clamp(max=Tk - 1)])
+    zero_col = torch.cat([(t == block_size).expand(n_slots, L).flatten(), landmark_mask(Tk, block_size, q.device)])
+    W = _gated_weights(torch.cat([s_ret, s_loc], -1), torch.cat([G_ret, G_loc], -1), own, gate_col, zero_col)
+    return (torch.einsum("bhqn,bhqnd->bhqd", W[..., :n_slots * L], rv.flatten(3, 4))
+            + W[..., n_slots * L:] @ v)

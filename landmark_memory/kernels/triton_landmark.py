@@ -113,24 +113,26 @@ def _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS: tl.co
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, T, scale,
+def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale,
                 BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
                 HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """Queries are the last T_q of T_k in-sequence positions (T_q = T_k in training)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    base = bh.to(tl.int64) * T * HEAD_DIM
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    base_q, base_k = bh.to(tl.int64) * T_q * HEAD_DIM, bh.to(tl.int64) * T_k * HEAD_DIM
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qpos = rows + (T_k - T_q)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    q = tl.load(Q + base_q + rows[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < T_q, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T_q) - 1 + (T_k - T_q)
     for tile in range(0, last // (BPT * (BS + 1)) + 1):  # causal: stop at the last query's tile
-        k, v, pos, valid = _load_kv_tile(K, V, base, tile, T, BS, LP, BPT, HEAD_DIM, UPCAST)
+        k, v, pos, valid = _load_kv_tile(K, V, base_k, tile, T_k, BS, LP, BPT, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale
-        s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
+        s_eff, pc, gated, lm_gate = _effective_scores(s, qpos, tile, T_k, BS, LP, BPT, BLOCK_M)
         m_new = tl.maximum(m_i, tl.max(s_eff, axis=1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_new)
@@ -138,10 +140,67 @@ def _fwd_kernel(Q, K, V, O, LSE, T, scale,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    mask = offs_m < T
-    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log(l_i), mask=mask)
+    mask = rows < T_q
+    tl.store(LSE + bh.to(tl.int64) * T_q + rows, m_i + tl.log(l_i), mask=mask)
     o = acc / l_i[:, None]
-    tl.store(O + base + offs_m[:, None] * HEAD_DIM + d[None, :], o.to(O.dtype.element_ty), mask=mask[:, None])
+    tl.store(O + base_q + rows[:, None] * HEAD_DIM + d[None, :], o.to(O.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
+def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, N_SLOTS, scale,
+                      BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One query of one head over its retrieved blocks, merged with its local result.
+
+    Pool keys are rotated by their offset inside the block; the query is rotated back by the
+    block's start position P (COS/SIN of -P), since RoPE scores depend only on differences."""
+    r, bh = tl.program_id(0), tl.program_id(1)
+    h = bh % H
+    row = bh.to(tl.int64) * T_q + r
+    HALF: tl.constexpr = HEAD_DIM // 2
+    i = tl.arange(0, HALF)
+    q1 = tl.load(Q + row * HEAD_DIM + i).to(tl.float32)
+    q2 = tl.load(Q + row * HEAD_DIM + HALF + i).to(tl.float32)
+    t = tl.arange(0, LP)
+    normal = t < BS
+    m = tl.max(tl.full((LP,), float("-inf"), tl.float32), axis=0)
+    l = tl.sum(tl.zeros((LP,), tl.float32), axis=0)
+    acc1, acc2 = tl.zeros((HALF,), tl.float32), tl.zeros((HALF,), tl.float32)
+    for slot in range(0, N_SLOTS):
+        entry = row * N_SLOTS + slot
+        idx = tl.load(TABLE + entry)
+        live = idx >= 0  # -1: empty slot
+        c = tl.load(COS + entry * HALF + i)
+        sn = tl.load(SIN + entry * HALF + i)
+        qr1, qr2 = q1 * c - q2 * sn, q2 * c + q1 * sn
+        blk = (tl.maximum(idx, 0).to(tl.int64) * H + h) * (BS + 1) * HEAD_DIM
+        off = blk + t[:, None] * HEAD_DIM + i[None, :]  # (LP, HALF)
+        rows_ok = (t < BS + 1)[:, None] & live
+        k1 = tl.load(PK + off, mask=rows_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(PK + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
+        s = (tl.sum(qr1[None, :] * k1, axis=1) + tl.sum(qr2[None, :] * k2, axis=1)) * scale  # (LP,)
+        s_norm = tl.where(normal, s, float("-inf"))
+        mc = tl.max(s_norm, axis=0)
+        gate = tl.sum(tl.where(t == BS, s, 0.0), axis=0) - mc - tl.log(tl.sum(tl.exp(s_norm - mc), axis=0))
+        s_eff = tl.where(normal & live, s + gate, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s_eff, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s_eff - m_safe)
+        l = l * alpha + tl.sum(p, axis=0)
+        v1 = tl.load(PV + off, mask=rows_ok, other=0.0).to(tl.float32)
+        v2 = tl.load(PV + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
+        acc1 = acc1 * alpha + tl.sum(p[:, None] * v1, axis=0)
+        acc2 = acc2 * alpha + tl.sum(p[:, None] * v2, axis=0)
+        m = m_new
+    # merge with the local part: both are pieces of one softmax over effective scores
+    lse = tl.load(LSE_LOC + row)
+    top = tl.maximum(lse, m)
+    w_loc, w_ret = tl.exp(lse - top), tl.exp(m - top)
+    denom = w_loc + l * w_ret
+    o1 = tl.load(O_LOC + row * HEAD_DIM + i)
+    o2 = tl.load(O_LOC + row * HEAD_DIM + HALF + i)
+    tl.store(OUT + row * HEAD_DIM + i, ((o1 * w_loc + acc1 * w_ret) / denom).to(OUT.dtype.element_ty))
+    tl.store(OUT + row * HEAD_DIM + HALF + i, ((o2 * w_loc + acc2 * w_ret) / denom).to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -184,7 +243,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
              mask=offs_m[:, None] < T)
 
 
-def _tiling(block_size, T):
+def _tiling(block_size):
     """(LP, BPT, BLOCK_M): padded block width, whole blocks per key tile, queries per tile."""
     LP = triton.next_power_of_2(block_size + 1)
     BPT = max(1, 64 // LP)
@@ -197,11 +256,11 @@ class _LandmarkAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, block_size, scale):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, D = q.shape
-        LP, BPT, BLOCK_M = _tiling(block_size, T)
+        LP, BPT, BLOCK_M = _tiling(block_size)
         o = _empty_like(q)
         lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, T)
         meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET)
-        _fwd_kernel[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, o, lse, T, scale, **meta)
+        _fwd_kernel[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, o, lse, T, T, scale, **meta)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.block_size, ctx.scale, ctx.meta = block_size, scale, meta
         return o
@@ -220,8 +279,7 @@ class _LandmarkAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def landmark_attention_triton(q, k, v, block_size, scale=None):
-    """Fused landmark attention; same contract as ``landmark_attention``."""
+def _check_backend(q):
     D = q.shape[-1]
     if D not in (16, 32, 64, 128, 256):
         raise ValueError(f"the Triton backend supports head dims 16, 32, 64, 128 and 256, got {D}; "
@@ -229,5 +287,35 @@ def landmark_attention_triton(q, k, v, block_size, scale=None):
     if q.device.type != "cuda" and not _INTERPRET:
         raise ValueError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU); "
                          "use backend='reference' or 'auto'")
-    scale = D ** -0.5 if scale is None else float(scale)
-    return _LandmarkAttention.apply(q, k, v, block_size, scale)
+    return D ** -0.5
+
+
+def landmark_attention_triton(q, k, v, block_size, scale=None):
+    """Fused landmark attention; same contract as ``landmark_attention``."""
+    default_scale = _check_backend(q)
+    return _LandmarkAttention.apply(q, k, v, block_size, default_scale if scale is None else float(scale))
+
+
+@torch.no_grad()
+def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+                              scale=None):
+    """Chunk attention over local keys and retrieved blocks; same contract as
+    ``landmark_attention_inference``. Inference only: no autograd."""
+    from ..rope import RotaryEmbedding
+
+    scale = _check_backend(q) if scale is None else float(scale)
+    q, k, v, pool_k, pool_v = (t.contiguous() for t in (q, k, v, pool_k, pool_v))
+    B, H, Tq, D = q.shape
+    Tk, n_slots = k.shape[-2], block_table.shape[-1]
+    LP, BPT, BLOCK_M = _tiling(block_size)
+    o_loc = _empty_like(q, dtype=torch.float32)
+    lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, Tq)
+    meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET)
+    _fwd_kernel[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, o_loc, lse, Tq, Tk, scale, **meta)
+    if n_slots == 0:
+        return o_loc.to(q.dtype)
+    cos, sin = RotaryEmbedding(D, rope_base).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
+    out = _empty_like(q)
+    _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, block_table.to(torch.int32).contiguous(), cos, sin, o_loc, lse,
+                                   out, Tq, H, n_slots, scale, BS=block_size, LP=LP, HEAD_DIM=D)
+    return out

@@ -1,0 +1,100 @@
+"""The inference entry point (local chunk + retrieved blocks): Triton vs reference, and both vs
+in-sequence attention over the whole text when every earlier block is retrieved."""
+
+import pytest
+import torch
+
+from landmark_memory import RotaryEmbedding
+from landmark_memory.kernels import landmark_attention, landmark_attention_inference
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def memory_setup(B, H, D, block_size, n_mem, Tk, dtype=torch.float64, seed=0):
+    """A text of n_mem memory blocks then Tk local positions; the memory as a block pool."""
+    g = torch.Generator().manual_seed(seed)
+    L = block_size + 1
+    T = n_mem * L + Tk
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=dtype) for _ in range(3))
+    rope = RotaryEmbedding(D)
+    qr, kr = rope(q, torch.arange(T)), rope(k, torch.arange(T))
+
+    def blocks(x):  # (B, H, n_mem * L, D) -> (B * n_mem, H, L, D): one pool entry per (batch, block)
+        return x[:, :, :n_mem * L].reshape(B, H, n_mem, L, D).transpose(1, 2).reshape(B * n_mem, H, L, D)
+
+    pool_k = rope(blocks(k), torch.arange(L))  # rotated by the offset inside the block
+    return dict(q=qr, k=kr, v=v, pool_k=pool_k, pool_v=blocks(v), T=T, local=n_mem * L)
+
+
+def all_blocks_table(B, H, Tq, n_mem, block_size, extra_empty=1, perm=None):
+    order = torch.arange(n_mem) if perm is None else perm
+    table = (torch.arange(B)[:, None, None, None] * n_mem + order).expand(B, H, Tq, n_mem)
+    table = torch.cat([table, torch.full((B, H, Tq, extra_empty), -1)], -1)
+    return table, (table % n_mem) * (block_size + 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47), (7, 4, 16, 16)])
+def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, block_size, n_mem, Tk, Tq):
+    B, H, D = 2, 2, 32
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    m = memory_setup(B, H, D, block_size, n_mem, Tk, dtype)
+    full = landmark_attention(m["q"], m["k"], m["v"], block_size)[:, :, m["T"] - Tq:]
+    table, pos = all_blocks_table(B, H, Tq, n_mem, block_size, perm=torch.randperm(n_mem))  # order is irrelevant
+    out = landmark_attention_inference(m["q"][:, :, m["T"] - Tq:], m["k"][:, :, m["local"]:], m["v"][:, :, m["local"]:],
+                                       block_size, pool_k=m["pool_k"], pool_v=m["pool_v"], block_table=table,
+                                       block_pos=pos, backend=backend)
+    torch.testing.assert_close(out, full, **(TOL[torch.float32] if backend == "triton" else {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,Tk,Tq,D", [(50, 110, 24, 64), (50, 37, 1, 32), (7, 30, 5, 64)])
+def test_triton_inference_matches_reference_on_random_retrieval(dtype, block_size, Tk, Tq, D):
+    g = torch.Generator().manual_seed(block_size + Tq)
+    B, H, K, n_pool = 2, 2, 4, 9
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Tq, Tk, Tk))
+    pool_k, pool_v = (torch.randn(n_pool, H, block_size + 1, D, generator=g).to(dtype) for _ in range(2))
+    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)  # some slots empty
+    pos = torch.randint(0, 100_000, (B, H, Tq, K), generator=g)
+    args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos)
+    out = landmark_attention_inference(q, k, v, block_size, backend="triton", **args)
+    ref = landmark_attention_inference(*(t.double() for t in (q, k, v)), block_size, backend="reference",
+                                       **{**args, "pool_k": pool_k.double(), "pool_v": pool_v.double()})
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+def test_empty_table_is_local_attention_only():
+    q, k, v = (torch.randn(1, 2, 12, 32) for _ in range(3))
+    pool = torch.randn(3, 2, 4, 32)
+    for backend in ("reference", "triton"):
+        empty = torch.full((1, 2, 12, 2), -1)
+        out = landmark_attention_inference(q, k, v, 3, pool_k=pool, pool_v=pool, block_table=empty,
+                                           block_pos=torch.zeros_like(empty), backend=backend)
+        torch.testing.assert_close(out, landmark_attention(q, k, v, 3), rtol=1e-4, atol=2e-5)
+
+
+def test_inference_reference_has_gradients():
+    m = memory_setup(1, 2, 16, 3, 2, 6)
+    q = m["q"][:, :, -6:].clone().requires_grad_()
+    table, pos = all_blocks_table(1, 2, 6, 2, 3)
+    landmark_attention_inference(q, m["k"][:, :, 8:], m["v"][:, :, 8:], 3, pool_k=m["pool_k"], pool_v=m["pool_v"],
+                                 block_table=table, block_pos=pos, backend="reference").sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(pool_k=torch.randn(3, 2, 5, 32)), "pool_k must be"),
+    (dict(block_table=torch.zeros(1, 2, 4, 2)), "integer tensor"),
+    (dict(block_table=torch.full((1, 2, 4, 2), 3)), "pool indices"),
+    (dict(block_pos=torch.zeros(1, 2, 4, 3, dtype=torch.long)), "must match block_table"),
+    (dict(k=torch.randn(1, 2, 3, 32), v=torch.randn(1, 2, 3, 32)), "T_k >= T_q"),
+])
+def test_inference_bad_input_is_rejected_clearly(change, match):
+    args = dict(q=torch.randn(1, 2, 4, 32), k=torch.randn(1, 2, 8, 32), v=torch.randn(1, 2, 8, 32),
+                pool_k=torch.randn(3, 2, 4, 32), pool_v=torch.randn(3, 2, 4, 32),
+                block_table=torch.zeros(1, 2, 4, 2, dtype=torch.long), block_pos=torch.zeros(1, 2, 4, 2, dtype=torch.long))
+    args.update(change)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(ValueError, match=match):
+        landmark_attention_inference(q, k, v, 3, **args)
