@@ -1,11 +1,16 @@
 """Landmark attention kernels vs PyTorch SDPA (full causal attention, the ceiling).
 
     python experiments/bench_kernel.py                       # GPU: bf16, T = 1K..16K, D = 64, 128
-    python experiments/bench_kernel.py --T 512,1024 --D 64   # CPU: reference vs SDPA only
+    python experiments/bench_kernel.py --T 512,1024 --D 64 --decode 4096   # CPU: reference vs SDPA only
 
 Prints forward and forward+backward time and peak memory per backend, and each backend's
 time as a ratio of SDPA's measured in the same run. The Triton backend needs a GPU; the
 reference is skipped where its T x T buffers would not fit.
+
+Decode: one new token against a context of n tokens. SDPA reads the whole KV cache; landmark
+decoding scores the n / (block_size + 1) landmarks (a matmul and top-k, standing in for the
+index search), then runs the inference entry point over the current block and the top_k
+retrieved blocks of a GPU-resident pool.
 """
 
 import argparse
@@ -14,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from landmark_memory.kernels import landmark_attention
+from landmark_memory.kernels import landmark_attention, landmark_attention_inference
 
 
 def _timed(fn, reps, device):
@@ -63,6 +68,33 @@ def bench(backend, B, H, T, D, block_size, dtype, device, reps):
             torch.cuda.empty_cache()
 
 
+def bench_decode(backend, n, B, H, D, block_size, top_k, dtype, device, reps):
+    """ms per decoded token for one layer at context n, or None where it does not fit."""
+    L = block_size + 1
+    n_blocks, local = n // L, n % L + 1
+    try:
+        q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
+        if backend == "sdpa":
+            k, v = (torch.randn(B, H, n, D, device=device, dtype=dtype) for _ in range(2))
+            return _timed(lambda: F.scaled_dot_product_attention(q, k, v), reps, device)[0]
+        pool_k, pool_v = (torch.randn(n_blocks * B, H, L, D, device=device, dtype=dtype) for _ in range(2))
+        lm = pool_k[:, :, block_size].view(B, n_blocks, H, D).transpose(1, 2)  # (B, H, n_blocks, D)
+        k, v = (torch.randn(B, H, local, D, device=device, dtype=dtype) for _ in range(2))
+        offset = torch.arange(B, device=device)[:, None, None, None] * n_blocks
+
+        def step():
+            top = (q @ lm.transpose(-2, -1)).topk(min(top_k, n_blocks), dim=-1).indices  # (B, H, 1, k)
+            return landmark_attention_inference(q, k, v, block_size, pool_k=pool_k, pool_v=pool_v,
+                                                block_table=top + offset, block_pos=top * L, backend=backend)
+
+        return _timed(step, reps, device)[0]
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", default="1024,2048,4096,8192,16384")
@@ -73,6 +105,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--reps", type=int, default=None, help="default: 10 on GPU, 2 on CPU")
     ap.add_argument("--max-reference-T", type=int, default=8192, help="skip the O(T^2) reference beyond this")
+    ap.add_argument("--decode", default=None, help="decode contexts (default: 4K..1M on GPU, 4K..16K on CPU; 0 = none)")
+    ap.add_argument("--top-k", type=int, default=4)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -96,6 +130,20 @@ def main(argv=None):
                 ratio = (f"{r[0] / base[0]:.2f}x | {r[2] / base[2]:.2f}x" if base else "- | -")
                 mib = [f"{m:.0f}" if m == m else "-" for m in (r[1], r[3])]  # no peak memory on CPU
                 print(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} |")
+
+    contexts = args.decode or ("4096,16384,65536,262144,1048576" if device.type == "cuda" else "4096,16384")
+    if contexts == "0":
+        return
+    D = int(args.D.split(",")[-1])
+    decoders = ["sdpa", "triton" if device.type == "cuda" else "reference"]
+    print(f"\ndecode, one token, D={D}, top_k={args.top_k}: ms per layer")
+    print("| context | " + " | ".join(decoders) + " | landmark / SDPA |")
+    print("|---|" + "---|" * (len(decoders) + 1))
+    for n in map(int, contexts.split(",")):
+        r = [bench_decode(b, n, args.B, args.H, D, args.block_size, args.top_k, dtype, device, reps) for b in decoders]
+        cells = [f"{x:.3f}" if x is not None else "OOM" for x in r]
+        ratio = f"{r[1] / r[0]:.2f}x" if None not in r else "-"
+        print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":

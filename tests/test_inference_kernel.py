@@ -64,6 +64,17 @@ def test_triton_inference_matches_reference_on_random_retrieval(dtype, block_siz
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
+def test_inference_outputs_are_fully_overwritten(monkeypatch):
+    from landmark_memory.kernels import triton_landmark
+
+    monkeypatch.setattr(triton_landmark, "_empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    m = memory_setup(2, 2, 32, 5, 3, 20, torch.float32, seed=4)
+    table, pos = all_blocks_table(2, 2, 7, 3, 5)
+    out = landmark_attention_inference(m["q"][:, :, -7:], m["k"][:, :, 18:], m["v"][:, :, 18:], 5, pool_k=m["pool_k"],
+                                       pool_v=m["pool_v"], block_table=table, block_pos=pos, backend="triton")
+    torch.testing.assert_close(out, landmark_attention(m["q"], m["k"], m["v"], 5)[:, :, -7:], **TOL[torch.float32])
+
+
 def test_empty_table_is_local_attention_only():
     q, k, v = (torch.randn(1, 2, 12, 32) for _ in range(3))
     pool = torch.randn(3, 2, 4, 32)
