@@ -29,16 +29,24 @@ class CausalSelfAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
         self.drop = nn.Dropout(cfg.dropout)
 
+    def heads(self, x):
+        """Un-rotated q, k, v (B, H, T, D) of x (B, T, C); memory stores keys without RoPE."""
+        B, T, _ = x.shape
+        return self.qkv(x).view(B, T, 3, self.cfg.n_head, self.cfg.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def merge(self, y):
+        """Output projection of per-head results y (B, H, T, D) -> (B, T, C)."""
+        B, H, T, D = y.shape
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))
+
     def forward(self, x, positions):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.cfg.n_head, self.cfg.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
+        q, k, v = self.heads(x)  # (B, H, T, D) each
         q, k = self.rope(q, positions), self.rope(k, positions)
         if self.cfg.attention == "landmark":
             y = landmark_attention(q, k, v, self.cfg.block_size, backend=self.cfg.kernel_backend)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.drop(self.proj(y))
+        return self.merge(y)
 
 
 class MLP(nn.Module):

@@ -94,6 +94,8 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
         raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")
     if not q.is_cuda and block_table.numel() and not (-1 <= block_table.min() and block_table.max() < pool_k.shape[0]):
         raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
+    if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
+        block_table, block_pos = block_table[..., :0], block_pos[..., :0]
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from .triton_landmark import landmark_inference_triton
 

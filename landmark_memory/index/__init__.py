@@ -1,0 +1,125 @@
+"""Landmark key search by inner product, one FAISS index per (stream, layer, head).
+
+Kinds: ``flat`` (exact, IndexFlatIP), ``hnsw`` (HNSW32), ``ivf`` (IVF-Flat), ``ivfpq`` (IVF-PQ),
+and ``flat-gpu``, ``ivf-gpu``, ``ivfpq-gpu`` where faiss-gpu and a GPU are present. Ids are
+block numbers: blocks are added in order, so FAISS's sequential ids are the block index, and a
+search restricted to a block range is an ``IDSelectorRange`` (how ``max_blocks`` and the
+exact-scored recent blocks are kept out of the approximate search).
+
+IVF kinds need training: they search an exact flat index until ``train_size`` keys exist, then
+train on all keys seen so far, move them over, and stay trained.
+"""
+
+import math
+
+import faiss
+import numpy as np
+
+KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")
+
+
+def gpu_available():
+    """True when faiss-gpu is installed and sees a GPU."""
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+class LandmarkIndex:
+    """Inner-product search over the landmark keys of one (stream, layer, head).
+
+    Parameters
+    ----------
+    kind : str, one of ``KINDS``.
+    dim : int, key dimension (the model's head dim).
+    train_size : int, keys needed before an IVF index is trained (exact search until then).
+    nprobe : int, IVF lists visited per query.
+    ef_search : int, HNSW search breadth.
+    """
+
+    def __init__(self, kind, dim, *, train_size=4096, nprobe=16, ef_search=64):
+        if kind not in KINDS:
+            raise ValueError(f"unknown index kind {kind!r}; choose one of {KINDS}")
+        if kind.endswith("-gpu") and not gpu_available():
+            raise ValueError(f"index {kind!r} needs faiss-gpu and a GPU; install the 'gpu' extra on a GPU "
+                             f"machine or use {kind[:-4]!r}")
+        self.kind, self.dim = kind, dim
+        self.train_size, self.nprobe, self.ef_search = train_size, nprobe, ef_search
+        self.base = kind.removesuffix("-gpu")
+        self.trained = self.base in ("flat", "hnsw")
+        self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
+
+    def _build(self, factory):
+        index = faiss.index_factory(self.dim, factory, faiss.METRIC_INNER_PRODUCT)
+        if self.kind.endswith("-gpu") and self.trained:
+            self._res = getattr(self, "_res", None) or faiss.StandardGpuResources()
+            index = faiss.index_cpu_to_gpu(self._res, 0, index)
+        return index
+
+    @property
+    def ntotal(self):
+        return self.index.ntotal
+
+    def _check(self, x, what):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"{what} must be (n, {self.dim}) float32, got shape {x.shape}")
+        return x
+
+    def add(self, xb):
+        """Append keys ``xb`` (n, dim); their ids continue from ``ntotal``."""
+        xb = self._check(xb, "xb")
+        self.index.add(xb)
+        if not self.trained and self.ntotal >= self.train_size:
+            self._train()
+
+    def _train(self):
+        xb = self.index.reconstruct_n(0, self.ntotal)  # the exact index holds every key so far
+        n = len(xb)
+        nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants >= 39 points per list
+        factory = f"IVF{nlist},Flat" if self.base == "ivf" else f"IVF{nlist},PQ{self.dim // 2}x4"
+        self.trained = True
+        index = self._build(factory)
+        index.train(xb)
+        index.add(xb)
+        self.index = index
+
+    def search(self, xq, k, lo=0, hi=None):
+        """Top-``k`` inner products among ids in ``[lo, hi)``.
+
+        Returns
+        -------
+        D : float32 (nq, k), scores, ``-inf`` where fewer than k ids qualify.
+        I : int64 (nq, k), block ids, ``-1`` there.
+        """
+        xq = self._check(xq, "xq")
+        hi = self.ntotal if hi is None else min(hi, self.ntotal)
+        if k <= 0 or hi <= lo:
+            return np.full((len(xq), max(k, 0)), -np.inf, np.float32), np.full((len(xq), max(k, 0)), -1, np.int64)
+        sel = faiss.IDSelectorRange(lo, hi)
+        if not self.trained or self.base == "flat":
+            params = faiss.SearchParameters(sel=sel)
+        elif self.base == "hnsw":
+            params = faiss.SearchParametersHNSW(sel=sel, efSearch=self.ef_search)
+        else:
+            params = faiss.SearchParametersIVF(sel=sel, nprobe=self.nprobe)
+        D, I = self.index.search(xq, k, params=params)
+        D[I < 0] = -np.inf
+        return D, I
+
+
+def recall_at_k(I, I_exact):
+    """Mean fraction of the exact top-k ids found by an approximate search.
+
+    Parameters
+    ----------
+    I, I_exact : int (nq, k) ids from the approximate and the exact search; -1 entries of the
+        exact search (fewer than k candidates) are not counted.
+    """
+    I, I_exact = np.asarray(I), np.asarray(I_exact)
+    if I.shape[0] != I_exact.shape[0]:
+        raise ValueError(f"I has {I.shape[0]} queries, I_exact {I_exact.shape[0]}")
+    hits = total = 0
+    for row, exact in zip(I, I_exact):
+        exact = set(exact[exact >= 0].tolist())
+        hits += len(exact & set(row.tolist()))
+        total += len(exact)
+    return hits / total if total else 1.0

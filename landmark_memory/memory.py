@@ -1,0 +1,302 @@
+"""LandmarkMemory: chunked inference over inputs of any length with top-k block retrieval.
+
+Per chunk and layer (DESIGN.md "Inference with memory"): compute q, k, v of the new tokens;
+score the memory landmarks (recent blocks exactly, older ones through the FAISS index with a
+RoPE-adjusted query); pick top-k blocks per the retrieval mode; fetch them through the hot
+cache into a block pool; attend over local + retrieved blocks with the grouped softmax. A
+chunk's blocks enter memory when the chunk is complete.
+
+Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start), and the
+tokens since the last boundary stay local: feeding a text in one call, in pieces, or one token
+at a time (decoding) gives the same result.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .index import LandmarkIndex
+from .kernels import landmark_attention_inference
+from .model import LandmarkGPT
+from .storage import DTYPES, HotCache, open_store
+from .tokenizer import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
+
+RETRIEVALS = ("per_token_head", "per_head", "per_token")
+MAPPINGS = ("stingy", "exact")
+
+
+@dataclass
+class MemoryOutput:
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None  # mean next-token loss when targets were given
+    retrieved: list  # per layer: int64 (B, H, T, top_k) memory block ids used by each token, -1 = none
+
+
+class LandmarkMemory:
+    """A landmark model with a memory of past blocks.
+
+    Parameters
+    ----------
+    model : LandmarkGPT with ``attention="landmark"``.
+    index : str, landmark index kind per (stream, layer, head): flat, hnsw, ivf, ivfpq (+ -gpu).
+    store : str, block store: memory, lmdb or mmap (the latter two need ``path``).
+    path : str or Path, folder of the on-disk store.
+    top_k : int, blocks retrieved per query.
+    chunk_size : int, normal tokens per chunk, a multiple of the model's block size.
+    retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
+    position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
+        their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
+        true positions (for models trained with positional jumps) and scores every landmark
+        exactly by brute force.
+    max_blocks : int, optional, only the newest ``max_blocks`` blocks can be retrieved.
+    store_dtype : str, optional, float32 / float16 / bfloat16; default the model's dtype.
+    cache_bytes : int, hot-block cache budget on the model's device.
+    index_options : dict, optional, passed to ``LandmarkIndex`` (train_size, nprobe, ef_search).
+    backend : str, attention backend ("auto": Triton on CUDA, reference elsewhere).
+    """
+
+    def __init__(self, model, *, index="flat", store="memory", path=None, top_k=4, chunk_size=250,
+                 retrieval="per_token_head", position_mapping="stingy", max_blocks=None, store_dtype=None,
+                 cache_bytes=256 << 20, index_options=None, backend="auto"):
+        if not isinstance(model, LandmarkGPT) or model.config.attention != "landmark":
+            raise ValueError("LandmarkMemory needs a LandmarkGPT with attention='landmark'")
+        cfg = model.config
+        if not isinstance(chunk_size, int) or chunk_size < cfg.block_size or chunk_size % cfg.block_size:
+            raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({cfg.block_size}), "
+                             f"got {chunk_size}")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+        if retrieval not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
+        if position_mapping not in MAPPINGS:
+            raise ValueError(f"position_mapping must be one of {MAPPINGS}, got {position_mapping!r}")
+        if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
+            raise ValueError(f"max_blocks must be None or an int >= 1, got {max_blocks!r}")
+        self.model = model.eval()
+        self.cfg, self.top_k, self.chunk_size = cfg, top_k, chunk_size
+        self.retrieval, self.mapping, self.max_blocks = retrieval, position_mapping, max_blocks
+        self.index_kind, self.index_options, self.backend = index, dict(index_options or {}), backend
+        LandmarkIndex(index, cfg.head_dim, **self.index_options)  # fail now on a bad kind or option
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        store_dtype = store_dtype or {v: k for k, v in DTYPES.items()}[self.dtype]
+        self.L = cfg.block_size + 1
+        self.store = open_store(store, (2, cfg.n_head, self.L, cfg.head_dim), path, store_dtype)
+        self.cache = HotCache(self.store, self.device, self.dtype, cache_bytes)
+        self.streams = None  # batch size, fixed by the first forward
+        self.n_tokens = 0  # normal tokens seen per stream
+        self.n_blocks = 0  # blocks in memory per stream
+        self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
+        self.pending_kv = [None] * cfg.n_layer  # per layer (k, v) of those positions, (B, H, P', D), no RoPE
+        self.landmarks = [None] * cfg.n_layer  # per layer (B, H, n_blocks, D) landmark keys, no RoPE
+        self.indexes = None  # [stream][layer][head] LandmarkIndex
+
+    # ---- public -------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, idx, targets=None):
+        """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``."""
+        if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        if self.streams is None:
+            self.streams = idx.shape[0]
+            self.indexes = [[[LandmarkIndex(self.index_kind, self.cfg.head_dim, **self.index_options)
+                              for _ in range(self.cfg.n_head)] for _ in range(self.cfg.n_layer)]
+                            for _ in range(self.streams)]
+        elif idx.shape[0] != self.streams:
+            raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
+        idx = idx.to(self.device)
+        logits, retrieved, pos = [], [], 0
+        while pos < idx.shape[1]:
+            n = min(self.chunk_size - self.pending_count, idx.shape[1] - pos)
+            lg, ret = self._step(idx[:, pos:pos + n])
+            logits.append(lg)
+            retrieved.append(ret)
+            pos += n
+        V, H = self.cfg.vocab_size, self.cfg.n_head
+        logits = torch.cat(logits, 1) if logits else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
+        retrieved = [torch.cat([r[layer] for r in retrieved], 2) if retrieved else
+                     idx.new_full((idx.shape[0], H, 0, self.top_k), -1) for layer in range(self.cfg.n_layer)]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
+                                   ignore_index=IGNORE_INDEX)
+        return MemoryOutput(logits, loss, retrieved)
+
+    __call__ = forward
+
+    def step(self, idx):
+        """Append one token per stream, ``idx`` (B,) or (B, 1); returns its logits (B, vocab)."""
+        return self.forward(idx.reshape(-1, 1)).logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=0.0, generator=None):
+        """Feed ``idx`` (B, T), then generate ``max_new_tokens`` (greedy when temperature is 0);
+        returns the new tokens (B, max_new_tokens)."""
+        logits = self.forward(idx).logits[:, -1]
+        out = []
+        for _ in range(max_new_tokens):
+            if temperature == 0:
+                nxt = logits.argmax(-1)
+            else:
+                nxt = torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator)[:, 0]
+            out.append(nxt)
+            logits = self.step(nxt)
+        return torch.stack(out, 1) if out else idx.new_zeros((idx.shape[0], 0))
+
+    @property
+    def pending_count(self):
+        return 0 if self.pending_ids is None else self.pending_ids.shape[1]
+
+    def close(self):
+        self.store.close()
+
+    # ---- one step: new tokens after the pending ones, within one chunk -------------------
+    def _step(self, new):
+        cfg, model, bs = self.cfg, self.model, self.cfg.block_size
+        P = self.pending_count
+        ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
+        x = insert_landmarks(ids, bs, cfg.landmark_id)  # (B, Tk) the chunk so far
+        p0, Tk = landmarked_length(P, bs), x.shape[1]
+        base = (self.top_k + 1) * self.L if self.mapping == "stingy" else self.n_blocks * self.L
+        kpos = base + torch.arange(Tk, device=self.device)
+        qpos = kpos[p0:]
+        h = model.wte(x[:, p0:])  # (B, Tq, C)
+        normal = ~landmark_mask(Tk, bs, self.device)[p0:]
+        retrieved, new_kv = [], []
+        for layer, block in enumerate(model.blocks):
+            q, k, v = block.attn.heads(block.ln_1(h))  # (B, H, Tq, D), no RoPE
+            if P:
+                pk, pv = self.pending_kv[layer]
+                k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)  # (B, H, Tk, D)
+            new_kv.append((k, v))
+            rope = block.attn.rope
+            qr, kr = rope(q, qpos), rope(k, kpos)
+            ids_used, block_pos = self._retrieve(layer, q, qr, qpos, rope)
+            table, pool_k, pool_v = self._pool(layer, ids_used, rope)
+            y = landmark_attention_inference(qr, kr, v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
+                                             block_pos=block_pos, rope_base=cfg.rope_base, backend=self.backend)
+            h = h + block.attn.merge(y)
+            h = h + block.mlp(block.ln_2(h))
+            retrieved.append(ids_used[:, :, normal])
+        logits = model.lm_head(model.ln_f(h[:, normal]))  # (B, n, V)
+        self.pending_ids, self.pending_kv = ids, new_kv
+        self.n_tokens += new.shape[1]
+        if self.pending_count == self.chunk_size:
+            self._flush()
+        return logits, retrieved
+
+    def _flush(self):
+        """The finished chunk's blocks go to memory: rows to the store (one transaction),
+        landmark keys to the indexes."""
+        B, L, bs = self.streams, self.L, self.cfg.block_size
+        n_new = self.chunk_size // bs
+        items = {}
+        for layer, (k, v) in enumerate(self.pending_kv):
+            H, D = k.shape[1], k.shape[-1]
+            kv = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D)  # (B, 2, H, n_new, L, D)
+            for b in range(B):
+                for c in range(n_new):
+                    items[(b, layer, self.n_blocks + c)] = kv[b, :, :, c]
+            lm = k.view(B, H, n_new, L, D)[:, :, :, bs]  # (B, H, n_new, D)
+            prev = self.landmarks[layer]
+            self.landmarks[layer] = lm if prev is None else torch.cat([prev, lm], 2)
+            xb = lm.float().cpu().numpy()
+            for b in range(B):
+                for hd in range(H):
+                    self.indexes[b][layer][hd].add(xb[b, hd])
+        self.store.put(items)
+        self.n_blocks += n_new
+        self.pending_ids, self.pending_kv = None, [None] * self.cfg.n_layer
+
+    # ---- retrieval ----------------------------------------------------------------------
+    def _retrieve(self, layer, q, qr, qpos, rope):
+        """Block ids (B, H, Tq, top_k) chosen for each query (-1 = none) and the positions
+        their first rows sit at."""
+        B, H, Tq, D = q.shape
+        K, L, bs, nb = self.top_k, self.L, self.cfg.block_size, self.n_blocks
+        lo = max(0, nb - self.max_blocks) if self.max_blocks else 0
+        if nb == lo:
+            empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
+            return empty, torch.zeros_like(empty)
+        scale = D ** -0.5
+        lms = self.landmarks[layer]  # (B, H, nb, D)
+        if self.mapping == "exact":
+            ids = torch.arange(lo, nb, device=self.device)
+            S = (qr @ rope(lms[:, :, lo:nb], ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
+            I = ids.expand(B, H, Tq, -1)
+        else:
+            recent = torch.arange(max(lo, nb - K), nb, device=self.device)
+            slot = K + 1 - (nb - recent)  # latest block at slot K, next at K - 1, ...
+            S = (qr @ rope(lms[:, :, recent], slot * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, r)
+            I = recent.expand(B, H, Tq, -1)
+            if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
+                xq = rope(q, qpos - bs).float().cpu().numpy()  # (B, H, Tq, D)
+                Ds, Is = zip(*(self.indexes[b][layer][h].search(xq[b, h], K, lo, int(recent[0]))
+                               for b in range(B) for h in range(H)))
+                S_old = torch.from_numpy(np.stack(Ds)).view(B, H, Tq, K).to(self.device, S.dtype) * scale
+                I_old = torch.from_numpy(np.stack(Is)).view(B, H, Tq, K).to(self.device)
+                S, I = torch.cat([S_old, S], -1), torch.cat([I_old, I], -1)
+        ids = self._select(S, I, lo, nb)
+        return ids, self._block_positions(ids, nb)
+
+    def _select(self, S, I, lo, nb):
+        """Top-k block ids per the retrieval mode from candidate scores S and ids I (B, H, Tq, M)."""
+        B, H, Tq, M = S.shape
+        K = self.top_k
+        if self.retrieval == "per_token_head":
+            top = S.topk(min(K, M), dim=-1)
+            ids = torch.where(top.values == float("-inf"), -1, I.gather(-1, top.indices))
+        else:
+            # paper: max over tokens (per_head) or heads (per_token) of the softmaxed landmark scores
+            logp = S - torch.logsumexp(S, -1, keepdim=True)
+            logp = torch.where(I >= 0, logp, float("-inf"))
+            if self.retrieval == "per_token":
+                logp, I = logp.transpose(1, 2).flatten(2), I.transpose(1, 2).flatten(2)  # (B, Tq, H * M)
+            else:
+                logp, I = logp.flatten(2), I.flatten(2)  # (B, H, Tq * M)
+            dense = logp.new_full((*logp.shape[:2], nb - lo), float("-inf"))
+            dense = dense.scatter_reduce(-1, (I - lo).clamp(min=0), logp, "amax")
+            top = dense.topk(min(K, nb - lo), dim=-1)
+            ids = torch.where(top.values == float("-inf"), -1, top.indices + lo)  # (B, H or Tq, k)
+            ids = ids[:, :, None] if self.retrieval == "per_head" else ids[:, None]
+            ids = ids.expand(B, H, Tq, -1)
+        if ids.shape[-1] < K:
+            ids = F.pad(ids, (0, K - ids.shape[-1]), value=-1)
+        return ids
+
+    def _block_positions(self, ids, nb):
+        """Where each chosen block's first row sits: its true position (exact), or stingy slots:
+        recent blocks at their own slots, older ones from slot 0 in memory order, kept left of
+        the first recent one."""
+        L, K = self.L, self.top_k
+        if self.mapping == "exact":
+            return ids.clamp(min=0) * L
+        order = torch.where(ids < 0, torch.iinfo(torch.long).max, ids).sort(-1)
+        ids_sorted = ids.gather(-1, order.indices)
+        recent = ids_sorted >= nb - K
+        own_slot = K + 1 - (nb - ids_sorted)
+        first_recent = torch.where(recent, own_slot, K + 1).min(-1, keepdim=True).values
+        old_rank = torch.cumsum(~recent & (ids_sorted >= 0), -1) - 1
+        slot = torch.where(recent, own_slot, torch.minimum(old_rank, first_recent - 1)).clamp(min=0)
+        return torch.empty_like(slot).scatter_(-1, order.indices, slot) * L
+
+    def _pool(self, layer, ids, rope):
+        """The distinct chosen blocks fetched into a pool; the block table into it."""
+        B = ids.shape[0]
+        valid = ids >= 0
+        key = torch.arange(B, device=self.device)[:, None, None, None] * (self.n_blocks + 1) + ids
+        uniq, inverse = torch.unique(key[valid], return_inverse=True)
+        table = torch.full_like(ids, -1)
+        table[valid] = inverse
+        H, D = self.cfg.n_head, self.cfg.head_dim
+        if len(uniq) == 0:
+            empty = torch.zeros((0, H, self.L, D), device=self.device, dtype=self.dtype)
+            return table, empty, empty
+        blocks = self.cache.get([(int(u) // (self.n_blocks + 1), layer, int(u) % (self.n_blocks + 1)) for u in uniq])
+        kv = torch.stack(blocks)  # (n_pool, 2, H, L, D)
+        pool_k = rope(kv[:, 0], torch.arange(self.L, device=self.device))  # rotated by offset in block
+        return table, pool_k, kv[:, 1]

@@ -1,0 +1,192 @@
+"""Block store: the keys and values of every memory block, and a hot-block cache.
+
+A block entry is keyed by (stream, layer, block) and holds the un-rotated keys and values of
+all heads, a (2, H, block_size + 1, D) tensor (landmark row last). Backends:
+
+- ``memory``: a dict (nothing on disk);
+- ``lmdb``: one LMDB environment (the default on disk); every ``put``/``get`` call is one
+  transaction, so a chunk's blocks land together or not at all;
+- ``mmap``: one memory-mapped file per (stream, layer), grown by doubling.
+
+Stored dtype is float32, float16 or bfloat16 (``dtype``); tensors come back in that dtype.
+"""
+
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STORES = ("memory", "lmdb", "mmap")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class BlockStore:
+    """Common checks and (de)serialisation; subclasses keep bytes."""
+
+    def __init__(self, shape, dtype="float16"):
+        if dtype not in DTYPES:
+            raise ValueError(f"store dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.shape, self.dtype = tuple(shape), DTYPES[dtype]
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def _encode(self, t):
+        if tuple(t.shape) != self.shape:
+            raise ValueError(f"block tensor must be {self.shape} (2, H, block_size + 1, D), got {tuple(t.shape)}")
+        return t.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _decode(self, b):
+        if b is None or len(b) != self.nbytes:
+            raise KeyError("block missing or truncated in the store")
+        return torch.frombuffer(bytearray(b), dtype=self.dtype).view(self.shape)
+
+    def put(self, items):
+        """Write ``{(stream, layer, block): tensor (2, H, L, D)}`` in one transaction."""
+        self._put({key: self._encode(t) for key, t in items.items()})
+
+    def get(self, keys):
+        """Read blocks ``[(stream, layer, block), ...]`` in one transaction; a list of tensors."""
+        return [self._decode(b) for b in self._get(list(keys))]
+
+    def close(self):
+        pass
+
+
+class MemoryStore(BlockStore):
+    def __init__(self, shape, dtype="float16"):
+        super().__init__(shape, dtype)
+        self._data = {}
+
+    def _put(self, items):
+        self._data.update(items)
+
+    def _get(self, keys):
+        return [self._data.get(k) for k in keys]
+
+
+class LmdbStore(BlockStore):
+    """LMDB environment at ``path``; the map grows by doubling when full."""
+
+    def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False):
+        import lmdb
+
+        super().__init__(shape, dtype)
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(path), map_size=map_size, readonly=readonly, lock=not readonly, max_dbs=0)
+
+    @staticmethod
+    def _key(k):
+        return struct.pack(">III", *k)
+
+    def _put(self, items):
+        import lmdb
+
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for k, b in items.items():
+                        txn.put(self._key(k), b)
+                return
+            except lmdb.MapFullError:  # the whole transaction was aborted: grow and redo it
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def _get(self, keys):
+        with self.env.begin(buffers=False) as txn:
+            return [txn.get(self._key(k)) for k in keys]
+
+    def close(self):
+        self.env.close()
+
+
+class MmapStore(BlockStore):
+    """One file ``s{stream}_l{layer}.blocks`` per (stream, layer) under ``path``."""
+
+    def __init__(self, shape, path, dtype="float16"):
+        super().__init__(shape, dtype)
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._maps = {}
+
+    def _map(self, stream, layer, need=0):
+        key = (stream, layer)
+        f = self.path / f"s{stream}_l{layer}.blocks"
+        mm = self._maps.get(key)
+        capacity = f.stat().st_size // self.nbytes if f.exists() else 0
+        if need > capacity:
+            if mm is not None:
+                mm.flush()
+            with open(f, "ab") as fh:
+                fh.truncate(max(need, 2 * capacity, 16) * self.nbytes)
+            mm = None
+        if mm is None and f.exists():
+            mm = np.memmap(f, dtype=np.uint8, mode="r+").reshape(-1, self.nbytes)
+            self._maps[key] = mm
+        return mm
+
+    def _put(self, items):
+        for (s, l, b), data in items.items():
+            self._map(s, l, need=b + 1)[b] = np.frombuffer(data, dtype=np.uint8)
+        for mm in self._maps.values():
+            mm.flush()
+
+    def _get(self, keys):
+        out = []
+        for s, l, b in keys:
+            mm = self._map(s, l)
+            out.append(mm[b].tobytes() if mm is not None and b < len(mm) else None)
+        return out
+
+    def close(self):
+        for mm in self._maps.values():
+            mm.flush()
+        self._maps.clear()
+
+
+def open_store(kind, shape, path=None, dtype="float16"):
+    """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path``."""
+    if kind not in STORES:
+        raise ValueError(f"unknown store {kind!r}; choose one of {STORES}")
+    if kind == "memory":
+        return MemoryStore(shape, dtype)
+    if path is None:
+        raise ValueError(f"store {kind!r} keeps blocks on disk: pass a path")
+    return (LmdbStore if kind == "lmdb" else MmapStore)(shape, Path(path) / kind, dtype)
+
+
+class HotCache:
+    """LRU cache of blocks on the compute device, within ``budget_bytes``.
+
+    Misses are read from the store in one call; on a GPU they travel through pinned host
+    memory. ``get`` returns blocks in the compute ``dtype``."""
+
+    def __init__(self, store, device, dtype, budget_bytes=256 << 20):
+        self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
+        self._blocks, self.bytes, self.hits, self.misses = OrderedDict(), 0, 0, 0
+
+    def get(self, keys):
+        found = {}
+        for k in keys:
+            t = self._blocks.get(k)
+            if t is not None:
+                self._blocks.move_to_end(k)
+                found[k] = t
+        missing = [k for k in dict.fromkeys(keys) if k not in found]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        for k, t in zip(missing, self.store.get(missing)):
+            if self.device.type == "cuda":
+                t = t.pin_memory()
+            found[k] = t.to(self.device, non_blocking=True)
+            self._insert(k, found[k])
+        return [found[k].to(self.dtype) for k in keys]
+
+    def _insert(self, k, t):
+        size = t.numel() * t.element_size()
+        if size > self.budget:
+            return
+        self._blocks[k] = t
+        self.bytes += size
+        while self.bytes > self.budget:
+            _, old = self._blocks.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
