@@ -33,11 +33,11 @@ def all_blocks_table(B, H, Tq, n_mem, block_size, extra_empty=1, perm=None):
     return table, (table % n_mem) * (block_size + 1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "dense", "triton"])
 @pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47), (7, 4, 16, 16)])
 def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, block_size, n_mem, Tk, Tq):
     B, H, D = 2, 2, 32
-    dtype = torch.float64 if backend == "reference" else torch.float32
+    dtype = torch.float32 if backend == "triton" else torch.float64
     m = memory_setup(B, H, D, block_size, n_mem, Tk, dtype)
     full = landmark_attention(m["q"], m["k"], m["v"], block_size)[:, :, m["T"] - Tq:]
     table, pos = all_blocks_table(B, H, Tq, n_mem, block_size, perm=torch.randperm(n_mem))  # order is irrelevant
@@ -47,9 +47,10 @@ def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, bl
     torch.testing.assert_close(out, full, **(TOL[torch.float32] if backend == "triton" else {}))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
+                                           ("dense", torch.float32)])
 @pytest.mark.parametrize("block_size,Tk,Tq,D", [(50, 110, 24, 64), (50, 37, 1, 32), (7, 30, 5, 64)])
-def test_triton_inference_matches_reference_on_random_retrieval(dtype, block_size, Tk, Tq, D):
+def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, block_size, Tk, Tq, D):
     g = torch.Generator().manual_seed(block_size + Tq)
     B, H, K, n_pool = 2, 2, 4, 9
     q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Tq, Tk, Tk))
@@ -57,7 +58,7 @@ def test_triton_inference_matches_reference_on_random_retrieval(dtype, block_siz
     table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)  # some slots empty
     pos = torch.randint(0, 100_000, (B, H, Tq, K), generator=g)
     args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos)
-    out = landmark_attention_inference(q, k, v, block_size, backend="triton", **args)
+    out = landmark_attention_inference(q, k, v, block_size, backend=backend, **args)
     ref = landmark_attention_inference(*(t.double() for t in (q, k, v)), block_size, backend="reference",
                                        **{**args, "pool_k": pool_k.double(), "pool_v": pool_v.double()})
     assert out.dtype == dtype and torch.isfinite(out).all()
@@ -78,20 +79,24 @@ def test_inference_outputs_are_fully_overwritten(monkeypatch):
 def test_empty_table_is_local_attention_only():
     q, k, v = (torch.randn(1, 2, 12, 32) for _ in range(3))
     pool = torch.randn(3, 2, 4, 32)
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "dense", "triton"):
         empty = torch.full((1, 2, 12, 2), -1)
         out = landmark_attention_inference(q, k, v, 3, pool_k=pool, pool_v=pool, block_table=empty,
                                            block_pos=torch.zeros_like(empty), backend=backend)
         torch.testing.assert_close(out, landmark_attention(q, k, v, 3), rtol=1e-4, atol=2e-5)
 
 
-def test_inference_reference_has_gradients():
+def test_pytorch_inference_paths_have_equal_gradients():
     m = memory_setup(1, 2, 16, 3, 2, 6)
-    q = m["q"][:, :, -6:].clone().requires_grad_()
     table, pos = all_blocks_table(1, 2, 6, 2, 3)
-    landmark_attention_inference(q, m["k"][:, :, 8:], m["v"][:, :, 8:], 3, pool_k=m["pool_k"], pool_v=m["pool_v"],
-                                 block_table=table, block_pos=pos, backend="reference").sum().backward()
-    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+    grads = []
+    for backend in ("reference", "dense"):
+        q = m["q"][:, :, -6:].clone().requires_grad_()
+        landmark_attention_inference(q, m["k"][:, :, 8:], m["v"][:, :, 8:], 3, pool_k=m["pool_k"], pool_v=m["pool_v"],
+                                     block_table=table, block_pos=pos, backend=backend).square().sum().backward()
+        grads.append(q.grad)
+    assert torch.isfinite(grads[0]).all() and grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0])
 
 
 @pytest.mark.parametrize("change,match", [

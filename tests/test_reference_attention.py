@@ -52,6 +52,18 @@ def test_reference_matches_loop_oracle(block_size, T):
             torch.testing.assert_close(out[b, h], W @ v[b, h], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("block_size,T", [(1, 9), (3, 14), (50, 130), (7, 7)])
+def test_dense_backend_equals_reference_with_gradients(block_size, T):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 3, T, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 3, T, 16, generator=g, dtype=torch.float64)
+    outs = [landmark_attention(q, k, v, block_size, backend=b) for b in ("reference", "dense")]
+    grads = [torch.autograd.grad(o, (q, k, v), do) for o in outs]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 def test_figure_4_worked_example():
     # Appendix A: block size 2, landmarks at 2, 5, 8; query 6 with all-equal scores.
     T, bs = 9, 2

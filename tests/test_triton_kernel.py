@@ -49,10 +49,9 @@ def test_poisoned_outputs_are_fully_overwritten(monkeypatch):
     _compare(5, 53, 32, torch.float32, seed=3)
 
 
-def test_auto_backend_uses_the_reference_on_cpu():
+def test_auto_backend_uses_dense_pytorch_on_cpu():
     q, k, v = (torch.randn(1, 2, 30, 32) for _ in range(3))
-    ref = landmark_attention(q, k, v, 4, backend="reference")
-    assert torch.equal(landmark_attention(q, k, v, 4, backend="auto"), ref)
+    assert torch.equal(landmark_attention(q, k, v, 4, backend="auto"), landmark_attention(q, k, v, 4, backend="dense"))
 
 
 def test_unsupported_head_dim_is_rejected_clearly():

@@ -30,20 +30,22 @@ class LandmarkIndex:
     ----------
     kind : str, one of ``KINDS``.
     dim : int, key dimension (the model's head dim).
-    train_size : int, keys needed before an IVF index is trained (exact search until then).
+    train_size : int, keys needed before an IVF index is trained (exact search until then);
+        default 4096 for ivf, 16384 for ivfpq (8-bit PQ codebooks need ~10K points).
     nprobe : int, IVF lists visited per query.
     ef_search : int, HNSW search breadth.
     """
 
-    def __init__(self, kind, dim, *, train_size=4096, nprobe=16, ef_search=64):
+    def __init__(self, kind, dim, *, train_size=None, nprobe=16, ef_search=64):
         if kind not in KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {KINDS}")
         if kind.endswith("-gpu") and not gpu_available():
             raise ValueError(f"index {kind!r} needs faiss-gpu and a GPU; install the 'gpu' extra on a GPU "
                              f"machine or use {kind[:-4]!r}")
         self.kind, self.dim = kind, dim
-        self.train_size, self.nprobe, self.ef_search = train_size, nprobe, ef_search
         self.base = kind.removesuffix("-gpu")
+        self.train_size = train_size or (16384 if self.base == "ivfpq" else 4096)
+        self.nprobe, self.ef_search = nprobe, ef_search
         self.trained = self.base in ("flat", "hnsw")
         self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
@@ -75,7 +77,8 @@ class LandmarkIndex:
         xb = self.index.reconstruct_n(0, self.ntotal)  # the exact index holds every key so far
         n = len(xb)
         nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants >= 39 points per list
-        factory = f"IVF{nlist},Flat" if self.base == "ivf" else f"IVF{nlist},PQ{self.dim // 2}x4"
+        nbits = 8 if n >= 39 * 256 else 4  # PQ codebooks want >= 39 points per centroid too
+        factory = f"IVF{nlist},Flat" if self.base == "ivf" else f"IVF{nlist},PQ{self.dim // 2}x{nbits}"
         self.trained = True
         index = self._build(factory)
         index.train(xb)

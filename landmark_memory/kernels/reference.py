@@ -93,9 +93,9 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
                                  scale=None):
     """Chunk attention over local keys plus retrieved memory blocks, by the same equations.
 
-    Every retrieved block is rotated to its absolute positions and laid out in front of the
-    local keys as one more earlier block: its landmark joins the query's own group and gates
-    its normal tokens. See ``landmark_attention_inference`` for the arguments."""
+    Every retrieved block is laid out in front of the local keys as one more earlier block:
+    its landmark joins the query's own group and gates its normal tokens. See
+    ``landmark_attention_inference`` for the arguments."""
     from ..rope import RotaryEmbedding
 
     B, H, Tq, D = q.shape
@@ -107,9 +107,11 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
 
     heads = torch.arange(H, device=q.device)[None, :, None, None]
     rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
-    rk = RotaryEmbedding(D, rope_base)(pool_k[rows, heads], block_pos[..., None])  # (B, H, Tq, K, L, D)
+    # <R(p_q) q, R(P + t) k> = <R(-P) R(p_q) q, R(t) k>: rotate the query back by the block's
+    # start instead of every gathered key forward (RoPE scores depend only on differences)
+    qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # (B, H, Tq, K, D)
+    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]).flatten(-2) * scale  # (B, H, Tq, K * L)
     rv = pool_v[rows, heads]  # (B, H, Tq, K, L, D)
-    s_ret = torch.einsum("bhqd,bhqkld->bhqkl", q, rk).flatten(-2) * scale  # (B, H, Tq, K * L)
     s_loc = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
 
     slot = torch.arange(n_slots, device=q.device)[:, None]

@@ -1,0 +1,68 @@
+"""Landmark attention as one plain softmax over effective scores, in dense PyTorch.
+
+The same formulation as the Triton kernel (see triton_landmark.py): a normal token of an
+earlier block c gets s + s_landmark(c) - logsumexp_c(s), a token of the query's own block
+keeps s, everything else is -inf, and a single softmax gives equations 1-4. Per-block
+log-sum-exps come from a (..., n_blocks, block_size + 1) view of the scores, so no scatter is
+needed: this is the fast path on CPUs, with O(T^2) memory like the reference it is tested
+against.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..rope import RotaryEmbedding
+
+NEG_INF = float("-inf")
+
+
+def _gated(s, block_size):
+    """Effective scores of every key as a token of a complete *earlier* block.
+
+    s : (..., N) scores against keys laid out as whole blocks from position 0 (N a multiple of
+    block_size + 1). Returns (..., N): s + s_landmark - logsumexp over the block's normal
+    tokens at normal positions, -inf at landmark positions."""
+    L = block_size + 1
+    blocks = s.unflatten(-1, (-1, L))  # (..., n_blocks, L)
+    gate = blocks[..., block_size] - torch.logsumexp(blocks[..., :block_size], -1)  # (..., n_blocks)
+    out = torch.cat([blocks[..., :block_size] + gate[..., None], torch.full_like(blocks[..., :1], NEG_INF)], -1)
+    return out.flatten(-2)
+
+
+def _local_effective(s, block_size, T_k):
+    """Effective scores (..., T_q, T_k) of queries at the last T_q of T_k in-sequence positions."""
+    L, T_q = block_size + 1, s.shape[-2]
+    pad = -T_k % L
+    gated = _gated(F.pad(s, (0, pad)), block_size)[..., :T_k]  # padded tail block is never earlier
+    i = torch.arange(T_k - T_q, T_k, device=s.device)[:, None]
+    j = torch.arange(T_k, device=s.device)[None, :]
+    normal = j % L != block_size
+    earlier = normal & (j // L < i // L)
+    own = normal & (j // L == i // L) & (j <= i)
+    return torch.where(earlier, gated, torch.where(own, s, NEG_INF))
+
+
+def landmark_attention_dense(q, k, v, block_size, scale=None):
+    """In-sequence landmark attention; same contract as ``landmark_attention``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    return torch.softmax(_local_effective(s, block_size, k.shape[-2]), -1) @ v
+
+
+def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+                             scale=None):
+    """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``."""
+    B, H, T_q, D = q.shape
+    K = block_table.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    s_loc = _local_effective((q @ k.transpose(-2, -1)) * scale, block_size, k.shape[-2])  # (B, H, Tq, Tk)
+    if K == 0:
+        return torch.softmax(s_loc, -1) @ v
+    heads = torch.arange(H, device=q.device)[None, :, None, None]
+    rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+    qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
+    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]) * scale  # (B, H, Tq, K, L)
+    s_ret = _gated(s_ret, block_size).masked_fill((block_table < 0)[..., None], NEG_INF)
+    p = torch.softmax(torch.cat([s_ret.flatten(-2), s_loc], -1), -1)
+    n = K * (block_size + 1)
+    return torch.einsum("bhqkl,bhqkld->bhqd", p[..., :n].unflatten(-1, (K, -1)), pool_v[rows, heads]) + p[..., n:] @ v

@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+import torch
+
+from landmark_memory.index import KINDS, LandmarkIndex, gpu_available, recall_at_k
+
+
+def test_flat_top_k_equals_torch_brute_force():
+    g = torch.Generator().manual_seed(0)
+    xb, xq = torch.randn(500, 32, generator=g), torch.randn(20, 32, generator=g)
+    index = LandmarkIndex("flat", 32)
+    for part in xb.split(64):  # incremental adds
+        index.add(part.numpy())
+    for lo, hi in [(0, 500), (100, 350), (490, 500)]:
+        D, I = index.search(xq.numpy(), 4, lo, hi)
+        top = (xq @ xb[lo:hi].T).topk(4)
+        np.testing.assert_array_equal(I, (top.indices + lo).numpy())
+        np.testing.assert_allclose(D, top.values.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_search_pads_with_minus_one_when_range_is_small():
+    index = LandmarkIndex("flat", 8)
+    index.add(np.random.rand(10, 8).astype(np.float32))
+    D, I = index.search(np.random.rand(3, 8).astype(np.float32), 4, 5, 7)
+    assert (I[:, 2:] == -1).all() and np.isneginf(D[:, 2:]).all() and set(I[:, :2].ravel()) <= {5, 6}
+    D, I = index.search(np.random.rand(3, 8).astype(np.float32), 4, 7, 7)
+    assert (I == -1).all()
+
+
+@pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
+def test_ivf_searches_exactly_until_trained_then_trains_once(kind):
+    rng = np.random.default_rng(0)
+    xb, xq = rng.standard_normal((800, 16)).astype(np.float32), rng.standard_normal((10, 16)).astype(np.float32)
+    index, exact = LandmarkIndex(kind, 16, train_size=700), LandmarkIndex("flat", 16)
+    index.add(xb[:600])
+    exact.add(xb[:600])
+    assert not index.trained
+    assert recall_at_k(index.search(xq, 4)[1], exact.search(xq, 4)[1]) == 1.0
+    index.add(xb[600:])
+    assert index.trained and index.ntotal == 800 and "IVF" in type(index.index).__name__
+
+
+def test_recall_at_k_counts_exact_ids_found():
+    assert recall_at_k([[1, 2, 3, 4]], [[4, 3, 2, 1]]) == 1.0
+    assert recall_at_k([[1, 2, 9, 9], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, -1, -1]]) == pytest.approx(4 / 6)
+
+
+def test_bad_kind_and_dims_are_explained():
+    with pytest.raises(ValueError, match="unknown index kind"):
+        LandmarkIndex("annoy", 8)
+    index = LandmarkIndex("flat", 8)
+    with pytest.raises(ValueError, match=r"\(n, 8\)"):
+        index.add(np.zeros((3, 7), np.float32))
+    if not gpu_available():
+        with pytest.raises(ValueError, match="faiss-gpu"):
+            LandmarkIndex("flat-gpu", 8)
+    assert set(KINDS) >= {"flat", "hnsw", "ivf", "ivfpq"}

@@ -1,0 +1,120 @@
+import pytest
+import torch
+
+from landmark_memory import LandmarkConfig, LandmarkGPT
+from landmark_memory.memory import LandmarkMemory
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5, landmark_id=1)
+    return LandmarkGPT(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def text():
+    return torch.randint(4, 64, (2, 73), generator=torch.Generator().manual_seed(1))
+
+
+def retrieve_all(model, **kw):
+    return LandmarkMemory(model, top_k=16, position_mapping="exact", retrieval="per_token_head", **kw)  # 14 blocks
+
+
+@pytest.mark.parametrize("chunk_size", [5, 10, 25])
+def test_retrieve_all_equals_in_sequence_forward(model, text, chunk_size):
+    with torch.no_grad():
+        full = model(text)
+    out = retrieve_all(model, chunk_size=chunk_size).forward(text, text)
+    torch.testing.assert_close(out.logits, full, rtol=1e-5, atol=1e-5)
+    assert out.loss is not None and torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("store", ["lmdb", "mmap"])
+def test_retrieve_all_equivalence_through_disk_stores(model, text, store, tmp_path):
+    with torch.no_grad():
+        full = model(text)
+    mem = retrieve_all(model, chunk_size=10, store=store, path=tmp_path, cache_bytes=0)  # every block from disk
+    torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
+    assert mem.cache.misses > 0 and mem.cache.hits == 0
+    mem.close()
+
+
+@pytest.mark.parametrize("mapping", ["stingy", "exact"])
+@pytest.mark.parametrize("retrieval", ["per_token_head", "per_token"])
+def test_pieces_and_decoding_equal_one_call(model, text, mapping, retrieval):
+    kw = dict(top_k=2, chunk_size=10, position_mapping=mapping, retrieval=retrieval)
+    whole = LandmarkMemory(model, **kw).forward(text)
+    mem = LandmarkMemory(model, **kw)
+    parts = [mem.forward(text[:, :13]).logits, mem.forward(text[:, 13:40]).logits]
+    parts += [mem.step(text[:, t])[:, None] for t in range(40, 73)]
+    torch.testing.assert_close(torch.cat(parts, 1), whole.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_retrieval_picks_top_k_existing_blocks(model, text):
+    out = LandmarkMemory(model, top_k=3, chunk_size=10).forward(text)
+    for ids in out.retrieved:
+        assert ids.shape == (2, 2, 73, 3)
+        # tokens of chunk c (10 tokens) see the 2c blocks of earlier chunks
+        for t in range(73):
+            avail = 2 * (t // 10)
+            row = ids[:, :, t]
+            assert ((row >= 0).sum(-1) == min(3, avail)).all()
+            assert (row < avail).all()
+            valid = row[row >= 0].view(-1)
+            assert len(valid) == 0 or valid.max() < avail
+
+
+def test_max_blocks_keeps_only_the_newest(model, text):
+    out = LandmarkMemory(model, top_k=4, chunk_size=10, max_blocks=3).forward(text)
+    for ids in out.retrieved:
+        for t in range(73):
+            avail = 2 * (t // 10)
+            row = ids[:, :, t]
+            assert ((row >= 0).sum(-1) == min(3, avail)).all()
+            assert (row[row >= 0] >= avail - 3).all()
+
+
+def test_retrieval_modes_share_blocks_as_documented(model, text):
+    per_head = LandmarkMemory(model, top_k=2, chunk_size=10, retrieval="per_head").forward(text).retrieved[1]
+    for c in range(1, 7):  # one set per head for all tokens of a chunk
+        chunk = per_head[:, :, 10 * c:10 * c + 10]
+        assert (chunk == chunk[:, :, :1]).all()
+    per_token = LandmarkMemory(model, top_k=2, chunk_size=10, retrieval="per_token").forward(text).retrieved[1]
+    assert (per_token == per_token[:, :1]).all()  # one set per token for all heads
+
+
+def test_stingy_positions_keep_order_and_recent_slots(model):
+    mem = LandmarkMemory(model, top_k=3, chunk_size=10)
+    L = mem.L
+    ids = torch.tensor([[[[9, 2, 5]], [[8, -1, 3]], [[0, 1, 2]], [[9, 8, 7]]]])  # nb = 10: recent are 7, 8, 9
+    pos = mem._block_positions(ids.view(1, 4, 1, 3), nb=10) // L
+    assert pos.view(4, 3).tolist() == [[3, 0, 1], [2, 0, 0], [0, 1, 2], [3, 2, 1]]
+
+
+def test_greedy_generation_with_memory_equals_full_recompute(model, text):
+    prompt = text[:1, :27]
+    mem = retrieve_all(model, chunk_size=10)
+    new = mem.generate(prompt, 12)
+    ref = model.generate(prompt, 12, temperature=0)[:, 27:]
+    assert torch.equal(new, ref)
+
+
+def test_bad_arguments_are_explained(model, text):
+    with pytest.raises(ValueError, match="multiple of the model's block_size"):
+        LandmarkMemory(model, chunk_size=12)
+    with pytest.raises(ValueError, match="retrieval"):
+        LandmarkMemory(model, retrieval="per_layer")
+    with pytest.raises(ValueError, match="unknown index kind"):
+        LandmarkMemory(model, index="annoy")
+    with pytest.raises(ValueError, match="pass a path"):
+        LandmarkMemory(model, store="lmdb")
+    full = LandmarkGPT(LandmarkConfig(**{**model.config.to_dict(), "attention": "full"}))
+    with pytest.raises(ValueError, match="attention='landmark'"):
+        LandmarkMemory(full)
+    mem = LandmarkMemory(model, chunk_size=10)
+    mem.forward(text[:, :5])
+    with pytest.raises(ValueError, match="batch size"):
+        mem.forward(text[:1, :5])
+    with pytest.raises(ValueError, match="integer token ids"):
+        mem.forward(torch.randn(2, 3))
