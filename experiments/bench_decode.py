@@ -1,8 +1,8 @@
 """Per-token decode latency and resident memory: landmark memory (each index kind) vs full
 attention with a KV cache, same model weights, same run.
 
-    python experiments/bench_decode.py                                   # 4K..128K on CPU
-    python experiments/bench_decode.py --contexts 4096,32768 --indexes flat,hnsw
+    python experiments/bench_decode.py                                   # 4K..64K on CPU
+    python experiments/bench_decode.py --contexts 4096,32768 --indexes flat,hnsw --shape tiny
 
 The landmark memory ingests real book text (its ingestion speed is reported too) and then
 decodes ``--steps`` tokens at each context length. The full-attention baseline decodes with a
@@ -27,11 +27,16 @@ from landmark_memory.memory import LandmarkMemory
 MiB = 2 ** 20
 
 
-def load_model(path):
+SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, ffn_hidden=512),
+          "small": dict(n_layer=6, n_head=8, n_embd=512, ffn_hidden=2048),
+          "paper": dict(n_layer=12, n_head=8, n_embd=1024, ffn_hidden=4096)}
+
+
+def load_model(path, shape):
     if path:
         return LandmarkGPT.from_pretrained(path)
-    torch.manual_seed(0)  # an untrained model of the tiny preset's shape decodes just as fast
-    return LandmarkGPT(LandmarkConfig.for_tokenizer(n_layer=4, n_head=4, n_embd=128, ffn_hidden=512))
+    torch.manual_seed(0)  # decoding costs the same with untrained weights
+    return LandmarkGPT(LandmarkConfig.for_tokenizer(**SHAPES[shape]))
 
 
 def book_tokens(n, data):
@@ -83,26 +88,32 @@ def memory_bytes(mem):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--contexts", default="4096,16384,32768,65536")
     ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq")
-    ap.add_argument("--model", default=None, help="a saved LandmarkGPT (default: untrained, tiny preset shape)")
+    ap.add_argument("--model", default=None, help="a saved LandmarkGPT (default: an untrained one of --shape)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape without --model")
+    ap.add_argument("--cache-mib", type=int, default=64, help="hot-block cache budget")
+    ap.add_argument("--train-size", type=int, default=512, help="landmarks before IVF indexes train")
     ap.add_argument("--data", default=str(SAMPLE_DIR), help="text to ingest")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--chunk-size", type=int, default=250)
     args = ap.parse_args(argv)
     contexts = sorted(map(int, args.contexts.split(",")))
-    model = load_model(args.model).eval()
+    model = load_model(args.model, args.shape).eval()
     ids = book_tokens(contexts[-1] + len(contexts) * args.steps, Path(args.data))
-    print(f"model {model.num_params() / 1e6:.2f}M params, block_size {model.config.block_size}, top_k {args.top_k}, "
-          f"chunk {args.chunk_size}, {torch.get_num_threads()} threads, {args.steps} decode steps per point")
+    c = model.config
+    print(f"model {model.num_params() / 1e6:.2f}M params ({c.n_layer} layers, {c.n_head} heads of {c.head_dim}), "
+          f"block_size {c.block_size}, top_k {args.top_k}, chunk {args.chunk_size}, hot cache {args.cache_mib} MiB, "
+          f"{torch.get_num_threads()} threads, {args.steps} decode steps per point")
     full = {n: full_attention_ms(model, n, args.steps) for n in contexts}
     print("| context | method | ms / token | speed-up vs full | fast memory MiB | store MiB | ingest tok/s |")
     print("|---|---|---|---|---|---|---|")
     for n in contexts:
         print(f"| {n} | full attention + KV cache | {full[n][0]:.2f} | 1.00x | {full[n][1] / MiB:.1f} | - | - |")
     for kind in args.indexes.split(","):
-        mem = LandmarkMemory(model, index=kind, top_k=args.top_k, chunk_size=args.chunk_size)
+        mem = LandmarkMemory(model, index=kind, top_k=args.top_k, chunk_size=args.chunk_size,
+                             cache_bytes=args.cache_mib * MiB, index_options={"train_size": args.train_size})
         fed = 0
         for n in contexts:
             t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """landmark-memory: random-access memory for transformers by Landmark Attention."""
 
 from .config import LandmarkConfig
-from .kernels import landmark_attention
+from .kernels import landmark_attention, landmark_attention_inference
+from .memory import LandmarkMemory, MemoryOutput
 from .model import LandmarkGPT
 from .rope import RotaryEmbedding
 from .tokenizer import (
@@ -17,6 +18,7 @@ from .tokenizer import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "LandmarkConfig", "LandmarkGPT", "RotaryEmbedding", "landmark_attention", "load_tokenizer", "LANDMARK_TOKEN",
+    "LandmarkConfig", "LandmarkGPT", "LandmarkMemory", "MemoryOutput", "RotaryEmbedding", "landmark_attention",
+    "landmark_attention_inference", "load_tokenizer", "LANDMARK_TOKEN",
     "insert_landmarks", "strip_landmarks", "lm_targets", "landmark_mask", "normal_positions",
 ]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .index import LandmarkIndex
 from .kernels import landmark_attention_inference
 from .model import LandmarkGPT
+from .rope import RotaryEmbedding
 from .storage import DTYPES, HotCache, open_store
 from .tokenizer import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 
@@ -84,7 +85,11 @@ class LandmarkMemory:
         store_dtype = store_dtype or {v: k for k, v in DTYPES.items()}[self.dtype]
         self.L = cfg.block_size + 1
         self.store = open_store(store, (2, cfg.n_head, self.L, cfg.head_dim), path, store_dtype)
-        self.cache = HotCache(self.store, self.device, self.dtype, cache_bytes)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
+        offsets = torch.arange(self.L, device=self.device)
+        # cached blocks are pool-ready: keys rotated by their offset inside the block
+        self.cache = HotCache(self.store, self.device, self.dtype, cache_bytes,
+                              prepare=lambda kv: torch.stack([self.rope(kv[0], offsets), kv[1]]))
         self.streams = None  # batch size, fixed by the first forward
         self.n_tokens = 0  # normal tokens seen per stream
         self.n_blocks = 0  # blocks in memory per stream
@@ -173,10 +178,9 @@ class LandmarkMemory:
                 pk, pv = self.pending_kv[layer]
                 k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)  # (B, H, Tk, D)
             new_kv.append((k, v))
-            rope = block.attn.rope
-            qr, kr = rope(q, qpos), rope(k, kpos)
-            ids_used, block_pos = self._retrieve(layer, q, qr, qpos, rope)
-            table, pool_k, pool_v = self._pool(layer, ids_used, rope)
+            qr, kr = self.rope(q, qpos), self.rope(k, kpos)
+            ids_used, block_pos = self._retrieve(layer, q, qr, qpos)
+            table, pool_k, pool_v = self._pool(layer, ids_used)
             y = landmark_attention_inference(qr, kr, v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
                                              block_pos=block_pos, rope_base=cfg.rope_base, backend=self.backend)
             h = h + block.attn.merge(y)
@@ -213,7 +217,7 @@ class LandmarkMemory:
         self.pending_ids, self.pending_kv = None, [None] * self.cfg.n_layer
 
     # ---- retrieval ----------------------------------------------------------------------
-    def _retrieve(self, layer, q, qr, qpos, rope):
+    def _retrieve(self, layer, q, qr, qpos):
         """Block ids (B, H, Tq, top_k) chosen for each query (-1 = none) and the positions
         their first rows sit at."""
         B, H, Tq, D = q.shape
@@ -222,7 +226,7 @@ class LandmarkMemory:
         if nb == lo:
             empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
-        scale = D ** -0.5
+        scale, rope = D ** -0.5, self.rope
         lms = self.landmarks[layer]  # (B, H, nb, D)
         if self.mapping == "exact":
             ids = torch.arange(lo, nb, device=self.device)
@@ -284,7 +288,7 @@ class LandmarkMemory:
         slot = torch.where(recent, own_slot, torch.minimum(old_rank, first_recent - 1)).clamp(min=0)
         return torch.empty_like(slot).scatter_(-1, order.indices, slot) * L
 
-    def _pool(self, layer, ids, rope):
+    def _pool(self, layer, ids):
         """The distinct chosen blocks fetched into a pool; the block table into it."""
         B = ids.shape[0]
         valid = ids >= 0
@@ -297,6 +301,5 @@ class LandmarkMemory:
             empty = torch.zeros((0, H, self.L, D), device=self.device, dtype=self.dtype)
             return table, empty, empty
         blocks = self.cache.get([(int(u) // (self.n_blocks + 1), layer, int(u) % (self.n_blocks + 1)) for u in uniq])
-        kv = torch.stack(blocks)  # (n_pool, 2, H, L, D)
-        pool_k = rope(kv[:, 0], torch.arange(self.L, device=self.device))  # rotated by offset in block
-        return table, pool_k, kv[:, 1]
+        kv = torch.stack(blocks)  # (n_pool, 2, H, L, D), keys rotated by offset in block
+        return table, kv[:, 0], kv[:, 1]

@@ -15,6 +15,7 @@ from .kernels import landmark_attention
 from .rope import RotaryEmbedding
 from .tokenizer import IGNORE_INDEX, insert_landmarks, normal_positions
 
+BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"  # trained by experiments/train.py, see its README
 FORMAT = "landmark-memory/LandmarkGPT"
 FORMAT_VERSION = 1
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -156,8 +157,8 @@ class LandmarkGPT(nn.Module):
         _atomic_write(path / CONFIG_NAME, lambda f: Path(f).write_text(json.dumps(doc, indent=2) + "\n"))
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu"):
-        """Load a model written by ``save_pretrained``."""
+    def from_pretrained(cls, path=BUNDLED_MODEL, device="cpu"):
+        """Load a model written by ``save_pretrained``; by default the bundled tiny model."""
         path = Path(path)
         cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
         for f in (cfg_file, weights):

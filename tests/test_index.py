@@ -55,3 +55,44 @@ def test_bad_kind_and_dims_are_explained():
         with pytest.raises(ValueError, match="faiss-gpu"):
             LandmarkIndex("flat-gpu", 8)
     assert set(KINDS) >= {"flat", "hnsw", "ivf", "ivfpq"}
+
+
+def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
+    """Landmark keys and queries of the bundled tiny model on the bundled sample text."""
+    from landmark_memory import LandmarkGPT, load_tokenizer
+    from landmark_memory.data import SAMPLE_DIR, list_text_files, strip_gutenberg
+
+    model = LandmarkGPT.from_pretrained().eval()
+    tok = load_tokenizer()
+    ids = sum((tok.encode(strip_gutenberg(f.read_text())).ids for f in list_text_files(SAMPLE_DIR / "train")), [])
+    x = torch.tensor(ids[:64 * 500]).view(64, 500)  # windows: real keys, no memory needed
+    qkv = {}
+    hooks = [b.attn.qkv.register_forward_hook(lambda m, i, o, n=n: qkv.__setitem__(n, o))
+             for n, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    cfg = model.config
+    L, D = cfg.block_size + 1, cfg.head_dim
+    is_lm = torch.arange(qkv[0].shape[1]) % L == L - 1
+    heads = {n: t.view(x.shape[0], -1, 3, cfg.n_head, D) for n, t in qkv.items()}
+    # Layer 0 sees the landmark token's embedding only, and keys carry no RoPE: all its landmark
+    # keys are one vector, every search is a tie, and recall is undefined there.
+    first = heads[0][:, is_lm, 1].reshape(-1, cfg.n_head, D)
+    torch.testing.assert_close(first, first[:1].expand_as(first))
+    recalls = {"hnsw": [], "ivf": [], "ivfpq": []}
+    for layer in range(1, cfg.n_layer):
+        for head in range(cfg.n_head):
+            xb = heads[layer][:, is_lm, 1, head].reshape(-1, D).numpy()
+            xq = heads[layer][:, ~is_lm, 0, head].reshape(-1, D)[::40].numpy()
+            exact = LandmarkIndex("flat", D)
+            exact.add(xb)
+            I_exact = exact.search(xq, 4)[1]
+            for kind in recalls:
+                index = LandmarkIndex(kind, D, train_size=256)
+                index.add(xb)
+                assert index.trained
+                recalls[kind].append(recall_at_k(index.search(xq, 4)[1], I_exact))
+    for kind, r in recalls.items():
+        assert np.mean(r) >= 0.9, (kind, np.round(r, 3))

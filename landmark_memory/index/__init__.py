@@ -1,7 +1,9 @@
 """Landmark key search by inner product, one FAISS index per (stream, layer, head).
 
-Kinds: ``flat`` (exact, IndexFlatIP), ``hnsw`` (HNSW32), ``ivf`` (IVF-Flat), ``ivfpq`` (IVF-PQ),
-and ``flat-gpu``, ``ivf-gpu``, ``ivfpq-gpu`` where faiss-gpu and a GPU are present. Ids are
+Kinds: ``flat`` (exact, IndexFlatIP), ``hnsw`` (HNSW32), ``ivf`` (IVF-Flat), ``ivfpq`` (IVF-PQ,
+whose ``refine`` x k best candidates are re-ranked exactly by FAISS's IndexRefineFlat: PQ codes
+alone lose too much inner-product precision on landmark keys), and ``flat-gpu``, ``ivf-gpu``,
+``ivfpq-gpu`` where faiss-gpu and a GPU are present. Ids are
 block numbers: blocks are added in order, so FAISS's sequential ids are the block index, and a
 search restricted to a block range is an ``IDSelectorRange`` (how ``max_blocks`` and the
 exact-scored recent blocks are kept out of the approximate search).
@@ -34,9 +36,10 @@ class LandmarkIndex:
         default 4096 for ivf, 16384 for ivfpq (8-bit PQ codebooks need ~10K points).
     nprobe : int, IVF lists visited per query.
     ef_search : int, HNSW search breadth.
+    refine : int, IVF-PQ candidates re-ranked exactly per result (0: PQ scores only).
     """
 
-    def __init__(self, kind, dim, *, train_size=None, nprobe=16, ef_search=64):
+    def __init__(self, kind, dim, *, train_size=None, nprobe=16, ef_search=128, refine=4):
         if kind not in KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {KINDS}")
         if kind.endswith("-gpu") and not gpu_available():
@@ -45,7 +48,7 @@ class LandmarkIndex:
         self.kind, self.dim = kind, dim
         self.base = kind.removesuffix("-gpu")
         self.train_size = train_size or (16384 if self.base == "ivfpq" else 4096)
-        self.nprobe, self.ef_search = nprobe, ef_search
+        self.nprobe, self.ef_search, self.refine = nprobe, ef_search, refine
         self.trained = self.base in ("flat", "hnsw")
         self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
@@ -78,7 +81,10 @@ class LandmarkIndex:
         n = len(xb)
         nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants >= 39 points per list
         nbits = 8 if n >= 39 * 256 else 4  # PQ codebooks want >= 39 points per centroid too
-        factory = f"IVF{nlist},Flat" if self.base == "ivf" else f"IVF{nlist},PQ{self.dim // 2}x{nbits}"
+        if self.base == "ivf":
+            factory = f"IVF{nlist},Flat"
+        else:  # 8-bit codes on pairs of dims once codebooks can be trained, else 4-bit per dim
+            factory = f"IVF{nlist},PQ{self.dim // (2 if nbits == 8 else 1)}x{nbits}" + (",RFlat" if self.refine else "")
         self.trained = True
         index = self._build(factory)
         index.train(xb)
@@ -104,6 +110,8 @@ class LandmarkIndex:
             params = faiss.SearchParametersHNSW(sel=sel, efSearch=self.ef_search)
         else:
             params = faiss.SearchParametersIVF(sel=sel, nprobe=self.nprobe)
+            if self.base == "ivfpq" and self.refine:
+                params = faiss.IndexRefineSearchParameters(k_factor=self.refine, base_index_params=params)
         D, I = self.index.search(xq, k, params=params)
         D[I < 0] = -np.inf
         return D, I

@@ -31,10 +31,13 @@ class BlockStore:
         self.shape, self.dtype = tuple(shape), DTYPES[dtype]
         self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
 
-    def _encode(self, t):
+    def _checked(self, t):
         if tuple(t.shape) != self.shape:
             raise ValueError(f"block tensor must be {self.shape} (2, H, block_size + 1, D), got {tuple(t.shape)}")
-        return t.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        return t.detach().to("cpu", self.dtype).contiguous()
+
+    def _encode(self, t):
+        return self._checked(t).view(torch.uint8).numpy().tobytes()
 
     def _decode(self, b):
         if b is None or len(b) != self.nbytes:
@@ -54,15 +57,20 @@ class BlockStore:
 
 
 class MemoryStore(BlockStore):
+    """Tensors in a dict: no serialisation (returned tensors are shared: treat them as read-only)."""
+
     def __init__(self, shape, dtype="float16"):
         super().__init__(shape, dtype)
         self._data = {}
 
-    def _put(self, items):
-        self._data.update(items)
+    def put(self, items):
+        self._data.update({key: self._checked(t).clone() for key, t in items.items()})
 
-    def _get(self, keys):
-        return [self._data.get(k) for k in keys]
+    def get(self, keys):
+        missing = [k for k in keys if k not in self._data]
+        if missing:
+            raise KeyError(f"blocks {missing[:3]} missing in the store")
+        return [self._data[k] for k in keys]
 
 
 class LmdbStore(BlockStore):
@@ -158,10 +166,12 @@ class HotCache:
     """LRU cache of blocks on the compute device, within ``budget_bytes``.
 
     Misses are read from the store in one call; on a GPU they travel through pinned host
-    memory. ``get`` returns blocks in the compute ``dtype``."""
+    memory. Blocks are cached as ``prepare(block)`` in the compute ``dtype`` (``prepare`` does
+    per-block work once per fetch, e.g. RoPE by offset inside the block)."""
 
-    def __init__(self, store, device, dtype, budget_bytes=256 << 20):
+    def __init__(self, store, device, dtype, budget_bytes=256 << 20, prepare=None):
         self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
+        self.prepare = prepare or (lambda t: t)
         self._blocks, self.bytes, self.hits, self.misses = OrderedDict(), 0, 0, 0
 
     def get(self, keys):
@@ -177,9 +187,9 @@ class HotCache:
         for k, t in zip(missing, self.store.get(missing)):
             if self.device.type == "cuda":
                 t = t.pin_memory()
-            found[k] = t.to(self.device, non_blocking=True)
+            found[k] = self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
             self._insert(k, found[k])
-        return [found[k].to(self.dtype) for k in keys]
+        return [found[k] for k in keys]
 
     def _insert(self, k, t):
         size = t.numel() * t.element_size()
