@@ -79,9 +79,9 @@ def full_attention_ms(model, n, steps):
 
 def memory_bytes(mem):
     """(fast, store) bytes of a LandmarkMemory."""
-    fast = sum(t.numel() * t.element_size() for t in mem.landmarks if t is not None)
+    fast = sum(t[:, :, :mem.n_blocks].numel() * t.element_size() for t in mem.landmarks if t is not None)
     fast += sum(faiss.serialize_index(ix.index).nbytes for s in mem.indexes for layer in s for ix in layer)
-    fast += mem.cache.bytes + sum(k.numel() * k.element_size() * 2 for kv in mem.pending_kv if kv for k in kv[:1])
+    fast += mem.cache.bytes + sum(t.numel() * t.element_size() for kv in mem.pending_kv if kv for t in kv)
     store = mem.n_blocks * mem.streams * mem.cfg.n_layer * mem.store.nbytes
     return fast, store
 

@@ -94,8 +94,8 @@ class LandmarkMemory:
         self.n_tokens = 0  # normal tokens seen per stream
         self.n_blocks = 0  # blocks in memory per stream
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
-        self.pending_kv = [None] * cfg.n_layer  # per layer (k, v) of those positions, (B, H, P', D), no RoPE
-        self.landmarks = [None] * cfg.n_layer  # per layer (B, H, n_blocks, D) landmark keys, no RoPE
+        self.pending_kv = [None] * cfg.n_layer  # per layer (k, k rotated, v) of those positions, (B, H, P', D)
+        self.landmarks = [None] * cfg.n_layer  # per layer (B, H, >= n_blocks, D) landmark keys, no RoPE
         self.indexes = None  # [stream][layer][head] LandmarkIndex
 
     # ---- public -------------------------------------------------------------------------
@@ -167,18 +167,17 @@ class LandmarkMemory:
         x = insert_landmarks(ids, bs, cfg.landmark_id)  # (B, Tk) the chunk so far
         p0, Tk = landmarked_length(P, bs), x.shape[1]
         base = (self.top_k + 1) * self.L if self.mapping == "stingy" else self.n_blocks * self.L
-        kpos = base + torch.arange(Tk, device=self.device)
-        qpos = kpos[p0:]
+        qpos = base + torch.arange(p0, Tk, device=self.device)
         h = model.wte(x[:, p0:])  # (B, Tq, C)
         normal = ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv = [], []
         for layer, block in enumerate(model.blocks):
             q, k, v = block.attn.heads(block.ln_1(h))  # (B, H, Tq, D), no RoPE
-            if P:
-                pk, pv = self.pending_kv[layer]
-                k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)  # (B, H, Tk, D)
-            new_kv.append((k, v))
-            qr, kr = self.rope(q, qpos), self.rope(k, kpos)
+            qr, kr = self.rope(q, qpos), self.rope(k, qpos)
+            if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
+                pk, pkr, pv = self.pending_kv[layer]
+                k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H, Tk, D)
+            new_kv.append((k, kr, v))
             ids_used, block_pos = self._retrieve(layer, q, qr, qpos)
             table, pool_k, pool_v = self._pool(layer, ids_used)
             y = landmark_attention_inference(qr, kr, v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
@@ -199,15 +198,20 @@ class LandmarkMemory:
         B, L, bs = self.streams, self.L, self.cfg.block_size
         n_new = self.chunk_size // bs
         items = {}
-        for layer, (k, v) in enumerate(self.pending_kv):
+        for layer, (k, _, v) in enumerate(self.pending_kv):
             H, D = k.shape[1], k.shape[-1]
             kv = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D)  # (B, 2, H, n_new, L, D)
             for b in range(B):
                 for c in range(n_new):
                     items[(b, layer, self.n_blocks + c)] = kv[b, :, :, c]
             lm = k.view(B, H, n_new, L, D)[:, :, :, bs]  # (B, H, n_new, D)
-            prev = self.landmarks[layer]
-            self.landmarks[layer] = lm if prev is None else torch.cat([prev, lm], 2)
+            buf = self.landmarks[layer]
+            if buf is None or buf.shape[2] < self.n_blocks + n_new:  # grow by doubling: appends stay O(1)
+                grown = lm.new_empty((B, H, max(2 * self.n_blocks, self.n_blocks + n_new), D))
+                if buf is not None:
+                    grown[:, :, :self.n_blocks] = buf[:, :, :self.n_blocks]
+                self.landmarks[layer] = buf = grown
+            buf[:, :, self.n_blocks:self.n_blocks + n_new] = lm
             xb = lm.float().cpu().numpy()
             for b in range(B):
                 for hd in range(H):
@@ -227,7 +231,7 @@ class LandmarkMemory:
             empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
         scale, rope = D ** -0.5, self.rope
-        lms = self.landmarks[layer]  # (B, H, nb, D)
+        lms = self.landmarks[layer][:, :, :nb]  # (B, H, nb, D)
         if self.mapping == "exact":
             ids = torch.arange(lo, nb, device=self.device)
             S = (qr @ rope(lms[:, :, lo:nb], ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
@@ -289,17 +293,18 @@ class LandmarkMemory:
         return torch.empty_like(slot).scatter_(-1, order.indices, slot) * L
 
     def _pool(self, layer, ids):
-        """The distinct chosen blocks fetched into a pool; the block table into it."""
+        """The chosen blocks made resident in the hot-cache arena (the pool), and the block
+        table of arena slots."""
         B = ids.shape[0]
         valid = ids >= 0
         key = torch.arange(B, device=self.device)[:, None, None, None] * (self.n_blocks + 1) + ids
         uniq, inverse = torch.unique(key[valid], return_inverse=True)
         table = torch.full_like(ids, -1)
-        table[valid] = inverse
         H, D = self.cfg.n_head, self.cfg.head_dim
         if len(uniq) == 0:
             empty = torch.zeros((0, H, self.L, D), device=self.device, dtype=self.dtype)
             return table, empty, empty
-        blocks = self.cache.get([(int(u) // (self.n_blocks + 1), layer, int(u) % (self.n_blocks + 1)) for u in uniq])
-        kv = torch.stack(blocks)  # (n_pool, 2, H, L, D), keys rotated by offset in block
-        return table, kv[:, 0], kv[:, 1]
+        keys = [(u // (self.n_blocks + 1), layer, u % (self.n_blocks + 1)) for u in uniq.tolist()]
+        pool, slots = self.cache.pool(keys)  # (n, 2, H, L, D), keys rotated by offset in block
+        table[valid] = slots[inverse]
+        return table, pool[:, 0], pool[:, 1]

@@ -76,6 +76,19 @@ def test_inference_outputs_are_fully_overwritten(monkeypatch):
     torch.testing.assert_close(out, landmark_attention(m["q"], m["k"], m["v"], 5)[:, :, -7:], **TOL[torch.float32])
 
 
+def test_pool_may_be_a_strided_view_of_an_arena():
+    m = memory_setup(2, 2, 32, 5, 3, 20, torch.float32, seed=5)
+    arena = torch.stack([m["pool_k"], m["pool_v"]], 1)  # (n, 2, H, L, D), as the hot cache keeps it
+    table, pos = all_blocks_table(2, 2, 7, 3, 5)
+    args = (m["q"][:, :, -7:], m["k"][:, :, 18:], m["v"][:, :, 18:], 5)
+    ref = landmark_attention_inference(*args, pool_k=m["pool_k"], pool_v=m["pool_v"], block_table=table, block_pos=pos,
+                                       backend="reference")
+    for backend in ("dense", "triton"):
+        out = landmark_attention_inference(*args, pool_k=arena[:, 0], pool_v=arena[:, 1], block_table=table,
+                                           block_pos=pos, backend=backend)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 def test_empty_table_is_local_attention_only():
     q, k, v = (torch.randn(1, 2, 12, 32) for _ in range(3))
     pool = torch.randn(3, 2, 4, 32)

@@ -60,9 +60,24 @@ def test_hot_cache_stays_within_budget_and_evicts_least_recent():
     cache = HotCache(store, "cpu", torch.float32, budget_bytes=3 * per_block + 10)
     for b in range(10):
         got = cache.get([(0, 0, b), (0, 0, 0)])  # block 0 stays recent
-        assert torch.equal(got[0], blocks[(0, 0, b)])
-        assert cache.bytes <= cache.budget
-    assert (0, 0, 0) in cache._blocks and (0, 0, 1) not in cache._blocks
-    assert cache.hits >= 9 and cache.misses == 10
-    tiny = HotCache(store, "cpu", torch.float32, budget_bytes=per_block - 1)
-    assert torch.equal(tiny.get([(0, 0, 3)])[0], blocks[(0, 0, 3)]) and tiny.bytes == 0
+        assert torch.equal(got[0], blocks[(0, 0, b)]) and torch.equal(got[1], blocks[(0, 0, 0)])
+        assert cache.bytes <= cache.budget and cache.arena.numel() * 4 <= cache.budget
+    assert (0, 0, 0) in cache._slots and (0, 0, 1) not in cache._slots
+    assert cache.hits == 9 and cache.misses == 10
+
+
+def test_hot_cache_pool_is_the_arena_and_serves_requests_larger_than_it():
+    store = MemoryStore(SHAPE, "float32")
+    blocks = {(0, 0, b): torch.randn(SHAPE) for b in range(6)}
+    store.put(blocks)
+    per_block = torch.zeros(SHAPE).numel() * 4
+    cache = HotCache(store, "cpu", torch.float32, budget_bytes=4 * per_block, prepare=lambda t: t * 2)
+    keys = [(0, 0, 3), (0, 0, 1), (0, 0, 3)]
+    pool, slots = cache.pool(keys)
+    assert pool is cache.arena and slots[0] == slots[2]
+    assert all(torch.equal(pool[s], blocks[k] * 2) for k, s in zip(keys, slots.tolist()))
+    big = [(0, 0, b) for b in range(6)]  # more than fits: a one-off pool, arena untouched
+    pool, slots = cache.pool(big)
+    assert pool is not cache.arena and all(torch.equal(pool[s], blocks[k] * 2) for k, s in zip(big, slots.tolist()))
+    nothing = HotCache(store, "cpu", torch.float32, budget_bytes=per_block - 1)
+    assert torch.equal(nothing.get([(0, 0, 3)])[0], blocks[(0, 0, 3)]) and nothing.bytes == 0

@@ -147,7 +147,7 @@ def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale,
 
 
 @triton.jit
-def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, N_SLOTS, scale,
+def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, N_SLOTS, K_STRIDE, V_STRIDE, scale,
                       BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One query of one head over its retrieved blocks, merged with its local result.
 
@@ -172,11 +172,11 @@ def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, N
         c = tl.load(COS + entry * HALF + i)
         sn = tl.load(SIN + entry * HALF + i)
         qr1, qr2 = q1 * c - q2 * sn, q2 * c + q1 * sn
-        blk = (tl.maximum(idx, 0).to(tl.int64) * H + h) * (BS + 1) * HEAD_DIM
-        off = blk + t[:, None] * HEAD_DIM + i[None, :]  # (LP, HALF)
+        slot_idx = tl.maximum(idx, 0).to(tl.int64)
+        off = h * (BS + 1) * HEAD_DIM + t[:, None] * HEAD_DIM + i[None, :]  # (LP, HALF) inside a block
         rows_ok = (t < BS + 1)[:, None] & live
-        k1 = tl.load(PK + off, mask=rows_ok, other=0.0).to(tl.float32)
-        k2 = tl.load(PK + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
+        k1 = tl.load(PK + slot_idx * K_STRIDE + off, mask=rows_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(PK + slot_idx * K_STRIDE + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
         s = (tl.sum(qr1[None, :] * k1, axis=1) + tl.sum(qr2[None, :] * k2, axis=1)) * scale  # (LP,)
         s_norm = tl.where(normal, s, float("-inf"))
         mc = tl.max(s_norm, axis=0)
@@ -187,8 +187,8 @@ def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, N
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s_eff - m_safe)
         l = l * alpha + tl.sum(p, axis=0)
-        v1 = tl.load(PV + off, mask=rows_ok, other=0.0).to(tl.float32)
-        v2 = tl.load(PV + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
+        v1 = tl.load(PV + slot_idx * V_STRIDE + off, mask=rows_ok, other=0.0).to(tl.float32)
+        v2 = tl.load(PV + slot_idx * V_STRIDE + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
         acc1 = acc1 * alpha + tl.sum(p[:, None] * v1, axis=0)
         acc2 = acc2 * alpha + tl.sum(p[:, None] * v2, axis=0)
         m = m_new
@@ -304,8 +304,10 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     from ..rope import RotaryEmbedding
 
     scale = _check_backend(q) if scale is None else float(scale)
-    q, k, v, pool_k, pool_v = (t.contiguous() for t in (q, k, v, pool_k, pool_v))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Tq, D = q.shape
+    # the pool may be a strided view into the hot-cache arena: only each block must be dense
+    pool_k, pool_v = (p if p.stride()[1:] == (p.shape[2] * D, D, 1) else p.contiguous() for p in (pool_k, pool_v))
     Tk, n_slots = k.shape[-2], block_table.shape[-1]
     LP, BPT, BLOCK_M = _tiling(block_size)
     o_loc = _empty_like(q, dtype=torch.float32)
@@ -317,5 +319,6 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     cos, sin = RotaryEmbedding(D, rope_base).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
     out = _empty_like(q)
     _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, block_table.to(torch.int32).contiguous(), cos, sin, o_loc, lse,
-                                   out, Tq, H, n_slots, scale, BS=block_size, LP=LP, HEAD_DIM=D)
+                                   out, Tq, H, n_slots, pool_k.stride(0), pool_v.stride(0), scale,
+                                   BS=block_size, LP=LP, HEAD_DIM=D)
     return out

@@ -163,40 +163,59 @@ def open_store(kind, shape, path=None, dtype="float16"):
 
 
 class HotCache:
-    """LRU cache of blocks on the compute device, within ``budget_bytes``.
+    """The hot blocks on the compute device: an LRU arena within ``budget_bytes``.
 
-    Misses are read from the store in one call; on a GPU they travel through pinned host
-    memory. Blocks are cached as ``prepare(block)`` in the compute ``dtype`` (``prepare`` does
-    per-block work once per fetch, e.g. RoPE by offset inside the block)."""
+    The arena (n_slots, *block shape) is the block pool the attention kernels read through a
+    block table (like paged attention): ``pool(keys)`` makes every requested block resident and
+    returns the arena with each key's slot, so resident blocks are never copied again. Misses
+    are read from the store in one call (on a GPU through pinned host memory) and kept as
+    ``prepare(block)`` in the compute ``dtype`` (per-block work done once per fetch, e.g. RoPE
+    by offset inside the block). A request larger than the arena gets a one-off pool."""
 
     def __init__(self, store, device, dtype, budget_bytes=256 << 20, prepare=None):
         self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
         self.prepare = prepare or (lambda t: t)
-        self._blocks, self.bytes, self.hits, self.misses = OrderedDict(), 0, 0, 0
+        self.block_bytes = int(np.prod(store.shape)) * dtype.itemsize
+        self.capacity = budget_bytes // self.block_bytes
+        self.arena = None  # allocated on first use
+        self._slots = OrderedDict()  # key -> arena slot, least recently used first
+        self.hits = self.misses = 0
 
-    def get(self, keys):
-        found = {}
-        for k in keys:
-            t = self._blocks.get(k)
-            if t is not None:
-                self._blocks.move_to_end(k)
-                found[k] = t
-        missing = [k for k in dict.fromkeys(keys) if k not in found]
-        self.hits += len(keys) - len(missing)
-        self.misses += len(missing)
-        for k, t in zip(missing, self.store.get(missing)):
+    @property
+    def bytes(self):
+        """Bytes of resident blocks."""
+        return len(self._slots) * self.block_bytes
+
+    def _fetch(self, keys):
+        for t in self.store.get(keys):
             if self.device.type == "cuda":
                 t = t.pin_memory()
-            found[k] = self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
-            self._insert(k, found[k])
-        return [found[k] for k in keys]
+            yield self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
 
-    def _insert(self, k, t):
-        size = t.numel() * t.element_size()
-        if size > self.budget:
-            return
-        self._blocks[k] = t
-        self.bytes += size
-        while self.bytes > self.budget:
-            _, old = self._blocks.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
+    def pool(self, keys):
+        """``(pool, slots)``: a tensor (n, *shape) holding the blocks and int64 (len(keys),)
+        positions of each key in it. Valid until the next call."""
+        wanted = list(dict.fromkeys(keys))
+        missing = [k for k in wanted if k not in self._slots]
+        self.hits += len(wanted) - len(missing)
+        self.misses += len(missing)
+        if len(wanted) > self.capacity:  # cannot all be resident at once
+            pool = torch.stack(list(self._fetch(wanted)))
+            pos = {k: i for i, k in enumerate(wanted)}
+            return pool, torch.tensor([pos[k] for k in keys], device=self.device)
+        if self.arena is None:
+            self.arena = torch.empty((self.capacity, *self.store.shape), device=self.device, dtype=self.dtype)
+        for k in wanted:
+            if k in self._slots:
+                self._slots.move_to_end(k)
+        for k, t in zip(missing, self._fetch(missing)):
+            # the least recent blocks are never among this request's: those were just touched
+            slot = len(self._slots) if len(self._slots) < self.capacity else self._slots.popitem(last=False)[1]
+            self.arena[slot] = t
+            self._slots[k] = slot
+        return self.arena, torch.tensor([self._slots[k] for k in keys], device=self.device)
+
+    def get(self, keys):
+        """The blocks themselves, a list of tensors (views into the pool)."""
+        pool, slots = self.pool(keys)
+        return [pool[i] for i in slots.tolist()]
