@@ -16,7 +16,6 @@ import argparse
 import time
 from pathlib import Path
 
-import faiss
 import torch
 import torch.nn.functional as F
 
@@ -77,15 +76,6 @@ def full_attention_ms(model, n, steps):
     return (time.perf_counter() - t0) * 1e3 / steps, kv_bytes
 
 
-def memory_bytes(mem):
-    """(fast, store) bytes of a LandmarkMemory."""
-    fast = sum(t[:, :, :mem.n_blocks].numel() * t.element_size() for t in mem.landmarks if t is not None)
-    fast += sum(faiss.serialize_index(ix.index).nbytes for s in mem.indexes for layer in s for ix in layer)
-    fast += mem.cache.bytes + sum(t.numel() * t.element_size() for kv in mem.pending_kv if kv for t in kv)
-    store = mem.n_blocks * mem.streams * mem.cfg.n_layer * mem.store.nbytes
-    return fast, store
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,16384,32768,65536")
@@ -125,7 +115,8 @@ def main(argv=None):
                 mem.step(ids[:, fed + i])
             ms = (time.perf_counter() - t0) * 1e3 / args.steps
             fed += args.steps
-            fast, store = memory_bytes(mem)
+            usage = mem.memory_usage()
+            fast, store = usage["fast"], usage["store"]
             print(f"| {n} | landmark, {kind} | {ms:.2f} | {full[n][0] / ms:.2f}x | {fast / MiB:.1f} | "
                   f"{store / MiB:.1f} | {rate:,.0f} |", flush=True)
         mem.close()

@@ -156,6 +156,18 @@ class LandmarkMemory:
     def pending_count(self):
         return 0 if self.pending_ids is None else self.pending_ids.shape[1]
 
+    def memory_usage(self):
+        """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
+        chunk's keys and values: what must sit near the compute) and ``store`` (every block's
+        keys and values, wherever the store keeps them)."""
+        import faiss
+
+        fast = sum(t[:, :, :self.n_blocks].numel() * t.element_size() for t in self.landmarks if t is not None)
+        fast += sum(faiss.serialize_index(ix.index).nbytes for s in self.indexes or [] for layer in s for ix in layer)
+        fast += self.cache.bytes + sum(t.numel() * t.element_size() for kv in self.pending_kv if kv for t in kv)
+        store = self.n_blocks * (self.streams or 0) * self.cfg.n_layer * self.store.nbytes
+        return {"fast": fast, "store": store}
+
     def close(self):
         self.store.close()
 

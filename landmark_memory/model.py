@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .config import LandmarkConfig
+from .fileio import atomic_write
 from .kernels import landmark_attention
 from .rope import RotaryEmbedding
 from .tokenizer import IGNORE_INDEX, insert_landmarks, normal_positions
@@ -152,9 +152,9 @@ class LandmarkGPT(nn.Module):
         crash leaves the previous files or the new ones, never a half-written file."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / WEIGHTS_NAME, lambda f: save_model(self, f, metadata={"format": FORMAT}))
+        atomic_write(path / WEIGHTS_NAME, lambda f: save_model(self, f, metadata={"format": FORMAT}))
         doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": self.config.to_dict()}
-        _atomic_write(path / CONFIG_NAME, lambda f: Path(f).write_text(json.dumps(doc, indent=2) + "\n"))
+        atomic_write(path / CONFIG_NAME, lambda f: Path(f).write_text(json.dumps(doc, indent=2) + "\n"))
 
     @classmethod
     def from_pretrained(cls, path=BUNDLED_MODEL, device="cpu"):
@@ -181,13 +181,3 @@ class LandmarkGPT(nn.Module):
                              f"unexpected {sorted(unexpected)}")
         return model.to(device)
 
-
-def _atomic_write(dest, write):
-    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
-    try:
-        write(str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)

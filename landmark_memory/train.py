@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from .config import LandmarkConfig
 from .data import SAMPLE_DIR, PasskeyMix, WindowSampler, list_text_files, split_books, tokenize_books
-from .model import LandmarkGPT, _atomic_write
+from .fileio import atomic_write
+from .model import LandmarkGPT
 from .tokenizer import EOS_TOKEN, load_tokenizer
 
 STATE_NAME, OPTIM_NAME, LOG_NAME = "trainer_state.json", "optimizer.safetensors", "train_log.jsonl"
@@ -225,11 +226,11 @@ class Trainer:
         ``--resume`` always finds a consistent checkpoint."""
         self.model.save_pretrained(self.out)
         tensors, groups = _optimizer_tensors(self.opt)
-        _atomic_write(self.out / OPTIM_NAME, lambda f: save_file(tensors, f))
+        atomic_write(self.out / OPTIM_NAME, lambda f: save_file(tensors, f))
         state = {"step": self.step, "best_val": self.best_val, "first_val": self.first_val,
                  "sampler_rng": self.sampler.rng.getstate(), "param_groups": groups,
                  "train_config": dataclasses.asdict(self.cfg)}
-        _atomic_write(self.out / STATE_NAME, lambda f: Path(f).write_text(json.dumps(state)))
+        atomic_write(self.out / STATE_NAME, lambda f: Path(f).write_text(json.dumps(state)))
 
     def _resume(self):
         state_file = self.out / STATE_NAME

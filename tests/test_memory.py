@@ -118,3 +118,14 @@ def test_bad_arguments_are_explained(model, text):
         mem.forward(text[:1, :5])
     with pytest.raises(ValueError, match="integer token ids"):
         mem.forward(torch.randn(2, 3))
+
+
+def test_memory_usage_counts_fast_and_store_bytes(model, text):
+    mem = LandmarkMemory(model, top_k=2, chunk_size=10)
+    empty = mem.memory_usage()
+    assert empty == {"fast": 0, "store": 0}
+    mem.forward(text[:, :25])  # 2 chunks in memory (4 blocks per stream), 5 tokens pending
+    usage = mem.memory_usage()
+    cfg = model.config
+    assert usage["store"] == 2 * 4 * cfg.n_layer * 2 * cfg.n_head * 6 * cfg.head_dim * 4  # streams, blocks, layers, k/v
+    assert usage["fast"] > 2 * 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * 4  # at least the landmark keys
