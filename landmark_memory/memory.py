@@ -89,7 +89,7 @@ class LandmarkMemory:
         offsets = torch.arange(self.L, device=self.device)
         # cached blocks are pool-ready: keys rotated by their offset inside the block
         self.cache = HotCache(self.store, self.device, self.dtype, cache_bytes,
-                              prepare=lambda kv: torch.stack([self.rope(kv[0], offsets), kv[1]]))
+                              prepare=lambda kv: torch.stack([self.rope(kv[:, 0], offsets), kv[:, 1]], 1))
         self.streams = None  # batch size, fixed by the first forward
         self.n_tokens = 0  # normal tokens seen per stream
         self.n_blocks = 0  # blocks in memory per stream

@@ -169,8 +169,9 @@ class HotCache:
     block table (like paged attention): ``pool(keys)`` makes every requested block resident and
     returns the arena with each key's slot, so resident blocks are never copied again. Misses
     are read from the store in one call (on a GPU through pinned host memory) and kept as
-    ``prepare(block)`` in the compute ``dtype`` (per-block work done once per fetch, e.g. RoPE
-    by offset inside the block). A request larger than the arena gets a one-off pool."""
+    ``prepare(blocks)`` in the compute ``dtype`` (work done once per fetch on a batch (n, *shape)
+    of blocks, e.g. RoPE by offset inside the block). A request larger than the arena gets a
+    one-off pool."""
 
     def __init__(self, store, device, dtype, budget_bytes=256 << 20, prepare=None):
         self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
@@ -187,10 +188,11 @@ class HotCache:
         return len(self._slots) * self.block_bytes
 
     def _fetch(self, keys):
-        for t in self.store.get(keys):
-            if self.device.type == "cuda":
-                t = t.pin_memory()
-            yield self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
+        """The blocks of ``keys`` read in one store call and prepared in one batch, (n, *shape)."""
+        t = torch.stack(self.store.get(keys))
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
 
     def pool(self, keys):
         """``(pool, slots)``: a tensor (n, *shape) holding the blocks and int64 (len(keys),)
@@ -200,7 +202,7 @@ class HotCache:
         self.hits += len(wanted) - len(missing)
         self.misses += len(missing)
         if len(wanted) > self.capacity:  # cannot all be resident at once
-            pool = torch.stack(list(self._fetch(wanted)))
+            pool = self._fetch(wanted)
             pos = {k: i for i, k in enumerate(wanted)}
             return pool, torch.tensor([pos[k] for k in keys], device=self.device)
         if self.arena is None:
@@ -208,11 +210,13 @@ class HotCache:
         for k in wanted:
             if k in self._slots:
                 self._slots.move_to_end(k)
-        for k, t in zip(missing, self._fetch(missing)):
-            # the least recent blocks are never among this request's: those were just touched
-            slot = len(self._slots) if len(self._slots) < self.capacity else self._slots.popitem(last=False)[1]
-            self.arena[slot] = t
-            self._slots[k] = slot
+        if missing:
+            slots = []
+            for k in missing:  # the least recent blocks are never this request's: those were just touched
+                slot = len(self._slots) if len(self._slots) < self.capacity else self._slots.popitem(last=False)[1]
+                self._slots[k] = slot
+                slots.append(slot)
+            self.arena[torch.tensor(slots, device=self.device)] = self._fetch(missing)
         return self.arena, torch.tensor([self._slots[k] for k in keys], device=self.device)
 
     def get(self, keys):
