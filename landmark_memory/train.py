@@ -183,8 +183,8 @@ class Trainer:
         if set(train) & set(val):
             raise ValueError(f"validation books also appear in training: {sorted(f.name for f in set(train) & set(val))}")
         t, v = tokenize_books(train, self.tok, eos), tokenize_books(val, self.tok, eos)
-        self.log(f"data: {len(train)} training books ({len(t):,} tokens), {len(val)} validation books "
-                 f"({len(v):,} tokens): {', '.join(f.name for f in val)}")
+        self.log(f"data: training on {len(t):,} tokens of {len(train)} book file(s), validating on {len(v):,} tokens "
+                 f"of {len(val)}: {', '.join(f.name for f in val)}")
         return t, v, [f.name for f in val]
 
     @torch.no_grad()
