@@ -91,7 +91,6 @@ class LandmarkMemory:
         self.cache = HotCache(self.store, self.device, self.dtype, cache_bytes,
                               prepare=lambda kv: torch.stack([self.rope(kv[:, 0], offsets), kv[:, 1]], 1))
         self.streams = None  # batch size, fixed by the first forward
-        self.n_tokens = 0  # normal tokens seen per stream
         self.n_blocks = 0  # blocks in memory per stream
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * cfg.n_layer  # per layer (k, k rotated, v) of those positions, (B, H, P', D)
@@ -153,6 +152,11 @@ class LandmarkMemory:
         return torch.stack(out, 1) if out else idx.new_zeros((idx.shape[0], 0))
 
     @property
+    def n_tokens(self):
+        """Normal tokens fed per stream."""
+        return self.n_blocks * self.cfg.block_size + self.pending_count
+
+    @property
     def pending_count(self):
         return 0 if self.pending_ids is None else self.pending_ids.shape[1]
 
@@ -199,7 +203,6 @@ class LandmarkMemory:
             retrieved.append(ids_used[:, :, normal])
         logits = model.lm_head(model.ln_f(h[:, normal]))  # (B, n, V)
         self.pending_ids, self.pending_kv = ids, new_kv
-        self.n_tokens += new.shape[1]
         if self.pending_count == self.chunk_size:
             self._flush()
         return logits, retrieved

@@ -37,26 +37,27 @@ def load_tokenizer(path=None):
     return tok
 
 
-def _check_block_size(block_size):
-    if not isinstance(block_size, int) or block_size < 1:
+def check_block_size(block_size):
+    """Raise a clear error unless ``block_size`` is a positive int."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
 def landmarked_length(n_normal, block_size):
     """Length of the sequence after inserting landmarks into ``n_normal`` normal tokens."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     return n_normal + n_normal // block_size
 
 
 def landmark_mask(length, block_size, device=None):
     """(length,) bool: True at the landmark positions of a landmarked sequence."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     return torch.arange(length, device=device) % (block_size + 1) == block_size
 
 
 def normal_positions(n_normal, block_size, device=None):
     """(n_normal,) int64: where the normal tokens sit in the landmarked sequence."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     j = torch.arange(n_normal, device=device)
     return j + j // block_size
 

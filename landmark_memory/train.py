@@ -144,7 +144,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.rank)
 
         self.tok = load_tokenizer()
-        self.train_tokens, self.val_tokens, self.val_names = self._load_data()
+        self.train_tokens, self.val_tokens = self._load_data()
         passkey = PasskeyMix(self.tok, cfg.passkey_rate) if cfg.passkey_rate > 0 else None
         self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, passkey)
         # the same validation windows at every evaluation, so the curve compares like with like
@@ -185,7 +185,7 @@ class Trainer:
         t, v = tokenize_books(train, self.tok, eos), tokenize_books(val, self.tok, eos)
         self.log(f"data: training on {len(t):,} tokens of {len(train)} book file(s), validating on {len(v):,} tokens "
                  f"of {len(val)}: {', '.join(f.name for f in val)}")
-        return t, v, [f.name for f in val]
+        return t, v
 
     @torch.no_grad()
     def evaluate(self):

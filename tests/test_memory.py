@@ -125,6 +125,7 @@ def test_memory_usage_counts_fast_and_store_bytes(model, text):
     empty = mem.memory_usage()
     assert empty == {"fast": 0, "store": 0}
     mem.forward(text[:, :25])  # 2 chunks in memory (4 blocks per stream), 5 tokens pending
+    assert (mem.n_tokens, mem.n_blocks, mem.pending_count) == (25, 4, 5)
     usage = mem.memory_usage()
     cfg = model.config
     assert usage["store"] == 2 * 4 * cfg.n_layer * 2 * cfg.n_head * 6 * cfg.head_dim * 4  # streams, blocks, layers, k/v
