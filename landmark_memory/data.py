@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .passkey import MAX_KEY, PasskeyPrompts, answer
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach for a hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,6 +45,22 @@ def list_text_files(paths):
     if not files:
         raise FileNotFoundError(f"no .txt files found under {', '.join(map(str, paths))}")
     return sorted(set(files))
+
+
+def read_text(path):
+    """The text of a UTF-8 file, checked: an empty, binary or non-UTF-8 file raises
+    ``ValueError`` saying what is wrong and what to do."""
+    path = Path(path)
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path} is empty: there is no text to read")
+    if b"\x00" in data[:1 << 16]:
+        raise ValueError(f"{path} looks binary (it contains NUL bytes); give plain UTF-8 text files")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         f"convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
 SPLIT_SEED = 0  # the tokenizer and every training run hold out the same books
@@ -83,33 +101,40 @@ def tokenize_books(files, tokenizer, eos_id, desc="tokenizing"):
 
 
 class PasskeyMix:
-    """Plants a passkey and asks for it again at the end of a training window.
+    """Turns a fraction of training windows into passkey prompts (``passkey.py``), each with
+    its answer at the end.
 
-    Window layout: ``book text [pass key sentence] book text [question + answer]``, same
-    length as before. A model trained from scratch only learns to use far context when some
-    windows reward it, as the passkey task of the paper's Figure 3 does."""
+    A picked window holds 1 to ``max_prompts`` prompts of equal length (at least 128 tokens
+    each), each with its own key: short prompts teach copying a key at all, long ones teach
+    finding it blocks away. Each prompt's filler is the window's own book text or the paper's
+    filler sentences, at even odds; the window keeps its length. A model trained from scratch
+    only learns to use far context when some windows reward it, as the passkey task of the
+    paper's Figure 3 does."""
 
-    def __init__(self, tokenizer, rate):
+    def __init__(self, tokenizer, rate, max_prompts=4):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"passkey rate must be in [0, 1], got {rate}")
-        self.tokenizer, self.rate = tokenizer, rate
-
-    def _ids(self, text):
-        return self.tokenizer.encode(text).ids
+        self.prompts, self.rate, self.max_prompts = PasskeyPrompts(tokenizer), rate, max_prompts
 
     def __call__(self, window, rng):
         """``window`` (T+1,) int64 numpy array, modified in place when this window is picked."""
         if self.rate == 0.0 or rng.random() >= self.rate:
             return window
-        key = rng.randint(1, 50000)
-        fact = self._ids(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-        ask = self._ids(f" What is the pass key? The pass key is {key}.")
         n = len(window)
-        if len(fact) + len(ask) + 2 > n:
-            raise ValueError(f"window of {n} tokens is too short to plant a passkey; lower the passkey rate to 0")
-        window[n - len(ask):] = ask
-        at = rng.randint(0, n - len(ask) - len(fact))
-        window[at:at + len(fact)] = fact
+        m = rng.randint(1, max(1, min(self.max_prompts, n // 128)))
+        book = iter(window.tolist())
+        ids = []
+        for i in range(m):
+            size = n // m + (n % m if i == m - 1 else 0)
+            key, depth = rng.randint(1, MAX_KEY), rng.random()
+            ans = self.prompts.ids(answer(key))
+            filler = None if rng.random() < 0.5 else (lambda k: [next(book) for _ in range(k)])
+            try:
+                ids += self.prompts.prompt(size - len(ans), key, depth, filler) + ans
+            except ValueError:
+                raise ValueError(f"a window of {n} tokens is too short to plant a passkey; "
+                                 "lower the passkey rate to 0 or lengthen the windows") from None
+        window[:] = ids
         return window
 
 

@@ -12,6 +12,7 @@ at a time (decoding) gives the same result.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,7 +22,8 @@ from .index import LandmarkIndex
 from .kernels import landmark_attention_inference
 from .model import LandmarkGPT
 from .rope import RotaryEmbedding
-from .storage import DTYPES, HotCache, open_store
+from .memory_dir import LANDMARKS, TOKENS, MemoryDir, MemoryFileError, model_fingerprint
+from .storage import DTYPE_NAMES, STORES, HotCache, OverlayStore, open_store
 from .tokenizer import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 
 RETRIEVALS = ("per_token_head", "per_head", "per_token")
@@ -61,41 +63,72 @@ class LandmarkMemory:
     def __init__(self, model, *, index="flat", store="memory", path=None, top_k=4, chunk_size=250,
                  retrieval="per_token_head", position_mapping="stingy", max_blocks=None, store_dtype=None,
                  cache_bytes=256 << 20, index_options=None, backend="auto"):
+        self._configure(model, dict(index=index, store=store, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
+                                    position_mapping=position_mapping, max_blocks=max_blocks, store_dtype=store_dtype,
+                                    index_options=dict(index_options or {})), cache_bytes, backend)
+        self.dir = None
+        if path is not None:
+            if store == "memory":
+                raise ValueError("a memory saved at a path keeps its blocks on disk: pass store='lmdb' or 'mmap'")
+            self.dir = MemoryDir.create(path, {**self._manifest(), "files": {}})
+        self._open_store(path, readonly=False)
+
+    def _configure(self, model, options, cache_bytes, backend):
         if not isinstance(model, LandmarkGPT) or model.config.attention != "landmark":
             raise ValueError("LandmarkMemory needs a LandmarkGPT with attention='landmark'")
         cfg = model.config
+        chunk_size, top_k = options["chunk_size"], options["top_k"]
         if not isinstance(chunk_size, int) or chunk_size < cfg.block_size or chunk_size % cfg.block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({cfg.block_size}), "
                              f"got {chunk_size}")
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
-        if retrieval not in RETRIEVALS:
-            raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {retrieval!r}")
-        if position_mapping not in MAPPINGS:
-            raise ValueError(f"position_mapping must be one of {MAPPINGS}, got {position_mapping!r}")
+        if options["retrieval"] not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {options['retrieval']!r}")
+        if options["position_mapping"] not in MAPPINGS:
+            raise ValueError(f"position_mapping must be one of {MAPPINGS}, got {options['position_mapping']!r}")
+        max_blocks = options["max_blocks"]
         if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
             raise ValueError(f"max_blocks must be None or an int >= 1, got {max_blocks!r}")
+        if options["store"] not in STORES:
+            raise ValueError(f"unknown store {options['store']!r}; choose one of {STORES}")
         self.model = model.eval()
         self.cfg, self.top_k, self.chunk_size = cfg, top_k, chunk_size
-        self.retrieval, self.mapping, self.max_blocks = retrieval, position_mapping, max_blocks
-        self.index_kind, self.index_options, self.backend = index, dict(index_options or {}), backend
-        LandmarkIndex(index, cfg.head_dim, **self.index_options)  # fail now on a bad kind or option
+        self.retrieval, self.mapping, self.max_blocks = options["retrieval"], options["position_mapping"], max_blocks
+        self.index_kind, self.index_options, self.backend = options["index"], options["index_options"], backend
+        LandmarkIndex(self.index_kind, cfg.head_dim, **self.index_options)  # fail now on a bad kind or option
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        store_dtype = store_dtype or {v: k for k, v in DTYPES.items()}[self.dtype]
+        self.store_kind, self.store_dtype = options["store"], options["store_dtype"] or DTYPE_NAMES[self.dtype]
+        self.cache_bytes = cache_bytes
         self.L = cfg.block_size + 1
-        self.store = open_store(store, (2, cfg.n_head, self.L, cfg.head_dim), path, store_dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
-        offsets = torch.arange(self.L, device=self.device)
-        # cached blocks are pool-ready: keys rotated by their offset inside the block
-        self.cache = HotCache(self.store, self.device, self.dtype, cache_bytes,
-                              prepare=lambda kv: torch.stack([self.rope(kv[:, 0], offsets), kv[:, 1]], 1))
         self.streams = None  # batch size, fixed by the first forward
         self.n_blocks = 0  # blocks in memory per stream
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * cfg.n_layer  # per layer (k, k rotated, v) of those positions, (B, H, P', D)
         self.landmarks = [None] * cfg.n_layer  # per layer (B, H, >= n_blocks, D) landmark keys, no RoPE
         self.indexes = None  # [stream][layer][head] LandmarkIndex
+        self.chunk_ids = []  # int32 (B, chunk_size) token ids of each chunk in memory
+        self.inputs = []  # what was ingested, kept in the manifest (the CLI's build fills it)
+        self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
+        self._fingerprint, self._closed = None, False
+
+    def _open_store(self, path, readonly):
+        cfg = self.cfg
+        store_path = None if path is None else Path(path) / "store"
+        self.store = open_store(self.store_kind, (2, cfg.n_head, self.L, cfg.head_dim), store_path, self.store_dtype,
+                                readonly=readonly)
+        if readonly:
+            self.store = OverlayStore(self.store)
+        offsets = torch.arange(self.L, device=self.device)
+        # cached blocks are pool-ready: keys rotated by their offset inside the block
+        self.cache = HotCache(self.store, self.device, self.dtype, self.cache_bytes,
+                              prepare=lambda kv: torch.stack([self.rope(kv[:, 0], offsets), kv[:, 1]], 1))
+
+    def _new_indexes(self):
+        return [[[LandmarkIndex(self.index_kind, self.cfg.head_dim, **self.index_options)
+                  for _ in range(self.cfg.n_head)] for _ in range(self.cfg.n_layer)] for _ in range(self.streams)]
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
@@ -107,9 +140,7 @@ class LandmarkMemory:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         if self.streams is None:
             self.streams = idx.shape[0]
-            self.indexes = [[[LandmarkIndex(self.index_kind, self.cfg.head_dim, **self.index_options)
-                              for _ in range(self.cfg.n_head)] for _ in range(self.cfg.n_layer)]
-                            for _ in range(self.streams)]
+            self.indexes = self._new_indexes()
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
         idx = idx.to(self.device)
@@ -172,8 +203,158 @@ class LandmarkMemory:
         store = self.n_blocks * (self.streams or 0) * self.cfg.n_layer * self.store.nbytes
         return {"fast": fast, "store": store}
 
-    def close(self):
+    def tokens(self, stream=0):
+        """int32 (n_blocks * block_size,) the normal token ids of every block in memory."""
+        if not self.chunk_ids:
+            return np.zeros(0, np.int32)
+        return np.concatenate([c[stream] for c in self.chunk_ids])
+
+    # ---- persistence --------------------------------------------------------------------
+    def commit(self):
+        """Make everything fed so far durable in the memory directory (DESIGN.md
+        "Persistence"); returns the commit number. A process killed at any instant leaves the
+        memory at its last commit."""
+        if self.dir is None:
+            raise ValueError("this memory has no directory: create it with a path (and store='lmdb' or 'mmap') "
+                             "to save it")
+        if self.readonly:
+            raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
+        files = {}
+        if self.streams is not None:
+            B, bs, c0, nb = self.streams, self.cfg.block_size, self._committed_blocks, self.n_blocks
+            per_chunk = self.chunk_size // bs
+            ids = np.concatenate(self.chunk_ids[c0 // per_chunk:], 1) if nb > c0 else np.zeros((B, 0), np.int32)
+            rows = ids.reshape(B, nb - c0, bs).transpose(1, 0, 2)  # (n, B, bs)
+            self.dir.write_rows(TOKENS, c0 * B * bs * 4, np.ascontiguousarray(rows, np.int32).tobytes())
+            lm = [t[:, :, c0:nb] if t is not None else None for t in self.landmarks]
+            lm = torch.stack(lm, 2).permute(3, 0, 2, 1, 4) if nb > c0 else None  # (n, B, n_layer, H, D)
+            self.dir.write_rows(LANDMARKS, c0 * self._landmark_row_bytes(),
+                                b"" if lm is None else lm.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            state = {f"index.{b}.{layer}.{h}": torch.from_numpy(ix.to_bytes())
+                     for b, s in enumerate(self.indexes) for layer, heads in enumerate(s) for h, ix in enumerate(heads)}
+            if self.pending_count:
+                state["pending_ids"] = self.pending_ids.cpu()
+                for layer, (k, _, v) in enumerate(self.pending_kv):
+                    state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
+            files["state"] = self.dir.write_state(self.commit_count + 1, state)
+        self.commit_count += 1
+        self.dir.write_manifest({**self._manifest(), "commit": self.commit_count, "files": files})
+        self._committed_blocks = self.n_blocks
+        self.dir.drop_old_states(files["state"]["name"] if files else None)
+        return self.commit_count
+
+    QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "nprobe", "ef_search")
+
+    @classmethod
+    def open(cls, path, model, *, readonly=False, cache_bytes=256 << 20, backend="auto", **options):
+        """A saved memory, at its last commit, ready to continue as if it had never stopped.
+
+        Parameters
+        ----------
+        path : str or Path, the memory directory.
+        model : LandmarkGPT, the model the memory was built with (checked by fingerprint).
+        readonly : bool, read without the writer lock (any number of readers); text fed
+            afterwards stays in this process and is never saved.
+        options : query-time settings to change: top_k, retrieval, position_mapping,
+            max_blocks, nprobe, ef_search. The rest was fixed when the memory was built.
+        """
+        bad = sorted(set(options) - set(cls.QUERY_OPTIONS))
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot change once a memory is built; only {', '.join(cls.QUERY_OPTIONS)} can")
+        search = {k: options.pop(k) for k in ("nprobe", "ef_search") if k in options}
+        fingerprint = model_fingerprint(model)
+        d = MemoryDir(path, writable=not readonly)
+        try:
+            for attempt in range(3):  # a reader may race a writer that just replaced the state file
+                doc = d.read_manifest()
+                saved = doc["model"]
+                if saved["fingerprint"] != fingerprint:
+                    raise MemoryFileError(
+                        f"the memory {path} was built with another model (config {saved['config']}, fingerprint "
+                        f"{saved['fingerprint'][:12]}); open it with that model")
+                opts = dict(doc["options"])
+                opts = {**opts, **options, "index_options": {**opts["index_options"], **search}}
+                try:
+                    state = d.read_state(doc["files"]["state"]) if doc["files"] else {}
+                    break
+                except FileNotFoundError as e:
+                    if attempt == 2 or not readonly:
+                        raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup "
+                                              "or rebuild it") from None
+            mem = cls.__new__(cls)
+            mem._configure(model, opts, cache_bytes, backend)
+            mem.dir, mem.readonly, mem._fingerprint = d, readonly, fingerprint
+            mem._open_store(path, readonly)
+            mem._load(doc, state)
+        except BaseException:
+            d.close()
+            raise
+        return mem
+
+    def _landmark_row_bytes(self):
+        return self.streams * self.cfg.n_layer * self.cfg.n_head * self.cfg.head_dim * self.dtype.itemsize
+
+    def _load(self, doc, state):
+        self.commit_count, self.inputs = doc["commit"], doc["inputs"]
+        if doc["streams"] is None:
+            return
+        cfg, B, nb = self.cfg, doc["streams"], doc["blocks"]
+        bs, H, D = cfg.block_size, cfg.n_head, cfg.head_dim
+        self.streams, self.n_blocks, self._committed_blocks = B, nb, nb
+        tok = np.frombuffer(self.dir.read_rows(TOKENS, nb * B * bs * 4), np.int32).reshape(nb, B, bs)
+        per_chunk = self.chunk_size // bs
+        self.chunk_ids = [tok[c:c + per_chunk].transpose(1, 0, 2).reshape(B, -1) for c in range(0, nb, per_chunk)]
+        raw = self.dir.read_rows(LANDMARKS, nb * self._landmark_row_bytes())
+        if nb:
+            lm = torch.frombuffer(bytearray(raw), dtype=self.dtype).view(nb, B, cfg.n_layer, H, D).to(self.device)
+            self.landmarks = [lm[:, :, layer].permute(1, 2, 0, 3).contiguous() for layer in range(cfg.n_layer)]
+        self.indexes = [[[LandmarkIndex.from_bytes(self.index_kind, D, state[f"index.{b}.{layer}.{h}"].numpy(),
+                                                   **self.index_options)
+                          for h in range(H)] for layer in range(cfg.n_layer)] for b in range(B)]
+        if any(ix.ntotal != nb for s in self.indexes for heads in s for ix in heads):
+            raise MemoryFileError(f"the indexes of {self.dir.path} do not hold the {nb} blocks the manifest names; "
+                                  "the memory is damaged: restore it from a backup or rebuild it")
+        try:
+            if nb:
+                self.store.get([(b, layer, nb - 1) for b in range(B) for layer in range(cfg.n_layer)])
+        except KeyError:
+            raise MemoryFileError(f"the block store of {self.dir.path} lacks blocks the manifest names; "
+                                  "the memory is damaged: restore it from a backup or rebuild it") from None
+        if "pending_ids" in state:
+            self.pending_ids = state["pending_ids"].to(self.device)
+            pos = self._base() + torch.arange(state["pending.0.k"].shape[2], device=self.device)
+            self.pending_kv = []
+            for layer in range(cfg.n_layer):
+                k, v = (state[f"pending.{layer}.{n}"].to(self.device) for n in "kv")
+                self.pending_kv.append((k, self.rope(k, pos), v))
+
+    def _manifest(self):
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return {"model": {"fingerprint": self._fingerprint, "config": self.cfg.to_dict(), "dtype": DTYPE_NAMES[self.dtype]},
+                "options": {"index": self.index_kind, "index_options": self.index_options, "store": self.store_kind,
+                            "store_dtype": self.store_dtype, "top_k": self.top_k, "chunk_size": self.chunk_size,
+                            "retrieval": self.retrieval, "position_mapping": self.mapping, "max_blocks": self.max_blocks},
+                "streams": self.streams, "blocks": self.n_blocks, "tokens": self.n_tokens,
+                "pending_tokens": self.pending_count, "inputs": self.inputs}
+
+    def close(self, commit=True):
+        """Release the store and the writer lock; a writable saved memory commits first
+        (``commit=False`` drops what was fed since the last commit)."""
+        if self._closed:
+            return
+        if commit and self.dir is not None and not self.readonly:
+            self.commit()
+        self._closed = True
         self.store.close()
+        if self.dir is not None:
+            self.dir.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(commit=exc_type is None)
 
     # ---- one step: new tokens after the pending ones, within one chunk -------------------
     def _step(self, new):
@@ -182,8 +363,7 @@ class LandmarkMemory:
         ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
         x = insert_landmarks(ids, bs, cfg.landmark_id)  # (B, Tk) the chunk so far
         p0, Tk = landmarked_length(P, bs), x.shape[1]
-        base = (self.top_k + 1) * self.L if self.mapping == "stingy" else self.n_blocks * self.L
-        qpos = base + torch.arange(p0, Tk, device=self.device)
+        qpos = self._base() + torch.arange(p0, Tk, device=self.device)
         h = model.wte(x[:, p0:])  # (B, Tq, C)
         normal = ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv = [], []
@@ -206,6 +386,11 @@ class LandmarkMemory:
         if self.pending_count == self.chunk_size:
             self._flush()
         return logits, retrieved
+
+    def _base(self):
+        """Position of the chunk's first token: after the (top_k + 1) stingy slots, or after
+        every block in memory (exact)."""
+        return (self.top_k + 1) * self.L if self.mapping == "stingy" else self.n_blocks * self.L
 
     def _flush(self):
         """The finished chunk's blocks go to memory: rows to the store (one transaction),
@@ -232,6 +417,7 @@ class LandmarkMemory:
                 for hd in range(H):
                     self.indexes[b][layer][hd].add(xb[b, hd])
         self.store.put(items)
+        self.chunk_ids.append(self.pending_ids.to("cpu", torch.int32).numpy())
         self.n_blocks += n_new
         self.pending_ids, self.pending_kv = None, [None] * self.cfg.n_layer
 

@@ -49,6 +49,7 @@ class TrainConfig:
     n_embd: int = 1024
     ffn_hidden: int = 4096
     dropout: float = 0.0
+    init_from: str = ""  # start from this saved model's weights and config (fine-tuning); "" = random init
     # optimisation (paper defaults)
     batch_size: int = 8  # per process, per micro-step
     grad_accum: int = 1
@@ -154,7 +155,11 @@ class Trainer:
         mcfg = LandmarkConfig.for_tokenizer(self.tok, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                                             ffn_hidden=cfg.ffn_hidden, attention=cfg.attention,
                                             block_size=cfg.block_size, dropout=cfg.dropout)
-        self.model = LandmarkGPT(mcfg).to(self.device)
+        if cfg.init_from:  # the saved model's architecture wins over the model flags
+            self.model = LandmarkGPT.from_pretrained(cfg.init_from).to(self.device)
+            self.log(f"initialised from {cfg.init_from}")
+        else:
+            self.model = LandmarkGPT(mcfg).to(self.device)
         self.opt = build_optimizer(self.model, cfg, self.device.type)
         self.step, self.best_val, self.first_val = 0, float("inf"), None
         if cfg.resume:

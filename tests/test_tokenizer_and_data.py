@@ -1,11 +1,14 @@
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
-from landmark_memory.data import PasskeyMix, WindowSampler, list_text_files, split_books, strip_gutenberg
+from landmark_memory.data import PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
+from landmark_memory.evaluate import parse_lengths
+from landmark_memory.passkey import PasskeyPrompts, first_int
 from landmark_memory.tokenizer import IGNORE_INDEX, LANDMARK_TOKEN, SPECIAL_TOKENS
 
 LM = 1
@@ -98,6 +101,47 @@ def test_passkey_mix_plants_fact_and_answer_without_changing_length():
     key = text.split("The pass key is ")[1].split(".")[0]
     assert len(out) == 200
     assert f"{key} is the pass key" in text and text.rstrip().endswith(f"What is the pass key? The pass key is {key}.")
+
+
+def test_passkey_mix_packs_prompts_each_asking_for_its_own_key():
+    tok = load_tokenizer()
+    mix = PasskeyMix(tok, rate=1.0, max_prompts=4)
+    counts = set()
+    for seed in range(12):
+        book = np.arange(1000, 1513, dtype=np.int64)
+        out = mix(book.copy(), random.Random(seed))
+        text = tok.decode(out.tolist())
+        asked = re.findall(r"The pass key is (\d+)\. Remember it\. (\d+) is the pass key", text)
+        answers = re.findall(r"What is the pass key\? The pass key is (\d+)\.", text)
+        assert len(out) == 513 and [a for a, b in asked] == [b for a, b in asked] == answers
+        counts.add(len(answers))
+    assert counts == {1, 2, 3, 4}
+
+
+def test_passkey_prompt_has_the_asked_length_and_depth():
+    prompts = PasskeyPrompts(load_tokenizer())
+    for n, depth in [(100, 0.0), (2000, 0.5), (5000, 1.0)]:
+        ids = prompts.prompt(n, 31415, depth)
+        text = prompts.tok.decode(ids)
+        assert len(ids) == n and text.endswith("What is the pass key? The pass key is")
+        at = text.index("The pass key is 31415")
+        assert n == 100 or abs(at / len(text) - depth) < 0.05
+    with pytest.raises(ValueError, match="needs more than"):
+        prompts.prompt(20, 1, 0.5)
+
+
+def test_first_int_and_length_parsing():
+    assert first_int(" 4821. Remember") == 4821 and first_int(" no digits") is None
+    assert parse_lengths("1k, 4k,300,1m") == [1024, 4096, 300, 1 << 20]
+    with pytest.raises(ValueError, match="cannot read length"):
+        parse_lengths("4x")
+
+
+def test_read_text_explains_what_is_wrong(tmp_path):
+    for data, message in [(b"", "is empty"), (b"\x00\x01\x02", "looks binary"), ("d\u00e9j\u00e0".encode("latin-1"), "not UTF-8")]:
+        (tmp_path / "f.txt").write_bytes(data)
+        with pytest.raises(ValueError, match=message):
+            read_text(tmp_path / "f.txt")
 
 
 def test_window_sampler_targets_are_inputs_shifted():

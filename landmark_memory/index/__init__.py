@@ -13,6 +13,7 @@ train on all keys seen so far, move them over, and stay trained.
 """
 
 import math
+import time
 
 import faiss
 import numpy as np
@@ -48,8 +49,12 @@ class LandmarkIndex:
         self.kind, self.dim = kind, dim
         self.base = kind.removesuffix("-gpu")
         self.train_size = train_size or (16384 if self.base == "ivfpq" else 4096)
+        if self.base == "ivfpq" and self.train_size < 16:
+            raise ValueError(f"ivfpq needs train_size >= 16 (its smallest PQ codebooks have 16 centroids), "
+                             f"got {self.train_size}")
         self.nprobe, self.ef_search, self.refine = nprobe, ef_search, refine
         self.trained = self.base in ("flat", "hnsw")
+        self.searches, self.search_seconds = 0, 0.0  # calls to search() and time spent in FAISS
         self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
     def _build(self, factory):
@@ -58,6 +63,25 @@ class LandmarkIndex:
             self._res = getattr(self, "_res", None) or faiss.StandardGpuResources()
             index = faiss.index_cpu_to_gpu(self._res, 0, index)
         return index
+
+    def to_bytes(self):
+        """The index in FAISS's own serialisation, uint8 (n,)."""
+        index = faiss.index_gpu_to_cpu(self.index) if self.kind.endswith("-gpu") else self.index
+        return faiss.serialize_index(index)
+
+    @classmethod
+    def from_bytes(cls, kind, dim, data, **options):
+        """An index of ``kind`` restored from ``to_bytes()`` output ``data`` (uint8 (n,))."""
+        ix = cls(kind, dim, **options)
+        index = faiss.deserialize_index(np.ascontiguousarray(data, dtype=np.uint8))
+        if index.d != dim:
+            raise ValueError(f"serialised index has dimension {index.d}, expected {dim}")
+        ix.trained = ix.trained or not isinstance(index, faiss.IndexFlat)  # IVF kinds search flat until trained
+        ix.index = index
+        if kind.endswith("-gpu") and ix.trained:
+            ix._res = faiss.StandardGpuResources()
+            ix.index = faiss.index_cpu_to_gpu(ix._res, 0, index)
+        return ix
 
     @property
     def ntotal(self):
@@ -112,7 +136,10 @@ class LandmarkIndex:
             params = faiss.SearchParametersIVF(sel=sel, nprobe=self.nprobe)
             if self.base == "ivfpq" and self.refine:
                 params = faiss.IndexRefineSearchParameters(k_factor=self.refine, base_index_params=params)
+        t0 = time.perf_counter()
         D, I = self.index.search(xq, k, params=params)
+        self.searches += 1
+        self.search_seconds += time.perf_counter() - t0
         D[I < 0] = -np.inf
         return D, I
 

@@ -11,6 +11,7 @@ all heads, a (2, H, block_size + 1, D) tensor (landmark row last). Backends:
 Stored dtype is float32, float16 or bfloat16 (``dtype``); tensors come back in that dtype.
 """
 
+import os
 import struct
 from collections import OrderedDict
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 STORES = ("memory", "lmdb", "mmap")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class BlockStore:
@@ -73,15 +75,30 @@ class MemoryStore(BlockStore):
         return [self._data[k] for k in keys]
 
 
+_LMDB_ENVS = {}  # real path -> [environment, users]: LMDB allows one environment per file and process
+
+
 class LmdbStore(BlockStore):
-    """LMDB environment at ``path``; the map grows by doubling when full."""
+    """LMDB environment at ``path``; the map grows by doubling when full. Stores of one path in
+    one process share the environment."""
 
     def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False):
         import lmdb
 
         super().__init__(shape, dtype)
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), map_size=map_size, readonly=readonly, lock=not readonly, max_dbs=0)
+        if not readonly:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        self.key = os.path.realpath(path)
+        shared = _LMDB_ENVS.get(self.key)
+        if shared is None:
+            # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only media
+            env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
+                            lock=not readonly or os.access(path, os.W_OK))
+            shared = _LMDB_ENVS[self.key] = [env, 0]
+        elif not readonly and shared[0].flags()["readonly"]:
+            raise ValueError(f"{path} is open read-only in this process; close its readers before writing")
+        shared[1] += 1
+        self.env = shared[0]
 
     @staticmethod
     def _key(k):
@@ -104,16 +121,23 @@ class LmdbStore(BlockStore):
             return [txn.get(self._key(k)) for k in keys]
 
     def close(self):
-        self.env.close()
+        shared = _LMDB_ENVS.get(self.key)
+        if shared is None or shared[0] is not self.env:
+            return
+        shared[1] -= 1
+        if shared[1] == 0:
+            del _LMDB_ENVS[self.key]
+            self.env.close()
 
 
 class MmapStore(BlockStore):
     """One file ``s{stream}_l{layer}.blocks`` per (stream, layer) under ``path``."""
 
-    def __init__(self, shape, path, dtype="float16"):
+    def __init__(self, shape, path, dtype="float16", readonly=False):
         super().__init__(shape, dtype)
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path, self.readonly = Path(path), readonly
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
         self._maps = {}
 
     def _map(self, stream, layer, need=0):
@@ -122,13 +146,15 @@ class MmapStore(BlockStore):
         mm = self._maps.get(key)
         capacity = f.stat().st_size // self.nbytes if f.exists() else 0
         if need > capacity:
+            if self.readonly:
+                raise PermissionError(f"{f} is open read-only")
             if mm is not None:
                 mm.flush()
             with open(f, "ab") as fh:
                 fh.truncate(max(need, 2 * capacity, 16) * self.nbytes)
             mm = None
         if mm is None and f.exists():
-            mm = np.memmap(f, dtype=np.uint8, mode="r+").reshape(-1, self.nbytes)
+            mm = np.memmap(f, dtype=np.uint8, mode="r" if self.readonly else "r+").reshape(-1, self.nbytes)
             self._maps[key] = mm
         return mm
 
@@ -146,20 +172,43 @@ class MmapStore(BlockStore):
         return out
 
     def close(self):
-        for mm in self._maps.values():
-            mm.flush()
+        if not self.readonly:
+            for mm in self._maps.values():
+                mm.flush()
         self._maps.clear()
 
 
-def open_store(kind, shape, path=None, dtype="float16"):
-    """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path``."""
+class OverlayStore(BlockStore):
+    """A read-only ``base`` store with new blocks kept in memory: a reader of a saved memory
+    can feed more text without touching the files."""
+
+    def __init__(self, base):
+        super().__init__(base.shape, DTYPE_NAMES[base.dtype])
+        self.base, self.new = base, MemoryStore(base.shape, DTYPE_NAMES[base.dtype])
+
+    def put(self, items):
+        self.new.put(items)
+
+    def get(self, keys):
+        keys = list(keys)
+        mine = [k in self.new._data for k in keys]
+        old = iter(self.base.get([k for k, m in zip(keys, mine) if not m]))
+        return [self.new._data[k] if m else next(old) for k, m in zip(keys, mine)]
+
+    def close(self):
+        self.base.close()
+
+
+def open_store(kind, shape, path=None, dtype="float16", readonly=False):
+    """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path`` and may be
+    opened ``readonly``."""
     if kind not in STORES:
         raise ValueError(f"unknown store {kind!r}; choose one of {STORES}")
     if kind == "memory":
         return MemoryStore(shape, dtype)
     if path is None:
         raise ValueError(f"store {kind!r} keeps blocks on disk: pass a path")
-    return (LmdbStore if kind == "lmdb" else MmapStore)(shape, Path(path) / kind, dtype)
+    return (LmdbStore if kind == "lmdb" else MmapStore)(shape, Path(path) / kind, dtype, readonly=readonly)
 
 
 class HotCache:

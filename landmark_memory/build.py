@@ -1,0 +1,114 @@
+"""Ingesting text files into a saved memory: resumable, crash-safe and interruptible.
+
+Each input is recorded in the memory's manifest with its content hash, its token count and how
+many of its tokens are in memory. Building again with the same inputs skips finished ones and
+continues an unfinished one exactly where its last commit left it, so a killed or interrupted
+build loses nothing and duplicates nothing.
+"""
+
+import hashlib
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .data import list_text_files, read_text, strip_gutenberg
+from .tokenizer import EOS_TOKEN
+
+
+@dataclass
+class TextInput:
+    path: Path
+    text: str
+    sha256: str
+
+
+def read_inputs(paths):
+    """Every text file named or found under ``paths``, read and checked before anything is
+    written (empty, binary and non-UTF-8 files raise ``ValueError``)."""
+    out = []
+    for f in list_text_files(paths):
+        text = read_text(f)
+        out.append(TextInput(f, text, hashlib.sha256(text.encode()).hexdigest()))
+    return out
+
+
+def encode(tokenizer, text):
+    """Token ids of a text as the memory holds it: Gutenberg licence stripped, end-of-text after."""
+    return tokenizer.encode(strip_gutenberg(text)).ids + [tokenizer.token_to_id(EOS_TOKEN)]
+
+
+class _StopOnInterrupt:
+    """Ctrl-C sets a flag that the build loop checks between chunks (then commits and stops)."""
+
+    def __enter__(self):
+        self.stop, self._old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.stop = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def build(mem, inputs, tokenizer, commit_every=60.0, progress=True):
+    """Feed ``inputs`` (``TextInput``) into the writable saved memory ``mem``.
+
+    Commits every ``commit_every`` seconds and after each input. Returns a summary dict:
+    ``added`` (tokens fed now), ``skipped`` (inputs already in memory), ``interrupted``.
+    """
+    done = {e["sha256"]: e for e in mem.inputs}
+    unfinished = [e for e in mem.inputs if e["ingested"] < e["tokens"]]
+    given = {i.sha256: i for i in inputs}
+    if unfinished and unfinished[0]["sha256"] not in given:
+        e = unfinished[0]
+        raise ValueError(f"the memory holds an unfinished input, {e['path']} ({e['ingested']:,} of {e['tokens']:,} "
+                         "tokens); build again with that file among the inputs to finish it first")
+    order = [given[unfinished[0]["sha256"]]] if unfinished else []
+    order += [i for i in inputs if i not in order]
+    summary = {"added": 0, "skipped": [], "interrupted": False}
+    last_commit = time.monotonic()
+    with _StopOnInterrupt() as interrupt:
+        for inp in order:
+            entry = done.get(inp.sha256)
+            if entry is not None and entry["ingested"] == entry["tokens"]:
+                summary["skipped"].append(str(inp.path))
+                continue
+            ids = encode(tokenizer, inp.text)
+            if entry is None:
+                entry = {"path": str(inp.path), "name": inp.path.name, "sha256": inp.sha256, "tokens": len(ids),
+                         "ingested": 0, "start": mem.n_tokens}
+                mem.inputs.append(entry)
+                done[inp.sha256] = entry
+            elif entry["tokens"] != len(ids):
+                raise ValueError(f"{inp.path} now encodes to {len(ids):,} tokens, not the {entry['tokens']:,} recorded "
+                                 "when its build began: the tokenizer differs; rebuild the memory from scratch")
+            pos = entry["ingested"]
+            bar = tqdm(total=len(ids), initial=pos, unit="tok", unit_scale=True, desc=inp.path.name,
+                       disable=not progress, dynamic_ncols=True)
+            while pos < len(ids):
+                n = min(mem.chunk_size - mem.pending_count, len(ids) - pos)
+                mem.forward(torch.tensor([ids[pos:pos + n]]))
+                pos += n
+                entry["ingested"] = pos
+                summary["added"] += n
+                bar.update(n)
+                if interrupt.stop or time.monotonic() - last_commit >= commit_every:
+                    mem.commit()
+                    last_commit = time.monotonic()
+                if interrupt.stop:
+                    bar.close()
+                    summary["interrupted"] = True
+                    return summary
+            bar.close()
+            mem.commit()
+            last_commit = time.monotonic()
+    return summary

@@ -1,0 +1,101 @@
+"""``landmark-memory demo``: a persistent memory over a book, end to end, in a few minutes.
+
+1. plant a pass key at a random place in the bundled sample book and build a saved memory
+   over it (progress shown);
+2. reopen the memory in a fresh process and ask for the pass key, showing the passage the
+   answer read;
+3. read the book again with exact and approximate landmark indexes and print the
+   perplexity, recall and search latency of each.
+"""
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .build import build, encode, read_inputs
+from .data import SAMPLE_DIR, read_text, strip_gutenberg
+from .evaluate import compare_indexes
+from .memory import LandmarkMemory
+from .model import BUNDLED_MODEL
+from .passkey import MAX_KEY, QUESTION, fact, first_int
+from .tokenizer import load_tokenizer
+
+SAMPLE_BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"
+DEMO_INDEXES = ("flat", "hnsw", "ivf", "ivfpq")
+
+
+def plant_passkey(text, key, rng):
+    """``text`` with the pass key sentence inserted after a random sentence; returns the new
+    text and the fraction of the text that precedes the key."""
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s)", text)]
+    if not ends:
+        raise ValueError("the text has no sentence end to plant a pass key after")
+    at = rng.choice(ends)
+    return text[:at] + fact(key) + text[at:], at / len(text)
+
+
+def run_demo(args):
+    t0 = time.time()
+    from .cli import load_model  # the CLI's model loading, shared
+
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    rng = random.Random(seed)
+    key = rng.randint(1, MAX_KEY)
+    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="landmark-demo-"))
+    mem_path = work / "memory"
+    if mem_path.exists():
+        raise ValueError(f"{mem_path} already exists; give the demo a new --out folder")
+    work.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    try:
+        source = Path(args.book) if args.book else SAMPLE_BOOK
+        text, depth = plant_passkey(strip_gutenberg(read_text(source)), key, rng)
+        book = work / "book-with-passkey.txt"
+        book.write_text(text)
+        tok, model = load_tokenizer(), load_model(args.model, args.device)
+        n_tokens = len(encode(tok, text))
+
+        say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens) with the pass key {key} planted "
+            f"{100 * depth:.0f}% of the way in (seed {seed})")
+        with LandmarkMemory(model, path=mem_path, index="flat", store="lmdb", top_k=4, chunk_size=250) as mem:
+            build(mem, read_inputs([book]), tok, progress=not args.quiet)
+        say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
+
+        say(f"2. Reopening it in a fresh process and asking:{QUESTION}")
+        cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--max-new-tokens", "8",
+               "--json", "--model", str(args.model or BUNDLED_MODEL), "--device", args.device]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"the ask process failed:\n{run.stderr}")
+        asked = json.loads(run.stdout)
+        answer = first_int(asked["text"])
+        top = asked["retrieved"][0] if asked["retrieved"] else None
+        say(f"   answer:{asked['text']!r} -> {answer} ({'correct' if answer == key else f'wrong, the key is {key}'})")
+        if top:
+            say(f"   most-read passage ({100 * top['share']:.0f}% of lookups, token {top['token_offset']:,} of "
+                f"{Path(top['source']).name}; {'holds' if str(key) in top['text'] else 'does not hold'} the key):\n"
+                f"   \"{' '.join(top['text'].split())}\"")
+
+        say("3. Perplexity of the book read through memory, exact vs approximate landmark search")
+        opts = {"top_k": 4, "chunk_size": 250, "index_options": {"train_size": 1024}}
+        ids = encode(tok, text)
+        rows = compare_indexes(model, ids, DEMO_INDEXES, len(ids) - 1, opts, progress=not args.quiet)
+        say(f"   {'index':6s} {'perplexity':>10s} {'vs exact':>9s} {'recall@4':>9s} {'search ms':>10s}")
+        for r in rows:
+            say(f"   {r['index']:6s} {r['perplexity']:10.2f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
+                f"{r['search_ms']:10.3f}")
+        say(f"done in {time.time() - t0:.0f} s")
+        if args.json:
+            print(json.dumps({"seed": seed, "key": key, "depth": depth, "tokens": n_tokens, "answer": answer,
+                              "correct": answer == key, "retrieved": asked["retrieved"], "compare": rows,
+                              "seconds": time.time() - t0, "memory": str(mem_path) if args.out else None}, indent=1))
+        return 0
+    finally:
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""Perplexity, exact-vs-approximate comparison and passkey accuracy of a model, with or
+without memory: the measurements behind the CLI's eval, compare and passkey commands."""
+
+import math
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .index import recall_at_k
+from .memory import LandmarkMemory
+from .passkey import run_passkey
+
+
+def parse_lengths(text):
+    """``"1k,4k,16384"`` -> [1024, 4096, 16384] (k = 1024, m = 1024²)."""
+    out = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        mult = {"k": 1024, "m": 1024 ** 2}.get(part[-1], 1)
+        try:
+            n = int(float(part.rstrip("km")) * mult)
+        except ValueError:
+            raise ValueError(f"cannot read length {part!r}: use integers with an optional k or m, e.g. 1k,4k,16k") from None
+        if n < 1:
+            raise ValueError(f"lengths must be positive, got {part!r}")
+        out.append(n)
+    if not out:
+        raise ValueError("no lengths given: use e.g. --lengths 1k,4k,16k")
+    return out
+
+
+def uses_memory(model, in_sequence=False):
+    """Memory applies to landmark models unless the whole input is asked for in one forward."""
+    return model.config.attention == "landmark" and not in_sequence
+
+
+@torch.no_grad()
+def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_retrieved=False, progress=True,
+               desc="perplexity"):
+    """Perplexity of ``ids`` cut into segments of ``eval_length`` predicted tokens (paper Table 1):
+    each segment is read from its start, alone.
+
+    Parameters
+    ----------
+    model : LandmarkGPT.
+    ids : list or int array (n,), token ids.
+    eval_length : int, tokens predicted per segment (the segment holds one more).
+    memory : dict or None, ``LandmarkMemory`` options to read each segment chunk by chunk with
+        retrieval; None runs each segment through the model in one forward (in sequence).
+    max_segments : int, optional, evaluate only the first segments.
+    keep_retrieved : bool, return the retrieved block ids of every segment and layer.
+
+    Returns
+    -------
+    dict: ``perplexity``, ``loss`` (mean nats/token), ``tokens``, ``segments``, ``seconds``,
+    ``searches`` and ``search_seconds`` (FAISS calls), ``retrieved`` when asked.
+    """
+    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    n_seg = (len(ids) - 1) // eval_length
+    if n_seg < 1:
+        raise ValueError(f"the text has {len(ids)} tokens, too few for one segment of {eval_length}; "
+                         "lower --eval-length or give a longer text")
+    if max_segments:
+        n_seg = min(n_seg, max_segments)
+    device = next(model.parameters()).device
+    total = count = searches = 0
+    search_s, retrieved, t0 = 0.0, [], time.perf_counter()
+    for s in tqdm(range(n_seg), desc=desc, unit="seg", disable=not progress, dynamic_ncols=True):
+        seg = ids[s * eval_length:(s + 1) * eval_length + 1].to(device)
+        x, y = seg[None, :-1], seg[None, 1:]
+        if memory is None:
+            _, loss = model(x, y)
+        else:
+            mem = LandmarkMemory(model, **memory)
+            out = mem.forward(x, y)
+            loss = out.loss
+            ixs = [ix for s_ in mem.indexes for layer in s_ for ix in layer]
+            searches += sum(ix.searches for ix in ixs)
+            search_s += sum(ix.search_seconds for ix in ixs)
+            if keep_retrieved:
+                retrieved.append([r.cpu() for r in out.retrieved])
+            mem.close()
+        total += loss.item() * eval_length
+        count += eval_length
+    loss = total / count
+    res = {"perplexity": math.exp(loss), "loss": loss, "tokens": count, "segments": n_seg,
+           "seconds": time.perf_counter() - t0, "searches": searches, "search_seconds": search_s}
+    if keep_retrieved:
+        res["retrieved"] = retrieved
+    return res
+
+
+def compare_indexes(model, ids, kinds, eval_length, memory, *, max_segments=None, progress=True):
+    """Perplexity, recall@k of the retrieved blocks against exact search, and FAISS search
+    latency, per index kind (``flat`` is always measured first: it is the reference).
+
+    Returns a list of dicts: ``index``, ``perplexity``, ``ppl_delta_pct`` (vs flat),
+    ``recall`` (mean over segments, layers, heads and tokens), ``search_ms`` (per call),
+    ``seconds``."""
+    kinds = ["flat"] + [k for k in kinds if k != "flat"]
+    rows, exact = [], None
+    for kind in kinds:
+        res = perplexity(model, ids, eval_length, memory={**memory, "index": kind}, max_segments=max_segments,
+                         keep_retrieved=True, progress=progress, desc=kind)
+        if exact is None:
+            exact = res
+        hits = [recall_at_k(r.reshape(-1, r.shape[-1]).numpy(), e.reshape(-1, e.shape[-1]).numpy())
+                for seg, seg_exact in zip(res["retrieved"], exact["retrieved"]) for r, e in zip(seg, seg_exact)]
+        rows.append({"index": kind, "perplexity": res["perplexity"],
+                     "ppl_delta_pct": 100 * (res["perplexity"] / exact["perplexity"] - 1),
+                     "recall": float(np.mean(hits)), "searches": res["searches"],
+                     "search_ms": 1e3 * res["search_seconds"] / max(1, res["searches"]), "seconds": res["seconds"]})
+    return rows
+
+
+def passkey_accuracy(model, tokenizer, lengths, trials, seed, memory=None, max_new_tokens=8, progress=True):
+    """The passkey test (``passkey.run_passkey``) with greedy decoding, through a fresh memory
+    per prompt (``memory``: ``LandmarkMemory`` options) or, with ``memory=None``, in sequence."""
+    device = next(model.parameters()).device
+
+    def generate(ids):
+        idx = torch.tensor([ids], device=device)
+        if memory is None:
+            new = model.generate(idx, max_new_tokens, temperature=0)[:, len(ids):]
+        else:
+            mem = LandmarkMemory(model, **memory)
+            new = mem.generate(idx, max_new_tokens)
+            mem.close()
+        return tokenizer.decode(new[0].tolist())
+
+    bar = tqdm(total=len(lengths) * trials, desc="passkey", unit="trial", disable=not progress, dynamic_ncols=True)
+    try:
+        return run_passkey(generate, tokenizer, lengths, trials, seed, progress=bar)
+    finally:
+        bar.close()
