@@ -94,7 +94,7 @@ def test_list_text_files_explains_missing_input(tmp_path):
 
 def test_passkey_mix_plants_fact_and_answer_without_changing_length():
     tok = load_tokenizer()
-    mix = PasskeyMix(tok, rate=1.0)
+    mix = PasskeyMix(tok, rate=1.0, copy_rate=0.0)
     w = np.full(200, 5, dtype=np.int64)
     out = mix(w.copy(), random.Random(3))
     text = tok.decode(out.tolist())
@@ -105,7 +105,7 @@ def test_passkey_mix_plants_fact_and_answer_without_changing_length():
 
 def test_passkey_mix_packs_prompts_each_asking_for_its_own_key():
     tok = load_tokenizer()
-    mix = PasskeyMix(tok, rate=1.0, max_prompts=4)
+    mix = PasskeyMix(tok, rate=1.0, max_prompts=4, copy_rate=0.0)
     counts = set()
     for seed in range(12):
         book = np.arange(1000, 1513, dtype=np.int64)
@@ -116,6 +116,14 @@ def test_passkey_mix_packs_prompts_each_asking_for_its_own_key():
         assert len(out) == 513 and [a for a, b in asked] == [b for a, b in asked] == answers
         counts.add(len(answers))
     assert counts == {1, 2, 3, 4}
+
+
+def test_copy_drills_repeat_a_stretch_of_the_window():
+    mix = PasskeyMix(load_tokenizer(), rate=1.0, copy_rate=1.0)
+    book = np.arange(1000, 1513, dtype=np.int64)
+    out = mix(book.copy(), random.Random(0))
+    period = next(p for p in range(16, 257) if np.array_equal(out[p:], out[:-p]))
+    assert len(out) == 513 and np.array_equal(out[:period], np.arange(out[0], out[0] + period))
 
 
 def test_passkey_prompt_has_the_asked_length_and_depth():

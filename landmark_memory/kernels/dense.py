@@ -59,10 +59,21 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     if K == 0:
         return torch.softmax(s_loc, -1) @ v
     heads = torch.arange(H, device=q.device)[None, :, None, None]
-    rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+    slots = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+
+    def gather(pool):
+        """Each (query, slot)'s block of its own head, (B, H, Tq, K, L, D): whole (L, D) rows
+        picked by index_select (several times faster than broadcast advanced indexing) from a
+        view of the pool's storage, so a strided pool (a view into a larger arena) is not copied."""
+        if pool.stride(0) % pool.stride(1) or pool.stride(2) != D or pool.stride(3) != 1:
+            pool = pool.contiguous()
+        step = pool.stride(0) // pool.stride(1)  # storage rows from one pool entry to the next
+        rows = pool.as_strided(((pool.shape[0] - 1) * step + H, *pool.shape[2:]), (pool.stride(1), D, 1))
+        return rows.index_select(0, (slots * step + heads).flatten()).view(B, H, T_q, K, *pool.shape[2:])
+
     qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
-    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]) * scale  # (B, H, Tq, K, L)
+    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, gather(pool_k)) * scale  # (B, H, Tq, K, L)
     s_ret = _gated(s_ret, block_size).masked_fill((block_table < 0)[..., None], NEG_INF)
     p = torch.softmax(torch.cat([s_ret.flatten(-2), s_loc], -1), -1)
     n = K * (block_size + 1)
-    return torch.einsum("bhqkl,bhqkld->bhqd", p[..., :n].unflatten(-1, (K, -1)), pool_v[rows, heads]) + p[..., n:] @ v
+    return torch.einsum("bhqkl,bhqkld->bhqd", p[..., :n].unflatten(-1, (K, -1)), gather(pool_v)) + p[..., n:] @ v
