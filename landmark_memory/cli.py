@@ -129,10 +129,16 @@ def cmd_build(args):
 def memory_info(path):
     """The manifest's facts about a memory, with its files checked."""
     d = MemoryDir(path, writable=False)
-    doc = d.read_manifest()
+    for attempt in range(3):  # a writer may replace the state file between our two reads
+        doc = d.read_manifest()
+        try:
+            if doc["files"]:
+                d.read_state(doc["files"]["state"])  # size and checksum
+            break
+        except FileNotFoundError as e:
+            if attempt == 2:
+                raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup or rebuild it") from None
     cfg, B, nb = doc["model"]["config"], doc["streams"] or 0, doc["blocks"]
-    if doc["files"]:
-        d.read_state(doc["files"]["state"])  # size and checksum
     d.read_rows(TOKENS, nb * B * cfg["block_size"] * 4)
     itemsize = DTYPES[doc["options"]["store_dtype"]].itemsize
     d.read_rows(LANDMARKS, nb * B * cfg["n_layer"] * cfg["n_embd"] * DTYPES[doc["model"]["dtype"]].itemsize)

@@ -40,6 +40,7 @@ class TrainConfig:
     val_data: str = ""  # validation books; "" = hold out --val-books whole books of --data
     val_books: int = 0  # 0 = 5% of the books, at least one
     passkey_rate: float = 0.0  # fraction of windows with a planted passkey to retrieve
+    copy_rate: float = 0.25  # share of those windows that are copy drills instead (data.PasskeyMix)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
     attention: str = "landmark"
@@ -146,7 +147,7 @@ class Trainer:
 
         self.tok = load_tokenizer()
         self.train_tokens, self.val_tokens = self._load_data()
-        passkey = PasskeyMix(self.tok, cfg.passkey_rate) if cfg.passkey_rate > 0 else None
+        passkey = PasskeyMix(self.tok, cfg.passkey_rate, copy_rate=cfg.copy_rate) if cfg.passkey_rate > 0 else None
         self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, passkey)
         # the same validation windows at every evaluation, so the curve compares like with like
         val = WindowSampler(self.val_tokens, cfg.seq_len, cfg.batch_size, seed=0, passkey=passkey)

@@ -111,6 +111,13 @@ class LandmarkIndex:
             factory = f"IVF{nlist},PQ{self.dim // (2 if nbits == 8 else 1)}x{nbits}" + (",RFlat" if self.refine else "")
         self.trained = True
         index = self._build(factory)
+        if not self.kind.endswith("-gpu"):
+            # the list and codebook sizes above already follow the data; FAISS's k-means would
+            # still print a warning per index for small PQ codebooks trained on a few hundred keys
+            ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+            ivf.cp.min_points_per_centroid = 1
+            if hasattr(ivf, "pq"):
+                ivf.pq.cp.min_points_per_centroid = 1
         index.train(xb)
         index.add(xb)
         self.index = index
