@@ -84,7 +84,7 @@ def build(mem, inputs, tokenizer, commit_every=60.0, progress=True):
                 continue
             ids = encode(tokenizer, inp.text)
             if entry is None:
-                entry = {"path": str(inp.path), "name": inp.path.name, "sha256": inp.sha256, "tokens": len(ids),
+                entry = {"path": str(inp.path.resolve()), "name": inp.path.name, "sha256": inp.sha256, "tokens": len(ids),
                          "ingested": 0, "start": mem.n_tokens}
                 mem.inputs.append(entry)
                 done[inp.sha256] = entry
