@@ -26,7 +26,7 @@ from .build import build, encode, read_inputs
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .index import KINDS
 from .memory import MAPPINGS, RETRIEVALS, LandmarkMemory
-from .memory_dir import LANDMARKS, TOKENS, MemoryDir, MemoryFileError
+from .memory_dir import MemoryDir, MemoryFileError
 from .model import BUNDLED_MODEL, LandmarkGPT
 from .storage import DTYPES
 from .tokenizer import load_tokenizer
@@ -129,19 +129,10 @@ def cmd_build(args):
 def memory_info(path):
     """The manifest's facts about a memory, with its files checked."""
     d = MemoryDir(path, writable=False)
-    for attempt in range(3):  # a writer may replace the state file between our two reads
-        doc = d.read_manifest()
-        try:
-            if doc["files"]:
-                d.read_state(doc["files"]["state"])  # size and checksum
-            break
-        except FileNotFoundError as e:
-            if attempt == 2:
-                raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup or rebuild it") from None
-    cfg, B, nb = doc["model"]["config"], doc["streams"] or 0, doc["blocks"]
-    d.read_rows(TOKENS, nb * B * cfg["block_size"] * 4)
+    doc, _ = d.read_commit()
+    d.read_block_rows(doc)  # present and long enough
+    cfg, nb = doc["model"]["config"], doc["blocks"]
     itemsize = DTYPES[doc["options"]["store_dtype"]].itemsize
-    d.read_rows(LANDMARKS, nb * B * cfg["n_layer"] * cfg["n_embd"] * DTYPES[doc["model"]["dtype"]].itemsize)
     disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     o = doc["options"]
     return {"memory": str(path), "tokens": doc["tokens"], "blocks": nb, "pending_tokens": doc["pending_tokens"],
@@ -169,10 +160,11 @@ def cmd_info(args):
     return 0
 
 
-def source_of(mem, block, tok):
-    """(passage text, source path, token offset in that source) of a memory block."""
+def source_of(mem, ids, block, tok):
+    """(passage text, source path, token offset in that source) of a memory block; ``ids``
+    are the memory's tokens."""
     bs = mem.cfg.block_size
-    ids = mem.tokens()[block * bs:(block + 1) * bs]
+    ids = ids[block * bs:(block + 1) * bs]
     at = block * bs
     for e in mem.inputs:
         if e["start"] <= at < e["start"] + e["tokens"]:
@@ -205,9 +197,9 @@ def cmd_ask(args):
         out = mem.forward(nxt.view(1, 1).to(mem.device))
     mem.close()
     total = sum(uses.values()) or 1
-    passages = []
+    passages, memory_ids = [], mem.tokens()
     for block, n in uses.most_common(args.passages):
-        text, src, offset = source_of(mem, block, tok)
+        text, src, offset = source_of(mem, memory_ids, block, tok)
         passages.append({"block": block, "share": n / total, "source": src, "token_offset": offset, "text": text})
     doc = {"prompt": args.prompt, "text": tok.decode(new), "retrieved": passages, "memory_tokens": mem.n_tokens}
     lines = [args.prompt + tok.decode(new)]

@@ -75,7 +75,7 @@ def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_
             mem = LandmarkMemory(model, **memory)
             out = mem.forward(x, y)
             loss = out.loss
-            ixs = [ix for s_ in mem.indexes for layer in s_ for ix in layer]
+            ixs = [ix for stream in mem.indexes for layer in stream for ix in layer]
             searches += sum(ix.searches for ix in ixs)
             search_s += sum(ix.search_seconds for ix in ixs)
             if keep_retrieved:

@@ -22,7 +22,7 @@ from .index import LandmarkIndex
 from .kernels import landmark_attention_inference
 from .model import LandmarkGPT
 from .rope import RotaryEmbedding
-from .memory_dir import LANDMARKS, TOKENS, MemoryDir, MemoryFileError, model_fingerprint
+from .memory_dir import LANDMARKS, TOKENS, MemoryDir, MemoryFileError, model_fingerprint, row_bytes
 from .storage import DTYPE_NAMES, STORES, HotCache, OverlayStore, open_store
 from .tokenizer import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 
@@ -126,10 +126,6 @@ class LandmarkMemory:
         self.cache = HotCache(self.store, self.device, self.dtype, self.cache_bytes,
                               prepare=lambda kv: torch.stack([self.rope(kv[:, 0], offsets), kv[:, 1]], 1))
 
-    def _new_indexes(self):
-        return [[[LandmarkIndex(self.index_kind, self.cfg.head_dim, **self.index_options)
-                  for _ in range(self.cfg.n_head)] for _ in range(self.cfg.n_layer)] for _ in range(self.streams)]
-
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, idx, targets=None):
@@ -140,7 +136,9 @@ class LandmarkMemory:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         if self.streams is None:
             self.streams = idx.shape[0]
-            self.indexes = self._new_indexes()
+            self.indexes = [[[LandmarkIndex(self.index_kind, self.cfg.head_dim, **self.index_options)
+                              for _ in range(self.cfg.n_head)] for _ in range(self.cfg.n_layer)]
+                            for _ in range(self.streams)]
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
         idx = idx.to(self.device)
@@ -219,17 +217,18 @@ class LandmarkMemory:
                              "to save it")
         if self.readonly:
             raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
-        files = {}
+        doc, files = self._manifest(), {}
         if self.streams is not None:
             B, bs, c0, nb = self.streams, self.cfg.block_size, self._committed_blocks, self.n_blocks
-            per_chunk = self.chunk_size // bs
-            ids = np.concatenate(self.chunk_ids[c0 // per_chunk:], 1) if nb > c0 else np.zeros((B, 0), np.int32)
-            rows = ids.reshape(B, nb - c0, bs).transpose(1, 0, 2)  # (n, B, bs)
-            self.dir.write_rows(TOKENS, c0 * B * bs * 4, np.ascontiguousarray(rows, np.int32).tobytes())
-            lm = [t[:, :, c0:nb] if t is not None else None for t in self.landmarks]
-            lm = torch.stack(lm, 2).permute(3, 0, 2, 1, 4) if nb > c0 else None  # (n, B, n_layer, H, D)
-            self.dir.write_rows(LANDMARKS, c0 * self._landmark_row_bytes(),
-                                b"" if lm is None else lm.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            per_row = row_bytes(doc)
+            tok_rows = lm_rows = b""  # the blocks since the last commit, one row each
+            if nb > c0:
+                ids = np.concatenate(self.chunk_ids[c0 * bs // self.chunk_size:], 1)  # (B, (nb - c0) * bs)
+                tok_rows = np.ascontiguousarray(ids.reshape(B, nb - c0, bs).transpose(1, 0, 2), np.int32).tobytes()
+                lm = torch.stack([t[:, :, c0:nb] for t in self.landmarks], 2)  # (B, H, n_layer, n, D)
+                lm_rows = lm.permute(3, 0, 2, 1, 4).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            self.dir.write_rows(TOKENS, c0 * per_row[TOKENS], tok_rows)
+            self.dir.write_rows(LANDMARKS, c0 * per_row[LANDMARKS], lm_rows)
             state = {f"index.{b}.{layer}.{h}": torch.from_numpy(ix.to_bytes())
                      for b, s in enumerate(self.indexes) for layer, heads in enumerate(s) for h, ix in enumerate(heads)}
             if self.pending_count:
@@ -238,7 +237,7 @@ class LandmarkMemory:
                     state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
             files["state"] = self.dir.write_state(self.commit_count + 1, state)
         self.commit_count += 1
-        self.dir.write_manifest({**self._manifest(), "commit": self.commit_count, "files": files})
+        self.dir.write_manifest({**doc, "commit": self.commit_count, "files": files})
         self._committed_blocks = self.n_blocks
         self.dir.drop_old_states(files["state"]["name"] if files else None)
         return self.commit_count
@@ -265,22 +264,13 @@ class LandmarkMemory:
         fingerprint = model_fingerprint(model)
         d = MemoryDir(path, writable=not readonly)
         try:
-            for attempt in range(3):  # a reader may race a writer that just replaced the state file
-                doc = d.read_manifest()
-                saved = doc["model"]
-                if saved["fingerprint"] != fingerprint:
-                    raise MemoryFileError(
-                        f"the memory {path} was built with another model (config {saved['config']}, fingerprint "
-                        f"{saved['fingerprint'][:12]}); open it with that model")
-                opts = dict(doc["options"])
-                opts = {**opts, **options, "index_options": {**opts["index_options"], **search}}
-                try:
-                    state = d.read_state(doc["files"]["state"]) if doc["files"] else {}
-                    break
-                except FileNotFoundError as e:
-                    if attempt == 2 or not readonly:
-                        raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup "
-                                              "or rebuild it") from None
+            doc, state = d.read_commit()
+            saved = doc["model"]
+            if saved["fingerprint"] != fingerprint:
+                raise MemoryFileError(
+                    f"the memory {path} was built with another model (config {saved['config']}, fingerprint "
+                    f"{saved['fingerprint'][:12]}); open it with that model")
+            opts = {**doc["options"], **options, "index_options": {**doc["options"]["index_options"], **search}}
             mem = cls.__new__(cls)
             mem._configure(model, opts, cache_bytes, backend)
             mem.dir, mem.readonly, mem._fingerprint = d, readonly, fingerprint
@@ -291,9 +281,6 @@ class LandmarkMemory:
             raise
         return mem
 
-    def _landmark_row_bytes(self):
-        return self.streams * self.cfg.n_layer * self.cfg.n_head * self.cfg.head_dim * self.dtype.itemsize
-
     def _load(self, doc, state):
         self.commit_count, self.inputs = doc["commit"], doc["inputs"]
         if doc["streams"] is None:
@@ -301,12 +288,12 @@ class LandmarkMemory:
         cfg, B, nb = self.cfg, doc["streams"], doc["blocks"]
         bs, H, D = cfg.block_size, cfg.n_head, cfg.head_dim
         self.streams, self.n_blocks, self._committed_blocks = B, nb, nb
-        tok = np.frombuffer(self.dir.read_rows(TOKENS, nb * B * bs * 4), np.int32).reshape(nb, B, bs)
+        rows = self.dir.read_block_rows(doc)
+        tok = np.frombuffer(rows[TOKENS], np.int32).reshape(nb, B, bs)
         per_chunk = self.chunk_size // bs
         self.chunk_ids = [tok[c:c + per_chunk].transpose(1, 0, 2).reshape(B, -1) for c in range(0, nb, per_chunk)]
-        raw = self.dir.read_rows(LANDMARKS, nb * self._landmark_row_bytes())
         if nb:
-            lm = torch.frombuffer(bytearray(raw), dtype=self.dtype).view(nb, B, cfg.n_layer, H, D).to(self.device)
+            lm = torch.frombuffer(bytearray(rows[LANDMARKS]), dtype=self.dtype).view(nb, B, cfg.n_layer, H, D).to(self.device)
             self.landmarks = [lm[:, :, layer].permute(1, 2, 0, 3).contiguous() for layer in range(cfg.n_layer)]
         self.indexes = [[[LandmarkIndex.from_bytes(self.index_kind, D, state[f"index.{b}.{layer}.{h}"].numpy(),
                                                    **self.index_options)

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .fileio import atomic_write
+from .storage import DTYPES
 
 FORMAT = "landmark-memory/memory"
 FORMAT_VERSION = 1
@@ -47,6 +48,13 @@ def model_fingerprint(model):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def row_bytes(doc):
+    """Bytes per block of ``tokens.bin`` and ``landmarks.bin`` for the manifest ``doc``."""
+    cfg, B = doc["model"]["config"], doc["streams"] or 0
+    return {TOKENS: B * cfg["block_size"] * 4,
+            LANDMARKS: B * cfg["n_layer"] * cfg["n_embd"] * DTYPES[doc["model"]["dtype"]].itemsize}
 
 
 def _sha256(path):
@@ -169,7 +177,23 @@ class MemoryDir:
             os.truncate(f, nbytes)
         return data
 
+    def read_block_rows(self, doc):
+        """``{name: bytes}``, the committed rows of ``tokens.bin`` and ``landmarks.bin``."""
+        return {name: self.read_rows(name, doc["blocks"] * n) for name, n in row_bytes(doc).items()}
+
     # ---- per-commit state files ---------------------------------------------------------
+    def read_commit(self):
+        """``(manifest, state tensors)`` of the last commit, sizes and checksums checked. A
+        reader retries when a writer replaces the state file between the two reads."""
+        for attempt in range(3):
+            doc = self.read_manifest()
+            try:
+                return doc, (self.read_state(doc["files"]["state"]) if doc["files"] else {})
+            except FileNotFoundError as e:
+                if attempt == 2 or self.writable:
+                    raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup "
+                                          "or rebuild it") from None
+
     def write_state(self, commit, tensors):
         """Write ``state.<commit>.safetensors``; returns its manifest entry."""
         name = f"state.{commit}.safetensors"
