@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .backbone import is_landmark
 from .build import build, encode, read_inputs
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .index import KINDS
@@ -37,14 +38,40 @@ class UsageError(ValueError):
 
 
 # ---- shared helpers ---------------------------------------------------------------------
+def hf_config(path):
+    """The config.json of a Hugging Face model directory (it has a model_type), else None."""
+    f = Path(path) / "config.json"
+    try:
+        doc = json.loads(f.read_text()) if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and "model_type" in doc else None
+
+
 def load_model(path, device="auto", block_size=None):
+    """(model, tokenizer) from ``path``: a LandmarkGPT directory with the shipped tokenizer,
+    or a Hugging Face model directory (converted or plain) with its own tokenizer."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    config = hf_config(path) if path else None
+    if config is not None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from .hf import TextTokenizer, from_pretrained
+
+        hf_logging.disable_progress_bar()  # our own bars report the work
+        saved_block = config.get("landmark_block_size")
+        if block_size and block_size != saved_block:
+            raise UsageError(f"{path} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
+                             if saved_block else "--block-size applies to landmark models only")
+        model = from_pretrained(path) if saved_block else AutoModelForCausalLM.from_pretrained(path)
+        return model.to(dev).eval(), TextTokenizer.from_pretrained(path)
     model = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev)
     if block_size and block_size != model.config.block_size:
         if model.config.attention != "landmark":
             raise UsageError("--block-size applies to landmark models only")
         model.config.block_size = block_size  # shared by every layer; trained blocks may suit it less
-    return model.eval()
+    return model.eval(), load_tokenizer()
 
 
 def emit(args, doc, text):
@@ -89,24 +116,24 @@ def read_one_text(path):
 # ---- commands ---------------------------------------------------------------------------
 def cmd_build(args):
     inputs = read_inputs(args.input)  # every input checked before the memory is touched
-    tok = load_tokenizer()
     path = Path(args.memory)
     fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
     if (path / "manifest.json").exists():
         saved = MemoryDir(path, writable=False).read_manifest()
         changed = {k: v for k, v in fixed.items() if v is not None and v != saved["options"][k]}
-        if args.block_size and args.block_size != saved["model"]["config"]["block_size"]:
+        if args.block_size and args.block_size != saved["model"]["shape"]["block_size"]:
             changed["block_size"] = args.block_size
         if changed:
             raise UsageError(f"{path} was built with " + ", ".join(f"{k}={saved['options'].get(k, saved['model']['config'].get(k))}"
-                                                                for k in changed)
+                                                                for k in changed if k != "block_size")
+                             + (f", block_size={saved['model']['shape']['block_size']}" if "block_size" in changed else "")
                              + "; these cannot change: drop the flags or build a new memory")
-        model = load_model(args.model, args.device, saved["model"]["config"]["block_size"])
+        model, tok = load_model(args.model, args.device, saved["model"]["shape"]["block_size"])
         query = {"top_k": args.top_k} if args.top_k else {}
         mem = LandmarkMemory.open(path, model, **query)
         created = False
     else:
-        model = load_model(args.model, args.device, args.block_size)
+        model, tok = load_model(args.model, args.device, args.block_size)
         opts = {k: v for k, v in fixed.items() if v is not None}
         opts.setdefault("store", "lmdb")
         mem = LandmarkMemory(model, path=path, top_k=args.top_k or 4, **opts)
@@ -131,14 +158,14 @@ def memory_info(path):
     d = MemoryDir(path, writable=False)
     doc, _ = d.read_commit()
     d.read_block_rows(doc)  # present and long enough
-    cfg, nb = doc["model"]["config"], doc["blocks"]
+    cfg, shape, nb = doc["model"]["config"], doc["model"]["shape"], doc["blocks"]
     itemsize = DTYPES[doc["options"]["store_dtype"]].itemsize
     disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     o = doc["options"]
     return {"memory": str(path), "tokens": doc["tokens"], "blocks": nb, "pending_tokens": doc["pending_tokens"],
             "streams": doc["streams"], "index": o["index"], "store": o["store"], "store_dtype": o["store_dtype"],
-            "block_bytes": 2 * cfg["n_embd"] * (cfg["block_size"] + 1) * itemsize * cfg["n_layer"],
-            "chunk_size": o["chunk_size"], "top_k": o["top_k"], "block_size": cfg["block_size"],
+            "block_bytes": 2 * shape["n_kv_head"] * shape["head_dim"] * (shape["block_size"] + 1) * itemsize * shape["n_layer"],
+            "chunk_size": o["chunk_size"], "top_k": o["top_k"], "block_size": shape["block_size"],
             "commit": doc["commit"], "updated": doc["updated"], "disk_bytes": disk,
             "model": {"fingerprint": doc["model"]["fingerprint"], "config": cfg},
             "inputs": [{**{k: e[k] for k in ("path", "tokens", "ingested", "start", "sha256")},
@@ -174,8 +201,7 @@ def source_of(mem, ids, block, tok):
 
 def cmd_ask(args):
     info = MemoryDir(args.memory, writable=False).read_manifest()
-    model = load_model(args.model, args.device, info["model"]["config"]["block_size"])
-    tok = load_tokenizer()
+    model, tok = load_model(args.model, args.device, info["model"]["shape"]["block_size"])
     query = {k: v for k, v in (("top_k", args.top_k),) if v}
     mem = LandmarkMemory.open(args.memory, model, readonly=True, **query)
     n_saved = mem.n_blocks  # blocks the prompt adds are not passages of the memory
@@ -213,11 +239,11 @@ def cmd_ask(args):
 
 def cmd_eval(args):
     inp = read_one_text(args.input)
-    model = load_model(args.model, args.device)
-    ids = encode(load_tokenizer(), inp.text)
+    model, tok = load_model(args.model, args.device)
+    ids = encode(tok, inp.text)
     mem = memory_options(args) if uses_memory(model, args.full_attention) else None
     res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
-    mode = "memory" if mem else ("in-sequence" if model.config.attention == "landmark" else "full attention")
+    mode = "memory" if mem else ("in-sequence" if is_landmark(model) else "full attention")
     doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length, **({"memory": mem} if mem else {}),
            **{k: res[k] for k in ("perplexity", "loss", "tokens", "segments", "seconds")}}
     emit(args, doc, f"{inp.path.name}: perplexity {res['perplexity']:.3f} over {res['tokens']:,} tokens "
@@ -227,14 +253,14 @@ def cmd_eval(args):
 
 def cmd_compare(args):
     inp = read_one_text(args.input)
-    model = load_model(args.model, args.device)
-    if model.config.attention != "landmark":
+    model, tok = load_model(args.model, args.device)
+    if not is_landmark(model):
         raise UsageError("compare measures retrieval: give a landmark model")
     kinds = [k.strip() for k in args.index.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise UsageError(f"unknown index kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
-    ids = encode(load_tokenizer(), inp.text)
+    ids = encode(tok, inp.text)
     length = args.eval_length or len(ids) - 1
     opts = memory_options(args)
     opts.pop("index")
@@ -254,12 +280,11 @@ def cmd_compare(args):
 
 
 def cmd_passkey(args):
-    model = load_model(args.model, args.device)
-    tok = load_tokenizer()
+    model, tok = load_model(args.model, args.device)
     lengths = parse_lengths(args.lengths)
     mem = memory_options(args) if uses_memory(model, args.full_attention) else None
     rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
-    label = "landmark + memory" if mem else model.config.attention + " (in sequence)"
+    label = "landmark + memory" if mem else ("landmark" if is_landmark(model) else "full") + " (in sequence)"
     if args.plot:
         from .plots import plot_passkey
 

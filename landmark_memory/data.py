@@ -82,7 +82,8 @@ def split_books(files, n_val=None, seed=SPLIT_SEED):
 
 
 def tokenize_books(files, tokenizer, eos_id, desc="tokenizing"):
-    """Token ids of the books, each followed by ``eos_id``, as one uint16 array.
+    """Token ids of the books, each followed by ``eos_id``, as one array (uint16 when the
+    vocabulary fits, else int32).
 
     The books are read with ``datasets`` (one document per file) so the tokenized result is
     cached by fingerprint and a second run over the same files is instant."""
@@ -96,8 +97,8 @@ def tokenize_books(files, tokenizer, eos_id, desc="tokenizing"):
         return {"ids": [e.ids + [eos_id] for e in enc]}
 
     ds = ds.map(encode, batched=True, batch_size=8, remove_columns=["text"], desc=desc)
-    assert tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max
-    return np.concatenate([np.asarray(ids, dtype=np.uint16) for ids in ds["ids"]])
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max else np.int32
+    return np.concatenate([np.asarray(ids, dtype=dtype) for ids in ds["ids"]])
 
 
 class PasskeyMix:

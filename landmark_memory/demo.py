@@ -24,7 +24,6 @@ from .evaluate import compare_indexes
 from .memory import LandmarkMemory
 from .model import BUNDLED_MODEL
 from .passkey import MAX_KEY, QUESTION, fact, first_int
-from .tokenizer import load_tokenizer
 
 SAMPLE_BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"
 DEMO_INDEXES = ("flat", "hnsw", "ivf", "ivfpq")
@@ -60,7 +59,7 @@ def run_demo(args):
         text, depth = plant_passkey(strip_gutenberg(read_text(source)), key, rng)
         book = work / "book-with-passkey.txt"
         book.write_text(text)
-        tok, model = load_tokenizer(), load_model(args.model, args.device)
+        model, tok = load_model(args.model, args.device)
         n_tokens = len(encode(tok, text))
 
         say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens) with the pass key {key} planted "

@@ -6,8 +6,10 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from .backbone import in_sequence_logits, is_landmark
 from .index import recall_at_k
 from .memory import LandmarkMemory
 from .passkey import run_passkey
@@ -32,7 +34,7 @@ def parse_lengths(text):
 
 def uses_memory(model, in_sequence=False):
     """Memory applies to landmark models unless the whole input is asked for in one forward."""
-    return model.config.attention == "landmark" and not in_sequence
+    return is_landmark(model) and not in_sequence
 
 
 @torch.no_grad()
@@ -43,7 +45,8 @@ def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_
 
     Parameters
     ----------
-    model : LandmarkGPT.
+    model : LandmarkGPT, or a Hugging Face causal LM (converted to landmarks, or plain for
+        in-sequence runs).
     ids : list or int array (n,), token ids.
     eval_length : int, tokens predicted per segment (the segment holds one more).
     memory : dict or None, ``LandmarkMemory`` options to read each segment chunk by chunk with
@@ -70,7 +73,7 @@ def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_
         seg = ids[s * eval_length:(s + 1) * eval_length + 1].to(device)
         x, y = seg[None, :-1], seg[None, 1:]
         if memory is None:
-            _, loss = model(x, y)
+            loss = F.cross_entropy(in_sequence_logits(model, x).float().flatten(0, 1), y.flatten())
         else:
             mem = LandmarkMemory(model, **memory)
             out = mem.forward(x, y)
@@ -121,8 +124,10 @@ def passkey_accuracy(model, tokenizer, lengths, trials, seed, memory=None, max_n
 
     def generate(ids):
         idx = torch.tensor([ids], device=device)
-        if memory is None:
-            new = model.generate(idx, max_new_tokens, temperature=0)[:, len(ids):]
+        if memory is None:  # no cache: the whole context is re-read for each new token
+            for _ in range(max_new_tokens):
+                idx = torch.cat([idx, in_sequence_logits(model, idx)[:, -1:].argmax(-1)], 1)
+            new = idx[:, len(ids):]
         else:
             mem = LandmarkMemory(model, **memory)
             new = mem.generate(idx, max_new_tokens)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .backbone import backbone_for
 from .index import LandmarkIndex
 from .kernels import landmark_attention_inference
-from .model import LandmarkGPT
 from .rope import RotaryEmbedding
 from .memory_dir import LANDMARKS, TOKENS, MemoryDir, MemoryFileError, model_fingerprint, row_bytes
 from .storage import DTYPE_NAMES, STORES, HotCache, OverlayStore, open_store
@@ -42,8 +42,9 @@ class LandmarkMemory:
 
     Parameters
     ----------
-    model : LandmarkGPT with ``attention="landmark"``.
-    index : str, landmark index kind per (stream, layer, head): flat, hnsw, ivf, ivfpq (+ -gpu).
+    model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM converted by
+        ``landmark_memory.hf.convert`` (see ``backbone.py``).
+    index : str, landmark index kind per (stream, layer, key/value head): flat, hnsw, ivf, ivfpq (+ -gpu).
     store : str, block store: memory, lmdb or mmap (the latter two need ``path``).
     path : str or Path, folder of the on-disk store.
     top_k : int, blocks retrieved per query.
@@ -74,9 +75,7 @@ class LandmarkMemory:
         self._open_store(path, readonly=False)
 
     def _configure(self, model, options, cache_bytes, backend):
-        if not isinstance(model, LandmarkGPT) or model.config.attention != "landmark":
-            raise ValueError("LandmarkMemory needs a LandmarkGPT with attention='landmark'")
-        cfg = model.config
+        cfg = backbone_for(model)
         chunk_size, top_k = options["chunk_size"], options["top_k"]
         if not isinstance(chunk_size, int) or chunk_size < cfg.block_size or chunk_size % cfg.block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({cfg.block_size}), "
@@ -94,6 +93,7 @@ class LandmarkMemory:
             raise ValueError(f"unknown store {options['store']!r}; choose one of {STORES}")
         self.model = model.eval()
         self.cfg, self.top_k, self.chunk_size = cfg, top_k, chunk_size
+        self.group = cfg.n_head // cfg.n_kv_head  # query heads per key/value head
         self.retrieval, self.mapping, self.max_blocks = options["retrieval"], options["position_mapping"], max_blocks
         self.index_kind, self.index_options, self.backend = options["index"], options["index_options"], backend
         LandmarkIndex(self.index_kind, cfg.head_dim, **self.index_options)  # fail now on a bad kind or option
@@ -106,9 +106,9 @@ class LandmarkMemory:
         self.streams = None  # batch size, fixed by the first forward
         self.n_blocks = 0  # blocks in memory per stream
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
-        self.pending_kv = [None] * cfg.n_layer  # per layer (k, k rotated, v) of those positions, (B, H, P', D)
-        self.landmarks = [None] * cfg.n_layer  # per layer (B, H, >= n_blocks, D) landmark keys, no RoPE
-        self.indexes = None  # [stream][layer][head] LandmarkIndex
+        self.pending_kv = [None] * cfg.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
+        self.landmarks = [None] * cfg.n_layer  # per layer (B, H_kv, >= n_blocks, D) landmark keys, no RoPE
+        self.indexes = None  # [stream][layer][key/value head] LandmarkIndex
         self.chunk_ids = []  # int32 (B, chunk_size) token ids of each chunk in memory
         self.inputs = []  # what was ingested, kept in the manifest (the CLI's build fills it)
         self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
@@ -117,7 +117,7 @@ class LandmarkMemory:
     def _open_store(self, path, readonly):
         cfg = self.cfg
         store_path = None if path is None else Path(path) / "store"
-        self.store = open_store(self.store_kind, (2, cfg.n_head, self.L, cfg.head_dim), store_path, self.store_dtype,
+        self.store = open_store(self.store_kind, (2, cfg.n_kv_head, self.L, cfg.head_dim), store_path, self.store_dtype,
                                 readonly=readonly)
         if readonly:
             self.store = OverlayStore(self.store)
@@ -137,7 +137,7 @@ class LandmarkMemory:
         if self.streams is None:
             self.streams = idx.shape[0]
             self.indexes = [[[LandmarkIndex(self.index_kind, self.cfg.head_dim, **self.index_options)
-                              for _ in range(self.cfg.n_head)] for _ in range(self.cfg.n_layer)]
+                              for _ in range(self.cfg.n_kv_head)] for _ in range(self.cfg.n_layer)]
                             for _ in range(self.streams)]
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
@@ -286,7 +286,7 @@ class LandmarkMemory:
         if doc["streams"] is None:
             return
         cfg, B, nb = self.cfg, doc["streams"], doc["blocks"]
-        bs, H, D = cfg.block_size, cfg.n_head, cfg.head_dim
+        bs, H, D = cfg.block_size, cfg.n_kv_head, cfg.head_dim
         self.streams, self.n_blocks, self._committed_blocks = B, nb, nb
         rows = self.dir.read_block_rows(doc)
         tok = np.frombuffer(rows[TOKENS], np.int32).reshape(nb, B, bs)
@@ -297,7 +297,7 @@ class LandmarkMemory:
             self.landmarks = [lm[:, :, layer].permute(1, 2, 0, 3).contiguous() for layer in range(cfg.n_layer)]
         self.indexes = [[[LandmarkIndex.from_bytes(self.index_kind, D, state[f"index.{b}.{layer}.{h}"].numpy(),
                                                    **self.index_options)
-                          for h in range(H)] for layer in range(cfg.n_layer)] for b in range(B)]
+                          for h in range(cfg.n_kv_head)] for layer in range(cfg.n_layer)] for b in range(B)]
         if any(ix.ntotal != nb for s in self.indexes for heads in s for ix in heads):
             raise MemoryFileError(f"the indexes of {self.dir.path} do not hold the {nb} blocks the manifest names; "
                                   "the memory is damaged: restore it from a backup or rebuild it")
@@ -318,7 +318,10 @@ class LandmarkMemory:
     def _manifest(self):
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
-        return {"model": {"fingerprint": self._fingerprint, "config": self.cfg.to_dict(), "dtype": DTYPE_NAMES[self.dtype]},
+        cfg = self.cfg
+        shape = {"n_layer": cfg.n_layer, "n_kv_head": cfg.n_kv_head, "head_dim": cfg.head_dim, "block_size": cfg.block_size}
+        return {"model": {"fingerprint": self._fingerprint, "config": cfg.model.config.to_dict(), "shape": shape,
+                          "dtype": DTYPE_NAMES[self.dtype]},
                 "options": {"index": self.index_kind, "index_options": self.index_options, "store": self.store_kind,
                             "store_dtype": self.store_dtype, "top_k": self.top_k, "chunk_size": self.chunk_size,
                             "retrieval": self.retrieval, "position_mapping": self.mapping, "max_blocks": self.max_blocks},
@@ -345,30 +348,30 @@ class LandmarkMemory:
 
     # ---- one step: new tokens after the pending ones, within one chunk -------------------
     def _step(self, new):
-        cfg, model, bs = self.cfg, self.model, self.cfg.block_size
+        cfg, bs, G = self.cfg, self.cfg.block_size, self.group
         P = self.pending_count
         ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
         x = insert_landmarks(ids, bs, cfg.landmark_id)  # (B, Tk) the chunk so far
         p0, Tk = landmarked_length(P, bs), x.shape[1]
         qpos = self._base() + torch.arange(p0, Tk, device=self.device)
-        h = model.wte(x[:, p0:])  # (B, Tq, C)
+        h = cfg.embed(x[:, p0:])  # (B, Tq, C)
         normal = ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv = [], []
-        for layer, block in enumerate(model.blocks):
-            q, k, v = block.attn.heads(block.ln_1(h))  # (B, H, Tq, D), no RoPE
+        for layer in range(cfg.n_layer):
+            q, k, v = cfg.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
             qr, kr = self.rope(q, qpos), self.rope(k, qpos)
             if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
                 pk, pkr, pv = self.pending_kv[layer]
-                k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H, Tk, D)
+                k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
             new_kv.append((k, kr, v))
             ids_used, block_pos = self._retrieve(layer, q, qr, qpos)
             table, pool_k, pool_v = self._pool(layer, ids_used)
-            y = landmark_attention_inference(qr, kr, v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
+            local_k, local_v = (kr, v) if G == 1 else (kr.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+            y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
                                              block_pos=block_pos, rope_base=cfg.rope_base, backend=self.backend)
-            h = h + block.attn.merge(y)
-            h = h + block.mlp(block.ln_2(h))
+            h = cfg.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal])
-        logits = model.lm_head(model.ln_f(h[:, normal]))  # (B, n, V)
+        logits = cfg.head(h[:, normal])  # (B, n, V)
         self.pending_ids, self.pending_kv = ids, new_kv
         if self.pending_count == self.chunk_size:
             self._flush()
@@ -419,7 +422,9 @@ class LandmarkMemory:
             empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
         scale, rope = D ** -0.5, self.rope
-        lms = self.landmarks[layer][:, :, :nb]  # (B, H, nb, D)
+        lms = self.landmarks[layer][:, :, :nb]  # (B, H_kv, nb, D)
+        if self.group > 1:
+            lms = lms.repeat_interleave(self.group, 1)  # (B, H, nb, D)
         if self.mapping == "exact":
             ids = torch.arange(lo, nb, device=self.device)
             S = (qr @ rope(lms[:, :, lo:nb], ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
@@ -431,7 +436,7 @@ class LandmarkMemory:
             I = recent.expand(B, H, Tq, -1)
             if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope(q, qpos - bs).float().cpu().numpy()  # (B, H, Tq, D)
-                Ds, Is = zip(*(self.indexes[b][layer][h].search(xq[b, h], K, lo, int(recent[0]))
+                Ds, Is = zip(*(self.indexes[b][layer][h // self.group].search(xq[b, h], K, lo, int(recent[0]))
                                for b in range(B) for h in range(H)))
                 S_old = torch.from_numpy(np.stack(Ds)).view(B, H, Tq, K).to(self.device, S.dtype) * scale
                 I_old = torch.from_numpy(np.stack(Is)).view(B, H, Tq, K).to(self.device)
@@ -488,7 +493,7 @@ class LandmarkMemory:
         key = torch.arange(B, device=self.device)[:, None, None, None] * (self.n_blocks + 1) + ids
         uniq, inverse = torch.unique(key[valid], return_inverse=True)
         table = torch.full_like(ids, -1)
-        H, D = self.cfg.n_head, self.cfg.head_dim
+        H, D = self.cfg.n_kv_head, self.cfg.head_dim
         if len(uniq) == 0:
             empty = torch.zeros((0, H, self.L, D), device=self.device, dtype=self.dtype)
             return table, empty, empty

@@ -32,7 +32,7 @@ from .fileio import atomic_write
 from .storage import DTYPES
 
 FORMAT = "landmark-memory/memory"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest's model has a shape (grouped-query attention)
 MANIFEST, LOCK, TOKENS, LANDMARKS = "manifest.json", "writer.lock", "tokens.bin", "landmarks.bin"
 
 
@@ -40,10 +40,15 @@ class MemoryFileError(ValueError):
     """A memory directory that cannot be opened as asked; the message says why and what to do."""
 
 
+# config entries that say where or how a model was loaded, not what it computes (Hugging Face)
+UNFINGERPRINTED = {"transformers_version", "architectures", "use_cache", "landmark_backend"}
+
+
 def model_fingerprint(model):
     """sha256 of a model's config and weights: a memory only makes sense with the model that
     computed its keys and values."""
-    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in UNFINGERPRINTED}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -52,9 +57,9 @@ def model_fingerprint(model):
 
 def row_bytes(doc):
     """Bytes per block of ``tokens.bin`` and ``landmarks.bin`` for the manifest ``doc``."""
-    cfg, B = doc["model"]["config"], doc["streams"] or 0
-    return {TOKENS: B * cfg["block_size"] * 4,
-            LANDMARKS: B * cfg["n_layer"] * cfg["n_embd"] * DTYPES[doc["model"]["dtype"]].itemsize}
+    shape, B = doc["model"]["shape"], doc["streams"] or 0
+    return {TOKENS: B * shape["block_size"] * 4,
+            LANDMARKS: B * shape["n_layer"] * shape["n_kv_head"] * shape["head_dim"] * DTYPES[doc["model"]["dtype"]].itemsize}
 
 
 def _sha256(path):
@@ -148,6 +153,10 @@ class MemoryDir:
         if doc.get("format_version", 0) > FORMAT_VERSION:
             raise MemoryFileError(f"{self.path} was written by a newer landmark-memory (memory format "
                                   f"{doc['format_version']}, this one reads up to {FORMAT_VERSION}); upgrade the package")
+        if doc.get("format_version", 0) < 2:  # format 1: LandmarkGPT only, one key/value head per head
+            cfg = doc["model"]["config"]
+            doc["model"]["shape"] = {"n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"],
+                                     "head_dim": cfg["n_embd"] // cfg["n_head"], "block_size": cfg["block_size"]}
         return doc
 
     def write_manifest(self, doc):

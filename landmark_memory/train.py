@@ -51,6 +51,7 @@ class TrainConfig:
     ffn_hidden: int = 4096
     dropout: float = 0.0
     init_from: str = ""  # start from this saved model's weights and config (fine-tuning); "" = random init
+    hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model with landmarks instead (paper 4.2)
     # optimisation (paper defaults)
     batch_size: int = 8  # per process, per micro-step
     grad_accum: int = 1
@@ -80,6 +81,11 @@ PRESETS = {
     # the paper's model: 12 layers, 8 heads of 128, FFN 4096, effective batch 128
     "paper": dict(n_layer=12, n_head=8, n_embd=1024, ffn_hidden=4096, seq_len=512, batch_size=16, grad_accum=8,
                   max_iters=240_000, eval_interval=1000, eval_iters=50),
+    # fine-tuning a Hugging Face model (paper 4.2, its code's defaults): windows of 512 tokens
+    # with landmarks (8 blocks of 63 + 8 landmarks), lr 2e-5 with 3% warmup and cosine decay to 0,
+    # weight decay 0.1, AdamW betas (0.9, 0.999), gradient clipping 1, 128 windows per step
+    "hf": dict(block_size=63, seq_len=504, batch_size=2, grad_accum=64, max_iters=15_000, lr=2e-5, min_lr=0.0,
+               warmup_frac=0.03, weight_decay=0.1, beta2=0.999, eval_interval=500, eval_iters=10),
 }
 
 
@@ -145,7 +151,15 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed + self.rank)
 
-        self.tok = load_tokenizer()
+        if cfg.hf_model:
+            from .hf.train import HFLandmarkLM
+
+            if cfg.init_from:
+                raise ValueError("--init-from starts a LandmarkGPT; with --hf-model the model is the starting point")
+            self.model = HFLandmarkLM.load(self.out if cfg.resume else cfg.hf_model, cfg.block_size).to(self.device)
+            self.tok = self.model.text_tokenizer()
+        else:
+            self.tok = load_tokenizer()
         self.train_tokens, self.val_tokens = self._load_data()
         passkey = PasskeyMix(self.tok, cfg.passkey_rate, copy_rate=cfg.copy_rate) if cfg.passkey_rate > 0 else None
         self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, passkey)
@@ -153,13 +167,15 @@ class Trainer:
         val = WindowSampler(self.val_tokens, cfg.seq_len, cfg.batch_size, seed=0, passkey=passkey)
         self.val_batches = [val.batch() for _ in range(cfg.eval_iters)]
 
-        mcfg = LandmarkConfig.for_tokenizer(self.tok, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                            ffn_hidden=cfg.ffn_hidden, attention=cfg.attention,
-                                            block_size=cfg.block_size, dropout=cfg.dropout)
-        if cfg.init_from:  # the saved model's architecture wins over the model flags
+        if cfg.hf_model:
+            self.log(f"fine-tuning {cfg.hf_model} with a landmark every {cfg.block_size} tokens")
+        elif cfg.init_from:  # the saved model's architecture wins over the model flags
             self.model = LandmarkGPT.from_pretrained(cfg.init_from).to(self.device)
             self.log(f"initialised from {cfg.init_from}")
         else:
+            mcfg = LandmarkConfig.for_tokenizer(self.tok, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                                ffn_hidden=cfg.ffn_hidden, attention=cfg.attention,
+                                                block_size=cfg.block_size, dropout=cfg.dropout)
             self.model = LandmarkGPT(mcfg).to(self.device)
         self.opt = build_optimizer(self.model, cfg, self.device.type)
         self.step, self.best_val, self.first_val = 0, float("inf"), None
@@ -244,11 +260,12 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.out} ({STATE_NAME} missing); "
                                     "drop --resume to start afresh")
         state = json.loads(state_file.read_text())
-        saved = LandmarkGPT.from_pretrained(self.out)
-        if saved.config != self.model.config:
-            raise ValueError(f"--resume: the checkpoint in {self.out} has model config {saved.config}, "
-                             f"this run asks for {self.model.config}; use the same flags or another --out-dir")
-        self.model.load_state_dict(saved.state_dict())
+        if not self.cfg.hf_model:  # a Hugging Face model was loaded from the checkpoint itself
+            saved = LandmarkGPT.from_pretrained(self.out)
+            if saved.config != self.model.config:
+                raise ValueError(f"--resume: the checkpoint in {self.out} has model config {saved.config}, "
+                                 f"this run asks for {self.model.config}; use the same flags or another --out-dir")
+            self.model.load_state_dict(saved.state_dict())
         _load_optimizer(self.opt, load_file(self.out / OPTIM_NAME, device=str(self.device)), state["param_groups"])
         self.step, self.best_val, self.first_val = state["step"], state["best_val"], state["first_val"]
         rng = state["sampler_rng"]
@@ -276,7 +293,8 @@ class Trainer:
 
     def run(self):
         cfg = self.cfg
-        self.log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, attention={cfg.attention}, "
+        kind = type(self.model.hf).__name__ if cfg.hf_model else f"attention={cfg.attention}"
+        self.log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, {kind}, "
                  f"block_size={cfg.block_size}, device={self.device}, world_size={self.world}")
         t0 = time.time()
         if self.step == 0:

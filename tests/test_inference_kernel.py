@@ -65,6 +65,22 @@ def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, bl
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("backend", ["reference", "dense", "triton"])
+def test_grouped_query_pool_equals_pool_repeated_per_query_head(backend):
+    g = torch.Generator().manual_seed(11)
+    B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 5, 12, 3, 6
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (Tq, Tk, Tk))
+    pool_k, pool_v = (torch.randn(n_pool, H_kv, bs + 1, D, generator=g) for _ in range(2))
+    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
+    pos = torch.randint(0, 1000, (B, H, Tq, K), generator=g)
+    out = landmark_attention_inference(q, k, v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos,
+                                       backend=backend)
+    rep = landmark_attention_inference(q, k, v, bs, pool_k=pool_k.repeat_interleave(2, 1),
+                                       pool_v=pool_v.repeat_interleave(2, 1), block_table=table, block_pos=pos,
+                                       backend="reference")
+    torch.testing.assert_close(out, rep, **TOL[torch.float32])
+
+
 def test_inference_outputs_are_fully_overwritten(monkeypatch):
     from landmark_memory.kernels import triton_landmark
 

@@ -110,7 +110,7 @@ def test_bad_arguments_are_explained(model, text):
     with pytest.raises(ValueError, match="pass a path"):
         LandmarkMemory(model, store="lmdb")
     full = LandmarkGPT(LandmarkConfig(**{**model.config.to_dict(), "attention": "full"}))
-    with pytest.raises(ValueError, match="attention='landmark'"):
+    with pytest.raises(ValueError, match="landmark attention; this LandmarkGPT has attention='full'"):
         LandmarkMemory(full)
     mem = LandmarkMemory(model, chunk_size=10)
     mem.forward(text[:, :5])

@@ -57,7 +57,9 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
     decoding: the local keys are then the current block so far). Each query also sees up to
     ``K`` blocks of a shared pool, listed per (batch, head, query) in ``block_table``. A
     retrieved block behaves exactly like an earlier in-sequence block: its landmark joins the
-    query's own softmax group and gates the block's normal tokens.
+    query's own softmax group and gates the block's normal tokens. The pool may hold fewer
+    key/value heads than there are query heads (grouped-query attention): query head ``h``
+    reads pool head ``h // (H // H_kv)``.
 
     Positions: ``q`` and ``k`` come rotated (RoPE) at the positions the caller chose. Pool keys
     are stored rotated by their offset inside their block (row t by ``t``), so one pool entry
@@ -70,8 +72,8 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
     q : Tensor (B, H, T_q, D), rotated queries.
     k, v : Tensor (B, H, T_k, D), local keys (rotated) and values, T_k >= T_q.
     block_size : int, normal tokens per block.
-    pool_k, pool_v : Tensor (n_pool, H, block_size + 1, D), retrieved blocks, landmark last;
-        keys rotated by row offset.
+    pool_k, pool_v : Tensor (n_pool, H_kv, block_size + 1, D), retrieved blocks, landmark last;
+        keys rotated by row offset; H_kv divides H.
     block_table : int Tensor (B, H, T_q, K), pool indices; -1 marks an empty slot.
     block_pos : int Tensor (B, H, T_q, K), start position of each listed block.
     rope_base : float, RoPE base of the model.
@@ -89,8 +91,9 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
         raise ValueError(f"local keys k {tuple(k.shape)} must be (B, H, T_k, D) with T_k >= T_q for q {tuple(q.shape)}")
     L = block_size + 1
     for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
-        if t.dim() != 4 or t.shape[1:] != (H, L, D):
-            raise ValueError(f"{name} must be (n_pool, H={H}, block_size + 1={L}, D={D}), got {tuple(t.shape)}")
+        if t.dim() != 4 or t.shape[2:] != (L, D) or H % max(t.shape[1], 1) or t.shape != pool_k.shape:
+            raise ValueError(f"{name} must be (n_pool, H_kv, block_size + 1={L}, D={D}) with H_kv dividing H={H}, "
+                             f"pool_k and pool_v alike; got {tuple(t.shape)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
     for name, t in (("block_table", block_table), ("block_pos", block_pos)):

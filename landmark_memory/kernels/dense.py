@@ -58,17 +58,18 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     s_loc = _local_effective((q @ k.transpose(-2, -1)) * scale, block_size, k.shape[-2])  # (B, H, Tq, Tk)
     if K == 0:
         return torch.softmax(s_loc, -1) @ v
-    heads = torch.arange(H, device=q.device)[None, :, None, None]
+    H_kv = pool_k.shape[1]
+    heads = torch.arange(H, device=q.device)[None, :, None, None] // (H // H_kv)  # pool head of each query head
     slots = block_table.clamp(min=0).long()  # (B, H, Tq, K)
 
     def gather(pool):
-        """Each (query, slot)'s block of its own head, (B, H, Tq, K, L, D): whole (L, D) rows
+        """Each (query, slot)'s block of its head's pool head, (B, H, Tq, K, L, D): whole (L, D) rows
         picked by index_select (several times faster than broadcast advanced indexing) from a
         view of the pool's storage, so a strided pool (a view into a larger arena) is not copied."""
         if pool.stride(0) % pool.stride(1) or pool.stride(2) != D or pool.stride(3) != 1:
             pool = pool.contiguous()
         step = pool.stride(0) // pool.stride(1)  # storage rows from one pool entry to the next
-        rows = pool.as_strided(((pool.shape[0] - 1) * step + H, *pool.shape[2:]), (pool.stride(1), D, 1))
+        rows = pool.as_strided(((pool.shape[0] - 1) * step + H_kv, *pool.shape[2:]), (pool.stride(1), D, 1))
         return rows.index_select(0, (slots * step + heads).flatten()).view(B, H, T_q, K, *pool.shape[2:])
 
     qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start

@@ -147,14 +147,14 @@ def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale,
 
 
 @triton.jit
-def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, N_SLOTS, K_STRIDE, V_STRIDE, scale,
-                      BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, GROUP, N_SLOTS, K_STRIDE, V_STRIDE,
+                      scale, BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One query of one head over its retrieved blocks, merged with its local result.
 
     Pool keys are rotated by their offset inside the block; the query is rotated back by the
     block's start position P (COS/SIN of -P), since RoPE scores depend only on differences."""
     r, bh = tl.program_id(0), tl.program_id(1)
-    h = bh % H
+    h = (bh % H) // GROUP  # the pool head this query head reads (grouped-query attention)
     row = bh.to(tl.int64) * T_q + r
     HALF: tl.constexpr = HEAD_DIM // 2
     i = tl.arange(0, HALF)
@@ -319,6 +319,6 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     cos, sin = RotaryEmbedding(D, rope_base).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
     out = _empty_like(q)
     _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, block_table.to(torch.int32).contiguous(), cos, sin, o_loc, lse,
-                                   out, Tq, H, n_slots, pool_k.stride(0), pool_v.stride(0), scale,
+                                   out, Tq, H, H // pool_k.shape[1], n_slots, pool_k.stride(0), pool_v.stride(0), scale,
                                    BS=block_size, LP=LP, HEAD_DIM=D)
     return out

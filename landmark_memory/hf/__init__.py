@@ -1,0 +1,14 @@
+"""Hugging Face integration: landmark attention for Llama-family models (``convert``,
+``from_pretrained``), and ``LandmarkMemoryCache`` for ``model.generate``.
+
+    model = landmark_memory.hf.from_pretrained("my-landmark-llama")
+    cache = LandmarkMemoryCache.open("my-memory", model, readonly=True)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
+"""
+
+from .cache import LandmarkMemoryCache
+from .convert import ATTENTION, convert, from_pretrained, is_converted, landmark_attention_forward, normal_logits
+from .tokenizer import TextTokenizer
+
+__all__ = ["ATTENTION", "LandmarkMemoryCache", "TextTokenizer", "convert", "from_pretrained", "is_converted",
+           "landmark_attention_forward", "normal_logits"]

@@ -1,0 +1,159 @@
+"""Landmark attention for Hugging Face Llama-family causal LMs (paper section 4.2).
+
+``convert`` adds the landmark token and routes attention through our grouped-softmax kernels
+by transformers' own attention registry (``AttentionInterface``): embeddings, norms, MLPs,
+RoPE and the weights stay stock. In sequence, the input must carry a landmark after every
+``block_size`` normal tokens (``insert_landmarks``); with a ``LandmarkMemoryCache``, the
+model reads normal tokens and the memory places the landmarks itself.
+
+The landmark settings live in the model's config (``landmark_block_size``,
+``landmark_token_id``), so ``save_pretrained`` keeps them and ``from_pretrained`` below (or
+``AutoModelForCausalLM.from_pretrained(path, attn_implementation="landmark")`` once this
+module is imported) restores the model, no remote code needed.
+"""
+
+import inspect
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+
+from ..kernels import BACKENDS, landmark_attention, landmark_attention_inference
+from ..tokenizer import LANDMARK_TOKEN, check_block_size, insert_landmarks, normal_positions
+
+ATTENTION = "landmark"
+LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def landmark_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: grouped-softmax landmark attention (causal).
+
+    query (B, H, T_q, D), key and value (B, H_kv, T_k, D) with RoPE applied; the queries are
+    the last T_q of T_k positions laid out in blocks from position 0. Returns (B, T_q, H, D)."""
+    if dropout:
+        raise ValueError("landmark attention has no attention dropout; set config.attention_dropout = 0")
+    cfg = module.config
+    G = query.shape[1] // key.shape[1]
+    if G > 1:  # grouped-query attention: each key/value head serves G query heads
+        key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+    backend = getattr(cfg, "landmark_backend", "auto")
+    if query.shape[-2] == key.shape[-2]:
+        out = landmark_attention(query, key, value, cfg.landmark_block_size, scale=scaling, backend=backend)
+    else:  # queries after cached keys: no retrieved blocks, the cached keys are the local ones
+        B, H, T_q, _ = query.shape
+        none = query.new_zeros((0, H, cfg.landmark_block_size + 1, query.shape[-1]))
+        empty = torch.zeros((B, H, T_q, 0), dtype=torch.long, device=query.device)
+        out = landmark_attention_inference(query, key, value, cfg.landmark_block_size, pool_k=none, pool_v=none,
+                                           block_table=empty, block_pos=empty, scale=scaling, backend=backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, landmark_attention_forward)
+
+
+def is_converted(model):
+    return getattr(getattr(model, "config", None), "landmark_block_size", None) is not None
+
+
+def _check_supported(model):
+    if not isinstance(model, PreTrainedModel) or not hasattr(model, "lm_head"):
+        raise ValueError(f"convert needs a transformers causal LM (e.g. LlamaForCausalLM), got {type(model).__name__}")
+    cfg, layers = model.config, getattr(model.get_decoder(), "layers", None)
+    if layers is None or not len(layers):
+        raise ValueError(f"{type(model).__name__} has no decoder layers where a Llama-family model has them")
+    layer = layers[0]
+    parts, attn_parts = {n for n, _ in layer.named_children()}, {n for n, _ in layer.self_attn.named_children()}
+    if parts != LAYER_PARTS or attn_parts != ATTENTION_PARTS:
+        raise ValueError(f"{type(model).__name__} is not a Llama-family layout (decoder layer parts {sorted(parts)}, "
+                         f"attention parts {sorted(attn_parts)}); supported: Llama, Mistral, Qwen2")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{type(model).__name__} uses RoPE type {rope.get('rope_type')!r}: our kernels rotate "
+                         "retrieved blocks with plain RoPE (rope_type 'default') only")
+
+
+def convert(model, tokenizer, block_size=63, backend="auto"):
+    """Turn a Llama-family causal LM into a landmark model, in place.
+
+    Parameters
+    ----------
+    model : transformers ``LlamaForCausalLM`` (or Mistral, Qwen2: same layout, plain RoPE),
+        any number of key/value heads.
+    tokenizer : its transformers tokenizer; gains the landmark token.
+    block_size : int, normal tokens per landmark block (the paper's code: 63, so that a 512-token
+        window holds 8 whole blocks).
+    backend : kernel backend, one of ``kernels.BACKENDS`` ("auto": Triton on CUDA, dense PyTorch
+        elsewhere).
+
+    Returns
+    -------
+    The same model object, now an instance of a ``Landmark<Class>`` subclass whose forward
+    reads through a ``LandmarkMemoryCache`` when one is passed as ``past_key_values``.
+    The landmark embedding (and output row, when untied) starts as the mean of the others.
+    """
+    check_block_size(block_size)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if is_converted(model):
+        raise ValueError(f"this model is already a landmark model (block size {model.config.landmark_block_size})")
+    _check_supported(model)
+    tokenizer.add_special_tokens({"additional_special_tokens": [LANDMARK_TOKEN]})
+    landmark_id = tokenizer.convert_tokens_to_ids(LANDMARK_TOKEN)
+    n_old = model.get_input_embeddings().weight.shape[0]
+    if landmark_id >= n_old:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        with torch.no_grad():
+            for emb in {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+                emb[n_old:] = emb[:n_old].mean(0)
+    model.config.landmark_block_size, model.config.landmark_token_id = block_size, landmark_id
+    model.config.landmark_backend = backend
+    return _activate(model)
+
+
+def _activate(model):
+    model.set_attn_implementation(ATTENTION)
+    model.__class__ = _landmark_class(type(model))
+    return model
+
+
+_CLASSES = {}
+
+
+def _landmark_class(cls):
+    """``cls`` with a forward that reads through a ``LandmarkMemoryCache`` when one is given."""
+    if cls in _CLASSES.values():
+        return cls
+    if cls not in _CLASSES:
+        def forward(self, input_ids=None, *args, past_key_values=None, **kwargs):
+            from .cache import LandmarkMemoryCache
+
+            if isinstance(past_key_values, LandmarkMemoryCache):
+                return past_key_values.forward(input_ids, *args, **kwargs)
+            return cls.forward(self, input_ids, *args, past_key_values=past_key_values, **kwargs)
+
+        forward.__signature__ = inspect.signature(cls.forward)  # generate() reads it to pick its inputs
+        forward.__doc__ = cls.forward.__doc__
+        _CLASSES[cls] = type(f"Landmark{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def from_pretrained(path, **kwargs):
+    """A landmark model saved with ``save_pretrained`` (``kwargs`` go to
+    ``AutoModelForCausalLM.from_pretrained``: dtype, device_map, ...)."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"no Hugging Face model at {path}: config.json is missing")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION, **kwargs)
+    if not is_converted(model):
+        raise ValueError(f"{path} holds a plain {type(model).__name__}, not a landmark model: "
+                         "convert it with landmark_memory.hf.convert and fine-tune it (experiments/finetune_hf.py)")
+    return _activate(model)
+
+
+def normal_logits(model, idx):
+    """Logits (B, T, vocab) at the normal positions of a converted model's in-sequence forward
+    over normal token ids ``idx`` (B, T): landmarks are inserted first."""
+    cfg = model.config
+    x = insert_landmarks(idx, cfg.landmark_block_size, cfg.landmark_token_id)
+    logits = model(input_ids=x, use_cache=False).logits  # (B, T', V)
+    return logits[:, normal_positions(idx.shape[1], cfg.landmark_block_size, idx.device)]

@@ -1,0 +1,68 @@
+"""A converted Hugging Face model behind the training interface of ``LandmarkGPT``, so that
+one training loop (``landmark_memory.train``) serves both: ``model(idx, targets)`` over normal
+token ids returns ``(logits, loss)``, landmarks inserted inside (paper section 4.2: targets
+that fall on a landmark move to the next normal token, landmarks carry no loss)."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import LandmarkGPT
+from ..tokenizer import IGNORE_INDEX
+from .convert import convert, from_pretrained, is_converted, normal_logits
+from .tokenizer import TextTokenizer
+
+
+class HFLandmarkLM(nn.Module):
+    def __init__(self, model, tokenizer):
+        super().__init__()
+        self.hf, self.tokenizer, self.config = model, tokenizer, model.config
+
+    def forward(self, idx, targets=None):
+        logits = normal_logits(self.hf, idx)  # (B, T, V)
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    generate = LandmarkGPT.generate  # it only calls self(idx)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.hf.parameters())
+
+    def text_tokenizer(self):
+        return TextTokenizer(self.tokenizer)
+
+    @classmethod
+    def load(cls, path, block_size):
+        """The model at ``path``: a landmark model as it is (its block size must be
+        ``block_size``), or a plain Llama-family model converted with ``block_size``."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        if is_converted(model):
+            model = from_pretrained(path, dtype="float32")
+            if model.config.landmark_block_size != block_size:
+                raise ValueError(f"{path} is a landmark model with blocks of {model.config.landmark_block_size} "
+                                 f"tokens; pass --block-size {model.config.landmark_block_size}")
+        else:
+            convert(model, tok, block_size)
+        model.config.use_cache = False
+        return cls(model, tok)
+
+    def save_pretrained(self, path):
+        """Model and tokenizer written to a temporary folder, then moved in file by file,
+        ``config.json`` last: an interrupted save leaves the previous files usable."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path, prefix=".save-") as tmp:
+            self.hf.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            files = sorted(Path(tmp).iterdir(), key=lambda f: f.name == "config.json")
+            for f in files:
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(f, path / f.name)

@@ -1,0 +1,251 @@
+"""Hugging Face integration on tiny randomly initialised Llama-family models (no downloads):
+the converted forward against our reference attention, retrieve-all and decoding equivalence
+through the cache, save/load, fine-tuning, and the commands on a model directory."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+from landmark_memory import hf
+from landmark_memory.hf.backbone import HFBackbone
+from landmark_memory.kernels import landmark_attention_reference
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.rope import RotaryEmbedding
+from landmark_memory.tokenizer import LANDMARK_TOKEN, insert_landmarks, normal_positions
+
+BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM)}
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def text():
+    return BOOK.read_text()[20_000:80_000]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_object(text):
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    t.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return t
+
+
+def tiny(tokenizer_object, family="llama", block_size=7, seed=0):
+    """A converted tiny model of ``family`` (4 query heads sharing 2 key/value heads) and its tokenizer."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, bos_token="<s>", eos_token="</s>")
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 16,
+                     tie_word_embeddings=family == "qwen2")
+    model = model_cls(cfg)
+    return hf.convert(model, tok, block_size=block_size).eval(), tok
+
+
+def ids_of(tok, text, n):
+    return torch.tensor([tok(text, add_special_tokens=False).input_ids[:n]])
+
+
+def reference_logits(model, idx):
+    """The converted model's forward rebuilt from its modules with our own RoPE and the
+    paper-equation reference attention."""
+    bb, cfg = HFBackbone(model), model.config
+    x = insert_landmarks(idx, cfg.landmark_block_size, cfg.landmark_token_id)
+    pos, rope = torch.arange(x.shape[1]), RotaryEmbedding(bb.head_dim, bb.rope_base)
+    h = bb.embed(x)
+    for layer in range(bb.n_layer):
+        q, k, v = bb.qkv(layer, h)
+        G = bb.n_head // bb.n_kv_head
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        h = bb.finish(layer, h, landmark_attention_reference(rope(q, pos), rope(k, pos), v, cfg.landmark_block_size))
+    return bb.head(h)[:, normal_positions(idx.shape[1], cfg.landmark_block_size)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.no_grad()
+def test_converted_forward_equals_reference_attention_forward(tokenizer_object, text, family):
+    model, tok = tiny(tokenizer_object, family)
+    idx = ids_of(tok, text, 45)
+    out = hf.normal_logits(model, idx)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference_logits(model, idx), **TOL)
+
+
+def test_convert_adds_a_landmark_token_initialised_to_the_mean_embedding(tokenizer_object):
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, eos_token="</s>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    n = len(tok)
+    emb, out = model.get_input_embeddings().weight.clone(), model.get_output_embeddings().weight.clone()
+    hf.convert(model, tok, block_size=5)
+    lid = tok.convert_tokens_to_ids(LANDMARK_TOKEN)
+    assert lid == n == model.config.landmark_token_id and len(tok) == n + 1
+    torch.testing.assert_close(model.get_input_embeddings().weight[lid], emb.mean(0))
+    torch.testing.assert_close(model.get_output_embeddings().weight[lid], out.mean(0))
+    torch.testing.assert_close(model.get_input_embeddings().weight[:n], emb)
+    with pytest.raises(ValueError, match="already a landmark model"):
+        hf.convert(model, tok)
+
+
+def test_unsupported_models_are_refused_clearly(tokenizer_object):
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, eos_token="</s>")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'default'"):
+        hf.convert(LlamaForCausalLM(cfg), tok)
+    with pytest.raises(ValueError, match="transformers causal LM"):
+        hf.convert(torch.nn.Linear(2, 2), tok)
+    with pytest.raises(ValueError, match="block_size"):
+        hf.convert(LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2)), tok, block_size=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.no_grad()
+def test_retrieve_all_through_the_cache_equals_in_sequence_forward(tokenizer_object, text, family):
+    model, tok = tiny(tokenizer_object, family)
+    idx = ids_of(tok, text, 61)
+    cache = hf.LandmarkMemoryCache(model, chunk_size=14, top_k=64, position_mapping="exact")
+    pieces = [model(input_ids=idx[:, a:b], past_key_values=cache).logits for a, b in ((0, 23), (23, 24), (24, 61))]
+    assert cache.get_seq_length() == 61 and cache.memory.n_blocks == 8
+    torch.testing.assert_close(torch.cat(pieces, 1), hf.normal_logits(model, idx), **TOL)
+
+
+@pytest.mark.parametrize("index", ["flat", "hnsw", "ivf"])
+@torch.no_grad()
+def test_greedy_generate_with_the_cache_equals_landmark_memory_decoding(tokenizer_object, text, index):
+    model, tok = tiny(tokenizer_object)
+    idx = ids_of(tok, text, 90)
+    opts = dict(chunk_size=14, top_k=2, index=index, index_options={"train_size": 4, "nprobe": 1} if index == "ivf" else {})
+    cache = hf.LandmarkMemoryCache(model, **opts)
+    out = model.generate(idx, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    ref = LandmarkMemory(model, **opts).generate(idx, 12)
+    assert out[0, 90:].tolist() == ref[0].tolist()
+    assert cache.get_seq_length() == 90 + 11
+
+
+@torch.no_grad()
+def test_generate_reads_a_saved_memory_as_if_it_had_never_stopped(tokenizer_object, text, tmp_path):
+    model, tok = tiny(tokenizer_object)
+    book, prompt = ids_of(tok, text, 100), ids_of(tok, "What was the name of the school?", 20)
+    with LandmarkMemory(model, path=tmp_path / "mem", store="lmdb", chunk_size=14, top_k=2) as mem:
+        mem.forward(book)
+    cache = hf.LandmarkMemoryCache.open(tmp_path / "mem", model, readonly=True)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    cache.close()
+    once = LandmarkMemory(model, chunk_size=14, top_k=2)
+    once.forward(book)
+    assert out[0, prompt.shape[1]:].tolist() == once.generate(prompt, 8)[0].tolist()
+
+
+@torch.no_grad()
+def test_the_cache_refuses_what_a_memory_cannot_do(tokenizer_object, text):
+    model, tok = tiny(tokenizer_object)
+    idx = ids_of(tok, text, 20)
+    cache = hf.LandmarkMemoryCache(model, chunk_size=14)
+    model(input_ids=idx, past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot go back"):
+        model(input_ids=idx, past_key_values=cache, cache_position=torch.arange(20))
+    with pytest.raises(ValueError, match="attention mask must be all ones"):
+        model(input_ids=idx, past_key_values=cache, attention_mask=torch.zeros_like(idx))
+    plain = LlamaForCausalLM(model.config.__class__(**{**model.config.to_dict(), "landmark_block_size": None}))
+    with pytest.raises(RuntimeError, match="converted"):
+        plain(input_ids=idx, past_key_values=cache)
+
+
+@torch.no_grad()
+def test_save_and_load_round_trip(tokenizer_object, text, tmp_path):
+    model, tok = tiny(tokenizer_object)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    idx = ids_of(tok, text, 40)
+    loaded = hf.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model) and loaded.config.landmark_block_size == 7
+    torch.testing.assert_close(hf.normal_logits(loaded, idx), hf.normal_logits(model, idx), rtol=0, atol=0)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="landmark").eval()  # stock loader
+    torch.testing.assert_close(hf.normal_logits(auto, idx), hf.normal_logits(model, idx), rtol=0, atol=0)
+    plain = tmp_path / "plain"
+    LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(plain)
+    with pytest.raises(ValueError, match="not a landmark model"):
+        hf.from_pretrained(plain)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer_object, tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "tiny-landmark-llama"
+    model, tok = tiny(tokenizer_object)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def cli(*args, cwd=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "landmark_memory.cli", *map(str, args)], capture_output=True, text=True,
+                       env=env, cwd=cwd, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_passkey_and_eval_commands_take_a_hugging_face_model_directory(model_dir, tmp_path):
+    doc = json.loads(cli("passkey", "--model", model_dir, "--lengths", "300,400", "--trials", "2", "--chunk-size", "21",
+                         "--json", "--quiet"))
+    assert [r["length"] for r in doc["results"]] == [300, 400] and doc["mode"] == "landmark + memory"
+    assert all(0 <= r["accuracy"] <= 1 for r in doc["results"])
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK.read_text()[30_000:36_000])
+    for extra, mode in (((), "memory"), (("--full-attention",), "in-sequence")):
+        doc = json.loads(cli("eval", "--model", model_dir, "--input", book, "--eval-length", "100", "--chunk-size", "21",
+                             "--max-segments", "2", "--json", "--quiet", *extra))
+        assert doc["mode"] == mode and doc["segments"] == 2 and 1 < doc["perplexity"] < 1e4
+
+
+def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text):
+    data = tmp_path / "books"
+    data.mkdir()
+    for i in range(2):
+        (data / f"b{i}.txt").write_text(text[i * 20_000:(i + 1) * 20_000])
+    out = tmp_path / "ft"
+    run = [sys.executable, str(Path(__file__).parents[1] / "experiments" / "finetune_hf.py"), "--hf-model", model_dir,
+           "--data", data, "--out-dir", out, "--block-size", "7", "--seq-len", "56", "--batch-size", "2",
+           "--grad-accum", "1", "--eval-interval", "2", "--eval-iters", "1", "--lr", "1e-3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for steps, extra in (("2", []), ("4", ["--resume"])):
+        r = subprocess.run([*map(str, run), "--max-iters", steps, *extra], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 2, 4]
+    assert "resumed from" in r.stderr + r.stdout
+    tuned = hf.from_pretrained(out)
+    assert tuned.config.landmark_block_size == 7
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 4
+
+
+def test_readme_example_runs_as_written(model_dir, tmp_path, text):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"<!-- hf-example -->\s*```python\n(.*?)```", readme, re.S).group(1)
+    assert len(code.strip().splitlines()) == 5
+    (tmp_path / "my-landmark-llama").symlink_to(model_dir)
+    model = hf.from_pretrained(model_dir)
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    with LandmarkMemory(model, path=tmp_path / "my-memory", store="lmdb", chunk_size=21) as mem:
+        mem.forward(ids_of(tok, text, 300))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip()
