@@ -38,8 +38,8 @@ def uses_memory(model, in_sequence=False):
 
 
 @torch.no_grad()
-def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_retrieved=False, progress=True,
-               desc="perplexity"):
+def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segments=None, keep_retrieved=False,
+               progress=True, desc="perplexity"):
     """Perplexity of ``ids`` cut into segments of ``eval_length`` predicted tokens (paper Table 1):
     each segment is read from its start, alone.
 
@@ -51,6 +51,8 @@ def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_
     eval_length : int, tokens predicted per segment (the segment holds one more).
     memory : dict or None, ``LandmarkMemory`` options to read each segment chunk by chunk with
         retrieval; None runs each segment through the model in one forward (in sequence).
+    context : int, optional, without memory: read each segment in pieces of ``context``
+        tokens, each alone (attention limited to its piece; the paper's l_local without memory).
     max_segments : int, optional, evaluate only the first segments.
     keep_retrieved : bool, return the retrieved block ids of every segment and layer.
 
@@ -73,7 +75,9 @@ def perplexity(model, ids, eval_length, *, memory=None, max_segments=None, keep_
         seg = ids[s * eval_length:(s + 1) * eval_length + 1].to(device)
         x, y = seg[None, :-1], seg[None, 1:]
         if memory is None:
-            loss = F.cross_entropy(in_sequence_logits(model, x).float().flatten(0, 1), y.flatten())
+            step = context or x.shape[1]
+            logits = torch.cat([in_sequence_logits(model, x[:, a:a + step]) for a in range(0, x.shape[1], step)], 1)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         else:
             mem = LandmarkMemory(model, **memory)
             out = mem.forward(x, y)

@@ -35,3 +35,38 @@ def test_decode_benchmark_compares_with_full_attention(capsys):
     out = capsys.readouterr().out
     assert "| 600 | full attention + KV cache |" in out
     assert "| 600 | landmark, flat |" in out and "| 600 | landmark, ivf |" in out
+
+
+def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
+    import sys
+
+    from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    book = (EXPERIMENTS.parent / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt").read_text()
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(4):  # one of them is held out whole, as training would
+        (books / f"book{i}.txt").write_text(book[i * 40_000:(i + 1) * 40_000])
+    models = {}
+    for attention in ("landmark", "full"):
+        torch_seed = {"landmark": 0, "full": 1}[attention]
+        __import__("torch").manual_seed(torch_seed)
+        cfg = LandmarkConfig.for_tokenizer(load_tokenizer(), n_layer=1, n_head=2, n_embd=32, ffn_hidden=64,
+                                           attention=attention)
+        models[attention] = tmp_path / attention
+        LandmarkGPT(cfg).save_pretrained(models[attention])
+    common = ["--books", str(books), "--landmark-model", str(models["landmark"]), "--full-model", str(models["full"]),
+              "--results", str(tmp_path / "results"), "--quiet"]
+    script("exp_table1").main([*common, "--tokens", "1024", "--lengths", "512,1024"])
+    script("exp_table2").main([*common, "--tokens", "512"])
+    script("exp_passkey").main([*common, "--lengths", "400,800", "--full-lengths", "256", "--trials", "1"])
+    script("exp_exact_vs_approx").main([*common, "--max-tokens", "3000", "--indexes", "flat,ivf", "--train-size", "16",
+                                        "--passkey-lengths", "300", "--passkey-trials", "1"])
+    results = tmp_path / "results"
+    for name, row in (("table1", "| landmark, chunk 250, k=4, 80 blocks | 460 |"), ("table2", "| per head | 4096 | 4 |"),
+                      ("passkey", "| full attention in sequence | 256 |"), ("exact_vs_approx", "| ivf |")):
+        md = (results / f"{name}.md").read_text()
+        assert row in md and "- command: `python " in md and "$BOOKS" in md and "nan" not in md
+        assert (results / f"{name}.png").stat().st_size > 1000
+    assert sys.modules.get("_common") is not None

@@ -1,0 +1,99 @@
+"""What the paper-claim experiments share: the two models, the held-out books, perplexity over
+several books, and the results files (markdown with the exact command, machine and date)."""
+
+import argparse
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from landmark_memory.build import encode
+from landmark_memory.data import list_text_files, read_text, split_books
+from landmark_memory.evaluate import perplexity
+from landmark_memory.model import LandmarkGPT
+from landmark_memory.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+LANDMARK_MODEL, FULL_MODEL = "out/exp-landmark", "out/exp-full"  # relative to the repository root
+
+
+def parser(doc):
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--books", required=True, help="the book corpus the models were trained on (held-out books "
+                                                   "are chosen from it exactly as training chose them)")
+    ap.add_argument("--landmark-model", default=LANDMARK_MODEL, help=f"landmark model (default {LANDMARK_MODEL})")
+    ap.add_argument("--full-model", default=FULL_MODEL, help=f"full-attention baseline (default {FULL_MODEL})")
+    ap.add_argument("--results", default=str(RESULTS), help="where the markdown and PNG go (default experiments/results)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def parse(ap, argv=None):
+    args = ap.parse_args(argv)
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def load(path):
+    path = ROOT / path  # an absolute path stays as it is
+    if not (path / "config.json").is_file():
+        sys.exit(f"no model at {path}: train it first (python experiments/run_experiments.py --books ... trains "
+                 "what is missing)")
+    return LandmarkGPT.from_pretrained(path).eval()
+
+
+def held_out_books(books):
+    """[(name, token ids)] of the validation books training held out of ``books`` (whole books)."""
+    tok = load_tokenizer()
+    _, val = split_books(list_text_files([books]))
+    return [(f.stem, encode(tok, read_text(f))) for f in val]
+
+
+def books_perplexity(model, books, eval_length, n_tokens, progress=True, **kw):
+    """Perplexity over the first ``n_tokens`` predicted tokens, shared out evenly over the
+    books, each read in segments of ``eval_length`` (``kw``: ``evaluate.perplexity`` options)."""
+    per_book = max(1, math.ceil(n_tokens / len(books) / eval_length))
+    loss = count = 0.0
+    for name, ids in books:
+        r = perplexity(model, ids, eval_length, max_segments=per_book, progress=progress,
+                       desc=f"{name[:18]} @{eval_length}", **kw)
+        loss += r["loss"] * r["tokens"]
+        count += r["tokens"]
+    return math.exp(loss / count), int(count)
+
+
+def machine():
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}"
+
+
+def write_result(name, title, body, results=RESULTS, started=None, argv=None):
+    """experiments/results/<name>.md: title, the exact command (``argv``, default this
+    process's), machine, date and run time, then ``body``."""
+    argv = [os.path.relpath(sys.argv[0], ROOT), *(sys.argv[1:] if argv is None else argv)]
+    argv = ["$BOOKS" if i and argv[i - 1] == "--books" else a for i, a in enumerate(argv)]
+    cmd = "python " + " ".join(a if a == "$BOOKS" else shlex.quote(a) for a in argv)
+    minutes = f", {(time.time() - started) / 60:.1f} min" if started else ""
+    head = [f"# {title}", "", f"- command: `{cmd}` (BOOKS: the project's 53 Gutenberg books)", f"- machine: {machine()}",
+            f"- date: {time.strftime('%Y-%m-%d')}{minutes}", ""]
+    path = Path(results) / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(head + body) + "\n")
+    print(f"wrote {os.path.relpath(path, ROOT)}")
+    return path
+
+
+def plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
