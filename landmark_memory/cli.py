@@ -74,6 +74,15 @@ def load_model(path, device="auto", block_size=None):
     return model.eval(), load_tokenizer()
 
 
+def mode_of(model):
+    """How a model reads a text without a landmark memory."""
+    if is_landmark(model):
+        return "in-sequence"
+    if getattr(model.config, "attention", None) == "infini":
+        return "infini-attention (streamed)"
+    return "full attention"
+
+
 def emit(args, doc, text):
     """One JSON document with --json, else human-readable text."""
     print(json.dumps(doc, indent=1) if args.json else text)
@@ -243,7 +252,7 @@ def cmd_eval(args):
     ids = encode(tok, inp.text)
     mem = memory_options(args) if uses_memory(model, args.full_attention) else None
     res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
-    mode = "memory" if mem else ("in-sequence" if is_landmark(model) else "full attention")
+    mode = "memory" if mem else mode_of(model)
     doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length, **({"memory": mem} if mem else {}),
            **{k: res[k] for k in ("perplexity", "loss", "tokens", "segments", "seconds")}}
     emit(args, doc, f"{inp.path.name}: perplexity {res['perplexity']:.3f} over {res['tokens']:,} tokens "
@@ -284,7 +293,7 @@ def cmd_passkey(args):
     lengths = parse_lengths(args.lengths)
     mem = memory_options(args) if uses_memory(model, args.full_attention) else None
     rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
-    label = "landmark + memory" if mem else ("landmark" if is_landmark(model) else "full") + " (in sequence)"
+    label = "landmark + memory" if mem else mode_of(model)
     if args.plot:
         from .plots import plot_passkey
 

@@ -4,7 +4,7 @@ from dataclasses import asdict, dataclass, fields
 
 from .tokenizer import load_tokenizer, LANDMARK_TOKEN
 
-ATTENTIONS = ("landmark", "full")
+ATTENTIONS = ("landmark", "full", "infini")
 
 
 @dataclass
@@ -13,7 +13,9 @@ class LandmarkConfig:
 
     ``attention="landmark"`` inserts a landmark after every ``block_size`` normal tokens and
     uses the grouped softmax; ``"full"`` is standard causal attention on the same model, with
-    no landmarks (the baseline).
+    no landmarks (the baseline). ``"infini"`` is Infini-attention (the rival design,
+    ``infini.py``): causal attention inside segments of ``segment_size`` tokens plus a
+    compressive memory per head, updated by ``infini_update``.
     """
 
     vocab_size: int = 8192
@@ -28,6 +30,8 @@ class LandmarkConfig:
     dropout: float = 0.0
     bias: bool = False
     kernel_backend: str = "auto"  # Triton on CUDA, reference elsewhere
+    segment_size: int = 128  # Infini-attention only: tokens per segment
+    infini_update: str = "linear+delta"  # Infini-attention only: "linear" (eq. 4) or "linear+delta" (eq. 5)
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -36,6 +40,10 @@ class LandmarkConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError(f"head dim n_embd / n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.segment_size < 1:
+            raise ValueError(f"segment_size must be >= 1, got {self.segment_size}")
+        if self.infini_update not in ("linear", "linear+delta"):
+            raise ValueError(f"infini_update must be 'linear' or 'linear+delta', got {self.infini_update!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.landmark_id < self.vocab_size:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from .backbone import in_sequence_logits, is_landmark
 from .index import recall_at_k
+from .infini import InfiniState
 from .memory import LandmarkMemory
 from .passkey import run_passkey
 
@@ -128,7 +129,14 @@ def passkey_accuracy(model, tokenizer, lengths, trials, seed, memory=None, max_n
 
     def generate(ids):
         idx = torch.tensor([ids], device=device)
-        if memory is None:  # no cache: the whole context is re-read for each new token
+        if getattr(model.config, "attention", None) == "infini":  # streamed: the state carries the context
+            state, new = InfiniState(), []
+            logits = model(idx, state=state)
+            for _ in range(max_new_tokens):
+                new.append(logits[:, -1:].argmax(-1))
+                logits = model(new[-1], state=state)
+            new = torch.cat(new, 1)
+        elif memory is None:  # no cache: the whole context is re-read for each new token
             for _ in range(max_new_tokens):
                 idx = torch.cat([idx, in_sequence_logits(model, idx)[:, -1:].argmax(-1)], 1)
             new = idx[:, len(ids):]

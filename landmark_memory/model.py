@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import LandmarkConfig
 from .fileio import atomic_write
+from .infini import InfiniState, infini_attention
 from .kernels import landmark_attention
 from .rope import RotaryEmbedding
 from .tokenizer import IGNORE_INDEX, insert_landmarks, normal_positions
@@ -29,6 +30,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
         self.drop = nn.Dropout(cfg.dropout)
+        if cfg.attention == "infini":
+            self.gate = nn.Parameter(torch.zeros(cfg.n_head))  # beta of Infini-attention's eq. 6, per head
 
     def heads(self, x):
         """Un-rotated q, k, v (B, H, T, D) of x (B, T, C); memory stores keys without RoPE."""
@@ -40,8 +43,11 @@ class CausalSelfAttention(nn.Module):
         B, H, T, D = y.shape
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, state=None):
         q, k, v = self.heads(x)  # (B, H, T, D) each
+        if self.cfg.attention == "infini":  # state: this layer's LayerState
+            return self.merge(infini_attention(q, k, v, state, self.cfg.segment_size, self.gate, self.rope,
+                                               self.cfg.infini_update))
         q, k = self.rope(q, positions), self.rope(k, positions)
         if self.cfg.attention == "landmark":
             y = landmark_attention(q, k, v, self.cfg.block_size, backend=self.cfg.kernel_backend)
@@ -69,8 +75,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions):
-        x = x + self.attn(self.ln_1(x), positions)
+    def forward(self, x, positions, state=None):
+        x = x + self.attn(self.ln_1(x), positions, state)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -81,7 +87,9 @@ class LandmarkGPT(nn.Module):
     attention only) and returns logits (B, T, vocab) at the normal positions.
     ``model(idx, targets)`` returns ``(logits, loss)``, the mean next-token cross-entropy over
     targets that are not -100. A target that falls on a landmark moves to the next normal token
-    by construction: logits exist only at normal positions.
+    by construction: logits exist only at normal positions. With ``attention="infini"`` the
+    text is read segment by segment through a compressive memory (``infini.py``); pass an
+    ``InfiniState`` as ``state`` to stream a text over several calls.
     """
 
     def __init__(self, cfg):
@@ -108,7 +116,9 @@ class LandmarkGPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, state=None):
+        """``state`` (Infini-attention only): an ``InfiniState`` to continue from and update;
+        None reads ``idx`` from a fresh, empty memory."""
         cfg = self.config
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
@@ -118,8 +128,16 @@ class LandmarkGPT(nn.Module):
         x = insert_landmarks(idx, cfg.block_size, cfg.landmark_id) if cfg.attention == "landmark" else idx  # (B, T')
         positions = torch.arange(x.shape[1], device=idx.device)
         h = self.drop(self.wte(x))  # (B, T', C)
-        for block in self.blocks:
-            h = block(h, positions)
+        if cfg.attention == "infini":
+            state = InfiniState() if state is None else state
+            for i, block in enumerate(self.blocks):
+                h = block(h, positions, state.layer(i, h.new_empty(idx.shape[0], cfg.n_head, 0, cfg.head_dim)))
+            state.tokens += T
+        elif state is not None:
+            raise ValueError("state applies to Infini-attention models only")
+        else:
+            for block in self.blocks:
+                h = block(h, positions)
         if cfg.attention == "landmark":
             h = h[:, normal_positions(T, cfg.block_size, idx.device)]  # (B, T, C)
         logits = self.lm_head(self.ln_f(h))  # (B, T, V)

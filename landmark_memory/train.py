@@ -45,6 +45,8 @@ class TrainConfig:
     # model
     attention: str = "landmark"
     block_size: int = 50
+    segment_size: int = 128  # attention="infini": tokens per segment
+    infini_update: str = "linear+delta"  # attention="infini": memory update rule
     n_layer: int = 12
     n_head: int = 8
     n_embd: int = 1024
@@ -175,7 +177,8 @@ class Trainer:
         else:
             mcfg = LandmarkConfig.for_tokenizer(self.tok, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                                                 ffn_hidden=cfg.ffn_hidden, attention=cfg.attention,
-                                                block_size=cfg.block_size, dropout=cfg.dropout)
+                                                block_size=cfg.block_size, dropout=cfg.dropout,
+                                                segment_size=cfg.segment_size, infini_update=cfg.infini_update)
             self.model = LandmarkGPT(mcfg).to(self.device)
         self.opt = build_optimizer(self.model, cfg, self.device.type)
         self.step, self.best_val, self.first_val = 0, float("inf"), None
