@@ -20,7 +20,8 @@ from landmark_memory.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
-LANDMARK_MODEL, FULL_MODEL = "out/exp-landmark", "out/exp-full"  # relative to the repository root
+# relative to the repository root
+LANDMARK_MODEL, FULL_MODEL, INFINI_MODEL = "out/exp-landmark", "out/exp-full", "out/exp-infini"
 
 
 def parser(doc):
@@ -29,6 +30,8 @@ def parser(doc):
                                                    "are chosen from it exactly as training chose them)")
     ap.add_argument("--landmark-model", default=LANDMARK_MODEL, help=f"landmark model (default {LANDMARK_MODEL})")
     ap.add_argument("--full-model", default=FULL_MODEL, help=f"full-attention baseline (default {FULL_MODEL})")
+    ap.add_argument("--infini-model", default=INFINI_MODEL,
+                    help=f"Infini-attention model, left out where missing (default {INFINI_MODEL}; '' to leave out)")
     ap.add_argument("--results", default=str(RESULTS), help="where the markdown and PNG go (default experiments/results)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap
@@ -46,6 +49,11 @@ def load(path):
         sys.exit(f"no model at {path}: train it first (python experiments/run_experiments.py --books ... trains "
                  "what is missing)")
     return LandmarkGPT.from_pretrained(path).eval()
+
+
+def load_optional(path):
+    """The model at ``path``, or None where there is none (a row the run leaves out)."""
+    return load(path) if path and (ROOT / path / "config.json").is_file() else None
 
 
 def held_out_books(books):

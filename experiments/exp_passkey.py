@@ -1,5 +1,6 @@
 """Passkey retrieval vs context length (paper Figure 3b analog): the landmark model through
-memory (chunks of 250, top-4) and in sequence, and the full-attention baseline in sequence.
+memory (chunks of 250, top-4) and in sequence, the full-attention baseline in sequence, and
+Infini-attention streamed (when its model exists).
 
 Besides accuracy, for the landmark model through memory: how often the retrieval finds the
 key. At the prompt's last token, the share of (layer, head) pairs whose top-k blocks include
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from _common import parse, load, parser, plt, write_result
+from _common import parse, load, load_optional, parser, plt, write_result
 from landmark_memory.evaluate import parse_lengths, passkey_accuracy
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.passkey import PasskeyPrompts, run_passkey
@@ -73,7 +74,7 @@ def main(argv=None):
     args = parse(ap, argv)
     t0 = time.time()
     tok = load_tokenizer()
-    landmark, full = load(args.landmark_model), load(args.full_model)
+    landmark, full, infini = load(args.landmark_model), load(args.full_model), load_optional(args.infini_model)
     lengths, full_lengths = parse_lengths(args.lengths), parse_lengths(args.full_lengths)
     series = {"landmark + memory (chunk 250, top-4)": memory_run(landmark, tok, lengths, args.trials, args.seed,
                                                                   not args.quiet)}
@@ -82,6 +83,9 @@ def main(argv=None):
                                                       progress=not args.quiet)
     series["full attention in sequence"] = passkey_accuracy(full, tok, full_lengths, args.trials, args.seed,
                                                             progress=not args.quiet)
+    if infini is not None:  # streamed: its state does not grow, so every length is affordable
+        series["Infini-attention (streamed)"] = passkey_accuracy(infini, tok, lengths, args.trials, args.seed,
+                                                                 progress=not args.quiet)
     body = [f"{args.trials} trials per length (the paper uses 50), seed {args.seed}; the key is a random integer in "
             "1..50000 at a random depth of the paper's filler (Figure 3a prompt); a trial is correct when the first "
             "integer generated (greedy) equals the key. Training length: 512 tokens.", "",

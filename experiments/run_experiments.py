@@ -1,6 +1,7 @@
-"""The CPU-sized set of paper-claim experiments, in one command: train the landmark model and
-its full-attention baseline where they are missing (same size, data, windows and token
-budget), then run Table 1, Table 2, passkey vs length, and exact vs approximate search.
+"""The CPU-sized set of paper-claim experiments, in one command: train the landmark model,
+its full-attention baseline and an Infini-attention model where they are missing (same size,
+data, windows and token budget), then run Table 1, Table 2, passkey vs length, exact vs
+approximate search, and memory footprint.
 Results land in experiments/results/ (see README.md there).
 
     python experiments/run_experiments.py --books BOOKS            # about 2 hours on 2 CPU cores
@@ -12,14 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import FULL_MODEL, LANDMARK_MODEL, ROOT
+from _common import FULL_MODEL, INFINI_MODEL, LANDMARK_MODEL, ROOT
 
-# both models: the tiny preset's size (4 layers, 4 heads of 32), windows of 512, 1000 steps of
-# 8 windows (4.1M tokens), a 10% passkey mix, the paper's optimiser settings
+# every model: the tiny preset's size (4 layers, 4 heads of 32), windows of 512, 1000 steps of
+# 8 windows (4.1M tokens), a 10% passkey mix, the paper's optimiser settings; Infini-attention
+# reads each window in 4 segments of 128 (linear+delta memory)
 TRAIN = ["--preset", "tiny", "--seq-len", "512", "--max-iters", "1000", "--eval-interval", "250", "--eval-iters", "8",
          "--passkey-rate", "0.1", "--sample-tokens", "0"]
 STEPS = {"table1": "exp_table1.py", "table2": "exp_table2.py", "passkey": "exp_passkey.py",
-         "exact_vs_approx": "exp_exact_vs_approx.py"}
+         "exact_vs_approx": "exp_exact_vs_approx.py", "footprint": "exp_footprint.py"}
 
 
 def run(cmd):
@@ -37,7 +39,7 @@ def main():
     if bad:
         sys.exit(f"unknown experiment(s) {', '.join(bad)}; choose among {', '.join(STEPS)}")
     here = Path(__file__).parent
-    for out, attention in ((LANDMARK_MODEL, "landmark"), (FULL_MODEL, "full")):
+    for out, attention in ((LANDMARK_MODEL, "landmark"), (FULL_MODEL, "full"), (INFINI_MODEL, "infini")):
         if not (ROOT / out / "config.json").is_file():
             run([here / "train.py", *TRAIN, "--data", args.books, "--attention", attention, "--out-dir", out])
     for step in steps:

@@ -49,23 +49,25 @@ def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     for i in range(4):  # one of them is held out whole, as training would
         (books / f"book{i}.txt").write_text(book[i * 40_000:(i + 1) * 40_000])
     models = {}
-    for attention in ("landmark", "full"):
-        torch_seed = {"landmark": 0, "full": 1}[attention]
-        __import__("torch").manual_seed(torch_seed)
+    for seed, attention in enumerate(("landmark", "full", "infini")):
+        __import__("torch").manual_seed(seed)
         cfg = LandmarkConfig.for_tokenizer(load_tokenizer(), n_layer=1, n_head=2, n_embd=32, ffn_hidden=64,
-                                           attention=attention)
+                                           attention=attention, segment_size=64)
         models[attention] = tmp_path / attention
         LandmarkGPT(cfg).save_pretrained(models[attention])
     common = ["--books", str(books), "--landmark-model", str(models["landmark"]), "--full-model", str(models["full"]),
-              "--results", str(tmp_path / "results"), "--quiet"]
+              "--infini-model", str(models["infini"]), "--results", str(tmp_path / "results"), "--quiet"]
     script("exp_table1").main([*common, "--tokens", "1024", "--lengths", "512,1024"])
     script("exp_table2").main([*common, "--tokens", "512"])
     script("exp_passkey").main([*common, "--lengths", "400,800", "--full-lengths", "256", "--trials", "1"])
     script("exp_exact_vs_approx").main([*common, "--max-tokens", "3000", "--indexes", "flat,ivf", "--train-size", "16",
                                         "--passkey-lengths", "300", "--passkey-trials", "1"])
+    script("exp_footprint").main([*common, "--contexts", "500,1000"])
     results = tmp_path / "results"
-    for name, row in (("table1", "| landmark, chunk 250, k=4, 80 blocks | 460 |"), ("table2", "| per head | 4096 | 4 |"),
-                      ("passkey", "| full attention in sequence | 256 |"), ("exact_vs_approx", "| ivf |")):
+    for name, row in (("table1", "| Infini-attention, segments of 64, streamed | 64 |"),
+                      ("table2", "| per head | 4096 | 4 |"),
+                      ("passkey", "| Infini-attention (streamed) | 800 |"), ("exact_vs_approx", "| ivf |"),
+                      ("footprint", "| 1,000 | 256.0 |")):
         md = (results / f"{name}.md").read_text()
         assert row in md and "- command: `python " in md and "$BOOKS" in md and "nan" not in md
         assert (results / f"{name}.png").stat().st_size > 1000
