@@ -105,3 +105,13 @@ def plt():
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+def publish(fig, ax, name, title, body, args, started, argv, alt, notes=(), grid="both"):
+    """Finish the plot, save it as <name>.png beside <name>.md, and write the markdown."""
+    ax.grid(axis=grid, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(args.results) / f"{name}.png", dpi=120)
+    return write_result(name, title, [*body, "", f"![{alt}]({name}.png)", *notes], args.results, started, argv)
+

@@ -8,7 +8,7 @@ latency, and passkey accuracy through memory.
 
 import time
 
-from _common import parse, held_out_books, load, parser, write_result
+from _common import held_out_books, load, parse, parser, write_result
 from landmark_memory.evaluate import compare_indexes, parse_lengths, passkey_accuracy
 from landmark_memory.index import KINDS
 from landmark_memory.plots import plot_compare

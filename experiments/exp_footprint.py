@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from _common import held_out_books, load, load_optional, parse, parser, plt, write_result
+from _common import held_out_books, load, load_optional, parse, parser, plt, publish
 from landmark_memory.infini import InfiniState
 from landmark_memory.memory import LandmarkMemory
 
@@ -61,12 +61,8 @@ def main(argv=None):
         ax.plot(contexts, [r[k] / r["context"] for r in rows], marker="o", label=labels[k])
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="bytes per token of context",
            title="Memory footprint")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{args.results}/footprint.png", dpi=120)
-    body += ["", "![bytes per token of context](footprint.png)"]
-    write_result("footprint", "Memory footprint per token of context", body, args.results, t0, argv)
+    publish(fig, ax, "footprint", "Memory footprint per token of context", body, args, t0, argv,
+            "bytes per token of context")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from _common import parse, load, load_optional, parser, plt, write_result
+from _common import load, load_optional, parse, parser, plt, publish
 from landmark_memory.evaluate import parse_lengths, passkey_accuracy
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.passkey import PasskeyPrompts, run_passkey
@@ -105,12 +105,8 @@ def main(argv=None):
             label="key block retrieved (share of layer-heads)")
     ax.axvline(512, color="gray", linewidth=0.8)
     ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="%", ylim=(-3, 103), title="Passkey vs context length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{args.results}/passkey.png", dpi=120)
-    body += ["", "![passkey accuracy vs prompt length](passkey.png)", "", "The gray line marks the training length."]
-    write_result("passkey", "Passkey retrieval vs context length (Figure 3b analog)", body, args.results, t0, argv)
+    publish(fig, ax, "passkey", "Passkey retrieval vs context length (Figure 3b analog)", body, args, t0, argv,
+            "passkey accuracy vs prompt length", notes=["", "The gray line marks the training length."])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ its start (the paper's protocol). Rows:
 
 import time
 
-from _common import parse, books_perplexity, held_out_books, load, load_optional, parser, plt, write_result
+from _common import books_perplexity, held_out_books, load, load_optional, parse, parser, plt, publish
 
 LENGTHS = (512, 2048, 4096)
 
@@ -77,13 +77,9 @@ def main(argv=None):
     ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity", title="Table 1 analog",
            ylim=(None, top * 1.15))
     ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{args.results}/table1.png", dpi=120)
-    body += ["", "![perplexity vs evaluation length](table1.png)",
-             "", "(Full attention over the whole segment is left off the plot's scale where it explodes.)"]
-    write_result("table1", "Table 1 analog: perplexity vs evaluation length", body, args.results, t0, argv)
+    publish(fig, ax, "table1", "Table 1 analog: perplexity vs evaluation length", body, args, t0, argv,
+            "perplexity vs evaluation length",
+            notes=["", "(Full attention over the whole segment is left off the plot's scale where it explodes.)"])
 
 
 if __name__ == "__main__":

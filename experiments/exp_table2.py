@@ -7,7 +7,7 @@ by all heads), at k = 2 and 4, chunks of 250, memory unbounded.
 
 import time
 
-from _common import parse, books_perplexity, held_out_books, load, parser, plt, write_result
+from _common import books_perplexity, held_out_books, load, parse, parser, plt, publish
 
 SETTINGS = ((2048, 2), (2048, 4), (4096, 4))  # the paper's (evaluation length, k) pairs
 MODES = (("per_token_head", "per token and head"), ("per_head", "per head"), ("per_token", "per token"))
@@ -46,12 +46,8 @@ def main(argv=None):
     ax.set_xticks(range(len(SETTINGS)), [f"eval {n}, k={k}" for n, k in SETTINGS])
     lo = min(results.values())
     ax.set(ylabel="perplexity", title="Table 2 analog: retrieval granularity", ylim=(lo * 0.97, max(results.values()) * 1.01))
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(f"{args.results}/table2.png", dpi=120)
-    body += ["", "![perplexity per retrieval granularity](table2.png)"]
-    write_result("table2", "Table 2 analog: retrieval granularity", body, args.results, t0, argv)
+    publish(fig, ax, "table2", "Table 2 analog: retrieval granularity", body, args, t0, argv,
+            "perplexity per retrieval granularity", grid="y")
 
 
 if __name__ == "__main__":
