@@ -1,6 +1,7 @@
 """landmark-memory: random-access memory for transformers by Landmark Attention."""
 
 from .config import LandmarkConfig
+from .infini import InfiniState
 from .kernels import landmark_attention, landmark_attention_inference
 from .memory import LandmarkMemory, MemoryOutput
 from .model import LandmarkGPT
@@ -18,7 +19,7 @@ from .tokenizer import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "LandmarkConfig", "LandmarkGPT", "LandmarkMemory", "MemoryOutput", "RotaryEmbedding", "landmark_attention",
+    "InfiniState", "LandmarkConfig", "LandmarkGPT", "LandmarkMemory", "MemoryOutput", "RotaryEmbedding", "landmark_attention",
     "landmark_attention_inference", "load_tokenizer", "LANDMARK_TOKEN",
     "insert_landmarks", "strip_landmarks", "lm_targets", "landmark_mask", "normal_positions",
 ]
