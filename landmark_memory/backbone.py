@@ -14,6 +14,9 @@ landmark_id, rope_base, vocab_size``. ``n_kv_head < n_head`` is grouped-query at
 query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``.
 """
 
+import json
+from pathlib import Path
+
 from .model import LandmarkGPT
 
 
@@ -76,3 +79,14 @@ def in_sequence_logits(model, idx):
 
         return normal_logits(model, idx)
     return model(input_ids=idx, use_cache=False).logits
+
+
+def hf_config(path):
+    """The config.json of a Hugging Face model directory (it names a model_type), else None:
+    tells a landmark model (``landmark_block_size`` set) from a plain one without loading it."""
+    f = Path(path) / "config.json"
+    try:
+        doc = json.loads(f.read_text()) if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and "model_type" in doc else None

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .backbone import is_landmark
+from .backbone import hf_config, is_landmark
 from .build import build, encode, read_inputs
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .index import KINDS
@@ -38,16 +38,6 @@ class UsageError(ValueError):
 
 
 # ---- shared helpers ---------------------------------------------------------------------
-def hf_config(path):
-    """The config.json of a Hugging Face model directory (it has a model_type), else None."""
-    f = Path(path) / "config.json"
-    try:
-        doc = json.loads(f.read_text()) if f.is_file() else None
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and "model_type" in doc else None
-
-
 def load_model(path, device="auto", block_size=None):
     """(model, tokenizer) from ``path``: a LandmarkGPT directory with the shipped tokenizer,
     or a Hugging Face model directory (converted or plain) with its own tokenizer."""

@@ -98,7 +98,7 @@ def convert(model, tokenizer, block_size=63, backend="auto"):
     if is_converted(model):
         raise ValueError(f"this model is already a landmark model (block size {model.config.landmark_block_size})")
     _check_supported(model)
-    tokenizer.add_special_tokens({"additional_special_tokens": [LANDMARK_TOKEN]})
+    tokenizer.add_special_tokens({"extra_special_tokens": [LANDMARK_TOKEN]}, replace_extra_special_tokens=False)
     landmark_id = tokenizer.convert_tokens_to_ids(LANDMARK_TOKEN)
     n_old = model.get_input_embeddings().weight.shape[0]
     if landmark_id >= n_old:

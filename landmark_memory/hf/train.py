@@ -10,9 +10,10 @@ from pathlib import Path
 import torch.nn.functional as F
 from torch import nn
 
+from ..backbone import hf_config
 from ..model import LandmarkGPT
 from ..tokenizer import IGNORE_INDEX
-from .convert import convert, from_pretrained, is_converted, normal_logits
+from .convert import convert, from_pretrained, normal_logits
 from .tokenizer import TextTokenizer
 
 
@@ -41,15 +42,18 @@ class HFLandmarkLM(nn.Module):
         ``block_size``), or a plain Llama-family model converted with ``block_size``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        config = hf_config(path)
+        if config is None:
+            raise FileNotFoundError(f"no Hugging Face model at {path} (config.json with a model_type)")
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-        if is_converted(model):
+        saved_block = config.get("landmark_block_size")
+        if saved_block:
+            if saved_block != block_size:
+                raise ValueError(f"{path} is a landmark model with blocks of {saved_block} tokens; "
+                                 f"pass --block-size {saved_block}")
             model = from_pretrained(path, dtype="float32")
-            if model.config.landmark_block_size != block_size:
-                raise ValueError(f"{path} is a landmark model with blocks of {model.config.landmark_block_size} "
-                                 f"tokens; pass --block-size {model.config.landmark_block_size}")
         else:
-            convert(model, tok, block_size)
+            model = convert(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tok, block_size)
         model.config.use_cache = False
         return cls(model, tok)
 
