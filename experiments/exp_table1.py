@@ -39,7 +39,7 @@ def rows_of(landmark, full, infini):
 
 def main(argv=None):
     ap = parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=32768, help="predicted tokens per evaluation length (default 32768)")
+    ap.add_argument("--tokens", type=int, default=98304, help="predicted tokens per evaluation length (default 98304)")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="evaluation lengths (default 512,2048,4096)")
     args = parse(ap, argv)
     t0 = time.time()

@@ -21,7 +21,7 @@ def blocks_formula(mode, k, heads, chunk=250):
 
 def main(argv=None):
     ap = parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=32768, help="predicted tokens per setting (default 32768)")
+    ap.add_argument("--tokens", type=int, default=98304, help="predicted tokens per setting (default 98304)")
     args = parse(ap, argv)
     t0 = time.time()
     model, books = load(args.landmark_model), held_out_books(args.books)

@@ -33,6 +33,9 @@ def parse_lengths(text):
     return out
 
 
+PIECE = 8192  # about this many tokens fed to a memory per call while measuring (bounded logits)
+
+
 def uses_memory(model, in_sequence=False):
     """Memory applies to landmark models unless the whole input is asked for in one forward."""
     return is_landmark(model) and not in_sequence
@@ -80,14 +83,21 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
             logits = torch.cat([in_sequence_logits(model, x[:, a:a + step]) for a in range(0, x.shape[1], step)], 1)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         else:
-            mem = LandmarkMemory(model, **memory)
-            out = mem.forward(x, y)
-            loss = out.loss
+            mem, loss, got = LandmarkMemory(model, **memory), 0.0, []
+            # whole chunks at a time: the logits of a book would not fit at once, and chunk-aligned
+            # pieces read exactly as one call (equal landmark scores, as every layer-0 landmark
+            # key is, may be ordered differently by a search over fewer queries)
+            piece = mem.chunk_size * max(1, PIECE // mem.chunk_size)
+            for a in range(0, x.shape[1], piece):
+                out = mem.forward(x[:, a:a + piece], y[:, a:a + piece])
+                loss += out.loss * out.logits.shape[1] / x.shape[1]
+                if keep_retrieved:
+                    got.append([r.cpu() for r in out.retrieved])
             ixs = [ix for stream in mem.indexes for layer in stream for ix in layer]
             searches += sum(ix.searches for ix in ixs)
             search_s += sum(ix.search_seconds for ix in ixs)
             if keep_retrieved:
-                retrieved.append([r.cpu() for r in out.retrieved])
+                retrieved.append([torch.cat(layer, 2) for layer in zip(*got)])
             mem.close()
         total += loss.item() * eval_length
         count += eval_length

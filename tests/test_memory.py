@@ -130,3 +130,16 @@ def test_memory_usage_counts_fast_and_store_bytes(model, text):
     cfg = model.config
     assert usage["store"] == 2 * 4 * cfg.n_layer * 2 * cfg.n_head * 6 * cfg.head_dim * 4  # streams, blocks, layers, k/v
     assert usage["fast"] > 2 * 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * 4  # at least the landmark keys
+
+
+def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkeypatch):
+    from landmark_memory import evaluate
+
+    ids = text[0].tolist() if text.dim() == 2 else text.tolist()
+    opts = dict(chunk_size=model.config.block_size * 2, top_k=2)
+    whole = evaluate.perplexity(model, ids, len(ids) - 1, memory=opts, keep_retrieved=True, progress=False)
+    monkeypatch.setattr(evaluate, "PIECE", 7)
+    pieces = evaluate.perplexity(model, ids, len(ids) - 1, memory=opts, keep_retrieved=True, progress=False)
+    assert pieces["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
+    for a, b in zip(pieces["retrieved"][0], whole["retrieved"][0]):
+        assert torch.equal(a, b)
