@@ -5,11 +5,13 @@ Infini-attention streamed (when its model exists).
 Besides accuracy, for the landmark model through memory: how often the retrieval finds the
 key. At the prompt's last token, the share of (layer, head) pairs whose top-k blocks include
 a block holding the pass key sentence, over trials where that sentence has left the local
-chunk. It tells retrieval failures from copying failures.
+chunk, beside the share that k blocks drawn at random would reach. It tells retrieval
+failures from copying failures.
 
     python experiments/exp_passkey.py --books BOOKS
 """
 
+import math
 import time
 
 import torch
@@ -40,7 +42,9 @@ def memory_run(model, tok, lengths, trials, seed, progress):
         if max(key_blocks) < mem.n_blocks:  # the sentence is in memory, not in the local chunk
             last = torch.stack([r[0, :, -1] for r in out.retrieved])  # (layers, H, k)
             share = torch.isin(last, torch.tensor(sorted(key_blocks))).any(-1).float().mean().item()
-            hits.setdefault(len(ids), []).append(share)
+            k, n = MEMORY["top_k"], mem.n_blocks  # chance: k blocks drawn at random from n
+            chance = 1 - math.comb(n - len(key_blocks), k) / math.comb(n, k)
+            hits.setdefault(len(ids), []).append((share, chance))
         logits, new = out.logits[:, -1], []
         for _ in range(8):
             nxt = logits.argmax(-1)
@@ -58,9 +62,10 @@ def memory_run(model, tok, lengths, trials, seed, progress):
     if bar:
         bar.close()
     for r in rows:
-        shares = hits.get(r["length"], [])
-        r["key_retrieved"] = sum(shares) / len(shares) if shares else None
-        r["trials_in_memory"] = len(shares)
+        got = hits.get(r["length"], [])
+        r["key_retrieved"] = sum(s for s, _ in got) / len(got) if got else None
+        r["key_chance"] = sum(c for _, c in got) / len(got) if got else None
+        r["trials_in_memory"] = len(got)
     return rows
 
 
@@ -89,13 +94,16 @@ def main(argv=None):
     body = [f"{args.trials} trials per length (the paper uses 50), seed {args.seed}; the key is a random integer in "
             "1..50000 at a random depth of the paper's filler (Figure 3a prompt); a trial is correct when the first "
             "integer generated (greedy) equals the key. Training length: 512 tokens.", "",
-            "| model | length | accuracy | key block retrieved (share of layer-heads) |", "|---|---|---|---|"]
+            "| model | length | accuracy | key block retrieved (share of layer-heads) | by chance |",
+            "|---|---|---|---|---|"]
     for label, rows in series.items():
         for r in rows:
-            kr = r.get("key_retrieved")
+            kr, kc = r.get("key_retrieved"), r.get("key_chance")
             kr = "-" if "key_retrieved" not in r else ("(key in local chunk)" if kr is None else
                                                        f"{100 * kr:.0f}% ({r['trials_in_memory']} trials)")
-            body.append(f"| {label} | {r['length']:,} | {100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) | {kr} |")
+            kc = "-" if kc is None else f"{100 * kc:.0f}%"
+            body.append(f"| {label} | {r['length']:,} | {100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) | {kr} "
+                        f"| {kc} |")
     p = plt()
     fig, ax = p.subplots(figsize=(6.5, 4))
     for label, rows in series.items():

@@ -77,6 +77,7 @@ def main(argv=None):
     ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="perplexity", title="Table 1 analog",
            ylim=(None, top * 1.15))
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     publish(fig, ax, "table1", "Table 1 analog: perplexity vs evaluation length", body, args, t0, argv,
             "perplexity vs evaluation length",
             notes=["", "(Full attention over the whole segment is left off the plot's scale where it explodes.)"])
