@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from .backbone import hf_config, is_landmark
+from .backbone import backbone_for, hf_config, is_landmark
 from .build import build, encode, read_inputs
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .index import KINDS
-from .memory import MAPPINGS, RETRIEVALS, LandmarkMemory
+from .memory import MAPPINGS, RETRIEVALS, LandmarkMemory, default_chunk_size
 from .memory_dir import MemoryDir, MemoryFileError
 from .model import BUNDLED_MODEL, LandmarkGPT
 from .storage import DTYPES
@@ -78,11 +78,13 @@ def emit(args, doc, text):
     print(json.dumps(doc, indent=1) if args.json else text)
 
 
-def memory_options(args, **extra):
-    opts = {"top_k": args.top_k, "chunk_size": args.chunk_size, "index": args.index,
+def memory_options(args, model):
+    """LandmarkMemory options from the command line (the chunk size resolved for ``model``)."""
+    chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
+    opts = {"top_k": args.top_k, "chunk_size": chunk, "index": args.index,
             "retrieval": args.retrieval, "position_mapping": args.position_mapping}
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
-    return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options, **extra}
+    return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options}
 
 
 def add_model_args(p):
@@ -90,8 +92,11 @@ def add_model_args(p):
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
-def add_retrieval_args(p, index_default="flat", chunk_default=250, top_k_default=4):
-    p.add_argument("--chunk-size", type=int, default=chunk_default, help=f"tokens per chunk (default {chunk_default})")
+CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
+
+
+def add_retrieval_args(p, index_default="flat", top_k_default=4):
+    p.add_argument("--chunk-size", type=int, help=CHUNK_HELP)
     p.add_argument("--top-k", type=int, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
     p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
@@ -240,7 +245,7 @@ def cmd_eval(args):
     inp = read_one_text(args.input)
     model, tok = load_model(args.model, args.device)
     ids = encode(tok, inp.text)
-    mem = memory_options(args) if uses_memory(model, args.full_attention) else None
+    mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
     mode = "memory" if mem else mode_of(model)
     doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length, **({"memory": mem} if mem else {}),
@@ -261,16 +266,16 @@ def cmd_compare(args):
         raise UsageError(f"unknown index kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
     ids = encode(tok, inp.text)
     length = args.eval_length or len(ids) - 1
-    opts = memory_options(args)
+    opts = memory_options(args, model)
     opts.pop("index")
     rows = compare_indexes(model, ids, kinds, length, opts, max_segments=args.max_segments, progress=not args.quiet)
     if args.plot:
         from .plots import plot_compare
 
         plot_compare(rows, args.plot, title=f"{inp.path.name}: {length:,}-token segments, top-{args.top_k}")
-    doc = {"input": str(inp.path), "eval_length": length, "top_k": args.top_k, "chunk_size": args.chunk_size,
+    doc = {"input": str(inp.path), "eval_length": length, "top_k": args.top_k, "chunk_size": opts["chunk_size"],
            "index_options": opts["index_options"], "rows": rows}
-    lines = [f"{inp.path.name}: segments of {length:,} tokens, top-{args.top_k}, chunk {args.chunk_size}",
+    lines = [f"{inp.path.name}: segments of {length:,} tokens, top-{args.top_k}, chunk {opts['chunk_size']}",
              f"{'index':8s} {'perplexity':>10s} {'vs exact':>9s} {'recall@k':>9s} {'search ms':>10s} {'searches':>9s}"]
     lines += [f"{r['index']:8s} {r['perplexity']:10.3f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
               f"{r['search_ms']:10.3f} {r['searches']:9,}" for r in rows]
@@ -281,7 +286,7 @@ def cmd_compare(args):
 def cmd_passkey(args):
     model, tok = load_model(args.model, args.device)
     lengths = parse_lengths(args.lengths)
-    mem = memory_options(args) if uses_memory(model, args.full_attention) else None
+    mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
     label = "landmark + memory" if mem else mode_of(model)
     if args.plot:
@@ -329,7 +334,7 @@ def parser():
     p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
     p.add_argument("--store-dtype", choices=sorted(DTYPES), help="stored key/value dtype (default: the model's)")
     p.add_argument("--block-size", type=int, help="tokens per block (default: the model's)")
-    p.add_argument("--chunk-size", type=int, help="tokens per chunk of a new memory (default 250)")
+    p.add_argument("--chunk-size", type=int, help=CHUNK_HELP + "; fixed when the memory is created")
     p.add_argument("--top-k", type=int, help="blocks retrieved per query (default 4)")
     p.add_argument("--commit-every", type=float, default=60.0, metavar="SECONDS",
                    help="commit at least this often (default 60; each input's end commits too)")
@@ -368,7 +373,7 @@ def parser():
     p.add_argument("--index", default="flat,hnsw,ivf,ivfpq", help="index kinds, comma-separated (default all CPU kinds)")
     p.add_argument("--eval-length", type=int, default=0, help="tokens per segment (default 0: the whole text)")
     p.add_argument("--max-segments", type=int, help="evaluate only the first segments")
-    p.add_argument("--chunk-size", type=int, default=250, help="tokens per chunk (default 250)")
+    p.add_argument("--chunk-size", type=int, help=CHUNK_HELP)
     p.add_argument("--top-k", type=int, default=4, help="blocks retrieved per query (default 4)")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy")

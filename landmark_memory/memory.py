@@ -27,6 +27,11 @@ from .storage import DTYPE_NAMES, STORES, HotCache, OverlayStore, open_store
 from .tokenizer import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 
 RETRIEVALS = ("per_token_head", "per_head", "per_token")
+CHUNK_TOKENS = 250  # the paper's l_local: chunks default to the multiple of the block size nearest this
+
+
+def default_chunk_size(block_size):
+    return block_size * max(1, round(CHUNK_TOKENS / block_size))
 MAPPINGS = ("stingy", "exact")
 
 
@@ -48,7 +53,8 @@ class LandmarkMemory:
     store : str, block store: memory, lmdb or mmap (the latter two need ``path``).
     path : str or Path, folder of the on-disk store.
     top_k : int, blocks retrieved per query.
-    chunk_size : int, normal tokens per chunk, a multiple of the model's block size.
+    chunk_size : int, normal tokens per chunk, a multiple of the model's block size; default the
+        multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
     retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
     position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
         their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
@@ -61,7 +67,7 @@ class LandmarkMemory:
     backend : str, attention backend ("auto": Triton on CUDA, reference elsewhere).
     """
 
-    def __init__(self, model, *, index="flat", store="memory", path=None, top_k=4, chunk_size=250,
+    def __init__(self, model, *, index="flat", store="memory", path=None, top_k=4, chunk_size=None,
                  retrieval="per_token_head", position_mapping="stingy", max_blocks=None, store_dtype=None,
                  cache_bytes=256 << 20, index_options=None, backend="auto"):
         self._configure(model, dict(index=index, store=store, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
@@ -76,7 +82,8 @@ class LandmarkMemory:
 
     def _configure(self, model, options, cache_bytes, backend):
         cfg = backbone_for(model)
-        chunk_size, top_k = options["chunk_size"], options["top_k"]
+        chunk_size, top_k = options["chunk_size"] or default_chunk_size(cfg.block_size), options["top_k"]
+        options["chunk_size"] = chunk_size
         if not isinstance(chunk_size, int) or chunk_size < cfg.block_size or chunk_size % cfg.block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({cfg.block_size}), "
                              f"got {chunk_size}")

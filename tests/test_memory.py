@@ -143,3 +143,10 @@ def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkey
     assert pieces["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
     for a, b in zip(pieces["retrieved"][0], whole["retrieved"][0]):
         assert torch.equal(a, b)
+
+
+def test_default_chunk_is_the_block_multiple_nearest_250(model):
+    from landmark_memory.memory import default_chunk_size
+
+    assert LandmarkMemory(model).chunk_size == 250  # blocks of 5
+    assert [default_chunk_size(b) for b in (50, 63, 7, 300)] == [250, 252, 252, 300]
