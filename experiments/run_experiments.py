@@ -4,7 +4,7 @@ data, windows and token budget), then run Table 1, Table 2, passkey vs length, e
 approximate search, and memory footprint.
 Results land in experiments/results/ (see README.md there).
 
-    python experiments/run_experiments.py --books BOOKS            # about 2 hours on 2 CPU cores
+    python experiments/run_experiments.py --books BOOKS            # about 80 minutes on 2 CPU cores
     python experiments/run_experiments.py --books BOOKS --only table1,passkey
 """
 

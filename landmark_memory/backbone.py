@@ -62,11 +62,22 @@ def backbone_for(model):
                      f"landmark_memory.hf.convert, got {type(model).__name__}")
 
 
+def is_converted(model):
+    """Whether ``model`` is a Hugging Face model converted by ``landmark_memory.hf.convert``."""
+    return not isinstance(model, LandmarkGPT) and getattr(getattr(model, "config", None), "landmark_block_size",
+                                                          None) is not None
+
+
 def is_landmark(model):
     """Whether ``model`` uses landmark attention (and so can read through a memory)."""
     if isinstance(model, LandmarkGPT):
         return model.config.attention == "landmark"
-    return getattr(getattr(model, "config", None), "landmark_block_size", None) is not None
+    return is_converted(model)
+
+
+def is_infini(model):
+    """Whether ``model`` is a LandmarkGPT with Infini-attention (read by streaming its state)."""
+    return isinstance(model, LandmarkGPT) and model.config.attention == "infini"
 
 
 def in_sequence_logits(model, idx):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .backbone import backbone_for, hf_config, is_landmark
+from .backbone import backbone_for, hf_config, is_infini, is_landmark
 from .build import build, encode, read_inputs
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .index import KINDS
@@ -68,7 +68,7 @@ def mode_of(model):
     """How a model reads a text without a landmark memory."""
     if is_landmark(model):
         return "in-sequence"
-    if getattr(model.config, "attention", None) == "infini":
+    if is_infini(model):
         return "infini-attention (streamed)"
     return "full attention"
 

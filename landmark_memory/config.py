@@ -2,6 +2,7 @@
 
 from dataclasses import asdict, dataclass, fields
 
+from .infini import UPDATES
 from .tokenizer import load_tokenizer, LANDMARK_TOKEN
 
 ATTENTIONS = ("landmark", "full", "infini")
@@ -42,8 +43,8 @@ class LandmarkConfig:
             raise ValueError(f"head dim n_embd / n_head = {self.n_embd // self.n_head} must be even for RoPE")
         if self.segment_size < 1:
             raise ValueError(f"segment_size must be >= 1, got {self.segment_size}")
-        if self.infini_update not in ("linear", "linear+delta"):
-            raise ValueError(f"infini_update must be 'linear' or 'linear+delta', got {self.infini_update!r}")
+        if self.infini_update not in UPDATES:
+            raise ValueError(f"infini_update must be one of {UPDATES}, got {self.infini_update!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.landmark_id < self.vocab_size:

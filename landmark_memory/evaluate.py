@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .backbone import in_sequence_logits, is_landmark
+from .backbone import in_sequence_logits, is_infini, is_landmark
 from .index import recall_at_k
 from .infini import InfiniState
 from .memory import LandmarkMemory
@@ -139,7 +139,7 @@ def passkey_accuracy(model, tokenizer, lengths, trials, seed, memory=None, max_n
 
     def generate(ids):
         idx = torch.tensor([ids], device=device)
-        if getattr(model.config, "attention", None) == "infini":  # streamed: the state carries the context
+        if is_infini(model):  # streamed: the state carries the context
             state, new = InfiniState(), []
             logits = model(idx, state=state)
             for _ in range(max_new_tokens):

@@ -27,12 +27,12 @@ from .storage import DTYPE_NAMES, STORES, HotCache, OverlayStore, open_store
 from .tokenizer import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 
 RETRIEVALS = ("per_token_head", "per_head", "per_token")
+MAPPINGS = ("stingy", "exact")
 CHUNK_TOKENS = 250  # the paper's l_local: chunks default to the multiple of the block size nearest this
 
 
 def default_chunk_size(block_size):
     return block_size * max(1, round(CHUNK_TOKENS / block_size))
-MAPPINGS = ("stingy", "exact")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
 
+from ..backbone import is_converted
 from ..kernels import BACKENDS, landmark_attention, landmark_attention_inference
 from ..tokenizer import LANDMARK_TOKEN, check_block_size, insert_landmarks, normal_positions
 
@@ -50,10 +51,6 @@ def landmark_attention_forward(module, query, key, value, attention_mask, scalin
 
 
 AttentionInterface.register(ATTENTION, landmark_attention_forward)
-
-
-def is_converted(model):
-    return getattr(getattr(model, "config", None), "landmark_block_size", None) is not None
 
 
 def _check_supported(model):
