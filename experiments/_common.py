@@ -66,14 +66,21 @@ def held_out_books(books):
 def books_perplexity(model, books, eval_length, n_tokens, progress=True, **kw):
     """Perplexity over the first ``n_tokens`` predicted tokens, shared out evenly over the
     books, each read in segments of ``eval_length`` (``kw``: ``evaluate.perplexity`` options)."""
+    return books_eval(model, books, eval_length, n_tokens, progress, **kw)[:2]
+
+
+def books_eval(model, books, eval_length, n_tokens, progress=True, **kw):
+    """``books_perplexity`` plus the memories' retrieval counts summed over the books."""
     per_book = max(1, math.ceil(n_tokens / len(books) / eval_length))
     loss = count = 0.0
+    stats = {}
     for name, ids in books:
         r = perplexity(model, ids, eval_length, max_segments=per_book, progress=progress,
                        desc=f"{name[:18]} @{eval_length}", **kw)
         loss += r["loss"] * r["tokens"]
         count += r["tokens"]
-    return math.exp(loss / count), int(count)
+        stats = {k: stats.get(k, 0) + v for k, v in r["retrieval_stats"].items()}
+    return math.exp(loss / count), int(count), stats
 
 
 def machine():

@@ -3,8 +3,9 @@
     python experiments/bench_kernel.py                       # GPU: bf16, T = 1K..16K, D = 64, 128
     python experiments/bench_kernel.py --T 512,1024 --D 64 --decode 4096   # CPU: reference vs SDPA only
 
-Prints forward and forward+backward time and peak memory per backend, and each backend's
-time as a ratio of SDPA's measured in the same run. The Triton backend needs a GPU; the
+Prints forward and forward+backward time and peak memory per backend, each backend's time as
+a ratio of SDPA's measured in the same run, and (up to ``--check-T``) each landmark backend's
+relative error against the float64 reference, so a fast path is never timed unchecked. The Triton backend needs a GPU; the
 reference is skipped where its T x T buffers would not fit.
 
 Decode: one new token against a context of n tokens. SDPA reads the whole KV cache; landmark
@@ -68,6 +69,23 @@ def bench(backend, B, H, T, D, block_size, dtype, device, reps):
             torch.cuda.empty_cache()
 
 
+def rel_error(backend, B, H, T, D, block_size, dtype, device):
+    """Largest ||x - ref|| / ||ref|| over the output and the three gradients, the reference
+    being the paper-equation attention in float64 on the same (rounded) inputs."""
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype) for _ in range(3))
+    do = torch.randn_like(q)
+
+    def run(be, dt):
+        x = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        o = landmark_attention(*x, block_size, backend=be)
+        return [o, *torch.autograd.grad(o, x, do.to(dt))]
+
+    got, ref = run(backend, dtype), run("reference", torch.float64)
+    err = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref))
+    del q, k, v, do, got, ref
+    return err
+
+
 def bench_decode(backend, n, B, H, D, block_size, top_k, dtype, device, reps):
     """ms per decoded token for one layer at context n, or None where it does not fit."""
     L = block_size + 1
@@ -105,6 +123,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--reps", type=int, default=None, help="default: 10 on GPU, 2 on CPU")
     ap.add_argument("--max-reference-T", type=int, default=8192, help="skip the O(T^2) reference beyond this")
+    ap.add_argument("--check-T", type=int, default=4096, help="check each backend against a float64 reference up to this T")
     ap.add_argument("--decode", default=None, help="decode contexts (default: 4K..1M on GPU, 4K..16K on CPU; 0 = none)")
     ap.add_argument("--top-k", type=int, default=4)
     args = ap.parse_args(argv)
@@ -114,8 +133,8 @@ def main(argv=None):
     backends = ["sdpa", "reference"] + (["triton"] if device.type == "cuda" else [])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs")
-    print("| T | D | backend | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd / SDPA | fwd+bwd / SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| T | D | backend | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd / SDPA | fwd+bwd / SDPA | rel. error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for D in map(int, args.D.split(",")):
         for T in map(int, args.T.split(",")):
             base = None
@@ -125,11 +144,13 @@ def main(argv=None):
                 if backend == "sdpa":
                     base = r
                 if r is None:
-                    print(f"| {T} | {D} | {backend} | skipped (too large) | | | | | |")
+                    print(f"| {T} | {D} | {backend} | skipped (too large) | | | | | | |")
                     continue
                 ratio = (f"{r[0] / base[0]:.2f}x | {r[2] / base[2]:.2f}x" if base else "- | -")
                 mib = [f"{m:.0f}" if m == m else "-" for m in (r[1], r[3])]  # no peak memory on CPU
-                print(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} |")
+                err = (f"{rel_error(backend, args.B, args.H, T, D, args.block_size, dtype, device):.1e}"
+                       if backend != "sdpa" and T <= args.check_T else "-")
+                print(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} | {err} |")
 
     contexts = args.decode or ("4096,16384,65536,262144,1048576" if device.type == "cuda" else "4096,16384")
     if contexts == "0":

@@ -45,6 +45,10 @@ class GPTBackbone:
     def head(self, h):
         return self.model.lm_head(self.model.ln_f(h))
 
+    def cmt_keys(self):
+        """Per layer the Context Miss Token's un-rotated key (1, H, 1, D), or None without one."""
+        return self.model.cmt_keys() if self.config.cmt else None
+
 
 def backbone_for(model):
     """The backbone of ``model``: a ``LandmarkGPT`` with landmark attention, or a Hugging Face

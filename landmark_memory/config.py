@@ -33,6 +33,9 @@ class LandmarkConfig:
     kernel_backend: str = "auto"  # Triton on CUDA, reference elsewhere
     segment_size: int = 128  # Infini-attention only: tokens per segment
     infini_update: str = "linear+delta"  # Infini-attention only: "linear" (eq. 4) or "linear+delta" (eq. 5)
+    cmt: bool = False  # a Context Miss Token (appendix D) that gates retrieval from memory
+    p_cmt: float = 0.5  # training: chance that a landmark is CMT-controlled
+    p_jump: int = 1  # training: after each landmark, positions advance by a random 1..p_jump (appendix E)
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -47,6 +50,12 @@ class LandmarkConfig:
             raise ValueError(f"infini_update must be one of {UPDATES}, got {self.infini_update!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if (self.cmt or self.p_jump != 1) and self.attention != "landmark":
+            raise ValueError("cmt and p_jump apply to landmark attention only")
+        if not 0.0 <= self.p_cmt <= 1.0:
+            raise ValueError(f"p_cmt must be a probability in [0, 1], got {self.p_cmt}")
+        if not isinstance(self.p_jump, int) or self.p_jump < 1:
+            raise ValueError(f"p_jump must be an int >= 1 (1 = no jumps), got {self.p_jump!r}")
         if not 0 <= self.landmark_id < self.vocab_size:
             raise ValueError(f"landmark_id {self.landmark_id} is outside the vocabulary (size {self.vocab_size})")
 

@@ -63,7 +63,8 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
     Returns
     -------
     dict: ``perplexity``, ``loss`` (mean nats/token), ``tokens``, ``segments``, ``seconds``,
-    ``searches`` and ``search_seconds`` (FAISS calls), ``retrieved`` when asked.
+    ``searches`` and ``search_seconds`` (FAISS calls), ``retrieval_stats`` (the memories'
+    ``LandmarkMemory.retrieval_stats`` summed), ``retrieved`` when asked.
     """
     ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
     n_seg = (len(ids) - 1) // eval_length
@@ -74,7 +75,7 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
         n_seg = min(n_seg, max_segments)
     device = next(model.parameters()).device
     total = count = searches = 0
-    search_s, retrieved, t0 = 0.0, [], time.perf_counter()
+    search_s, retrieved, stats, t0 = 0.0, [], {}, time.perf_counter()
     for s in tqdm(range(n_seg), desc=desc, unit="seg", disable=not progress, dynamic_ncols=True):
         seg = ids[s * eval_length:(s + 1) * eval_length + 1].to(device)
         x, y = seg[None, :-1], seg[None, 1:]
@@ -96,6 +97,7 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
             ixs = [ix for stream in mem.indexes for layer in stream for ix in layer]
             searches += sum(ix.searches for ix in ixs)
             search_s += sum(ix.search_seconds for ix in ixs)
+            stats = {k: stats.get(k, 0) + v for k, v in mem.retrieval_stats.items()}
             if keep_retrieved:
                 retrieved.append([torch.cat(layer, 2) for layer in zip(*got)])
             mem.close()
@@ -103,7 +105,8 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
         count += eval_length
     loss = total / count
     res = {"perplexity": math.exp(loss), "loss": loss, "tokens": count, "segments": n_seg,
-           "seconds": time.perf_counter() - t0, "searches": searches, "search_seconds": search_s}
+           "seconds": time.perf_counter() - t0, "searches": searches, "search_seconds": search_s,
+           "retrieval_stats": stats}
     if keep_retrieved:
         res["retrieved"] = retrieved
     return res

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .backbone import backbone_for
 from .index import LandmarkIndex
-from .kernels import landmark_attention_inference
+from .kernels import cmt_share, landmark_attention_inference
 from .rope import RotaryEmbedding
 from .memory_dir import LANDMARKS, TOKENS, MemoryDir, MemoryFileError, model_fingerprint, row_bytes
 from .storage import DTYPE_NAMES, STORES, HotCache, OverlayStore, open_store
@@ -64,15 +64,26 @@ class LandmarkMemory:
     store_dtype : str, optional, float32 / float16 / bfloat16; default the model's dtype.
     cache_bytes : int, hot-block cache budget on the model's device.
     index_options : dict, optional, passed to ``LandmarkIndex`` (train_size, nprobe, ef_search).
+    cmt_cutoff : float, models with a Context Miss Token only (appendix D): a query whose CMT
+        share is below this retrieves nothing, and a layer-head whose queries in a step are
+        all below it searches no index and fetches no block. 0 = always retrieve.
     backend : str, attention backend ("auto": Triton on CUDA, reference elsewhere).
+
+    Attributes
+    ----------
+    retrieval_stats : dict, counts since creation: ``queries`` and ``skipped_queries`` (query
+        retrievals, per token, layer and head, and those the CMT cutoff dropped),
+        ``searches`` and ``skipped_searches`` (index searches, per step, stream, layer and
+        head, and those skipped because every query was below the cutoff).
     """
 
     def __init__(self, model, *, index="flat", store="memory", path=None, top_k=4, chunk_size=None,
                  retrieval="per_token_head", position_mapping="stingy", max_blocks=None, store_dtype=None,
-                 cache_bytes=256 << 20, index_options=None, backend="auto"):
+                 cache_bytes=256 << 20, index_options=None, cmt_cutoff=0.0, backend="auto"):
         self._configure(model, dict(index=index, store=store, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
                                     position_mapping=position_mapping, max_blocks=max_blocks, store_dtype=store_dtype,
-                                    index_options=dict(index_options or {})), cache_bytes, backend)
+                                    index_options=dict(index_options or {}), cmt_cutoff=cmt_cutoff), cache_bytes,
+                        backend)
         self.dir = None
         if path is not None:
             if store == "memory":
@@ -98,6 +109,11 @@ class LandmarkMemory:
             raise ValueError(f"max_blocks must be None or an int >= 1, got {max_blocks!r}")
         if options["store"] not in STORES:
             raise ValueError(f"unknown store {options['store']!r}; choose one of {STORES}")
+        cmt_keys, cutoff = cfg.cmt_keys(), options.setdefault("cmt_cutoff", 0.0)  # older manifests lack it
+        if not isinstance(cutoff, (int, float)) or not 0.0 <= cutoff <= 1.0:
+            raise ValueError(f"cmt_cutoff must be a number in [0, 1], got {cutoff!r}")
+        if cutoff > 0 and cmt_keys is None:
+            raise ValueError("cmt_cutoff needs a model trained with a Context Miss Token (config cmt=True)")
         self.model = model.eval()
         self.cfg, self.top_k, self.chunk_size = cfg, top_k, chunk_size
         self.group = cfg.n_head // cfg.n_kv_head  # query heads per key/value head
@@ -110,6 +126,11 @@ class LandmarkMemory:
         self.cache_bytes = cache_bytes
         self.L = cfg.block_size + 1
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
+        self.cmt_cutoff = float(cutoff)
+        with torch.no_grad():  # per layer the CMT's key at position -1, (1, H, 1, D)
+            self.cmt_k = None if cmt_keys is None else [self.rope(k, torch.tensor([-1], device=self.device))
+                                                        for k in cmt_keys]
+        self.retrieval_stats = dict(queries=0, skipped_queries=0, searches=0, skipped_searches=0)
         self.streams = None  # batch size, fixed by the first forward
         self.n_blocks = 0  # blocks in memory per stream
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
@@ -249,7 +270,7 @@ class LandmarkMemory:
         self.dir.drop_old_states(files["state"]["name"] if files else None)
         return self.commit_count
 
-    QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "nprobe", "ef_search")
+    QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff", "nprobe", "ef_search")
 
     @classmethod
     def open(cls, path, model, *, readonly=False, cache_bytes=256 << 20, backend="auto", **options):
@@ -262,7 +283,7 @@ class LandmarkMemory:
         readonly : bool, read without the writer lock (any number of readers); text fed
             afterwards stays in this process and is never saved.
         options : query-time settings to change: top_k, retrieval, position_mapping,
-            max_blocks, nprobe, ef_search. The rest was fixed when the memory was built.
+            max_blocks, cmt_cutoff, nprobe, ef_search. The rest was fixed when the memory was built.
         """
         bad = sorted(set(options) - set(cls.QUERY_OPTIONS))
         if bad:
@@ -331,7 +352,8 @@ class LandmarkMemory:
                           "dtype": DTYPE_NAMES[self.dtype]},
                 "options": {"index": self.index_kind, "index_options": self.index_options, "store": self.store_kind,
                             "store_dtype": self.store_dtype, "top_k": self.top_k, "chunk_size": self.chunk_size,
-                            "retrieval": self.retrieval, "position_mapping": self.mapping, "max_blocks": self.max_blocks},
+                            "retrieval": self.retrieval, "position_mapping": self.mapping, "max_blocks": self.max_blocks,
+                            "cmt_cutoff": self.cmt_cutoff},
                 "streams": self.streams, "blocks": self.n_blocks, "tokens": self.n_tokens,
                 "pending_tokens": self.pending_count, "inputs": self.inputs}
 
@@ -371,11 +393,17 @@ class LandmarkMemory:
                 pk, pkr, pv = self.pending_kv[layer]
                 k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
             new_kv.append((k, kr, v))
-            ids_used, block_pos = self._retrieve(layer, q, qr, qpos)
-            table, pool_k, pool_v = self._pool(layer, ids_used)
             local_k, local_v = (kr, v) if G == 1 else (kr.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+            cmt_k, skip = None, None
+            if self.cmt_k is not None:
+                cmt_k = self.cmt_k[layer].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
+                if self.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
+                    skip = cmt_share(qr, local_k, bs, cmt_k) < self.cmt_cutoff  # (B, H, Tq)
+            ids_used, block_pos = self._retrieve(layer, q, qr, qpos, skip)
+            table, pool_k, pool_v = self._pool(layer, ids_used)
             y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
-                                             block_pos=block_pos, rope_base=cfg.rope_base, backend=self.backend)
+                                             block_pos=block_pos, rope_base=cfg.rope_base, cmt_k=cmt_k,
+                                             backend=self.backend)
             h = cfg.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal])
         logits = cfg.head(h[:, normal])  # (B, n, V)
@@ -419,15 +447,23 @@ class LandmarkMemory:
         self.pending_ids, self.pending_kv = None, [None] * self.cfg.n_layer
 
     # ---- retrieval ----------------------------------------------------------------------
-    def _retrieve(self, layer, q, qr, qpos):
+    def _retrieve(self, layer, q, qr, qpos, skip=None):
         """Block ids (B, H, Tq, top_k) chosen for each query (-1 = none) and the positions
-        their first rows sit at."""
+        their first rows sit at. ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         K, L, bs, nb = self.top_k, self.L, self.cfg.block_size, self.n_blocks
         lo = max(0, nb - self.max_blocks) if self.max_blocks else 0
         if nb == lo:
             empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
+        stats = self.retrieval_stats
+        stats["queries"] += B * H * Tq
+        if skip is not None:
+            stats["skipped_queries"] += int(skip.sum())
+            if skip.all():  # nothing to search, score or fetch
+                stats["skipped_searches"] += B * H if self.mapping == "stingy" and nb - K > lo else 0
+                empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
+                return empty, torch.zeros_like(empty)
         scale, rope = D ** -0.5, self.rope
         lms = self.landmarks[layer][:, :, :nb]  # (B, H_kv, nb, D)
         if self.group > 1:
@@ -443,12 +479,25 @@ class LandmarkMemory:
             I = recent.expand(B, H, Tq, -1)
             if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope(q, qpos - bs).float().cpu().numpy()  # (B, H, Tq, D)
-                Ds, Is = zip(*(self.indexes[b][layer][h // self.group].search(xq[b, h], K, lo, int(recent[0]))
-                               for b in range(B) for h in range(H)))
-                S_old = torch.from_numpy(np.stack(Ds)).view(B, H, Tq, K).to(self.device, S.dtype) * scale
-                I_old = torch.from_numpy(np.stack(Is)).view(B, H, Tq, K).to(self.device)
-                S, I = torch.cat([S_old, S], -1), torch.cat([I_old, I], -1)
+                need = np.ones((B, H, Tq), bool) if skip is None else ~skip.cpu().numpy()
+                S_old = np.full((B, H, Tq, K), -np.inf, np.float32)
+                I_old = np.full((B, H, Tq, K), -1, np.int64)
+                for b in range(B):
+                    for h in range(H):
+                        if not need[b, h].any():  # every query of this layer-head is below the cutoff
+                            stats["skipped_searches"] += 1
+                            continue
+                        stats["searches"] += 1
+                        index = self.indexes[b][layer][h // self.group]
+                        S_old[b, h, need[b, h]], I_old[b, h, need[b, h]] = index.search(xq[b, h, need[b, h]], K, lo,
+                                                                                         int(recent[0]))
+                S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype) * scale, S], -1)
+                I = torch.cat([torch.from_numpy(I_old).to(self.device), I], -1)
+        if skip is not None:
+            S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
         ids = self._select(S, I, lo, nb)
+        if skip is not None:  # shared selections (per head, per token) must not reach skipped queries
+            ids = ids.masked_fill(skip[..., None], -1)
         return ids, self._block_positions(ids, nb)
 
     def _select(self, S, I, lo, nb):

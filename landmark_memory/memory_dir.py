@@ -40,8 +40,10 @@ class MemoryFileError(ValueError):
     """A memory directory that cannot be opened as asked; the message says why and what to do."""
 
 
-# config entries that say where or how a model was loaded, not what it computes (Hugging Face)
-UNFINGERPRINTED = {"transformers_version", "architectures", "use_cache", "landmark_backend"}
+# config entries that say where or how a model was loaded, not what it computes (Hugging Face),
+# or how it was trained: p_cmt and p_jump change nothing at inference, and a Context Miss Token
+# (cmt) shows in the weights, so memories built before these entries existed still open
+UNFINGERPRINTED = {"transformers_version", "architectures", "use_cache", "landmark_backend", "cmt", "p_cmt", "p_jump"}
 
 
 def model_fingerprint(model):

@@ -22,6 +22,18 @@ FORMAT_VERSION = 1
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
+def jump_positions(B, T, block_size, p_jump, generator=None, device=None):
+    """(B, T) int64 positions with positional jumps (appendix E): a landmarked sequence of T
+    positions where, after each landmark, positions advance by a random integer in
+    [1, p_jump] instead of 1. ``p_jump=1`` gives ``arange(T)`` in every row."""
+    L = block_size + 1
+    step = torch.ones(B, T, dtype=torch.long, device=device)
+    after = torch.arange(L, T, L, device=device)  # the first position after each landmark
+    step[:, after] = torch.randint(1, p_jump + 1, (B, len(after)), generator=generator, device=device)
+    step[:, 0] = 0
+    return step.cumsum(1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -43,14 +55,17 @@ class CausalSelfAttention(nn.Module):
         B, H, T, D = y.shape
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))
 
-    def forward(self, x, positions, state=None):
+    def forward(self, x, positions, state=None, cmt=None):
+        """``cmt``: (rotated CMT key (1, H, 1, D), controlled landmarks (B, n_landmarks)) or None."""
         q, k, v = self.heads(x)  # (B, H, T, D) each
         if self.cfg.attention == "infini":  # state: this layer's LayerState
             return self.merge(infini_attention(q, k, v, state, self.cfg.segment_size, self.gate, self.rope,
                                                self.cfg.infini_update))
         q, k = self.rope(q, positions), self.rope(k, positions)
         if self.cfg.attention == "landmark":
-            y = landmark_attention(q, k, v, self.cfg.block_size, backend=self.cfg.kernel_backend)
+            cmt_k, cmt_blocks = (None, None) if cmt is None else (cmt[0].expand(q.shape[0], -1, -1, -1).to(q.dtype), cmt[1])
+            y = landmark_attention(q, k, v, self.cfg.block_size, cmt_k=cmt_k, cmt_blocks=cmt_blocks,
+                                   backend=self.cfg.kernel_backend)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.merge(y)
@@ -75,8 +90,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, state=None):
-        x = x + self.attn(self.ln_1(x), positions, state)
+    def forward(self, x, positions, state=None, cmt=None):
+        x = x + self.attn(self.ln_1(x), positions, state, cmt)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -101,6 +116,9 @@ class LandmarkGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
+        if cfg.cmt:  # the Context Miss Token's input embedding (it is no vocabulary token)
+            self.cmt = nn.Parameter(torch.empty(cfg.n_embd))
+            nn.init.normal_(self.cmt, mean=0.0, std=0.02)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith("proj.weight"):
@@ -127,6 +145,15 @@ class LandmarkGPT(nn.Module):
         T = idx.shape[1]
         x = insert_landmarks(idx, cfg.block_size, cfg.landmark_id) if cfg.attention == "landmark" else idx  # (B, T')
         positions = torch.arange(x.shape[1], device=idx.device)
+        if self.training and cfg.p_jump > 1:
+            positions = jump_positions(x.shape[0], x.shape[1], cfg.block_size, cfg.p_jump, device=idx.device)[:, None]
+        cmt = [None] * cfg.n_layer
+        if cfg.cmt:  # training: each landmark is CMT-controlled with chance p_cmt; in sequence otherwise: none
+            n_lm = x.shape[1] // (cfg.block_size + 1)
+            controlled = (torch.rand(x.shape[0], n_lm, device=idx.device) < cfg.p_cmt if self.training
+                          else torch.zeros(x.shape[0], n_lm, dtype=torch.bool, device=idx.device))
+            at = torch.tensor([-1], device=idx.device)
+            cmt = [(self.blocks[0].attn.rope(k, at), controlled) for k in self.cmt_keys()]
         h = self.drop(self.wte(x))  # (B, T', C)
         if cfg.attention == "infini":
             state = InfiniState() if state is None else state
@@ -136,8 +163,8 @@ class LandmarkGPT(nn.Module):
         elif state is not None:
             raise ValueError("state applies to Infini-attention models only")
         else:
-            for block in self.blocks:
-                h = block(h, positions)
+            for block, c in zip(self.blocks, cmt):
+                h = block(h, positions, cmt=c)
         if cfg.attention == "landmark":
             h = h[:, normal_positions(T, cfg.block_size, idx.device)]  # (B, T, C)
         logits = self.lm_head(self.ln_f(h))  # (B, T, V)
@@ -145,6 +172,20 @@ class LandmarkGPT(nn.Module):
             return logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         return logits, loss
+
+    def cmt_keys(self):
+        """Un-rotated key (1, H, 1, D) of the Context Miss Token at each layer.
+
+        The CMT sits before the first token (position -1) and attends to nothing: its
+        attention output is zero, so its states, and its keys, depend on no input, and one pass
+        serves every sequence and every memory."""
+        h, keys = self.cmt.view(1, 1, -1), []  # (1, 1, C)
+        for block in self.blocks:
+            _, k, _ = block.attn.heads(block.ln_1(h))  # (1, H, 1, D)
+            keys.append(k)
+            h = h + block.attn.merge(torch.zeros_like(k))
+            h = h + block.mlp(block.ln_2(h))
+        return keys
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

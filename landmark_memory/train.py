@@ -47,6 +47,9 @@ class TrainConfig:
     block_size: int = 50
     segment_size: int = 128  # attention="infini": tokens per segment
     infini_update: str = "linear+delta"  # attention="infini": memory update rule
+    cmt: bool = False  # a Context Miss Token that learns when retrieval is needed (paper appendix D)
+    p_cmt: float = 0.5  # with --cmt: chance that a landmark is CMT-controlled in a training window
+    p_jump: int = 1  # positions jump by a random 1..p_jump after each landmark (appendix E); 1 = off
     n_layer: int = 12
     n_head: int = 8
     n_embd: int = 1024
@@ -178,7 +181,8 @@ class Trainer:
             mcfg = LandmarkConfig.for_tokenizer(self.tok, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                                                 ffn_hidden=cfg.ffn_hidden, attention=cfg.attention,
                                                 block_size=cfg.block_size, dropout=cfg.dropout,
-                                                segment_size=cfg.segment_size, infini_update=cfg.infini_update)
+                                                segment_size=cfg.segment_size, infini_update=cfg.infini_update,
+                                                cmt=cfg.cmt, p_cmt=cfg.p_cmt, p_jump=cfg.p_jump)
             self.model = LandmarkGPT(mcfg).to(self.device)
         self.opt = build_optimizer(self.model, cfg, self.device.type)
         self.step, self.best_val, self.first_val = 0, float("inf"), None

@@ -30,3 +30,6 @@ class HFBackbone:
 
     def head(self, h):
         return self.model.lm_head(self.decoder.norm(h))
+
+    def cmt_keys(self):
+        return None  # converted models have no Context Miss Token

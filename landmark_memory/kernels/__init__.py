@@ -3,13 +3,13 @@
 import torch
 
 from ..tokenizer import check_block_size
-from .dense import landmark_attention_dense, landmark_inference_dense
+from .dense import local_effective_scores, landmark_attention_dense, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
 BACKENDS = ("auto", "reference", "dense", "triton")
 
 
-def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
+def landmark_attention(q, k, v, block_size, *, scale=None, cmt_k=None, cmt_blocks=None, backend="reference"):
     """Causal landmark attention with the grouped softmax (paper section 3.1).
 
     The sequence is laid out as blocks of ``block_size`` normal tokens, each followed by one
@@ -24,13 +24,19 @@ def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
     q, k, v : Tensor (B, H, T, D), same dtype and device.
     block_size : int, normal tokens per block (>= 1).
     scale : float, optional, score scale; default ``1 / sqrt(D)``.
+    cmt_k : Tensor (B, H, 1, D), optional, the Context Miss Token's key (appendix D), rotated
+        at position -1 (one before the first key). With it, the landmarks flagged in
+        ``cmt_blocks`` leave the query's group for a group of their own, gated by the CMT's
+        share of the query's group (equations 5-6).
+    cmt_blocks : bool Tensor (B, T // (block_size + 1)), with ``cmt_k``: which landmarks
+        (blocks) are CMT-controlled.
     backend : {"auto", "reference", "dense", "triton"}
         ``"reference"``: the paper's equations in plain PyTorch with autograd, O(T^2) memory.
         ``"dense"``: one softmax over effective scores in plain PyTorch with autograd, O(T^2)
         memory, about 1.6x faster than the reference on CPUs.
         ``"triton"``: fused forward and backward, O(T) memory; CUDA tensors (or CPU tensors
         under ``TRITON_INTERPRET=1``), head dims 16-256 in powers of two.
-        ``"auto"``: Triton on CUDA tensors, dense elsewhere.
+        ``"auto"``: Triton on CUDA tensors, dense elsewhere (and for a CMT).
 
     Returns
     -------
@@ -39,17 +45,24 @@ def landmark_attention(q, k, v, block_size, *, scale=None, backend="reference"):
     _check_common(q, k, v, block_size, backend)
     if q.shape != k.shape:
         raise ValueError(f"q and k shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if backend == "triton" or (backend == "auto" and q.is_cuda):
+    _check_cmt(q, cmt_k)
+    if (cmt_k is None) != (cmt_blocks is None):
+        raise ValueError("cmt_k and cmt_blocks go together: give both (a Context Miss Token model) or neither")
+    n_lm = q.shape[-2] // (block_size + 1)
+    if cmt_blocks is not None and (cmt_blocks.dtype != torch.bool or tuple(cmt_blocks.shape) != (q.shape[0], n_lm)):
+        raise ValueError(f"cmt_blocks must be a bool tensor (B={q.shape[0]}, landmarks={n_lm}), got "
+                         f"{cmt_blocks.dtype} {tuple(cmt_blocks.shape)}")
+    if backend == "triton" or (backend == "auto" and q.is_cuda and cmt_k is None):
         from .triton_landmark import landmark_attention_triton
 
-        return landmark_attention_triton(q, k, v, block_size, scale)
+        return landmark_attention_triton(q, k, v, block_size, scale, cmt_k, cmt_blocks)
     if backend == "reference":
-        return landmark_attention_reference(q, k, v, block_size, scale)
-    return landmark_attention_dense(q, k, v, block_size, scale)
+        return landmark_attention_reference(q, k, v, block_size, scale, cmt_k, cmt_blocks)
+    return landmark_attention_dense(q, k, v, block_size, scale, cmt_k, cmt_blocks)
 
 
 def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_table, block_pos,
-                                 rope_base=10000.0, scale=None, backend="auto"):
+                                 rope_base=10000.0, scale=None, cmt_k=None, backend="auto"):
     """Attention of a chunk of queries over its local keys and retrieved memory blocks.
 
     The local keys ``k``, ``v`` start at a block boundary and follow the in-sequence rules of
@@ -78,6 +91,10 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
     block_pos : int Tensor (B, H, T_q, K), start position of each listed block.
     rope_base : float, RoPE base of the model.
     scale : float, optional; default ``1 / sqrt(D)``.
+    cmt_k : Tensor (B, H, 1, D), optional, the Context Miss Token's key rotated at its position
+        (appendix D). With it every retrieved landmark is CMT-controlled and every local one
+        free; a query whose slots are all empty gives up the CMT's share, which is exactly what
+        skipping its retrieval means (``cmt_share`` says how large that share is).
     backend : {"auto", "reference", "dense", "triton"}, as for ``landmark_attention``; the Triton
         path is inference only (no autograd).
 
@@ -104,14 +121,47 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
         raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")
     if not q.is_cuda and block_table.numel() and not (-1 <= block_table.min() and block_table.max() < pool_k.shape[0]):
         raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
+    _check_cmt(q, cmt_k)
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
         block_table, block_pos = block_table[..., :0], block_pos[..., :0]
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from .triton_landmark import landmark_inference_triton
 
-        return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale)
+        return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
+                                         cmt_k)
     impl = landmark_inference_reference if backend == "reference" else landmark_inference_dense
-    return impl(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale)
+    return impl(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale, cmt_k)
+
+
+def cmt_share(q, k, block_size, cmt_k, scale=None):
+    """S_{i,-1}: the Context Miss Token's share of each query's own group, from the local keys
+    alone (the retrieved landmarks are CMT-controlled and outside that group).
+
+    Parameters
+    ----------
+    q : Tensor (B, H, T_q, D), rotated queries, the last T_q of the local positions.
+    k : Tensor (B, H, T_k, D), rotated local keys starting at a block boundary.
+    block_size : int.
+    cmt_k : Tensor (B, H, 1, D), the CMT's rotated key.
+
+    Returns
+    -------
+    Tensor (B, H, T_q) float32 in (0, 1): below a cutoff, the query's retrieval can be
+    skipped (appendix D).
+    """
+    _check_cmt(q, cmt_k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, cmt_k = q.float(), k.float(), cmt_k.float()
+    s_loc = local_effective_scores((q @ k.transpose(-2, -1)) * scale, block_size, k.shape[-2])  # (B, H, Tq, Tk)
+    s_cmt = ((q @ cmt_k.transpose(-2, -1)) * scale)[..., 0]  # (B, H, Tq)
+    return torch.sigmoid(s_cmt - torch.logsumexp(s_loc, -1))
+
+
+def _check_cmt(q, cmt_k):
+    if cmt_k is not None and (cmt_k.dim() != 4 or cmt_k.shape[:2] != q.shape[:2] or cmt_k.shape[2:] != (1, q.shape[-1])
+                              or cmt_k.dtype != q.dtype or cmt_k.device != q.device):
+        raise ValueError(f"cmt_k must be (B, H, 1, D) = {(*q.shape[:2], 1, q.shape[-1])} with q's dtype and device, "
+                         f"got {cmt_k.dtype} {tuple(cmt_k.shape)}")
 
 
 def _check_common(q, k, v, block_size, backend):
@@ -128,5 +178,5 @@ def _check_common(q, k, v, block_size, backend):
         raise ValueError("q, k, v must share one dtype and device")
 
 
-__all__ = ["landmark_attention", "landmark_attention_inference", "landmark_inference_reference",
+__all__ = ["landmark_attention", "landmark_attention_inference", "cmt_share", "landmark_inference_reference",
            "landmark_attention_dense", "landmark_inference_dense", "landmark_attention_reference", "landmark_weights", "grouped_softmax", "BACKENDS"]

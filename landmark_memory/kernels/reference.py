@@ -14,6 +14,12 @@ Equation 3 compares G_ij with G_ii to find the query's own group. For a landmark
 G_ii = -1 (its own landmark is ignored), so we compare with p_i, the query's group id, which
 is the same thing for normal queries and places a landmark query's own block tokens and the
 earlier landmarks in one softmax group, as DESIGN.md specifies.
+
+Context Miss Token (appendix D, equations 5-6): one more key at position -1, in every query's
+own group. Landmarks of the blocks flagged as CMT-controlled leave the query's group for a
+group of their own, and their blocks' tokens are gated twice: by their landmark's share of
+that group and by the CMT's share of the query's group. The CMT and the landmarks themselves
+get weight 0.
 """
 
 import torch
@@ -74,28 +80,44 @@ def _gated_weights(scores, G, own, gate_col, zero_col):
     return torch.where(zero_col, 0, torch.where(G == own[:, None], S, S * gate))
 
 
-def landmark_weights(q, k, block_size, scale=None):
-    """(B, H, T, T) final attention weights W of equations 3-4 (rows sum to 1)."""
+def landmark_weights(q, k, block_size, scale=None, cmt_k=None, cmt_blocks=None):
+    """(B, H, T, T) final attention weights W of equations 3-4 (rows sum to 1), or of
+    equations 5-6 when ``cmt_k`` (B, H, 1, D), the rotated CMT key, and ``cmt_blocks``
+    (B, T // (block_size + 1)) bool, the CMT-controlled landmarks, are given (rows then sum
+    to 1 once a controlled landmark is visible, else to 1 minus the CMT's share)."""
     T = q.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = landmark_positions(T, block_size, q.device)
     G = landmark_groups(T, block_size, q.device)  # (T, T)
-    return _gated_weights((q @ k.transpose(-2, -1)) * scale, G, p, p.clamp(max=T - 1),
-                          landmark_mask(T, block_size, q.device))
+    zero = landmark_mask(T, block_size, q.device)
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    if cmt_k is None:
+        return _gated_weights(s, G, p, p.clamp(max=T - 1), zero)
+    B = q.shape[0]
+    blk = torch.arange(T, device=q.device) // (block_size + 1)
+    ctrl = torch.nn.functional.pad(cmt_blocks, (0, 1))[:, blk]  # (B, T): position j's block is controlled
+    G_ctrl = torch.where((ctrl & zero)[:, None, None, :] & (G >= 0), T + 1, G)  # (B, 1, T, T): group "-2" = T + 1
+    G_all = torch.cat([p[:, None].expand(B, 1, T, 1), G_ctrl], -1)  # (B, 1, T, 1 + T): the CMT in i's group
+    S = grouped_softmax(torch.cat([(q @ cmt_k.transpose(-2, -1)) * scale, s], -1), G_all)
+    S_cmt, S = S[..., :1], S[..., 1:]  # (B, H, T, 1), (B, H, T, T)
+    gate = S.gather(-1, p.clamp(max=T - 1).expand_as(S))  # S_{i, p_j}
+    W = torch.where(G == p[:, None], S, S * gate * torch.where(ctrl[:, None, None, :], S_cmt, 1.0))
+    return torch.where(zero, 0, W)
 
 
-def landmark_attention_reference(q, k, v, block_size, scale=None):
+def landmark_attention_reference(q, k, v, block_size, scale=None, cmt_k=None, cmt_blocks=None):
     """Landmark attention by the paper's equations. See ``landmark_attention``."""
-    return landmark_weights(q, k, block_size, scale) @ v
+    return landmark_weights(q, k, block_size, scale, cmt_k, cmt_blocks) @ v
 
 
 def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
-                                 scale=None):
+                                 scale=None, cmt_k=None):
     """Chunk attention over local keys plus retrieved memory blocks, by the same equations.
 
     Every retrieved block is laid out in front of the local keys as one more earlier block:
-    its landmark joins the query's own group and gates its normal tokens. See
-    ``landmark_attention_inference`` for the arguments."""
+    its landmark joins the query's own group and gates its normal tokens. With a CMT key the
+    retrieved landmarks are the CMT-controlled ones (appendix D) and local landmarks are free.
+    See ``landmark_attention_inference`` for the arguments."""
     from ..rope import RotaryEmbedding
 
     B, H, Tq, D = q.shape
@@ -116,11 +138,21 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
 
     slot = torch.arange(n_slots, device=q.device)[:, None]
     t = torch.arange(L, device=q.device)[None, :]
-    G_ret = torch.where(t == block_size, own[:, None, None], Tk + 1 + slot)  # (Tq, K, L): unique group per slot
+    ctrl_group = Tk + 1 + n_slots  # group "-2" of the CMT-controlled (retrieved) landmarks
+    lm_group = own[:, None, None] if cmt_k is None else torch.full_like(own[:, None, None], ctrl_group)
+    G_ret = torch.where(t == block_size, lm_group, Tk + 1 + slot)  # (Tq, K, L): unique group per slot
     G_ret = torch.where((block_table < 0)[..., None], -1, G_ret).flatten(-2)  # (B, H, Tq, K * L)
     G_loc = landmark_groups(Tk, block_size, q.device)[i].expand(B, H, Tq, Tk)
     gate_col = torch.cat([(slot * L + block_size).expand(n_slots, L).flatten(), n_slots * L + p_loc.clamp(max=Tk - 1)])
     zero_col = torch.cat([(t == block_size).expand(n_slots, L).flatten(), landmark_mask(Tk, block_size, q.device)])
-    W = _gated_weights(torch.cat([s_ret, s_loc], -1), torch.cat([G_ret, G_loc], -1), own, gate_col, zero_col)
+    scores, G = torch.cat([s_ret, s_loc], -1), torch.cat([G_ret, G_loc], -1)
+    if cmt_k is None:
+        W = _gated_weights(scores, G, own, gate_col, zero_col)
+    else:  # the CMT as a last column in the query's group; retrieved tokens gated by it too
+        S = grouped_softmax(torch.cat([scores, (q @ cmt_k.transpose(-2, -1)) * scale], -1),
+                            torch.cat([G, own[:, None].expand(B, H, Tq, 1)], -1))
+        S, S_cmt = S[..., :-1], S[..., -1:]
+        gate = S.gather(-1, gate_col.expand_as(S)) * torch.cat([S_cmt.expand_as(s_ret), torch.ones_like(s_loc)], -1)
+        W = torch.where(zero_col, 0, torch.where(G == own[:, None], S, S * gate))
     return (torch.einsum("bhqn,bhqnd->bhqd", W[..., :n_slots * L], rv.flatten(3, 4))
             + W[..., n_slots * L:] @ v)

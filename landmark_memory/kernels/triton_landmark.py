@@ -147,12 +147,15 @@ def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale,
 
 
 @triton.jit
-def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, GROUP, N_SLOTS, K_STRIDE, V_STRIDE,
-                      scale, BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, S_CMT, OUT, T_q, H, GROUP, N_SLOTS, K_STRIDE,
+                      V_STRIDE, scale, BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HAS_CMT: tl.constexpr):
     """One query of one head over its retrieved blocks, merged with its local result.
 
     Pool keys are rotated by their offset inside the block; the query is rotated back by the
-    block's start position P (COS/SIN of -P), since RoPE scores depend only on differences."""
+    block's start position P (COS/SIN of -P), since RoPE scores depend only on differences.
+    With a Context Miss Token the retrieved blocks together carry exp(s_cmt) instead of the
+    sum of their landmarks' exp-scores (equations 5-6), and nothing when no slot is live."""
     r, bh = tl.program_id(0), tl.program_id(1)
     h = (bh % H) // GROUP  # the pool head this query head reads (grouped-query attention)
     row = bh.to(tl.int64) * T_q + r
@@ -194,9 +197,16 @@ def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, OUT, T_q, H, G
         m = m_new
     # merge with the local part: both are pieces of one softmax over effective scores
     lse = tl.load(LSE_LOC + row)
-    top = tl.maximum(lse, m)
-    w_loc, w_ret = tl.exp(lse - top), tl.exp(m - top)
-    denom = w_loc + l * w_ret
+    if HAS_CMT:
+        s_cmt = tl.load(S_CMT + row)
+        top = tl.maximum(lse, s_cmt)
+        w_loc, w_cmt = tl.exp(lse - top), tl.exp(s_cmt - top)
+        w_ret = tl.where(l > 0.0, w_cmt / tl.where(l > 0.0, l, 1.0), 0.0)  # acc / l is the retrieved part's output
+        denom = w_loc + w_cmt
+    else:
+        top = tl.maximum(lse, m)
+        w_loc, w_ret = tl.exp(lse - top), tl.exp(m - top)
+        denom = w_loc + l * w_ret
     o1 = tl.load(O_LOC + row * HEAD_DIM + i)
     o2 = tl.load(O_LOC + row * HEAD_DIM + HALF + i)
     tl.store(OUT + row * HEAD_DIM + i, ((o1 * w_loc + acc1 * w_ret) / denom).to(OUT.dtype.element_ty))
@@ -290,15 +300,18 @@ def _check_backend(q):
     return D ** -0.5
 
 
-def landmark_attention_triton(q, k, v, block_size, scale=None):
+def landmark_attention_triton(q, k, v, block_size, scale=None, cmt_k=None, cmt_blocks=None):
     """Fused landmark attention; same contract as ``landmark_attention``."""
     default_scale = _check_backend(q)
+    if cmt_k is not None:
+        raise NotImplementedError("the Triton training kernel has no Context Miss Token path yet; "
+                                  "use backend='dense' (or 'auto') for CMT models")
     return _LandmarkAttention.apply(q, k, v, block_size, default_scale if scale is None else float(scale))
 
 
 @torch.no_grad()
 def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
-                              scale=None):
+                              scale=None, cmt_k=None):
     """Chunk attention over local keys and retrieved blocks; same contract as
     ``landmark_attention_inference``. Inference only: no autograd."""
     from ..rope import RotaryEmbedding
@@ -314,11 +327,13 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, Tq)
     meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET)
     _fwd_kernel[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, o_loc, lse, Tq, Tk, scale, **meta)
-    if n_slots == 0:
-        return o_loc.to(q.dtype)
+    s_cmt = None if cmt_k is None else ((q.float() @ cmt_k.float().transpose(-2, -1)) * scale)[..., 0].contiguous()
+    if n_slots == 0:  # with a CMT, its share of the group is lost
+        return (o_loc if s_cmt is None else o_loc * torch.sigmoid(lse - s_cmt)[..., None]).to(q.dtype)
     cos, sin = RotaryEmbedding(D, rope_base).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
     out = _empty_like(q)
     _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, block_table.to(torch.int32).contiguous(), cos, sin, o_loc, lse,
-                                   out, Tq, H, H // pool_k.shape[1], n_slots, pool_k.stride(0), pool_v.stride(0), scale,
-                                   BS=block_size, LP=LP, HEAD_DIM=D)
+                                   lse if s_cmt is None else s_cmt, out, Tq, H, H // pool_k.shape[1], n_slots,
+                                   pool_k.stride(0), pool_v.stride(0), scale, BS=block_size, LP=LP, HEAD_DIM=D,
+                                   HAS_CMT=s_cmt is not None)
     return out
