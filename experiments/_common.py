@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 # relative to the repository root
 LANDMARK_MODEL, FULL_MODEL, INFINI_MODEL = "out/exp-landmark", "out/exp-full", "out/exp-infini"
+# the paper's extensions (appendices D and E): a landmark model, the same with a Context Miss
+# Token, the same with positional jumps (run_experiments.py: TRAIN_EXT)
+BASE_MODEL, CMT_MODEL, JUMP_MODEL = "out/exp9-base", "out/exp9-cmt", "out/exp9-jump"
 
 
 def parser(doc):

@@ -41,16 +41,25 @@ def _timed(fn, reps, device):
     return (time.perf_counter() - t0) * 1e3 / reps, float("nan")
 
 
-def bench(backend, B, H, T, D, block_size, dtype, device, reps):
+def cmt_inputs(cmt, B, H, T, D, block_size, dtype, device):
+    """With ``cmt``: a random Context Miss Token key and half the landmarks CMT-controlled."""
+    if not cmt:
+        return {}
+    return dict(cmt_k=torch.randn(B, H, 1, D, device=device, dtype=dtype, requires_grad=True),
+                cmt_blocks=torch.rand(B, T // (block_size + 1), device=device) < 0.5)
+
+
+def bench(backend, B, H, T, D, block_size, dtype, device, reps, cmt=False):
     """(forward ms, forward MiB, fwd+bwd ms, fwd+bwd MiB); None where it does not fit."""
     q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
+    extra = cmt_inputs(cmt and backend != "sdpa", B, H, T, D, block_size, dtype, device)
     if backend == "sdpa":
         def attn():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         def attn():
-            return landmark_attention(q, k, v, block_size, backend=backend)
+            return landmark_attention(q, k, v, block_size, backend=backend, **extra)
 
     def fwd():
         with torch.no_grad():
@@ -69,15 +78,18 @@ def bench(backend, B, H, T, D, block_size, dtype, device, reps):
             torch.cuda.empty_cache()
 
 
-def rel_error(backend, B, H, T, D, block_size, dtype, device):
-    """Largest ||x - ref|| / ||ref|| over the output and the three gradients, the reference
-    being the paper-equation attention in float64 on the same (rounded) inputs."""
+def rel_error(backend, B, H, T, D, block_size, dtype, device, cmt=False):
+    """Largest ||x - ref|| / ||ref|| over the output and the gradients (of q, k, v and the CMT
+    key), the reference being the paper-equation attention in float64 on the same (rounded)
+    inputs."""
     q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype) for _ in range(3))
     do = torch.randn_like(q)
+    extra = cmt_inputs(cmt, B, H, T, D, block_size, dtype, device)
 
     def run(be, dt):
-        x = [t.to(dt).requires_grad_() for t in (q, k, v)]
-        o = landmark_attention(*x, block_size, backend=be)
+        x = [t.detach().to(dt).requires_grad_() for t in (q, k, v, *extra.values())][:3 + bool(cmt)]
+        o = landmark_attention(*x[:3], block_size, backend=be, **({"cmt_k": x[3], "cmt_blocks": extra["cmt_blocks"]}
+                                                                   if cmt else {}))
         return [o, *torch.autograd.grad(o, x, do.to(dt))]
 
     got, ref = run(backend, dtype), run("reference", torch.float64)
@@ -126,13 +138,16 @@ def main(argv=None):
     ap.add_argument("--check-T", type=int, default=4096, help="check each backend against a float64 reference up to this T")
     ap.add_argument("--decode", default=None, help="decode contexts (default: 4K..1M on GPU, 4K..16K on CPU; 0 = none)")
     ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--cmt", action="store_true", help="landmark backends with a Context Miss Token (half the "
+                                                        "landmarks controlled)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     reps = args.reps or (10 if device.type == "cuda" else 2)
     backends = ["sdpa", "reference"] + (["triton"] if device.type == "cuda" else [])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs")
+    print(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs"
+          + (", landmark backends with a Context Miss Token" if args.cmt else ""))
     print("| T | D | backend | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd / SDPA | fwd+bwd / SDPA | rel. error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for D in map(int, args.D.split(",")):
@@ -140,7 +155,7 @@ def main(argv=None):
             base = None
             for backend in backends:
                 r = None if backend == "reference" and T > args.max_reference_T else \
-                    bench(backend, args.B, args.H, T, D, args.block_size, dtype, device, reps)
+                    bench(backend, args.B, args.H, T, D, args.block_size, dtype, device, reps, args.cmt)
                 if backend == "sdpa":
                     base = r
                 if r is None:
@@ -148,7 +163,7 @@ def main(argv=None):
                     continue
                 ratio = (f"{r[0] / base[0]:.2f}x | {r[2] / base[2]:.2f}x" if base else "- | -")
                 mib = [f"{m:.0f}" if m == m else "-" for m in (r[1], r[3])]  # no peak memory on CPU
-                err = (f"{rel_error(backend, args.B, args.H, T, D, args.block_size, dtype, device):.1e}"
+                err = (f"{rel_error(backend, args.B, args.H, T, D, args.block_size, dtype, device, args.cmt):.1e}"
                        if backend != "sdpa" and T <= args.check_T else "-")
                 print(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} | {err} |")
 

@@ -81,8 +81,8 @@ def emit(args, doc, text):
 def memory_options(args, model):
     """LandmarkMemory options from the command line (the chunk size resolved for ``model``)."""
     chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
-    opts = {"top_k": args.top_k, "chunk_size": chunk, "index": args.index,
-            "retrieval": args.retrieval, "position_mapping": args.position_mapping}
+    opts = {"top_k": args.top_k, "chunk_size": chunk, "index": args.index, "retrieval": args.retrieval,
+            "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None)}
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
     return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options}
 
@@ -101,6 +101,11 @@ def add_retrieval_args(p, index_default="flat", top_k_default=4):
     p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
+    p.add_argument("--cmt-cutoff", type=float, help=CMT_HELP)
+
+
+CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT share is below this retrieves "
+            "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
 
 
 def add_index_tuning(p, train_size=None):
@@ -206,7 +211,7 @@ def source_of(mem, ids, block, tok):
 def cmd_ask(args):
     info = MemoryDir(args.memory, writable=False).read_manifest()
     model, tok = load_model(args.model, args.device, info["model"]["shape"]["block_size"])
-    query = {k: v for k, v in (("top_k", args.top_k),) if v}
+    query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
     mem = LandmarkMemory.open(args.memory, model, readonly=True, **query)
     n_saved = mem.n_blocks  # blocks the prompt adds are not passages of the memory
     ids = tok.encode(args.prompt).ids
@@ -352,6 +357,7 @@ def parser():
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed when temperature > 0")
     p.add_argument("--top-k", type=int, help="blocks retrieved per query (default: the memory's)")
+    p.add_argument("--cmt-cutoff", type=float, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
     p.add_argument("--passages", type=int, default=3, help="passages to report (default 3)")
     p.set_defaults(fn=cmd_ask)

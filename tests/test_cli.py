@@ -94,6 +94,17 @@ def test_eval_reports_a_finite_perplexity_in_both_modes(texts, capsys):
     assert 1 < mem["perplexity"] < 8192 and 1 < seq["perplexity"] < 8192
 
 
+def test_eval_with_a_cmt_cutoff_needs_a_cmt_model(texts, capsys, tmp_path):
+    rc = main(["eval", "--input", str(texts / "a.txt"), "--eval-length", "300", "--cmt-cutoff", "0.3", "--quiet"])
+    assert rc == 2 and "Context Miss Token" in capsys.readouterr().err
+    torch.manual_seed(0)
+    cfg = LandmarkGPT.from_pretrained().config
+    LandmarkGPT(type(cfg)(**{**cfg.to_dict(), "n_layer": 1, "cmt": True})).save_pretrained(tmp_path / "cmt")
+    doc = run_json(capsys, "eval", "--input", str(texts / "a.txt"), "--eval-length", "300", "--chunk-size", "100",
+                   "--model", str(tmp_path / "cmt"), "--cmt-cutoff", "0.3")
+    assert doc["memory"]["cmt_cutoff"] == 0.3 and 1 < doc["perplexity"] < 8192
+
+
 def test_compare_measures_each_index_against_exact(capsys, tmp_path):
     book, plot = tmp_path / "book.txt", tmp_path / "compare.png"
     book.write_text(BOOK.read_text()[:20000])  # about 100 blocks: IVF trains 2 lists on 80

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory
+from landmark_memory.kernels import triton_landmark
 from landmark_memory.kernels import cmt_share, landmark_attention, landmark_attention_inference, landmark_weights
 from landmark_memory.model import jump_positions
 
@@ -101,6 +102,23 @@ def test_dense_cmt_attention_equals_reference_with_gradients(block_size, T):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("block_size,T,poison", [(3, 41, True), (50, 130, False)])
+def test_triton_cmt_attention_equals_reference_with_gradients(block_size, T, poison, monkeypatch):
+    if poison:  # every element of every output the kernels fill is written
+        monkeypatch.setattr(triton_landmark, "_empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    q, k, v, cmt_k, blocks = random_cmt(2, 2, T, 32, block_size, seed=block_size, dtype=torch.float32)
+    do = torch.randn_like(q)
+
+    def run(backend, dtype):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v, cmt_k)]
+        out = landmark_attention(*x[:3], block_size, cmt_k=x[3], cmt_blocks=blocks, backend=backend)
+        return [out, *torch.autograd.grad(out, x, do.to(dtype))]
+
+    for got, ref in zip(run("triton", torch.float32), run("reference", torch.float64)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), ref, **TOL[torch.float32])
+
+
 def test_cmt_arguments_are_checked():
     q, k, v, cmt_k, blocks = random_cmt(1, 2, 12, 8, 3, seed=3)
     with pytest.raises(ValueError, match="go together"):
@@ -163,6 +181,21 @@ def cmt_model(seed=0, **kw):
     torch.manual_seed(seed)
     cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=4, cmt=True, **kw)
     return LandmarkGPT(cfg).eval()
+
+
+def test_cmt_model_trains_the_same_with_the_triton_kernel():
+    torch.manual_seed(0)
+    ref, tri = cmt_model(kernel_backend="reference").train(), cmt_model(kernel_backend="triton").train()
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randint(2, 64, (2, 40))
+    torch.manual_seed(1)
+    _, a = ref(x, x)
+    torch.manual_seed(1)  # the same controlled landmarks
+    _, b = tri(x, x)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tri.cmt.grad, ref.cmt.grad, rtol=1e-3, atol=1e-6)
 
 
 def test_cmt_model_trains_its_token_and_reads_in_sequence_with_no_controlled_landmark():

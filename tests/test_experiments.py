@@ -21,6 +21,14 @@ def test_kernel_benchmark_reports_ratios_against_sdpa(capsys):
     assert "| 500 | " in out and "OOM" not in out
 
 
+def test_kernel_benchmark_checks_cmt_backends_against_the_reference(capsys):
+    script("bench_kernel").main(["--T", "64", "--D", "32", "--H", "1", "--reps", "1", "--decode", "0",
+                                 "--block-size", "7", "--cmt"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 64 | 32 | reference |"))
+    assert "Context Miss Token" in out and float(row.split("|")[-2]) < 1e-5
+
+
 def test_index_benchmark_reports_recall_for_every_kind(capsys):
     script("bench_index").main(["--sizes", "3000", "--dim", "16", "--queries", "50"])
     out = capsys.readouterr().out
@@ -49,12 +57,14 @@ def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     for i in range(4):  # one of them is held out whole, as training would
         (books / f"book{i}.txt").write_text(book[i * 40_000:(i + 1) * 40_000])
     models = {}
-    for seed, attention in enumerate(("landmark", "full", "infini")):
+    for seed, (name, kw) in enumerate((("landmark", {}), ("full", {"attention": "full"}),
+                                       ("infini", {"attention": "infini"}), ("cmt", {"cmt": True}),
+                                       ("jump", {"p_jump": 100}))):
         __import__("torch").manual_seed(seed)
         cfg = LandmarkConfig.for_tokenizer(load_tokenizer(), n_layer=1, n_head=2, n_embd=32, ffn_hidden=64,
-                                           attention=attention, segment_size=64)
-        models[attention] = tmp_path / attention
-        LandmarkGPT(cfg).save_pretrained(models[attention])
+                                           segment_size=64, **kw)
+        models[name] = tmp_path / name
+        LandmarkGPT(cfg).save_pretrained(models[name])
     common = ["--books", str(books), "--landmark-model", str(models["landmark"]), "--full-model", str(models["full"]),
               "--infini-model", str(models["infini"]), "--results", str(tmp_path / "results"), "--quiet"]
     script("exp_table1").main([*common, "--tokens", "1024", "--lengths", "512,1024"])
@@ -63,11 +73,15 @@ def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     script("exp_exact_vs_approx").main([*common, "--max-tokens", "3000", "--indexes", "flat,ivf", "--train-size", "16",
                                         "--passkey-lengths", "300", "--passkey-trials", "1"])
     script("exp_footprint").main([*common, "--contexts", "500,1000"])
+    script("exp_cmt").main([*common, "--base-model", str(models["landmark"]), "--cmt-model", str(models["cmt"]),
+                            "--eval-length", "600", "--tokens", "600", "--decode-context", "800", "--decode-steps", "2"])
+    script("exp_jump").main([*common, "--base-model", str(models["landmark"]), "--jump-model", str(models["jump"]),
+                             "--lengths", "256,512", "--memory-lengths", "600", "--tokens", "512"])
     results = tmp_path / "results"
     for name, row in (("table1", "| Infini-attention, segments of 64, streamed | 64 |"),
                       ("table2", "| per head | 4096 | 4 |"),
                       ("passkey", "| Infini-attention (streamed) | 800 |"), ("exact_vs_approx", "| ivf |"),
-                      ("footprint", "| 1,000 | 256.0 |")):
+                      ("footprint", "| 1,000 | 256.0 |"), ("cmt", "| 1 | "), ("jumps", "| 600 | ")):
         md = (results / f"{name}.md").read_text()
         assert row in md and "- command: `python " in md and "$BOOKS" in md and "nan" not in md
         assert (results / f"{name}.png").stat().st_size > 1000

@@ -36,7 +36,7 @@ def landmark_attention(q, k, v, block_size, *, scale=None, cmt_k=None, cmt_block
         memory, about 1.6x faster than the reference on CPUs.
         ``"triton"``: fused forward and backward, O(T) memory; CUDA tensors (or CPU tensors
         under ``TRITON_INTERPRET=1``), head dims 16-256 in powers of two.
-        ``"auto"``: Triton on CUDA tensors, dense elsewhere (and for a CMT).
+        ``"auto"``: Triton on CUDA tensors, dense elsewhere.
 
     Returns
     -------
@@ -52,7 +52,7 @@ def landmark_attention(q, k, v, block_size, *, scale=None, cmt_k=None, cmt_block
     if cmt_blocks is not None and (cmt_blocks.dtype != torch.bool or tuple(cmt_blocks.shape) != (q.shape[0], n_lm)):
         raise ValueError(f"cmt_blocks must be a bool tensor (B={q.shape[0]}, landmarks={n_lm}), got "
                          f"{cmt_blocks.dtype} {tuple(cmt_blocks.shape)}")
-    if backend == "triton" or (backend == "auto" and q.is_cuda and cmt_k is None):
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
         from .triton_landmark import landmark_attention_triton
 
         return landmark_attention_triton(q, k, v, block_size, scale, cmt_k, cmt_blocks)

@@ -17,6 +17,14 @@ any block size works and no block straddles two tiles. Nothing T x T is ever sto
 Backward: with dS' the usual softmax gradient of s', for an earlier block c
     ds_ij = dS'_ij - pc_ij * G_ic,  ds_ic(landmark) = G_ic,  G_ic = sum_{j in c} dS'_ij,
 where pc is the within-block softmax; own-block tokens pass dS' through.
+
+Context Miss Token (appendix D): tokens of CMT-controlled blocks move by
+shift_i = s_cmt_i - lse_ctrl_i, lse_ctrl_i being the log-sum-exp of the controlled landmarks i
+sees, so together they carry exp(s_cmt_i), the CMT's share of i's group. The forward keeps the
+controlled blocks in a second online-softmax accumulator, which yields lse_ctrl_i at the end,
+and merges the two (a query that sees no controlled block gives the CMT's share up). Backward
+adds, for a controlled landmark, -GC_i * exp(s_ic - lse_ctrl_i), where GC_i = sum of dS' over
+the controlled tokens = S_cmt_i * (dO_i . o_ctrl_i - delta_i) is also the gradient of s_cmt_i.
 """
 
 import os
@@ -30,10 +38,11 @@ _empty_like = torch.empty_like  # every element of an output is written; tests p
 
 
 @triton.jit
-def _effective_scores(s, offs_m, tile, T, BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
+def _effective_scores(s, offs_m, tile, T, CTRL, ctrl_row, n_lm, BS: tl.constexpr, LP: tl.constexpr,
+                      BPT: tl.constexpr, BLOCK_M: tl.constexpr, HAS_CMT: tl.constexpr):
     """Effective scores s' (BLOCK_M, BPT * LP) of one key tile, plus what backward needs:
-    the within-block softmax pc, and masks of gated (earlier-block) tokens and their landmarks."""
+    the within-block softmax pc, masks of gated (earlier-block) tokens and their landmarks,
+    and (with a CMT) of the earlier blocks that are CMT-controlled (``CTRL[ctrl_row + c]``)."""
     L: tl.constexpr = BS + 1
     BLOCK_N: tl.constexpr = BPT * LP
     slot = tl.arange(0, LP)[None, None, :]  # (1, 1, LP) offset inside a block
@@ -58,8 +67,13 @@ def _effective_scores(s, offs_m, tile, T, BS: tl.constexpr, LP: tl.constexpr, BP
     gated = earlier & normal
     s_eff = tl.where(gated, s3 + gate[:, :, None], tl.where(own, s3, float("-inf")))
     lm_gate = earlier & exists & (slot == BS)
+    if HAS_CMT:
+        ctrl = earlier & exists & (tl.load(CTRL + ctrl_row + blk, mask=blk < n_lm, other=0) != 0)
+    else:
+        ctrl = earlier & (slot < 0)  # nothing is controlled
     return (tl.reshape(s_eff, (BLOCK_M, BLOCK_N)), tl.reshape(pc, (BLOCK_M, BLOCK_N)),
-            tl.reshape(gated, (BLOCK_M, BLOCK_N)), tl.reshape(lm_gate, (BLOCK_M, BLOCK_N)))
+            tl.reshape(gated, (BLOCK_M, BLOCK_N)), tl.reshape(lm_gate, (BLOCK_M, BLOCK_N)),
+            tl.reshape(ctrl, (BLOCK_M, BLOCK_N)))
 
 
 @triton.jit
@@ -88,8 +102,10 @@ def _load_kv_tile(K, V, base, tile, T, BS: tl.constexpr, LP: tl.constexpr, BPT: 
 
 
 @triton.jit
-def _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
-    """Queries, output gradients, log-sum-exps and rowsum(dO * O) of a query tile."""
+def _load_q_tile(Q, DO, LSE, DELTA, CMT_STATS, base, bh, offs_m, T, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+                 HAS_CMT: tl.constexpr):
+    """Queries, output gradients, log-sum-exps and rowsum(dO * O) of a query tile, and with a
+    CMT (shift, lse_ctrl, GC) per query (three float32 rows per (batch, head) in CMT_STATS)."""
     mask_m = offs_m < T
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + d[None, :], mask=mask_m[:, None], other=0.0)
@@ -98,25 +114,52 @@ def _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM: tl.constexpr,
         q, do = q.to(tl.float32), do.to(tl.float32)
     lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=mask_m, other=0.0)
-    return q, do, lse, delta
+    if HAS_CMT:
+        row = CMT_STATS + bh.to(tl.int64) * 3 * T + offs_m
+        cmt = (tl.load(row, mask=mask_m, other=0.0), tl.load(row + T, mask=mask_m, other=0.0),
+               tl.load(row + 2 * T, mask=mask_m, other=0.0))
+    else:
+        cmt = (lse, lse, lse)  # unused
+    return q, do, lse, delta, cmt
 
 
 @triton.jit
-def _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS: tl.constexpr, LP: tl.constexpr,
-                      BPT: tl.constexpr, BLOCK_M: tl.constexpr):
+def _tile_score_grads(q, k, v, do, lse, delta, cmt, offs_m, tile, T, scale, CTRL, ctrl_row, n_lm,
+                      BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_CMT: tl.constexpr):
     """Recomputed probabilities p (BLOCK_M, BLOCK_N) and the raw-score gradient ds of one tile."""
     s = tl.dot(q, tl.trans(k)) * scale
-    s_eff, pc, gated, lm_gate = _effective_scores(s, offs_m, tile, T, BS, LP, BPT, BLOCK_M)
+    s_eff, pc, gated, lm_gate, ctrl = _effective_scores(s, offs_m, tile, T, CTRL, ctrl_row, n_lm, BS, LP, BPT,
+                                                        BLOCK_M, HAS_CMT)
+    shift, lse_ctrl, gc = cmt
+    if HAS_CMT:
+        s_eff = tl.where(ctrl, s_eff + shift[:, None], s_eff)
     p = tl.where(offs_m[:, None] < T, tl.exp(s_eff - lse[:, None]), 0.0)
     dse = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-    return p, _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
+    ds = _raw_score_grad(dse, pc, gated, lm_gate, BLOCK_M, BPT, LP)
+    if HAS_CMT:  # a controlled landmark also moves lse_ctrl, and so every controlled token
+        ds = tl.where(lm_gate & ctrl, ds - gc[:, None] * tl.exp(s - lse_ctrl[:, None]), ds)
+    return p, ds
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale,
+def _online_softmax(m, l, acc, s, v):
+    """One key tile's scores s (BLOCK_M, BLOCK_N) and values v folded into a running softmax:
+    max m, sum l and unnormalised output acc (FlashAttention's update; -inf rows stay empty)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, S_CMT, CTRL, CMT_STATS, O_CTRL, T_q, T_k, H, n_lm, scale,
                 BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
-    """Queries are the last T_q of T_k in-sequence positions (T_q = T_k in training)."""
+                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, HAS_CMT: tl.constexpr):
+    """Queries are the last T_q of T_k in-sequence positions (T_q = T_k in training). With a
+    CMT (training only), S_CMT holds each query's CMT score; CMT_STATS receives (shift, lse_ctrl,
+    0) per query and O_CTRL the controlled blocks' normalised output, for backward."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     base_q, base_k = bh.to(tl.int64) * T_q * HEAD_DIM, bh.to(tl.int64) * T_k * HEAD_DIM
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -128,21 +171,35 @@ def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    m_c, l_c, acc_c = m_i, l_i, acc  # the controlled blocks' accumulator (CMT only)
+    ctrl_row = (bh // H).to(tl.int64) * n_lm
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T_q) - 1 + (T_k - T_q)
     for tile in range(0, last // (BPT * (BS + 1)) + 1):  # causal: stop at the last query's tile
         k, v, pos, valid = _load_kv_tile(K, V, base_k, tile, T_k, BS, LP, BPT, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale
-        s_eff, pc, gated, lm_gate = _effective_scores(s, qpos, tile, T_k, BS, LP, BPT, BLOCK_M)
-        m_new = tl.maximum(m_i, tl.max(s_eff, axis=1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s_eff - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s_eff, pc, gated, lm_gate, ctrl = _effective_scores(s, qpos, tile, T_k, CTRL, ctrl_row, n_lm, BS, LP, BPT,
+                                                            BLOCK_M, HAS_CMT)
+        if HAS_CMT:
+            m_c, l_c, acc_c = _online_softmax(m_c, l_c, acc_c, tl.where(ctrl, s_eff, float("-inf")), v)
+            s_eff = tl.where(ctrl, float("-inf"), s_eff)
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, s_eff, v)
     mask = rows < T_q
-    tl.store(LSE + bh.to(tl.int64) * T_q + rows, m_i + tl.log(l_i), mask=mask)
+    lse = m_i + tl.log(l_i)
     o = acc / l_i[:, None]
+    if HAS_CMT:
+        s_cmt = tl.load(S_CMT + bh.to(tl.int64) * T_q + rows, mask=mask, other=0.0)
+        seen = l_c > 0.0
+        lse_ctrl = tl.where(seen, m_c + tl.log(tl.where(seen, l_c, 1.0)), 0.0)
+        o_c = acc_c / tl.where(seen, l_c, 1.0)[:, None]  # 0 where no controlled block is seen
+        top = tl.maximum(lse, s_cmt)
+        w_free, w_cmt = tl.exp(lse - top), tl.exp(s_cmt - top)
+        o = (o * w_free[:, None] + o_c * w_cmt[:, None]) / (w_free + w_cmt)[:, None]
+        lse = top + tl.log(w_free + w_cmt)
+        stats = CMT_STATS + bh.to(tl.int64) * 3 * T_q + rows
+        tl.store(stats, tl.where(seen, s_cmt - lse_ctrl, 0.0), mask=mask)
+        tl.store(stats + T_q, lse_ctrl, mask=mask)
+        tl.store(O_CTRL + base_q + rows[:, None] * HEAD_DIM + d[None, :], o_c, mask=mask[:, None])
+    tl.store(LSE + bh.to(tl.int64) * T_q + rows, lse, mask=mask)
     tl.store(O + base_q + rows[:, None] * HEAD_DIM + d[None, :], o.to(O.dtype.element_ty), mask=mask[:, None])
 
 
@@ -214,10 +271,11 @@ def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, S_CMT, OUT, T_
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, CMT_STATS, CTRL, DK, DV, T, H, n_lm, scale,
                      BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, HAS_CMT: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
+    ctrl_row = (bh // H).to(tl.int64) * n_lm
     base = bh.to(tl.int64) * T * HEAD_DIM
     d = tl.arange(0, HEAD_DIM)
     k, v, pos, valid = _load_kv_tile(K, V, base, tile, T, BS, LP, BPT, HEAD_DIM, UPCAST)
@@ -226,8 +284,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
     first = (tile * BPT * (BS + 1)) // BLOCK_M  # earlier queries never see this tile
     for start_m in range(first * BLOCK_M, T, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q, do, lse, delta = _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM, UPCAST)
-        p, ds = _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS, LP, BPT, BLOCK_M)
+        q, do, lse, delta, cmt = _load_q_tile(Q, DO, LSE, DELTA, CMT_STATS, base, bh, offs_m, T, HEAD_DIM, UPCAST,
+                                              HAS_CMT)
+        p, ds = _tile_score_grads(q, k, v, do, lse, delta, cmt, offs_m, tile, T, scale, CTRL, ctrl_row, n_lm, BS, LP,
+                                  BPT, BLOCK_M, HAS_CMT)
         dv += tl.dot(tl.trans(p).to(do.dtype), do)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q)
     tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=valid[:, None])
@@ -235,18 +295,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, scale,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, CMT_STATS, CTRL, DQ, T, H, n_lm, scale,
                    BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, HAS_CMT: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     base = bh.to(tl.int64) * T * HEAD_DIM
+    ctrl_row = (bh // H).to(tl.int64) * n_lm
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q, do, lse, delta = _load_q_tile(Q, DO, LSE, DELTA, base, bh, offs_m, T, HEAD_DIM, UPCAST)
+    q, do, lse, delta, cmt = _load_q_tile(Q, DO, LSE, DELTA, CMT_STATS, base, bh, offs_m, T, HEAD_DIM, UPCAST, HAS_CMT)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
     for tile in range(0, last // (BPT * (BS + 1)) + 1):
         k, v, pos, valid = _load_kv_tile(K, V, base, tile, T, BS, LP, BPT, HEAD_DIM, UPCAST)
-        p, ds = _tile_score_grads(q, k, v, do, lse, delta, offs_m, tile, T, scale, BS, LP, BPT, BLOCK_M)
+        p, ds = _tile_score_grads(q, k, v, do, lse, delta, cmt, offs_m, tile, T, scale, CTRL, ctrl_row, n_lm, BS, LP,
+                                  BPT, BLOCK_M, HAS_CMT)
         dq += tl.dot(ds.to(k.dtype), k)
     d = tl.arange(0, HEAD_DIM)
     tl.store(DQ + base + offs_m[:, None] * HEAD_DIM + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
@@ -263,30 +325,52 @@ def _tiling(block_size):
 
 class _LandmarkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_size, scale):
+    def forward(ctx, q, k, v, block_size, scale, cmt_k, cmt_blocks):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, D = q.shape
         LP, BPT, BLOCK_M = _tiling(block_size)
         o = _empty_like(q)
         lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, T)
-        meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET)
-        _fwd_kernel[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, o, lse, T, T, scale, **meta)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.block_size, ctx.scale, ctx.meta = block_size, scale, meta
+        meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET,
+                    HAS_CMT=cmt_k is not None)
+        if cmt_k is None:
+            s_cmt = ctrl = stats = o_ctrl = lse  # placeholders the kernel never reads
+            n_lm = 0
+        else:
+            s_cmt = ((q.float() @ cmt_k.float().transpose(-2, -1)) * scale)[..., 0].contiguous()  # (B, H, T)
+            ctrl, n_lm = cmt_blocks.to(torch.int8).contiguous(), cmt_blocks.shape[1]
+            stats = torch.zeros(B, H, 3, T, device=q.device)  # shift, lse_ctrl, GC (filled in backward)
+            o_ctrl = _empty_like(q, dtype=torch.float32)
+        _fwd_kernel[(triton.cdiv(T, BLOCK_M), B * H)](q, k, v, o, lse, s_cmt, ctrl, stats, o_ctrl, T, T, H, n_lm, scale,
+                                                      **meta)
+        ctx.save_for_backward(q, k, v, o, lse, *((s_cmt, ctrl, stats, o_ctrl, cmt_k) if cmt_k is not None else ()))
+        ctx.block_size, ctx.scale, ctx.meta, ctx.n_lm = block_size, scale, meta, n_lm
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, *cmt = ctx.saved_tensors
         do = do.contiguous()
         B, H, T, D = q.shape
         meta = ctx.meta
         delta = (do.float() * o.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
+        ctrl = stats = lse
+        if cmt:
+            s_cmt, ctrl, stats, o_ctrl, cmt_k = cmt
+            gc = torch.exp(s_cmt - lse) * ((do.float() * o_ctrl).sum(-1) - delta)  # (B, H, T): d s_cmt
+            stats = stats.clone()
+            stats[:, :, 2] = gc
         dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
         span = meta["BPT"] * (ctx.block_size + 1)
-        _bwd_dkdv_kernel[(triton.cdiv(T, span), B * H)](q, k, v, do, lse, delta, dk, dv, T, ctx.scale, **meta)
-        _bwd_dq_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, dq, T, ctx.scale, **meta)
-        return dq, dk, dv, None, None
+        _bwd_dkdv_kernel[(triton.cdiv(T, span), B * H)](q, k, v, do, lse, delta, stats, ctrl, dk, dv, T, H, ctx.n_lm,
+                                                        ctx.scale, **meta)
+        _bwd_dq_kernel[(triton.cdiv(T, meta["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, stats, ctrl, dq, T, H,
+                                                                 ctx.n_lm, ctx.scale, **meta)
+        if not cmt:
+            return dq, dk, dv, None, None, None, None
+        g = (gc * ctx.scale)[..., None]  # (B, H, T, 1)
+        dq = (dq.float() + g * cmt_k.float()).to(dq.dtype)
+        return dq, dk, dv, None, None, (g * q.float()).sum(2, keepdim=True).to(cmt_k.dtype), None
 
 
 def _check_backend(q):
@@ -303,10 +387,8 @@ def _check_backend(q):
 def landmark_attention_triton(q, k, v, block_size, scale=None, cmt_k=None, cmt_blocks=None):
     """Fused landmark attention; same contract as ``landmark_attention``."""
     default_scale = _check_backend(q)
-    if cmt_k is not None:
-        raise NotImplementedError("the Triton training kernel has no Context Miss Token path yet; "
-                                  "use backend='dense' (or 'auto') for CMT models")
-    return _LandmarkAttention.apply(q, k, v, block_size, default_scale if scale is None else float(scale))
+    return _LandmarkAttention.apply(q, k, v, block_size, default_scale if scale is None else float(scale), cmt_k,
+                                    cmt_blocks)
 
 
 @torch.no_grad()
@@ -325,8 +407,8 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     LP, BPT, BLOCK_M = _tiling(block_size)
     o_loc = _empty_like(q, dtype=torch.float32)
     lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, Tq)
-    meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET)
-    _fwd_kernel[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, o_loc, lse, Tq, Tk, scale, **meta)
+    meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET, HAS_CMT=False)
+    _fwd_kernel[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, o_loc, lse, lse, lse, lse, lse, Tq, Tk, H, 0, scale, **meta)
     s_cmt = None if cmt_k is None else ((q.float() @ cmt_k.float().transpose(-2, -1)) * scale)[..., 0].contiguous()
     if n_slots == 0:  # with a CMT, its share of the group is lost
         return (o_loc if s_cmt is None else o_loc * torch.sigmoid(lse - s_cmt)[..., None]).to(q.dtype)
