@@ -27,6 +27,7 @@ from .passkey import MAX_KEY, QUESTION, fact, first_int
 
 SAMPLE_BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"
 DEMO_INDEXES = ("flat", "hnsw", "ivf", "ivfpq")
+PASSAGES = 8  # retrieved passages the ask step reports, most-read first
 COMPARE_TOKENS = 32768  # the book's opening read once per index kind: a fraction of the whole keeps the demo short
 COMPARE_OPTIONS = {"top_k": 4, "chunk_size": 250, "index_options": {"train_size": 256, "nprobe": 2}}
 
@@ -39,6 +40,12 @@ def plant_passkey(text, key, rng):
         raise ValueError("the text has no sentence end to plant a pass key after")
     at = rng.choice(ends)
     return text[:at] + fact(key) + text[at:], at / len(text)
+
+
+def passage_line(label, p, note=None):
+    """Two lines: which passage (share of lookups, where it is) and its text."""
+    return (f"   {label} ({100 * p['share']:.0f}% of lookups, token {p['token_offset']:,} of {Path(p['source']).name}"
+            f"{'; ' + note if note else ''}):\n   \"{' '.join(p['text'].split())}\"")
 
 
 def run_demo(args):
@@ -70,7 +77,8 @@ def run_demo(args):
 
         say(f"2. Reopening it in a fresh process and asking:{QUESTION}")
         cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--max-new-tokens", "8",
-               "--json", "--model", str(args.model or BUNDLED_MODEL), "--device", args.device]
+               "--passages", str(PASSAGES), "--json", "--model", str(args.model or BUNDLED_MODEL), "--device",
+               args.device]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"the ask process failed:\n{run.stderr}")
@@ -78,10 +86,13 @@ def run_demo(args):
         answer = first_int(asked["text"])
         top = asked["retrieved"][0] if asked["retrieved"] else None
         say(f"   answer:{asked['text']!r} -> {answer} ({'correct' if answer == key else f'wrong, the key is {key}'})")
+        holder = next((p for p in asked["retrieved"] if str(key) in p["text"]), None)
         if top:
-            say(f"   most-read passage ({100 * top['share']:.0f}% of lookups, token {top['token_offset']:,} of "
-                f"{Path(top['source']).name}; {'holds' if str(key) in top['text'] else 'does not hold'} the key):\n"
-                f"   \"{' '.join(top['text'].split())}\"")
+            say(passage_line("most-read passage", top, "holds the key" if top is holder else "does not hold the key"))
+        if holder is not None and holder is not top:
+            say(passage_line("passage holding the key", holder))
+        elif top and holder is None:
+            say(f"   the key's passage is not among the {PASSAGES} most-read")
 
         ids = encode(tok, text)
         length = min(COMPARE_TOKENS, len(ids) - 1)
