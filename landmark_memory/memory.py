@@ -149,10 +149,12 @@ class LandmarkMemory:
                                 readonly=readonly)
         if readonly:
             self.store = OverlayStore(self.store)
-        offsets = torch.arange(self.L, device=self.device)
-        # cached blocks are pool-ready: keys rotated by their offset inside the block
+        rope, offsets = self.rope, torch.arange(self.L, device=self.device)
+        # cached blocks are pool-ready: keys rotated by their offset inside the block (the
+        # function holds no reference to self: a closed memory is freed at once, not at the
+        # next cycle collection, which matters when many large memories come and go)
         self.cache = HotCache(self.store, self.device, self.dtype, self.cache_bytes,
-                              prepare=lambda kv: torch.stack([self.rope(kv[:, 0], offsets), kv[:, 1]], 1))
+                              prepare=lambda kv: torch.stack([rope(kv[:, 0], offsets), kv[:, 1]], 1))
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()

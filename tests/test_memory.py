@@ -150,3 +150,19 @@ def test_default_chunk_is_the_block_multiple_nearest_250(model):
 
     assert LandmarkMemory(model).chunk_size == 250  # blocks of 5
     assert [default_chunk_size(b) for b in (50, 63, 7, 300)] == [250, 252, 252, 300]
+
+
+def test_a_closed_memory_is_freed_without_the_cycle_collector(model, text):
+    import gc
+    import weakref
+
+    mem = LandmarkMemory(model, chunk_size=20)
+    mem(text)
+    mem.close()
+    ref = weakref.ref(mem)
+    gc.disable()  # many large memories in a row (the passkey test) must not wait for a collection
+    try:
+        del mem
+        assert ref() is None
+    finally:
+        gc.enable()
