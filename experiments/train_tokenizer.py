@@ -1,6 +1,6 @@
 """Train the byte-level BPE tokenizer shipped in landmark_memory/assets/tokenizer.json.
 
-    python experiments/train_tokenizer.py --data ../shared/data/books
+    python experiments/train_tokenizer.py --data BOOKS
 
 Books held out for validation by the training script (same split, same seed) are left out here
 too, so validation text is never seen by any trained component.

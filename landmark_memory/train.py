@@ -1,7 +1,7 @@
 """Training loop for LandmarkGPT (paper section 4.1), single process or DistributedDataParallel.
 
     python experiments/train.py --preset tiny                                # bundled sample text
-    python experiments/train.py --preset tiny --data ../shared/data/books    # 5% of books held out
+    python experiments/train.py --preset tiny --data BOOKS                   # 5% of books held out
     python experiments/train.py --preset tiny --attention full               # the baseline
     torchrun --nproc_per_node 2 experiments/train.py --preset tiny           # DDP (gloo on CPU)
 
