@@ -46,7 +46,7 @@ class GPTBackbone:
         return self.model.lm_head(self.model.ln_f(h))
 
     def cmt_keys(self):
-        """Per layer the Context Miss Token's un-rotated key (1, H, 1, D), or None without one."""
+        """Per layer the Context Miss Token's key (1, H, 1, D) rotated at -1, or None without one."""
         return self.model.cmt_keys() if self.config.cmt else None
 
 

@@ -109,7 +109,9 @@ class LandmarkMemory:
             raise ValueError(f"max_blocks must be None or an int >= 1, got {max_blocks!r}")
         if options["store"] not in STORES:
             raise ValueError(f"unknown store {options['store']!r}; choose one of {STORES}")
-        cmt_keys, cutoff = cfg.cmt_keys(), options.setdefault("cmt_cutoff", 0.0)  # older manifests lack it
+        with torch.no_grad():
+            cmt_keys = cfg.cmt_keys()
+        cutoff = options.setdefault("cmt_cutoff", 0.0)  # older manifests lack it
         if not isinstance(cutoff, (int, float)) or not 0.0 <= cutoff <= 1.0:
             raise ValueError(f"cmt_cutoff must be a number in [0, 1], got {cutoff!r}")
         if cutoff > 0 and cmt_keys is None:
@@ -127,9 +129,7 @@ class LandmarkMemory:
         self.L = cfg.block_size + 1
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base)
         self.cmt_cutoff = float(cutoff)
-        with torch.no_grad():  # per layer the CMT's key at position -1, (1, H, 1, D)
-            self.cmt_k = None if cmt_keys is None else [self.rope(k, torch.tensor([-1], device=self.device))
-                                                        for k in cmt_keys]
+        self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = dict(queries=0, skipped_queries=0, searches=0, skipped_searches=0)
         self.streams = None  # batch size, fixed by the first forward
         self.n_blocks = 0  # blocks in memory per stream
@@ -455,8 +455,8 @@ class LandmarkMemory:
         B, H, Tq, D = q.shape
         K, L, bs, nb = self.top_k, self.L, self.cfg.block_size, self.n_blocks
         lo = max(0, nb - self.max_blocks) if self.max_blocks else 0
+        empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
         if nb == lo:
-            empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
         stats = self.retrieval_stats
         stats["queries"] += B * H * Tq
@@ -464,7 +464,6 @@ class LandmarkMemory:
             stats["skipped_queries"] += int(skip.sum())
             if skip.all():  # nothing to search, score or fetch
                 stats["skipped_searches"] += B * H if self.mapping == "stingy" and nb - K > lo else 0
-                empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
                 return empty, torch.zeros_like(empty)
         scale, rope = D ** -0.5, self.rope
         lms = self.landmarks[layer][:, :, :nb]  # (B, H_kv, nb, D)

@@ -152,8 +152,7 @@ class LandmarkGPT(nn.Module):
             n_lm = x.shape[1] // (cfg.block_size + 1)
             controlled = (torch.rand(x.shape[0], n_lm, device=idx.device) < cfg.p_cmt if self.training
                           else torch.zeros(x.shape[0], n_lm, dtype=torch.bool, device=idx.device))
-            at = torch.tensor([-1], device=idx.device)
-            cmt = [(self.blocks[0].attn.rope(k, at), controlled) for k in self.cmt_keys()]
+            cmt = [(k, controlled) for k in self.cmt_keys()]
         h = self.drop(self.wte(x))  # (B, T', C)
         if cfg.attention == "infini":
             state = InfiniState() if state is None else state
@@ -174,15 +173,16 @@ class LandmarkGPT(nn.Module):
         return logits, loss
 
     def cmt_keys(self):
-        """Un-rotated key (1, H, 1, D) of the Context Miss Token at each layer.
+        """Key (1, H, 1, D) of the Context Miss Token at each layer, rotated at its position -1.
 
-        The CMT sits before the first token (position -1) and attends to nothing: its
-        attention output is zero, so its states, and its keys, depend on no input, and one pass
-        serves every sequence and every memory."""
+        The CMT sits before the first token and attends to nothing: its attention output is
+        zero, so its states, and its keys, depend on no input, and one pass serves every
+        sequence and every memory."""
         h, keys = self.cmt.view(1, 1, -1), []  # (1, 1, C)
+        at = torch.tensor([-1], device=h.device)
         for block in self.blocks:
             _, k, _ = block.attn.heads(block.ln_1(h))  # (1, H, 1, D)
-            keys.append(k)
+            keys.append(block.attn.rope(k, at))
             h = h + block.attn.merge(torch.zeros_like(k))
             h = h + block.mlp(block.ln_2(h))
         return keys
