@@ -15,6 +15,7 @@ import torch
 from landmark_memory.build import encode
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.evaluate import perplexity
+from landmark_memory.memory import RetrievalStats
 from landmark_memory.model import LandmarkGPT
 from landmark_memory.tokenizer import load_tokenizer
 
@@ -76,13 +77,13 @@ def books_eval(model, books, eval_length, n_tokens, progress=True, **kw):
     """``books_perplexity`` plus the memories' retrieval counts summed over the books."""
     per_book = max(1, math.ceil(n_tokens / len(books) / eval_length))
     loss = count = 0.0
-    stats = {}
+    stats = RetrievalStats()
     for name, ids in books:
         r = perplexity(model, ids, eval_length, max_segments=per_book, progress=progress,
                        desc=f"{name[:18]} @{eval_length}", **kw)
         loss += r["loss"] * r["tokens"]
         count += r["tokens"]
-        stats = {k: stats.get(k, 0) + v for k, v in r["retrieval_stats"].items()}
+        stats += r["retrieval_stats"]
     return math.exp(loss / count), int(count), stats
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from _common import BASE_MODEL, CMT_MODEL, books_eval, held_out_books, load, parse, parser, plt, publish
-from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory import LandmarkMemory, RetrievalStats
 
 CUTOFFS = (0.0, 0.1, 0.3, 0.5, 1.0)
 
@@ -27,7 +27,7 @@ def decode_ms(model, ids, context, steps, **memory):
     the memory's retrieval counts over the decoded tokens alone."""
     mem = LandmarkMemory(model, **memory)
     logits = mem.forward(torch.as_tensor(np.asarray(ids[:context], dtype=np.int64))[None]).logits[:, -1]
-    mem.retrieval_stats = dict.fromkeys(mem.retrieval_stats, 0)
+    mem.retrieval_stats = RetrievalStats()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -39,8 +39,8 @@ def decode_ms(model, ids, context, steps, **memory):
 
 
 def saved(stats):
-    searches = stats["searches"] + stats["skipped_searches"]
-    return stats["skipped_queries"] / max(1, stats["queries"]), stats["skipped_searches"] / max(1, searches)
+    searches = stats.searches + stats.skipped_searches
+    return stats.skipped_queries / max(1, stats.queries), stats.skipped_searches / max(1, searches)
 
 
 def main(argv=None):

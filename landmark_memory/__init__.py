@@ -6,15 +6,8 @@ from .kernels import landmark_attention, landmark_attention_inference
 from .memory import LandmarkMemory, MemoryOutput
 from .model import LandmarkGPT
 from .rope import RotaryEmbedding
-from .tokenizer import (
-    LANDMARK_TOKEN,
-    insert_landmarks,
-    landmark_mask,
-    lm_targets,
-    load_tokenizer,
-    normal_positions,
-    strip_landmarks,
-)
+from .layout import insert_landmarks, landmark_mask, lm_targets, normal_positions, strip_landmarks
+from .tokenizer import LANDMARK_TOKEN, load_tokenizer
 
 __version__ = "0.1.0"
 

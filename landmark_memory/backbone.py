@@ -11,13 +11,38 @@ forward. A backbone gives them with one interface:
 
 and the sizes the memory needs: ``n_layer, n_head, n_kv_head, head_dim, block_size,
 landmark_id, rope_base, vocab_size``. ``n_kv_head < n_head`` is grouped-query attention:
-query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``.
+query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``. ``kinds.backbone_for``
+picks the backbone of a model; ``hf/backbone.py`` is the Hugging Face one.
 """
 
-import json
-from pathlib import Path
+from typing import Protocol
 
-from .model import LandmarkGPT
+import torch
+
+
+class Backbone(Protocol):
+    """What a memory needs of a model (see the module docstring)."""
+
+    model: torch.nn.Module
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    block_size: int
+    landmark_id: int
+    rope_base: float
+    vocab_size: int
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def finish(self, layer: int, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def cmt_keys(self) -> list[torch.Tensor] | None:
+        """Per layer the Context Miss Token's key (1, H, 1, D) rotated at -1, or None without one."""
 
 
 class GPTBackbone:
@@ -48,60 +73,3 @@ class GPTBackbone:
     def cmt_keys(self):
         """Per layer the Context Miss Token's key (1, H, 1, D) rotated at -1, or None without one."""
         return self.model.cmt_keys() if self.config.cmt else None
-
-
-def backbone_for(model):
-    """The backbone of ``model``: a ``LandmarkGPT`` with landmark attention, or a Hugging Face
-    causal LM converted by ``landmark_memory.hf.convert``."""
-    if isinstance(model, LandmarkGPT):
-        if model.config.attention != "landmark":
-            raise ValueError("a memory needs a model with landmark attention; this LandmarkGPT has "
-                             f"attention={model.config.attention!r}")
-        return GPTBackbone(model)
-    if is_landmark(model):
-        from .hf.backbone import HFBackbone
-
-        return HFBackbone(model)
-    raise ValueError(f"a memory needs a LandmarkGPT or a Hugging Face model converted with "
-                     f"landmark_memory.hf.convert, got {type(model).__name__}")
-
-
-def is_converted(model):
-    """Whether ``model`` is a Hugging Face model converted by ``landmark_memory.hf.convert``."""
-    return not isinstance(model, LandmarkGPT) and getattr(getattr(model, "config", None), "landmark_block_size",
-                                                          None) is not None
-
-
-def is_landmark(model):
-    """Whether ``model`` uses landmark attention (and so can read through a memory)."""
-    if isinstance(model, LandmarkGPT):
-        return model.config.attention == "landmark"
-    return is_converted(model)
-
-
-def is_infini(model):
-    """Whether ``model`` is a LandmarkGPT with Infini-attention (read by streaming its state)."""
-    return isinstance(model, LandmarkGPT) and model.config.attention == "infini"
-
-
-def in_sequence_logits(model, idx):
-    """Logits (B, T, vocab) of one forward over normal token ids ``idx`` (B, T), no memory:
-    a LandmarkGPT, a converted Hugging Face model (landmarks inserted), or a plain one."""
-    if isinstance(model, LandmarkGPT):
-        return model(idx)
-    if is_landmark(model):
-        from .hf.convert import normal_logits
-
-        return normal_logits(model, idx)
-    return model(input_ids=idx, use_cache=False).logits
-
-
-def hf_config(path):
-    """The config.json of a Hugging Face model directory (it names a model_type), else None:
-    tells a landmark model (``landmark_block_size`` set) from a plain one without loading it."""
-    f = Path(path) / "config.json"
-    try:
-        doc = json.loads(f.read_text()) if f.is_file() else None
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and "model_type" in doc else None

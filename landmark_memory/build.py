@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from .data import list_text_files, read_text, strip_gutenberg
+from .memory import LandmarkMemory
 from .tokenizer import EOS_TOKEN
 
 
@@ -27,7 +28,7 @@ class TextInput:
     sha256: str
 
 
-def read_inputs(paths):
+def read_inputs(paths: list[str | Path]) -> list[TextInput]:
     """Every text file named or found under ``paths``, read and checked before anything is
     written (empty, binary and non-UTF-8 files raise ``ValueError``)."""
     out = []
@@ -37,7 +38,7 @@ def read_inputs(paths):
     return out
 
 
-def encode(tokenizer, text):
+def encode(tokenizer, text: str) -> list[int]:
     """Token ids of a text as the memory holds it: Gutenberg licence stripped, end-of-text after."""
     return tokenizer.encode(strip_gutenberg(text)).ids + [tokenizer.token_to_id(EOS_TOKEN)]
 
@@ -59,46 +60,44 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
-def build(mem, inputs, tokenizer, commit_every=60.0, progress=True):
+def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, commit_every: float = 60.0,
+          progress: bool = True) -> dict:
     """Feed ``inputs`` (``TextInput``) into the writable saved memory ``mem``.
 
     Commits every ``commit_every`` seconds and after each input. Returns a summary dict:
     ``added`` (tokens fed now), ``skipped`` (inputs already in memory), ``interrupted``.
     """
-    done = {e["sha256"]: e for e in mem.inputs}
-    unfinished = [e for e in mem.inputs if e["ingested"] < e["tokens"]]
+    done = {e.sha256: e for e in mem.inputs}
+    unfinished = [e for e in mem.inputs if not e.done]
     given = {i.sha256: i for i in inputs}
-    if unfinished and unfinished[0]["sha256"] not in given:
+    if unfinished and unfinished[0].sha256 not in given:
         e = unfinished[0]
-        raise ValueError(f"the memory holds an unfinished input, {e['path']} ({e['ingested']:,} of {e['tokens']:,} "
+        raise ValueError(f"the memory holds an unfinished input, {e.path} ({e.ingested:,} of {e.tokens:,} "
                          "tokens); build again with that file among the inputs to finish it first")
-    order = [given[unfinished[0]["sha256"]]] if unfinished else []
+    order = [given[unfinished[0].sha256]] if unfinished else []
     order += [i for i in inputs if i not in order]
     summary = {"added": 0, "skipped": [], "interrupted": False}
     last_commit = time.monotonic()
     with _StopOnInterrupt() as interrupt:
         for inp in order:
             entry = done.get(inp.sha256)
-            if entry is not None and entry["ingested"] == entry["tokens"]:
+            if entry is not None and entry.done:
                 summary["skipped"].append(str(inp.path))
                 continue
             ids = encode(tokenizer, inp.text)
             if entry is None:
-                entry = {"path": str(inp.path.resolve()), "name": inp.path.name, "sha256": inp.sha256, "tokens": len(ids),
-                         "ingested": 0, "start": mem.n_tokens}
-                mem.inputs.append(entry)
-                done[inp.sha256] = entry
-            elif entry["tokens"] != len(ids):
-                raise ValueError(f"{inp.path} now encodes to {len(ids):,} tokens, not the {entry['tokens']:,} recorded "
+                entry = done[inp.sha256] = mem.add_input(inp.path, inp.sha256, len(ids))
+            elif entry.tokens != len(ids):
+                raise ValueError(f"{inp.path} now encodes to {len(ids):,} tokens, not the {entry.tokens:,} recorded "
                                  "when its build began: the tokenizer differs; rebuild the memory from scratch")
-            pos = entry["ingested"]
+            pos = entry.ingested
             bar = tqdm(total=len(ids), initial=pos, unit="tok", unit_scale=True, desc=inp.path.name,
                        disable=not progress, dynamic_ncols=True)
             while pos < len(ids):
-                n = min(mem.chunk_size - mem.pending_count, len(ids) - pos)
+                n = min(mem.options.chunk_size - mem.pending_count, len(ids) - pos)
                 mem.forward(torch.tensor([ids[pos:pos + n]]))
                 pos += n
-                entry["ingested"] = pos
+                entry.ingested = pos
                 summary["added"] += n
                 bar.update(n)
                 if interrupt.stop or time.monotonic() - last_commit >= commit_every:

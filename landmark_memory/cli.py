@@ -22,15 +22,14 @@ from pathlib import Path
 
 import torch
 
-from .backbone import backbone_for, hf_config, is_infini, is_landmark
 from .build import build, encode, read_inputs
+from .decode import decode
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .index import KINDS
-from .memory import MAPPINGS, RETRIEVALS, LandmarkMemory, default_chunk_size
-from .memory_dir import MemoryDir, MemoryFileError
-from .model import BUNDLED_MODEL, LandmarkGPT
+from .kinds import backbone_for, is_landmark, load_model, reading_mode
+from .memory import MAPPINGS, RETRIEVALS, LandmarkMemory, MemoryDir, MemoryFileError, default_chunk_size
+from .model import BUNDLED_MODEL
 from .storage import DTYPES
-from .tokenizer import load_tokenizer
 
 
 class UsageError(ValueError):
@@ -38,41 +37,6 @@ class UsageError(ValueError):
 
 
 # ---- shared helpers ---------------------------------------------------------------------
-def load_model(path, device="auto", block_size=None):
-    """(model, tokenizer) from ``path``: a LandmarkGPT directory with the shipped tokenizer,
-    or a Hugging Face model directory (converted or plain) with its own tokenizer."""
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    config = hf_config(path) if path else None
-    if config is not None:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        from .hf import TextTokenizer, from_pretrained
-
-        hf_logging.disable_progress_bar()  # our own bars report the work
-        saved_block = config.get("landmark_block_size")
-        if block_size and block_size != saved_block:
-            raise UsageError(f"{path} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
-                             if saved_block else "--block-size applies to landmark models only")
-        model = from_pretrained(path) if saved_block else AutoModelForCausalLM.from_pretrained(path)
-        return model.to(dev).eval(), TextTokenizer.from_pretrained(path)
-    model = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev)
-    if block_size and block_size != model.config.block_size:
-        if model.config.attention != "landmark":
-            raise UsageError("--block-size applies to landmark models only")
-        model.config.block_size = block_size  # shared by every layer; trained blocks may suit it less
-    return model.eval(), load_tokenizer()
-
-
-def mode_of(model):
-    """How a model reads a text without a landmark memory."""
-    if is_landmark(model):
-        return "in-sequence"
-    if is_infini(model):
-        return "infini-attention (streamed)"
-    return "full attention"
-
-
 def emit(args, doc, text):
     """One JSON document with --json, else human-readable text."""
     print(json.dumps(doc, indent=1) if args.json else text)
@@ -129,15 +93,12 @@ def cmd_build(args):
     fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
     if (path / "manifest.json").exists():
         saved = MemoryDir(path, writable=False).read_manifest()
-        changed = {k: v for k, v in fixed.items() if v is not None and v != saved["options"][k]}
-        if args.block_size and args.block_size != saved["model"]["shape"]["block_size"]:
-            changed["block_size"] = args.block_size
+        was = {**{k: getattr(saved.options, k) for k in fixed}, "block_size": saved.model.shape.block_size}
+        changed = [k for k, v in {**fixed, "block_size": args.block_size}.items() if v and v != was[k]]
         if changed:
-            raise UsageError(f"{path} was built with " + ", ".join(f"{k}={saved['options'].get(k, saved['model']['config'].get(k))}"
-                                                                for k in changed if k != "block_size")
-                             + (f", block_size={saved['model']['shape']['block_size']}" if "block_size" in changed else "")
+            raise UsageError(f"{path} was built with " + ", ".join(f"{k}={was[k]}" for k in changed)
                              + "; these cannot change: drop the flags or build a new memory")
-        model, tok = load_model(args.model, args.device, saved["model"]["shape"]["block_size"])
+        model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
         query = {"top_k": args.top_k} if args.top_k else {}
         mem = LandmarkMemory.open(path, model, **query)
         created = False
@@ -162,23 +123,20 @@ def cmd_build(args):
     return 130 if summary["interrupted"] else 0
 
 
-def memory_info(path):
+def memory_info(path: str | Path) -> dict:
     """The manifest's facts about a memory, with its files checked."""
     d = MemoryDir(path, writable=False)
-    doc, _ = d.read_commit()
-    d.read_block_rows(doc)  # present and long enough
-    cfg, shape, nb = doc["model"]["config"], doc["model"]["shape"], doc["blocks"]
-    itemsize = DTYPES[doc["options"]["store_dtype"]].itemsize
+    m, _ = d.read_commit()
+    d.read_block_rows(m)  # present and long enough
     disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-    o = doc["options"]
-    return {"memory": str(path), "tokens": doc["tokens"], "blocks": nb, "pending_tokens": doc["pending_tokens"],
-            "streams": doc["streams"], "index": o["index"], "store": o["store"], "store_dtype": o["store_dtype"],
-            "block_bytes": 2 * shape["n_kv_head"] * shape["head_dim"] * (shape["block_size"] + 1) * itemsize * shape["n_layer"],
-            "chunk_size": o["chunk_size"], "top_k": o["top_k"], "block_size": shape["block_size"],
-            "commit": doc["commit"], "updated": doc["updated"], "disk_bytes": disk,
-            "model": {"fingerprint": doc["model"]["fingerprint"], "config": cfg},
-            "inputs": [{**{k: e[k] for k in ("path", "tokens", "ingested", "start", "sha256")},
-                        "done": e["ingested"] == e["tokens"]} for e in doc["inputs"]]}
+    o = m.options
+    return {"memory": str(path), "tokens": m.tokens, "blocks": m.blocks, "pending_tokens": m.pending_tokens,
+            "streams": m.streams, "index": o.index, "store": o.store, "store_dtype": o.store_dtype,
+            "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
+            "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
+            "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
+            "inputs": [{"path": e.path, "tokens": e.tokens, "ingested": e.ingested, "start": e.start,
+                        "sha256": e.sha256, "done": e.done} for e in m.inputs]}
 
 
 def cmd_info(args):
@@ -199,37 +157,37 @@ def cmd_info(args):
 def source_of(mem, ids, block, tok):
     """(passage text, source path, token offset in that source) of a memory block; ``ids``
     are the memory's tokens."""
-    bs = mem.cfg.block_size
+    bs = mem.shape.block_size
     ids = ids[block * bs:(block + 1) * bs]
     at = block * bs
     for e in mem.inputs:
-        if e["start"] <= at < e["start"] + e["tokens"]:
-            return tok.decode(ids.tolist()), e["path"], at - e["start"]
+        if e.start <= at < e.start + e.tokens:
+            return tok.decode(ids.tolist()), e.path, at - e.start
     return tok.decode(ids.tolist()), None, at
 
 
 def cmd_ask(args):
-    info = MemoryDir(args.memory, writable=False).read_manifest()
-    model, tok = load_model(args.model, args.device, info["model"]["shape"]["block_size"])
+    saved = MemoryDir(args.memory, writable=False).read_manifest()
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
     mem = LandmarkMemory.open(args.memory, model, readonly=True, **query)
     n_saved = mem.n_blocks  # blocks the prompt adds are not passages of the memory
     ids = tok.encode(args.prompt).ids
     if not ids:
         raise UsageError("the prompt is empty")
-    g = torch.Generator().manual_seed(args.seed)
-    uses, new = Counter(), []
-    out = mem.forward(torch.tensor([ids], device=mem.device))
-    for step in range(args.max_new_tokens + 1):
-        for r in out.retrieved:  # (1, H, T, k): what the last position read
+    uses = Counter()
+
+    def feed(nxt):  # (1, 1) -> (1, vocab), counting the blocks the last position read
+        out = mem.forward(nxt.to(mem.device))
+        for r in out.retrieved:  # (1, H, T, k)
             uses.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_saved)
-        if step == args.max_new_tokens:
-            break
-        logits = out.logits[0, -1].float()
-        nxt = (logits.argmax() if args.temperature == 0 else
-               torch.multinomial((logits / args.temperature).softmax(-1), 1, generator=g)[0])
-        new.append(int(nxt))
-        out = mem.forward(nxt.view(1, 1).to(mem.device))
+        return out.logits[:, -1]
+
+    logits = feed(torch.tensor([ids]))
+    new = decode(logits, feed, args.max_new_tokens, temperature=args.temperature,
+                 generator=torch.Generator().manual_seed(args.seed))[0].tolist()
+    if new:  # the last new token reads the memory too: its lookups count with the others'
+        feed(torch.tensor([new[-1:]]))
     mem.close()
     total = sum(uses.values()) or 1
     passages, memory_ids = [], mem.tokens()
@@ -252,7 +210,7 @@ def cmd_eval(args):
     ids = encode(tok, inp.text)
     mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
-    mode = "memory" if mem else mode_of(model)
+    mode = "memory" if mem else reading_mode(model)
     doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length, **({"memory": mem} if mem else {}),
            **{k: res[k] for k in ("perplexity", "loss", "tokens", "segments", "seconds")}}
     emit(args, doc, f"{inp.path.name}: perplexity {res['perplexity']:.3f} over {res['tokens']:,} tokens "
@@ -293,7 +251,7 @@ def cmd_passkey(args):
     lengths = parse_lengths(args.lengths)
     mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
-    label = "landmark + memory" if mem else mode_of(model)
+    label = "landmark + memory" if mem else reading_mode(model)
     if args.plot:
         from .plots import plot_passkey
 
@@ -320,7 +278,7 @@ def cmd_train(argv):
 
 
 # ---- argument parsing -------------------------------------------------------------------
-def parser():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="landmark-memory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -410,7 +368,7 @@ def parser():
 ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, MemoryFileError)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
         return cmd_train(argv[1:])

@@ -30,7 +30,7 @@ class LandmarkConfig:
     rope_base: float = 10000.0
     dropout: float = 0.0
     bias: bool = False
-    kernel_backend: str = "auto"  # Triton on CUDA, reference elsewhere
+    kernel_backend: str = "auto"  # Triton on CUDA, dense PyTorch elsewhere (kernels.BACKENDS)
     segment_size: int = 128  # Infini-attention only: tokens per segment
     infini_update: str = "linear+delta"  # Infini-attention only: "linear" (eq. 4) or "linear+delta" (eq. 5)
     cmt: bool = False  # a Context Miss Token (appendix D) that gates retrieval from memory
@@ -60,14 +60,14 @@ class LandmarkConfig:
             raise ValueError(f"landmark_id {self.landmark_id} is outside the vocabulary (size {self.vocab_size})")
 
     @property
-    def head_dim(self):
+    def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d: dict) -> "LandmarkConfig":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -76,7 +76,7 @@ class LandmarkConfig:
         return cls(**d)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer=None, **kw):
+    def for_tokenizer(cls, tokenizer=None, **kw) -> "LandmarkConfig":
         """A config whose vocabulary and landmark id match ``tokenizer`` (default: the shipped one)."""
         tok = tokenizer or load_tokenizer()
         return cls(vocab_size=tok.get_vocab_size(), landmark_id=tok.token_to_id(LANDMARK_TOKEN), **kw)

@@ -8,6 +8,7 @@
    perplexity, recall and search latency of each.
 """
 
+import argparse
 import json
 import random
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 from .build import build, encode, read_inputs
 from .data import SAMPLE_DIR, read_text, strip_gutenberg
 from .evaluate import compare_indexes
+from .kinds import load_model
 from .memory import LandmarkMemory
 from .model import BUNDLED_MODEL
 from .passkey import MAX_KEY, QUESTION, fact, first_int
@@ -48,10 +50,8 @@ def passage_line(label, p, note=None):
             f"{'; ' + note if note else ''}):\n   \"{' '.join(p['text'].split())}\"")
 
 
-def run_demo(args):
+def run_demo(args: argparse.Namespace) -> int:
     t0 = time.time()
-    from .cli import load_model  # the CLI's model loading, shared
-
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     rng = random.Random(seed)
     key = rng.randint(1, MAX_KEY)

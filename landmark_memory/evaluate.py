@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .backbone import in_sequence_logits, is_infini, is_landmark
+from .decode import decode, decode_rereading
 from .index import recall_at_k
 from .infini import InfiniState
-from .memory import LandmarkMemory
+from .kinds import in_sequence_logits, is_infini, is_landmark
+from .memory import LandmarkMemory, RetrievalStats
 from .passkey import run_passkey
 
 
-def parse_lengths(text):
+def parse_lengths(text: str) -> list[int]:
     """``"1k,4k,16384"`` -> [1024, 4096, 16384] (k = 1024, m = 1024²)."""
     out = []
     for part in filter(None, (p.strip().lower() for p in text.split(","))):
@@ -36,14 +37,15 @@ def parse_lengths(text):
 PIECE = 8192  # about this many tokens fed to a memory per call while measuring (bounded logits)
 
 
-def uses_memory(model, in_sequence=False):
+def uses_memory(model: torch.nn.Module, in_sequence: bool = False) -> bool:
     """Memory applies to landmark models unless the whole input is asked for in one forward."""
     return is_landmark(model) and not in_sequence
 
 
 @torch.no_grad()
-def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segments=None, keep_retrieved=False,
-               progress=True, desc="perplexity"):
+def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: dict | None = None, context: int | None = None,
+               max_segments: int | None = None, keep_retrieved: bool = False, progress: bool = True,
+               desc: str = "perplexity") -> dict:
     """Perplexity of ``ids`` cut into segments of ``eval_length`` predicted tokens (paper Table 1):
     each segment is read from its start, alone.
 
@@ -64,7 +66,7 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
     -------
     dict: ``perplexity``, ``loss`` (mean nats/token), ``tokens``, ``segments``, ``seconds``,
     ``searches`` and ``search_seconds`` (FAISS calls), ``retrieval_stats`` (the memories'
-    ``LandmarkMemory.retrieval_stats`` summed), ``retrieved`` when asked.
+    ``RetrievalStats`` summed), ``retrieved`` when asked.
     """
     ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
     n_seg = (len(ids) - 1) // eval_length
@@ -75,7 +77,7 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
         n_seg = min(n_seg, max_segments)
     device = next(model.parameters()).device
     total = count = searches = 0
-    search_s, retrieved, stats, t0 = 0.0, [], {}, time.perf_counter()
+    search_s, retrieved, stats, t0 = 0.0, [], RetrievalStats(), time.perf_counter()
     for s in tqdm(range(n_seg), desc=desc, unit="seg", disable=not progress, dynamic_ncols=True):
         seg = ids[s * eval_length:(s + 1) * eval_length + 1].to(device)
         x, y = seg[None, :-1], seg[None, 1:]
@@ -88,16 +90,16 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
             # whole chunks at a time: the logits of a book would not fit at once, and chunk-aligned
             # pieces read exactly as one call (equal landmark scores, as every layer-0 landmark
             # key is, may be ordered differently by a search over fewer queries)
-            piece = mem.chunk_size * max(1, PIECE // mem.chunk_size)
+            piece = mem.options.chunk_size * max(1, PIECE // mem.options.chunk_size)
             for a in range(0, x.shape[1], piece):
                 out = mem.forward(x[:, a:a + piece], y[:, a:a + piece])
                 loss += out.loss * out.logits.shape[1] / x.shape[1]
                 if keep_retrieved:
                     got.append([r.cpu() for r in out.retrieved])
-            ixs = [ix for stream in mem.indexes for layer in stream for ix in layer]
+            ixs = mem.blocks.all_indexes()
             searches += sum(ix.searches for ix in ixs)
             search_s += sum(ix.search_seconds for ix in ixs)
-            stats = {k: stats.get(k, 0) + v for k, v in mem.retrieval_stats.items()}
+            stats += mem.retrieval_stats
             if keep_retrieved:
                 retrieved.append([torch.cat(layer, 2) for layer in zip(*got)])
             mem.close()
@@ -112,7 +114,8 @@ def perplexity(model, ids, eval_length, *, memory=None, context=None, max_segmen
     return res
 
 
-def compare_indexes(model, ids, kinds, eval_length, memory, *, max_segments=None, progress=True):
+def compare_indexes(model: torch.nn.Module, ids, kinds: list[str], eval_length: int, memory: dict, *,
+                    max_segments: int | None = None, progress: bool = True) -> list[dict]:
     """Perplexity, recall@k of the retrieved blocks against exact search, and FAISS search
     latency, per index kind (``flat`` is always measured first: it is the reference).
 
@@ -135,7 +138,8 @@ def compare_indexes(model, ids, kinds, eval_length, memory, *, max_segments=None
     return rows
 
 
-def passkey_accuracy(model, tokenizer, lengths, trials, seed, memory=None, max_new_tokens=8, progress=True):
+def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], trials: int, seed: int,
+                     memory: dict | None = None, max_new_tokens: int = 8, progress: bool = True) -> list[dict]:
     """The passkey test (``passkey.run_passkey``) with greedy decoding, through a fresh memory
     per prompt (``memory``: ``LandmarkMemory`` options) or, with ``memory=None``, in sequence."""
     device = next(model.parameters()).device
@@ -143,16 +147,10 @@ def passkey_accuracy(model, tokenizer, lengths, trials, seed, memory=None, max_n
     def generate(ids):
         idx = torch.tensor([ids], device=device)
         if is_infini(model):  # streamed: the state carries the context
-            state, new = InfiniState(), []
-            logits = model(idx, state=state)
-            for _ in range(max_new_tokens):
-                new.append(logits[:, -1:].argmax(-1))
-                logits = model(new[-1], state=state)
-            new = torch.cat(new, 1)
+            state = InfiniState()
+            new = decode(model(idx, state=state)[:, -1], lambda nxt: model(nxt, state=state)[:, -1], max_new_tokens)
         elif memory is None:  # no cache: the whole context is re-read for each new token
-            for _ in range(max_new_tokens):
-                idx = torch.cat([idx, in_sequence_logits(model, idx)[:, -1:].argmax(-1)], 1)
-            new = idx[:, len(ids):]
+            new = decode_rereading(lambda x: in_sequence_logits(model, x), idx, max_new_tokens)
         else:
             mem = LandmarkMemory(model, **memory)
             new = mem.generate(idx, max_new_tokens)

@@ -54,10 +54,10 @@ class InfiniState:
     ``LandmarkGPT(..., state=state)`` calls to continue a text."""
 
     def __init__(self):
-        self.layers = {}
+        self.layers: dict[int, LayerState] = {}
         self.tokens = 0
 
-    def layer(self, i, like):
+    def layer(self, i: int, like: torch.Tensor) -> LayerState:
         """Layer ``i``'s state, created empty for tensors shaped like ``like`` (B, H, T, D)."""
         if i not in self.layers:
             B, H, _, D = like.shape
@@ -66,7 +66,7 @@ class InfiniState:
                                         zeros((B, H, 0, D)), zeros((B, H, 0, D)))
         return self.layers[i]
 
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers.values() for t in (s.M, s.z, s.k, s.v))
 
 

@@ -10,11 +10,12 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .config import LandmarkConfig
+from .decode import decode_rereading
 from .fileio import atomic_write
 from .infini import InfiniState, infini_attention
 from .kernels import landmark_attention
 from .rope import RotaryEmbedding
-from .tokenizer import IGNORE_INDEX, insert_landmarks, normal_positions
+from .layout import IGNORE_INDEX, insert_landmarks, normal_positions
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"  # trained by experiments/train.py, see its README
 FORMAT = "landmark-memory/LandmarkGPT"
@@ -107,7 +108,7 @@ class LandmarkGPT(nn.Module):
     ``InfiniState`` as ``state`` to stream a text over several calls.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: LandmarkConfig):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -131,10 +132,10 @@ class LandmarkGPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def num_params(self):
+    def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, targets=None, state=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, state: InfiniState | None = None):
         """``state`` (Infini-attention only): an ``InfiniState`` to continue from and update;
         None reads ``idx`` from a fresh, empty memory."""
         cfg = self.config
@@ -172,7 +173,7 @@ class LandmarkGPT(nn.Module):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         return logits, loss
 
-    def cmt_keys(self):
+    def cmt_keys(self) -> list[torch.Tensor]:
         """Key (1, H, 1, D) of the Context Miss Token at each layer, rotated at its position -1.
 
         The CMT sits before the first token and attends to nothing: its attention output is
@@ -188,23 +189,15 @@ class LandmarkGPT(nn.Module):
         return keys
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Continue ``idx`` (B, T) by ``max_new_tokens``, re-running the whole context each step
-        (no cache: a reference decoder for short texts). ``temperature=0`` is greedy."""
-        for _ in range(max_new_tokens):
-            logits = self(idx)[:, -1].float()  # (B, V)
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+        (no cache: a reference decoder for short texts); returns (B, T + max_new_tokens).
+        ``temperature=0`` is greedy."""
+        new = decode_rereading(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        return torch.cat([idx, new], 1)
 
-    def save_pretrained(self, path):
+    def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` into the folder ``path``.
 
         Each file is written under a temporary name, synced, then renamed, config last: a
@@ -216,7 +209,7 @@ class LandmarkGPT(nn.Module):
         atomic_write(path / CONFIG_NAME, lambda f: Path(f).write_text(json.dumps(doc, indent=2) + "\n"))
 
     @classmethod
-    def from_pretrained(cls, path=BUNDLED_MODEL, device="cpu"):
+    def from_pretrained(cls, path: str | Path = BUNDLED_MODEL, device: str | torch.device = "cpu") -> "LandmarkGPT":
         """Load a model written by ``save_pretrained``; by default the bundled tiny model."""
         path = Path(path)
         cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME

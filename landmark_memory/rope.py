@@ -22,7 +22,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
         self.head_dim, self.base = head_dim, base
 
-    def forward(self, x, positions):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` (..., T, D) at ``positions``, any shape that broadcasts to (..., T).
 
         Angles are computed in float64 (not a buffer, so ``model.half()`` cannot degrade them):

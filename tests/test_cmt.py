@@ -230,7 +230,7 @@ def test_cutoff_zero_changes_nothing_versus_always_retrieving(retrieval):
     model = cmt_model()
     _, always = feed(model, 0.0, retrieval)
     mem, tiny = feed(model, 1e-30, retrieval)  # the cutoff path runs, and drops no query
-    assert mem.retrieval_stats["skipped_queries"] == 0 and mem.retrieval_stats["searches"] > 0
+    assert mem.retrieval_stats.skipped_queries == 0 and mem.retrieval_stats.searches > 0
     torch.testing.assert_close(tiny.logits, always.logits, rtol=0, atol=0)
     assert all(torch.equal(a, b) for a, b in zip(tiny.retrieved, always.retrieved))
 
@@ -238,7 +238,7 @@ def test_cutoff_zero_changes_nothing_versus_always_retrieving(retrieval):
 def test_queries_below_the_cutoff_retrieve_nothing_and_others_still_retrieve():
     mem, out = feed(cmt_model(), 0.5)
     s = mem.retrieval_stats
-    assert 0 < s["skipped_queries"] < s["queries"]
+    assert 0 < s.skipped_queries < s.queries
     got = torch.stack([(r >= 0).any(-1) for r in out.retrieved])  # (layers, B, H, T)
     assert got.any() and not got.all()
 
@@ -246,14 +246,14 @@ def test_queries_below_the_cutoff_retrieve_nothing_and_others_still_retrieve():
 def test_a_step_whose_queries_are_all_below_the_cutoff_searches_no_index():
     model = cmt_model()
     mem, out = feed(model, 1.0)  # every share is below 1
-    ixs = [ix for stream in mem.indexes for layer in stream for ix in layer]
-    assert sum(ix.searches for ix in ixs) == 0 and mem.retrieval_stats["searches"] == 0
-    assert mem.retrieval_stats["skipped_searches"] > 0
-    assert mem.retrieval_stats["skipped_queries"] == mem.retrieval_stats["queries"]
+    ixs = mem.blocks.all_indexes()
+    assert sum(ix.searches for ix in ixs) == 0 and mem.retrieval_stats.searches == 0
+    assert mem.retrieval_stats.skipped_searches > 0
+    assert mem.retrieval_stats.skipped_queries == mem.retrieval_stats.queries
     assert all((r < 0).all() for r in out.retrieved)
-    assert mem.cache.hits + mem.cache.misses == 0  # no block fetched
+    assert mem.blocks.cache.hits + mem.blocks.cache.misses == 0  # no block fetched
     ref, _ = feed(model, 0.0)
-    assert sum(ix.searches for stream in ref.indexes for layer in stream for ix in layer) > 0
+    assert sum(ix.searches for ix in ref.blocks.all_indexes()) > 0
 
 
 def test_cmt_cutoff_needs_a_cmt_model_and_a_probability():
@@ -272,7 +272,7 @@ def test_saved_cmt_memory_reopens_with_a_new_cutoff(tmp_path):
         mem(ids)
     with LandmarkMemory.open(tmp_path / "m", model, readonly=True, cmt_cutoff=1.0) as mem:
         out = mem(ids[:, :8])
-        assert mem.cmt_cutoff == 1.0 and all((r < 0).all() for r in out.retrieved)
+        assert mem.options.cmt_cutoff == 1.0 and all((r < 0).all() for r in out.retrieved)
 
 
 # ---- positional jumps ---------------------------------------------------------------------

@@ -20,7 +20,8 @@ from landmark_memory.hf.backbone import HFBackbone
 from landmark_memory.kernels import landmark_attention_reference
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.rope import RotaryEmbedding
-from landmark_memory.tokenizer import LANDMARK_TOKEN, insert_landmarks, normal_positions
+from landmark_memory.layout import insert_landmarks, normal_positions
+from landmark_memory.tokenizer import LANDMARK_TOKEN
 
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -3,6 +3,7 @@ import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory.retrieval import block_positions
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_retrieve_all_equivalence_through_disk_stores(model, text, store, tmp_pa
         full = model(text)
     mem = retrieve_all(model, chunk_size=10, store=store, path=tmp_path, cache_bytes=0)  # every block from disk
     torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
-    assert mem.cache.misses > 0 and mem.cache.hits == 0
+    assert mem.blocks.cache.misses > 0 and mem.blocks.cache.hits == 0
     mem.close()
 
 
@@ -84,11 +85,10 @@ def test_retrieval_modes_share_blocks_as_documented(model, text):
     assert (per_token == per_token[:, :1]).all()  # one set per token for all heads
 
 
-def test_stingy_positions_keep_order_and_recent_slots(model):
-    mem = LandmarkMemory(model, top_k=3, chunk_size=10)
-    L = mem.L
+def test_stingy_positions_keep_order_and_recent_slots():
+    L = 6
     ids = torch.tensor([[[[9, 2, 5]], [[8, -1, 3]], [[0, 1, 2]], [[9, 8, 7]]]])  # nb = 10: recent are 7, 8, 9
-    pos = mem._block_positions(ids.view(1, 4, 1, 3), nb=10) // L
+    pos = block_positions(ids.view(1, 4, 1, 3), nb=10, top_k=3, L=L, mapping="stingy") // L
     assert pos.view(4, 3).tolist() == [[3, 0, 1], [2, 0, 0], [0, 1, 2], [3, 2, 1]]
 
 
@@ -148,7 +148,7 @@ def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkey
 def test_default_chunk_is_the_block_multiple_nearest_250(model):
     from landmark_memory.memory import default_chunk_size
 
-    assert LandmarkMemory(model).chunk_size == 250  # blocks of 5
+    assert LandmarkMemory(model).options.chunk_size == 250  # blocks of 5
     assert [default_chunk_size(b) for b in (50, 63, 7, 300)] == [250, 252, 252, 300]
 
 

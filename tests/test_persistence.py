@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory_dir import MemoryFileError
+from landmark_memory.memory import LandmarkMemory, MemoryFileError
 
 
 def small_model(seed=0):
@@ -46,12 +45,12 @@ def test_save_reopen_continue_equals_never_stopping(model, text, tmp_path, store
     torch.testing.assert_close(torch.cat([first, rest], 1), expected, rtol=0, atol=0)
     for layer in range(model.config.n_layer):  # same index contents, same store
         for h in range(model.config.n_head):
-            a, b = mem.indexes[0][layer][h], whole.indexes[0][layer][h]
+            a, b = mem.blocks.index(0, layer, h), whole.blocks.index(0, layer, h)
             assert a.ntotal == b.ntotal
             xq = np.random.default_rng(0).standard_normal((7, model.config.head_dim)).astype(np.float32)
             np.testing.assert_array_equal(a.search(xq, 3)[1], b.search(xq, 3)[1])
     keys = [(0, layer, blk) for layer in range(2) for blk in range(mem.n_blocks)]
-    for x, y in zip(mem.store.get(keys), whole.store.get(keys)):
+    for x, y in zip(mem.blocks.store.get(keys), whole.blocks.store.get(keys)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     np.testing.assert_array_equal(mem.tokens(), text[0, :mem.n_blocks * 5].numpy())
     mem.close()
@@ -93,7 +92,7 @@ def test_structural_options_cannot_change_on_open(model, tmp_path):
     with pytest.raises(ValueError, match="chunk_size cannot change"):
         LandmarkMemory.open(tmp_path, model, chunk_size=20)
     mem = LandmarkMemory.open(tmp_path, model, top_k=7, nprobe=2)  # query-time options can
-    assert mem.top_k == 7 and mem.index_options["nprobe"] == 2
+    assert mem.options.top_k == 7 and mem.options.index_options["nprobe"] == 2
     mem.close()
 
 

@@ -9,7 +9,8 @@ from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_to
 from landmark_memory.data import PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.evaluate import parse_lengths
 from landmark_memory.passkey import PasskeyPrompts, first_int
-from landmark_memory.tokenizer import IGNORE_INDEX, LANDMARK_TOKEN, SPECIAL_TOKENS
+from landmark_memory.layout import IGNORE_INDEX
+from landmark_memory.tokenizer import LANDMARK_TOKEN, SPECIAL_TOKENS
 
 LM = 1
 

@@ -11,13 +11,16 @@ prompt, so ``generate(prompt, past_key_values=LandmarkMemoryCache.open(path, mod
 the prompt after everything saved in ``path``.
 """
 
-from transformers.cache_utils import Cache
+from pathlib import Path
+
+import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..memory import LandmarkMemory
+from .convert import MemoryBackedCache
 
 
-class LandmarkMemoryCache(Cache):
+class LandmarkMemoryCache(MemoryBackedCache):
     """Landmark memory as a transformers cache.
 
     Parameters
@@ -30,18 +33,20 @@ class LandmarkMemoryCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, model, memory=None, **memory_options):
+    def __init__(self, model: torch.nn.Module, memory: LandmarkMemory | None = None, **memory_options):
         super().__init__(layers=[])
         self.memory = memory if memory is not None else LandmarkMemory(model, **memory_options)
         self.fed = 0  # tokens fed through this cache object
 
     @classmethod
-    def open(cls, path, model, **options):
+    def open(cls, path: str | Path, model: torch.nn.Module, **options) -> "LandmarkMemoryCache":
         """A cache over the saved memory at ``path`` (``LandmarkMemory.open`` options: readonly,
         top_k, retrieval, position_mapping, max_blocks, nprobe, ef_search)."""
         return cls(model, memory=LandmarkMemory.open(path, model, **options))
 
-    def forward(self, input_ids, attention_mask=None, cache_position=None, labels=None, inputs_embeds=None, **_):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache_position: torch.Tensor | None = None, labels=None, inputs_embeds=None,
+                **_) -> CausalLMOutputWithPast:
         """Feed ``input_ids`` (B, T) after everything before; what a converted model's forward
         returns when it is given this cache."""
         if input_ids is None or inputs_embeds is not None:
@@ -85,10 +90,10 @@ class LandmarkMemoryCache(Cache):
         raise NotImplementedError("a landmark memory serves greedy or sampled decoding, not beam search")
 
     # ---- the memory underneath ----------------------------------------------------------
-    def commit(self):
+    def commit(self) -> int:
         return self.memory.commit()
 
-    def close(self, commit=True):
+    def close(self, commit: bool = True) -> None:
         self.memory.close(commit)
 
     def __enter__(self):

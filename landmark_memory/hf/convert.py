@@ -17,17 +17,35 @@ from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers.cache_utils import Cache
 
-from ..backbone import is_converted
 from ..kernels import BACKENDS, landmark_attention, landmark_attention_inference
-from ..tokenizer import LANDMARK_TOKEN, check_block_size, insert_landmarks, normal_positions
+from ..layout import check_block_size, insert_landmarks, normal_positions
+from ..tokenizer import LANDMARK_TOKEN
 
 ATTENTION = "landmark"
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
-def landmark_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def is_converted(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model converted by ``convert`` (its config carries
+    the landmark settings)."""
+    return getattr(getattr(model, "config", None), "landmark_block_size", None) is not None
+
+
+class MemoryBackedCache(Cache):
+    """A ``past_key_values`` that reads the model's input itself (``hf.cache.LandmarkMemoryCache``
+    over a landmark memory): a converted model's forward hands it the input and returns what
+    its ``forward`` returns. Declared here so that conversion does not depend on the memory."""
+
+    def forward(self, input_ids: torch.Tensor, *args, **kwargs):
+        raise NotImplementedError
+
+
+def landmark_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                               **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: grouped-softmax landmark attention (causal).
 
     query (B, H, T_q, D), key and value (B, H_kv, T_k, D) with RoPE applied; the queries are
@@ -70,7 +88,7 @@ def _check_supported(model):
                          "retrieved blocks with plain RoPE (rope_type 'default') only")
 
 
-def convert(model, tokenizer, block_size=63, backend="auto"):
+def convert(model: PreTrainedModel, tokenizer, block_size: int = 63, backend: str = "auto") -> PreTrainedModel:
     """Turn a Llama-family causal LM into a landmark model, in place.
 
     Parameters
@@ -118,14 +136,12 @@ _CLASSES = {}
 
 
 def _landmark_class(cls):
-    """``cls`` with a forward that reads through a ``LandmarkMemoryCache`` when one is given."""
+    """``cls`` with a forward that reads through a ``MemoryBackedCache`` when one is given."""
     if cls in _CLASSES.values():
         return cls
     if cls not in _CLASSES:
         def forward(self, input_ids=None, *args, past_key_values=None, **kwargs):
-            from .cache import LandmarkMemoryCache
-
-            if isinstance(past_key_values, LandmarkMemoryCache):
+            if isinstance(past_key_values, MemoryBackedCache):
                 return past_key_values.forward(input_ids, *args, **kwargs)
             return cls.forward(self, input_ids, *args, past_key_values=past_key_values, **kwargs)
 
@@ -135,7 +151,7 @@ def _landmark_class(cls):
     return _CLASSES[cls]
 
 
-def from_pretrained(path, **kwargs):
+def from_pretrained(path: str | Path, **kwargs) -> PreTrainedModel:
     """A landmark model saved with ``save_pretrained`` (``kwargs`` go to
     ``AutoModelForCausalLM.from_pretrained``: dtype, device_map, ...)."""
     if not (Path(path) / "config.json").is_file():
@@ -147,7 +163,7 @@ def from_pretrained(path, **kwargs):
     return _activate(model)
 
 
-def normal_logits(model, idx):
+def normal_logits(model: PreTrainedModel, idx: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, vocab) at the normal positions of a converted model's in-sequence forward
     over normal token ids ``idx`` (B, T): landmarks are inserted first."""
     cfg = model.config

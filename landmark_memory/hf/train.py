@@ -10,9 +10,9 @@ from pathlib import Path
 import torch.nn.functional as F
 from torch import nn
 
-from ..backbone import hf_config
+from ..kinds import hf_config
 from ..model import LandmarkGPT
-from ..tokenizer import IGNORE_INDEX
+from ..layout import IGNORE_INDEX
 from .convert import convert, from_pretrained, normal_logits
 from .tokenizer import TextTokenizer
 

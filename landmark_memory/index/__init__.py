@@ -21,7 +21,7 @@ import numpy as np
 KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")
 
 
-def gpu_available():
+def gpu_available() -> bool:
     """True when faiss-gpu is installed and sees a GPU."""
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
@@ -40,7 +40,8 @@ class LandmarkIndex:
     refine : int, IVF-PQ candidates re-ranked exactly per result (0: PQ scores only).
     """
 
-    def __init__(self, kind, dim, *, train_size=None, nprobe=16, ef_search=128, refine=4):
+    def __init__(self, kind: str, dim: int, *, train_size: int | None = None, nprobe: int = 16, ef_search: int = 128,
+                 refine: int = 4):
         if kind not in KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {KINDS}")
         if kind.endswith("-gpu") and not gpu_available():
@@ -64,13 +65,13 @@ class LandmarkIndex:
             index = faiss.index_cpu_to_gpu(self._res, 0, index)
         return index
 
-    def to_bytes(self):
+    def to_bytes(self) -> np.ndarray:
         """The index in FAISS's own serialisation, uint8 (n,)."""
         index = faiss.index_gpu_to_cpu(self.index) if self.kind.endswith("-gpu") else self.index
         return faiss.serialize_index(index)
 
     @classmethod
-    def from_bytes(cls, kind, dim, data, **options):
+    def from_bytes(cls, kind: str, dim: int, data: np.ndarray, **options) -> "LandmarkIndex":
         """An index of ``kind`` restored from ``to_bytes()`` output ``data`` (uint8 (n,))."""
         ix = cls(kind, dim, **options)
         index = faiss.deserialize_index(np.ascontiguousarray(data, dtype=np.uint8))
@@ -84,8 +85,13 @@ class LandmarkIndex:
         return ix
 
     @property
-    def ntotal(self):
+    def ntotal(self) -> int:
         return self.index.ntotal
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index in FAISS's serialisation (what it takes in memory, near enough)."""
+        return len(self.to_bytes())
 
     def _check(self, x, what):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -93,7 +99,7 @@ class LandmarkIndex:
             raise ValueError(f"{what} must be (n, {self.dim}) float32, got shape {x.shape}")
         return x
 
-    def add(self, xb):
+    def add(self, xb: np.ndarray) -> None:
         """Append keys ``xb`` (n, dim); their ids continue from ``ntotal``."""
         xb = self._check(xb, "xb")
         self.index.add(xb)
@@ -122,7 +128,7 @@ class LandmarkIndex:
         index.add(xb)
         self.index = index
 
-    def search(self, xq, k, lo=0, hi=None):
+    def search(self, xq: np.ndarray, k: int, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` inner products among ids in ``[lo, hi)``.
 
         Returns
@@ -151,7 +157,7 @@ class LandmarkIndex:
         return D, I
 
 
-def recall_at_k(I, I_exact):
+def recall_at_k(I: np.ndarray, I_exact: np.ndarray) -> float:
     """Mean fraction of the exact top-k ids found by an approximate search.
 
     Parameters

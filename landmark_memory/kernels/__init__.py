@@ -2,14 +2,16 @@
 
 import torch
 
-from ..tokenizer import check_block_size
+from ..layout import check_block_size
 from .dense import local_effective_scores, landmark_attention_dense, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
 BACKENDS = ("auto", "reference", "dense", "triton")
 
 
-def landmark_attention(q, k, v, block_size, *, scale=None, cmt_k=None, cmt_blocks=None, backend="reference"):
+def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *, scale: float | None = None,
+                       cmt_k: torch.Tensor | None = None, cmt_blocks: torch.Tensor | None = None,
+                       backend: str = "reference") -> torch.Tensor:
     """Causal landmark attention with the grouped softmax (paper section 3.1).
 
     The sequence is laid out as blocks of ``block_size`` normal tokens, each followed by one
@@ -61,8 +63,10 @@ def landmark_attention(q, k, v, block_size, *, scale=None, cmt_k=None, cmt_block
     return landmark_attention_dense(q, k, v, block_size, scale, cmt_k, cmt_blocks)
 
 
-def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_table, block_pos,
-                                 rope_base=10000.0, scale=None, cmt_k=None, backend="auto"):
+def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *,
+                                 pool_k: torch.Tensor, pool_v: torch.Tensor, block_table: torch.Tensor,
+                                 block_pos: torch.Tensor, rope_base: float = 10000.0, scale: float | None = None,
+                                 cmt_k: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of a chunk of queries over its local keys and retrieved memory blocks.
 
     The local keys ``k``, ``v`` start at a block boundary and follow the in-sequence rules of
@@ -133,7 +137,8 @@ def landmark_attention_inference(q, k, v, block_size, *, pool_k, pool_v, block_t
     return impl(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale, cmt_k)
 
 
-def cmt_share(q, k, block_size, cmt_k, scale=None):
+def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Tensor,
+              scale: float | None = None) -> torch.Tensor:
     """S_{i,-1}: the Context Miss Token's share of each query's own group, from the local keys
     alone (the retrieved landmarks are CMT-controlled and outside that group).
 

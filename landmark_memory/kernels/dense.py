@@ -62,7 +62,9 @@ def _cmt_softmax(eff, s_cmt, lm_s, visible, controlled):
     return torch.softmax(torch.cat([eff, sink], -1), -1)[..., :-1]
 
 
-def landmark_attention_dense(q, k, v, block_size, scale=None, cmt_k=None, cmt_blocks=None):
+def landmark_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
+                             scale: float | None = None, cmt_k: torch.Tensor | None = None,
+                             cmt_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """In-sequence landmark attention; same contract as ``landmark_attention``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)

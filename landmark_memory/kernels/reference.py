@@ -13,7 +13,7 @@ Notation (per query ``i`` and key ``j`` of a landmarked sequence of length T):
 Equation 3 compares G_ij with G_ii to find the query's own group. For a landmark query
 G_ii = -1 (its own landmark is ignored), so we compare with p_i, the query's group id, which
 is the same thing for normal queries and places a landmark query's own block tokens and the
-earlier landmarks in one softmax group, as DESIGN.md specifies.
+earlier landmarks in one softmax group, as docs/DESIGN.md specifies.
 
 Context Miss Token (appendix D, equations 5-6): one more key at position -1, in every query's
 own group. Landmarks of the blocks flagged as CMT-controlled leave the query's group for a
@@ -24,7 +24,7 @@ get weight 0.
 
 import torch
 
-from ..tokenizer import landmark_mask
+from ..layout import landmark_mask
 
 
 def landmark_positions(T, block_size, device=None):
@@ -45,7 +45,7 @@ def landmark_groups(T, block_size, device=None):
     return torch.where(j > i, -1, G)  # causal
 
 
-def grouped_softmax(x, g):
+def grouped_softmax(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Softmax of ``x`` taken separately within each group (eq. 1).
 
     Parameters
@@ -80,7 +80,8 @@ def _gated_weights(scores, G, own, gate_col, zero_col):
     return torch.where(zero_col, 0, torch.where(G == own[:, None], S, S * gate))
 
 
-def landmark_weights(q, k, block_size, scale=None, cmt_k=None, cmt_blocks=None):
+def landmark_weights(q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float | None = None,
+                     cmt_k: torch.Tensor | None = None, cmt_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, T, T) final attention weights W of equations 3-4 (rows sum to 1), or of
     equations 5-6 when ``cmt_k`` (B, H, 1, D), the rotated CMT key, and ``cmt_blocks``
     (B, T // (block_size + 1)) bool, the CMT-controlled landmarks, are given (rows then sum
@@ -105,7 +106,9 @@ def landmark_weights(q, k, block_size, scale=None, cmt_k=None, cmt_blocks=None):
     return torch.where(zero, 0, W)
 
 
-def landmark_attention_reference(q, k, v, block_size, scale=None, cmt_k=None, cmt_blocks=None):
+def landmark_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
+                                 scale: float | None = None, cmt_k: torch.Tensor | None = None,
+                                 cmt_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Landmark attention by the paper's equations. See ``landmark_attention``."""
     return landmark_weights(q, k, block_size, scale, cmt_k, cmt_blocks) @ v
 

@@ -14,6 +14,7 @@ Stored dtype is float32, float16 or bfloat16 (``dtype``); tensors come back in t
 import os
 import struct
 from collections import OrderedDict
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +47,11 @@ class BlockStore:
             raise KeyError("block missing or truncated in the store")
         return torch.frombuffer(bytearray(b), dtype=self.dtype).view(self.shape)
 
-    def put(self, items):
+    def put(self, items: dict[tuple[int, int, int], torch.Tensor]) -> None:
         """Write ``{(stream, layer, block): tensor (2, H, L, D)}`` in one transaction."""
         self._put({key: self._encode(t) for key, t in items.items()})
 
-    def get(self, keys):
+    def get(self, keys: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Read blocks ``[(stream, layer, block), ...]`` in one transaction; a list of tensors."""
         return [self._decode(b) for b in self._get(list(keys))]
 
@@ -199,7 +200,8 @@ class OverlayStore(BlockStore):
         self.base.close()
 
 
-def open_store(kind, shape, path=None, dtype="float16", readonly=False):
+def open_store(kind: str, shape: tuple[int, ...], path: str | Path | None = None, dtype: str = "float16",
+               readonly: bool = False) -> BlockStore:
     """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path`` and may be
     opened ``readonly``."""
     if kind not in STORES:
@@ -222,7 +224,8 @@ class HotCache:
     of blocks, e.g. RoPE by offset inside the block). A request larger than the arena gets a
     one-off pool."""
 
-    def __init__(self, store, device, dtype, budget_bytes=256 << 20, prepare=None):
+    def __init__(self, store: BlockStore, device: torch.device | str, dtype: torch.dtype, budget_bytes: int = 256 << 20,
+                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
         self.prepare = prepare or (lambda t: t)
         self.block_bytes = int(np.prod(store.shape)) * dtype.itemsize
@@ -243,7 +246,7 @@ class HotCache:
             t = t.pin_memory()
         return self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
 
-    def pool(self, keys):
+    def pool(self, keys: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pool, slots)``: a tensor (n, *shape) holding the blocks and int64 (len(keys),)
         positions of each key in it. Valid until the next call."""
         wanted = list(dict.fromkeys(keys))

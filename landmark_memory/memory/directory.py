@@ -1,6 +1,6 @@
 """The files of a saved memory, and the commit protocol that keeps them consistent.
 
-A memory directory holds (DESIGN.md "Persistence"):
+A memory directory holds (docs/DESIGN.md, "On-disk format"):
 
 - ``manifest.json``: format version, model fingerprint and config, options, counts, the
   commit counter, the inputs ingested; written last, atomically: it *is* the commit;
@@ -28,17 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .fileio import atomic_write
-from .storage import DTYPES
+from ..fileio import atomic_write
+from .manifest import Manifest, MemoryFileError, StateFile
 
-FORMAT = "landmark-memory/memory"
-FORMAT_VERSION = 2  # 2: the manifest's model has a shape (grouped-query attention)
-MANIFEST, LOCK, TOKENS, LANDMARKS = "manifest.json", "writer.lock", "tokens.bin", "landmarks.bin"
-
-
-class MemoryFileError(ValueError):
-    """A memory directory that cannot be opened as asked; the message says why and what to do."""
-
+MANIFEST, LOCK = "manifest.json", "writer.lock"
 
 # config entries that say where or how a model was loaded, not what it computes (Hugging Face),
 # or how it was trained: p_cmt and p_jump change nothing at inference, and a Context Miss Token
@@ -46,7 +39,7 @@ class MemoryFileError(ValueError):
 UNFINGERPRINTED = {"transformers_version", "architectures", "use_cache", "landmark_backend", "cmt", "p_cmt", "p_jump"}
 
 
-def model_fingerprint(model):
+def model_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of a model's config and weights: a memory only makes sense with the model that
     computed its keys and values."""
     config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in UNFINGERPRINTED}
@@ -55,13 +48,6 @@ def model_fingerprint(model):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def row_bytes(doc):
-    """Bytes per block of ``tokens.bin`` and ``landmarks.bin`` for the manifest ``doc``."""
-    shape, B = doc["model"]["shape"], doc["streams"] or 0
-    return {TOKENS: B * shape["block_size"] * 4,
-            LANDMARKS: B * shape["n_layer"] * shape["n_kv_head"] * shape["head_dim"] * DTYPES[doc["model"]["dtype"]].itemsize}
 
 
 def _sha256(path):
@@ -84,14 +70,14 @@ class MemoryDir:
     """One memory directory, opened for reading or for writing (``writable``: takes the
     writer lock)."""
 
-    def __init__(self, path, writable):
+    def __init__(self, path: str | Path, writable: bool):
         self.path, self.writable, self._lock = Path(path), writable, None
         if writable:
             self._take_lock()
 
     # ---- creation and locking -----------------------------------------------------------
     @classmethod
-    def create(cls, path, manifest):
+    def create(cls, path: str | Path, manifest: Manifest) -> "MemoryDir":
         """A new memory at ``path`` (absent or empty), its manifest at commit 0."""
         path = Path(path)
         if (path / MANIFEST).exists():
@@ -107,7 +93,7 @@ class MemoryDir:
         except OSError as e:
             raise MemoryFileError(f"cannot create the memory directory {path}: {e.strerror}") from None
         d = cls(path, writable=True)
-        d.write_manifest({**manifest, "commit": 0})
+        d.write_manifest(manifest)
         return d
 
     def _take_lock(self):
@@ -136,7 +122,7 @@ class MemoryDir:
             self._lock = None
 
     # ---- manifest -----------------------------------------------------------------------
-    def read_manifest(self):
+    def read_manifest(self) -> Manifest:
         f = self.path / MANIFEST
         if not self.path.is_dir():
             raise MemoryFileError(f"no memory at {self.path}: the directory does not exist "
@@ -150,24 +136,17 @@ class MemoryDir:
             raise MemoryFileError(f"cannot read {f}: permission denied; fix the memory's permissions") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MemoryFileError(f"{f} is damaged ({e}); restore the memory from a backup or rebuild it") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise MemoryFileError(f"{f} is not a landmark-memory manifest; restore the memory or rebuild it")
-        if doc.get("format_version", 0) > FORMAT_VERSION:
-            raise MemoryFileError(f"{self.path} was written by a newer landmark-memory (memory format "
-                                  f"{doc['format_version']}, this one reads up to {FORMAT_VERSION}); upgrade the package")
-        if doc.get("format_version", 0) < 2:  # format 1: LandmarkGPT only, one key/value head per head
-            cfg = doc["model"]["config"]
-            doc["model"]["shape"] = {"n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"],
-                                     "head_dim": cfg["n_embd"] // cfg["n_head"], "block_size": cfg["block_size"]}
-        return doc
+        return Manifest.from_json(doc, str(f))
 
-    def write_manifest(self, doc):
-        doc = {"format": FORMAT, "format_version": FORMAT_VERSION, **doc, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Write ``manifest`` (its ``updated`` time set now) atomically: this is the commit."""
+        manifest.updated = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        doc = manifest.to_json()
         atomic_write(self.path / MANIFEST, lambda f: Path(f).write_text(json.dumps(doc, indent=1) + "\n"))
         _fsync_dir(self.path)
 
     # ---- raw append-only rows -----------------------------------------------------------
-    def write_rows(self, name, offset, data):
+    def write_rows(self, name: str, offset: int, data: bytes) -> None:
         """Write ``data`` at byte ``offset`` of file ``name``, drop anything after it, fsync."""
         with open(self.path / name, "ab+") as f:
             f.truncate(offset)
@@ -175,7 +154,7 @@ class MemoryDir:
             f.flush()
             os.fsync(f.fileno())
 
-    def read_rows(self, name, nbytes):
+    def read_rows(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of file ``name``; a writer cuts what follows (an uncommitted tail)."""
         f = self.path / name
         size = f.stat().st_size if f.is_file() else -1
@@ -188,39 +167,39 @@ class MemoryDir:
             os.truncate(f, nbytes)
         return data
 
-    def read_block_rows(self, doc):
+    def read_block_rows(self, manifest: Manifest) -> dict[str, bytes]:
         """``{name: bytes}``, the committed rows of ``tokens.bin`` and ``landmarks.bin``."""
-        return {name: self.read_rows(name, doc["blocks"] * n) for name, n in row_bytes(doc).items()}
+        return {name: self.read_rows(name, manifest.blocks * n) for name, n in manifest.rows.sizes.items()}
 
     # ---- per-commit state files ---------------------------------------------------------
-    def read_commit(self):
+    def read_commit(self) -> tuple[Manifest, dict[str, torch.Tensor]]:
         """``(manifest, state tensors)`` of the last commit, sizes and checksums checked. A
         reader retries when a writer replaces the state file between the two reads."""
         for attempt in range(3):
-            doc = self.read_manifest()
+            manifest = self.read_manifest()
             try:
-                return doc, (self.read_state(doc["files"]["state"]) if doc["files"] else {})
+                return manifest, (self.read_state(manifest.state) if manifest.state else {})
             except FileNotFoundError as e:
                 if attempt == 2 or self.writable:
                     raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup "
                                           "or rebuild it") from None
 
-    def write_state(self, commit, tensors):
+    def write_state(self, commit: int, tensors: dict[str, torch.Tensor]) -> StateFile:
         """Write ``state.<commit>.safetensors``; returns its manifest entry."""
         name = f"state.{commit}.safetensors"
         atomic_write(self.path / name, lambda f: save_file({k: t.contiguous() for k, t in tensors.items()}, f))
-        return {"name": name, "bytes": (self.path / name).stat().st_size, "sha256": _sha256(self.path / name)}
+        return StateFile(name, (self.path / name).stat().st_size, _sha256(self.path / name))
 
-    def read_state(self, entry):
-        f = self.path / entry["name"]
+    def read_state(self, entry: StateFile) -> dict[str, torch.Tensor]:
+        f = self.path / entry.name
         if not f.is_file():
             raise FileNotFoundError(f)
-        if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+        if f.stat().st_size != entry.bytes or _sha256(f) != entry.sha256:
             raise MemoryFileError(f"{f} is truncated or corrupted (its size or checksum differs from the manifest); "
                                   "restore the memory from a backup or rebuild it")
         return load_file(f)
 
-    def drop_old_states(self, keep):
+    def drop_old_states(self, keep: str | None) -> None:
         for f in self.path.glob("state.*.safetensors"):
             if f.name != keep:
                 f.unlink(missing_ok=True)

@@ -1,0 +1,61 @@
+"""The one decoding loop: every generator in the package (a model re-reading its context, a
+memory, the CLI's ask, the passkey test) picks tokens here and feeds them back its own way."""
+
+from typing import Callable
+
+import torch
+
+
+def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each stream, int64 (B,), from ``logits`` (B, vocab): the argmax when
+    ``temperature`` is 0, else a sample of softmax(logits / temperature), restricted to the
+    ``top_k`` most likely tokens when given."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], max_new_tokens: int, *,
+           temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Generate ``max_new_tokens`` tokens.
+
+    Parameters
+    ----------
+    logits : Tensor (B, vocab), the logits of the next token after the prompt.
+    feed : callable taking the new tokens (B, 1) and returning the logits (B, vocab) after
+        them; it is not called after the last token.
+    temperature, top_k, generator : as for ``next_token``.
+
+    Returns
+    -------
+    int64 Tensor (B, max_new_tokens).
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    out = []
+    for i in range(max_new_tokens):
+        out.append(next_token(logits, temperature, top_k, generator))
+        if i + 1 < max_new_tokens:
+            logits = feed(out[-1][:, None])
+    return torch.stack(out, 1) if out else torch.zeros((logits.shape[0], 0), dtype=torch.long, device=logits.device)
+
+
+def decode_rereading(logits_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, max_new_tokens: int,
+                     **options) -> torch.Tensor:
+    """``decode`` for a model without a cache: ``logits_of(context)`` returns the logits
+    (B, T, vocab) of the whole context (B, T), re-read for every new token. ``options`` as
+    for ``decode``; returns the new tokens (B, max_new_tokens)."""
+    context = idx
+
+    def feed(nxt):
+        nonlocal context
+        context = torch.cat([context, nxt], 1)
+        return logits_of(context)[:, -1]
+
+    return decode(logits_of(idx)[:, -1], feed, max_new_tokens, **options)

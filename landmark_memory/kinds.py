@@ -1,0 +1,119 @@
+"""The kinds of model the package runs, in one place: telling them apart, loading them, their
+in-sequence logits, and the backbone a memory drives.
+
+- ``LandmarkGPT`` (``model.py``) with ``attention="landmark"`` (reads through a memory),
+  ``"full"`` (the baseline) or ``"infini"`` (Infini-attention, streamed);
+- a Hugging Face causal LM converted by ``landmark_memory.hf.convert`` (reads through a
+  memory), or a plain one (full attention).
+
+The Hugging Face side is imported only when a Hugging Face model is at hand: importing
+transformers takes seconds, and a LandmarkGPT needs none of it.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from .backbone import Backbone, GPTBackbone
+from .model import BUNDLED_MODEL, LandmarkGPT
+from .tokenizer import load_tokenizer
+
+
+def is_converted(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model converted by ``landmark_memory.hf.convert``."""
+    if isinstance(model, LandmarkGPT):
+        return False
+    from .hf.convert import is_converted as converted
+
+    return converted(model)
+
+
+def is_landmark(model: torch.nn.Module) -> bool:
+    """Whether ``model`` uses landmark attention (and so can read through a memory)."""
+    if isinstance(model, LandmarkGPT):
+        return model.config.attention == "landmark"
+    return is_converted(model)
+
+
+def is_infini(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a LandmarkGPT with Infini-attention (read by streaming its state)."""
+    return isinstance(model, LandmarkGPT) and model.config.attention == "infini"
+
+
+def reading_mode(model: torch.nn.Module) -> str:
+    """How ``model`` reads a text without a landmark memory."""
+    if is_landmark(model):
+        return "in-sequence"
+    if is_infini(model):
+        return "infini-attention (streamed)"
+    return "full attention"
+
+
+def backbone_for(model: torch.nn.Module) -> Backbone:
+    """The layer stack a memory drives: a ``LandmarkGPT`` with landmark attention, or a Hugging
+    Face causal LM converted by ``landmark_memory.hf.convert``."""
+    if isinstance(model, LandmarkGPT):
+        if model.config.attention != "landmark":
+            raise ValueError("a memory needs a model with landmark attention; this LandmarkGPT has "
+                             f"attention={model.config.attention!r}")
+        return GPTBackbone(model)
+    if is_converted(model):
+        from .hf.backbone import HFBackbone
+
+        return HFBackbone(model)
+    raise ValueError(f"a memory needs a LandmarkGPT or a Hugging Face model converted with "
+                     f"landmark_memory.hf.convert, got {type(model).__name__}")
+
+
+def in_sequence_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, vocab) of one forward over normal token ids ``idx`` (B, T), no memory:
+    a LandmarkGPT, a converted Hugging Face model (landmarks inserted), or a plain one."""
+    if isinstance(model, LandmarkGPT):
+        return model(idx)
+    if is_converted(model):
+        from .hf.convert import normal_logits
+
+        return normal_logits(model, idx)
+    return model(input_ids=idx, use_cache=False).logits
+
+
+def hf_config(path: str | Path) -> dict | None:
+    """The config.json of a Hugging Face model directory (it names a model_type), else None:
+    tells a landmark model (``landmark_block_size`` set) from a plain one without loading it."""
+    f = Path(path) / "config.json"
+    try:
+        doc = json.loads(f.read_text()) if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and "model_type" in doc else None
+
+
+def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None):
+    """``(model, tokenizer)`` from ``path``: a LandmarkGPT directory (default: the bundled
+    model) with the shipped tokenizer, or a Hugging Face model directory (converted or plain)
+    with its own tokenizer (a ``hf.TextTokenizer``), in eval mode on ``device`` ("auto": cuda
+    when available). ``block_size`` must match a landmark model's own, except that a
+    LandmarkGPT may be read with another (its trained blocks may suit it less)."""
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    config = hf_config(path) if path else None
+    if config is not None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from .hf.convert import from_pretrained
+        from .hf.tokenizer import TextTokenizer
+
+        hf_logging.disable_progress_bar()  # our own bars report the work
+        saved_block = config.get("landmark_block_size")
+        if block_size and block_size != saved_block:
+            raise ValueError(f"{path} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
+                             if saved_block else "--block-size applies to landmark models only")
+        model = from_pretrained(path) if saved_block else AutoModelForCausalLM.from_pretrained(path)
+        return model.to(dev).eval(), TextTokenizer.from_pretrained(path)
+    model = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev)
+    if block_size and block_size != model.config.block_size:
+        if model.config.attention != "landmark":
+            raise ValueError("--block-size applies to landmark models only")
+        model.config.block_size = block_size  # shared by every layer
+    return model.eval(), load_tokenizer()

@@ -1,0 +1,20 @@
+"""The memory: a landmark model reading inputs of any length chunk by chunk, each query
+retrieving its top-k blocks (docs/DESIGN.md). One job per part:
+
+    options.py    MemoryOptions: what a memory searches, stores and reads; validated once
+    retrieval.py  the retrieval policy as pure functions: top-k selection, block positions
+    blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache
+    manifest.py   the manifest's typed records and the row files' byte layout
+    directory.py  the files of a saved memory and the commit protocol
+    engine.py     LandmarkMemory: forward, step, generate, commit, open, close
+"""
+
+from .blocks import BlockMemory
+from .directory import MemoryDir, model_fingerprint
+from .engine import LandmarkMemory, MemoryOutput, RetrievalStats
+from .manifest import InputRecord, Manifest, MemoryFileError, ModelShape
+from .options import MAPPINGS, QUERY_OPTIONS, RETRIEVALS, MemoryOptions, default_chunk_size
+
+__all__ = ["BlockMemory", "InputRecord", "LandmarkMemory", "MAPPINGS", "Manifest", "MemoryDir", "MemoryFileError",
+           "MemoryOptions", "MemoryOutput", "ModelShape", "QUERY_OPTIONS", "RETRIEVALS", "RetrievalStats",
+           "default_chunk_size", "model_fingerprint"]

@@ -1,0 +1,409 @@
+"""LandmarkMemory: chunked inference over inputs of any length with top-k block retrieval.
+
+Per chunk and layer (docs/DESIGN.md, "Inference with memory"): compute q, k, v of the new
+tokens; score the memory landmarks (recent blocks exactly, older ones through the FAISS index
+with a RoPE-adjusted query); pick top-k blocks per the retrieval mode; fetch them through the
+hot cache into a block pool; attend over local + retrieved blocks with the grouped softmax. A
+chunk's blocks enter memory when the chunk is complete.
+
+Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start), and the
+tokens since the last boundary stay local: feeding a text in one call, in pieces, or one token
+at a time (decoding) gives the same result.
+"""
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..decode import decode
+from ..kernels import cmt_share, landmark_attention_inference
+from ..kinds import backbone_for
+from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
+from ..rope import RotaryEmbedding
+from ..storage import DTYPE_NAMES
+from .blocks import BlockMemory
+from .directory import MemoryDir, model_fingerprint
+from .manifest import InputRecord, Manifest, MemoryFileError, ModelRecord, ModelShape
+from .options import MemoryOptions
+from .retrieval import block_positions, chunk_base, recent_slots, select_blocks
+
+
+@dataclass
+class MemoryOutput:
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None  # mean next-token loss when targets were given
+    retrieved: list[torch.Tensor]  # per layer: int64 (B, H, T, top_k) memory block ids used by each token, -1 = none
+
+
+@dataclass
+class RetrievalStats:
+    """Counts since a memory was created: query retrievals (per token, layer and head) and
+    those the CMT cutoff dropped; index searches (per step, stream, layer and head) and those
+    skipped because every query was below the cutoff."""
+
+    queries: int = 0
+    skipped_queries: int = 0
+    searches: int = 0
+    skipped_searches: int = 0
+
+    def __add__(self, other: "RetrievalStats") -> "RetrievalStats":
+        return RetrievalStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+class LandmarkMemory:
+    """A landmark model with a memory of past blocks.
+
+    Parameters
+    ----------
+    model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM converted by
+        ``landmark_memory.hf.convert`` (``kinds.py``).
+    index : str, landmark index kind per (stream, layer, key/value head): flat, hnsw, ivf, ivfpq (+ -gpu).
+    store : str, block store: memory, lmdb or mmap (the latter two need ``path``).
+    path : str or Path, folder of a saved memory (created; reopen it with ``LandmarkMemory.open``).
+    top_k : int, blocks retrieved per query.
+    chunk_size : int, normal tokens per chunk, a multiple of the model's block size; default the
+        multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
+    retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
+    position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
+        their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
+        true positions (for models trained with positional jumps) and scores every landmark
+        exactly by brute force.
+    max_blocks : int, optional, only the newest ``max_blocks`` blocks can be retrieved.
+    store_dtype : str, optional, float32 / float16 / bfloat16; default the model's dtype.
+    cache_bytes : int, hot-block cache budget on the model's device.
+    index_options : dict, optional, passed to ``LandmarkIndex`` (train_size, nprobe, ef_search).
+    cmt_cutoff : float, models with a Context Miss Token only (appendix D): a query whose CMT
+        share is below this retrieves nothing, and a layer-head whose queries in a step are
+        all below it searches no index and fetches no block. 0 = always retrieve.
+    backend : str, attention backend ("auto": Triton on CUDA, dense PyTorch elsewhere).
+
+    Attributes
+    ----------
+    options : MemoryOptions, the options above, resolved for the model.
+    blocks : BlockMemory, landmark keys, indexes, block store and hot cache.
+    retrieval_stats : RetrievalStats.
+    inputs : list of InputRecord, the text files ``build`` ingested.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, index: str = "flat", store: str = "memory",
+                 path: str | Path | None = None, top_k: int = 4, chunk_size: int | None = None,
+                 retrieval: str = "per_token_head", position_mapping: str = "stingy", max_blocks: int | None = None,
+                 store_dtype: str | None = None, cache_bytes: int = 256 << 20, index_options: dict | None = None,
+                 cmt_cutoff: float = 0.0, backend: str = "auto"):
+        options = MemoryOptions(index=index, index_options=dict(index_options or {}), store=store,
+                                store_dtype=store_dtype, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
+                                position_mapping=position_mapping, max_blocks=max_blocks, cmt_cutoff=cmt_cutoff)
+        self._setup(model, options, cache_bytes, backend)
+        self.dir = None
+        if path is not None:
+            if store == "memory":
+                raise ValueError("a memory saved at a path keeps its blocks on disk: pass store='lmdb' or 'mmap'")
+            self.dir = MemoryDir.create(path, Manifest(model=self._model_record(), options=self.options))
+        self.blocks = self._new_blocks(path, readonly=False)
+
+    def _setup(self, model, options, cache_bytes, backend):
+        bb = backbone_for(model)
+        with torch.no_grad():
+            cmt_keys = bb.cmt_keys()
+        param = next(model.parameters())
+        self.options = options.resolved(bb.block_size, DTYPE_NAMES[param.dtype], cmt_keys is not None, bb.head_dim)
+        self.model, self.backbone, self.backend = model.eval(), bb, backend
+        self.shape = ModelShape(bb.n_layer, bb.n_kv_head, bb.head_dim, bb.block_size)
+        self.device, self.dtype, self.cache_bytes = param.device, param.dtype, cache_bytes
+        self.group = bb.n_head // bb.n_kv_head  # query heads per key/value head
+        self.rope = RotaryEmbedding(bb.head_dim, bb.rope_base)
+        self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
+        self.retrieval_stats = RetrievalStats()
+        self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
+        self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
+        self.inputs: list[InputRecord] = []
+        self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
+        self._fingerprint, self._closed = None, False
+
+    def _new_blocks(self, path, readonly):
+        return BlockMemory(self.shape, self.options, path=path, readonly=readonly, device=self.device,
+                           dtype=self.dtype, rope=self.rope, cache_bytes=self.cache_bytes)
+
+    # ---- public -------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> MemoryOutput:
+        """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``."""
+        if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        if self.streams is None:
+            self.blocks.start(idx.shape[0])
+        elif idx.shape[0] != self.streams:
+            raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
+        idx = idx.to(self.device)
+        logits, retrieved, pos = [], [], 0
+        while pos < idx.shape[1]:
+            n = min(self.options.chunk_size - self.pending_count, idx.shape[1] - pos)
+            lg, ret = self._step(idx[:, pos:pos + n])
+            logits.append(lg)
+            retrieved.append(ret)
+            pos += n
+        V, H, K = self.backbone.vocab_size, self.backbone.n_head, self.options.top_k
+        logits = torch.cat(logits, 1) if logits else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
+        retrieved = [torch.cat([r[layer] for r in retrieved], 2) if retrieved else
+                     idx.new_full((idx.shape[0], H, 0, K), -1) for layer in range(self.shape.n_layer)]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
+                                   ignore_index=IGNORE_INDEX)
+        return MemoryOutput(logits, loss, retrieved)
+
+    __call__ = forward
+
+    def step(self, idx: torch.Tensor) -> torch.Tensor:
+        """Append one token per stream, ``idx`` (B,) or (B, 1); returns its logits (B, vocab)."""
+        return self.forward(idx.reshape(-1, 1)).logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Feed ``idx`` (B, T), then generate ``max_new_tokens`` (greedy when temperature is 0);
+        returns the new tokens (B, max_new_tokens). The memory reads the new tokens too, so a
+        later call continues after them."""
+        new = decode(self.forward(idx).logits[:, -1], self.step, max_new_tokens, temperature=temperature,
+                     generator=generator)
+        if new.shape[1]:
+            self.step(new[:, -1])
+        return new
+
+    @property
+    def streams(self) -> int | None:
+        """Batch size, fixed by the first forward."""
+        return self.blocks.streams
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in memory per stream."""
+        return self.blocks.n_blocks
+
+    @property
+    def n_tokens(self) -> int:
+        """Normal tokens fed per stream."""
+        return self.n_blocks * self.shape.block_size + self.pending_count
+
+    @property
+    def pending_count(self) -> int:
+        """Tokens of the open chunk (fed since the last chunk boundary)."""
+        return 0 if self.pending_ids is None else self.pending_ids.shape[1]
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
+        chunk's keys and values: what must sit near the compute) and ``store`` (every block's
+        keys and values, wherever the store keeps them)."""
+        fast, store = self.blocks.usage()
+        fast += sum(t.numel() * t.element_size() for kv in self.pending_kv if kv for t in kv)
+        return {"fast": fast, "store": store}
+
+    def tokens(self, stream: int = 0) -> np.ndarray:
+        """int32 (n_blocks * block_size,) the normal token ids of every block in memory."""
+        return self.blocks.tokens(stream)
+
+    def add_input(self, path: Path, sha256: str, tokens: int) -> InputRecord:
+        """Record a text file whose ``tokens`` tokens are about to be fed from here on; the
+        record's ``ingested`` count is the caller's to advance, and commits keep it."""
+        entry = InputRecord(path=str(Path(path).resolve()), name=Path(path).name, sha256=sha256, tokens=tokens,
+                            ingested=0, start=self.n_tokens)
+        self.inputs.append(entry)
+        return entry
+
+    # ---- persistence --------------------------------------------------------------------
+    def commit(self) -> int:
+        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
+        protocol"); returns the commit number. A process killed at any instant leaves the
+        memory at its last commit."""
+        if self.dir is None:
+            raise ValueError("this memory has no directory: create it with a path (and store='lmdb' or 'mmap') "
+                             "to save it")
+        if self.readonly:
+            raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
+        manifest = self._manifest()
+        if self.streams is not None:
+            layout, first = manifest.rows, self._committed_blocks
+            for name, data in self.blocks.rows_since(layout, first).items():
+                self.dir.write_rows(name, first * layout.sizes[name], data)
+            state = self.blocks.index_state()
+            if self.pending_count:
+                state["pending_ids"] = self.pending_ids.cpu()
+                for layer, (k, _, v) in enumerate(self.pending_kv):
+                    state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
+            manifest.state = self.dir.write_state(self.commit_count + 1, state)
+        self.commit_count += 1
+        manifest.commit = self.commit_count
+        self.dir.write_manifest(manifest)
+        self._committed_blocks = self.n_blocks
+        self.dir.drop_old_states(manifest.state.name if manifest.state else None)
+        return self.commit_count
+
+    @classmethod
+    def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
+             backend: str = "auto", **options) -> "LandmarkMemory":
+        """A saved memory, at its last commit, ready to continue as if it had never stopped.
+
+        Parameters
+        ----------
+        path : str or Path, the memory directory.
+        model : the model the memory was built with (checked by fingerprint).
+        readonly : bool, read without the writer lock (any number of readers); text fed
+            afterwards stays in this process and is never saved.
+        options : query-time settings to change: top_k, retrieval, position_mapping,
+            max_blocks, cmt_cutoff, nprobe, ef_search. The rest was fixed when the memory was built.
+        """
+        fingerprint = model_fingerprint(model)
+        d, mem = MemoryDir(path, writable=not readonly), None
+        try:
+            manifest, state = d.read_commit()
+            saved = manifest.model
+            if saved.fingerprint != fingerprint:
+                raise MemoryFileError(
+                    f"the memory {path} was built with another model (config {saved.config}, fingerprint "
+                    f"{saved.fingerprint[:12]}); open it with that model")
+            mem = cls.__new__(cls)
+            mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
+            mem.dir, mem.readonly, mem._fingerprint = d, readonly, fingerprint
+            mem.blocks = mem._new_blocks(path, readonly)
+            mem._load(manifest, state)
+        except BaseException:
+            if mem is not None and hasattr(mem, "blocks"):
+                mem.blocks.close()
+            d.close()
+            raise
+        return mem
+
+    def _load(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
+        self.commit_count, self.inputs = manifest.commit, manifest.inputs
+        if manifest.streams is None:
+            return
+        self.blocks.load(manifest.rows, manifest.blocks, self.dir.read_block_rows(manifest), state, self.dir.path)
+        self._committed_blocks = manifest.blocks
+        if "pending_ids" in state:
+            self.pending_ids = state["pending_ids"].to(self.device)
+            pos = self._base() + torch.arange(state["pending.0.k"].shape[2], device=self.device)
+            self.pending_kv = []
+            for layer in range(self.shape.n_layer):
+                k, v = (state[f"pending.{layer}.{n}"].to(self.device) for n in "kv")
+                self.pending_kv.append((k, self.rope(k, pos), v))
+
+    def _model_record(self) -> ModelRecord:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype])
+
+    def _manifest(self) -> Manifest:
+        return Manifest(model=self._model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,
+                        tokens=self.n_tokens, pending_tokens=self.pending_count, inputs=self.inputs,
+                        commit=self.commit_count)
+
+    def close(self, commit: bool = True) -> None:
+        """Release the store and the writer lock; a writable saved memory commits first
+        (``commit=False`` drops what was fed since the last commit)."""
+        if self._closed:
+            return
+        if commit and self.dir is not None and not self.readonly:
+            self.commit()
+        self._closed = True
+        self.blocks.close()
+        if self.dir is not None:
+            self.dir.close()
+
+    def __enter__(self) -> "LandmarkMemory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(commit=exc_type is None)
+
+    # ---- one step: new tokens after the pending ones, within one chunk -------------------
+    def _step(self, new):
+        bb, bs, G = self.backbone, self.shape.block_size, self.group
+        P = self.pending_count
+        ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
+        x = insert_landmarks(ids, bs, bb.landmark_id)  # (B, Tk) the chunk so far
+        p0, Tk = landmarked_length(P, bs), x.shape[1]
+        qpos = self._base() + torch.arange(p0, Tk, device=self.device)
+        h = bb.embed(x[:, p0:])  # (B, Tq, C)
+        normal = ~landmark_mask(Tk, bs, self.device)[p0:]
+        retrieved, new_kv = [], []
+        for layer in range(self.shape.n_layer):
+            q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
+            qr, kr = self.rope(q, qpos), self.rope(k, qpos)
+            if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
+                pk, pkr, pv = self.pending_kv[layer]
+                k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
+            new_kv.append((k, kr, v))
+            local_k, local_v = (kr, v) if G == 1 else (kr.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+            cmt_k, skip = None, None
+            if self.cmt_k is not None:
+                cmt_k = self.cmt_k[layer].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
+                if self.options.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
+                    skip = cmt_share(qr, local_k, bs, cmt_k) < self.options.cmt_cutoff  # (B, H, Tq)
+            ids_used, block_pos = self._retrieve(layer, q, qr, qpos, skip)
+            table, pool_k, pool_v = self.blocks.pool(layer, ids_used)
+            y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
+                                             block_pos=block_pos, rope_base=bb.rope_base, cmt_k=cmt_k,
+                                             backend=self.backend)
+            h = bb.finish(layer, h, y)
+            retrieved.append(ids_used[:, :, normal])
+        logits = bb.head(h[:, normal])  # (B, n, V)
+        self.pending_ids, self.pending_kv = ids, new_kv
+        if self.pending_count == self.options.chunk_size:  # the chunk is complete: its blocks go to memory
+            self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)
+            self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
+        return logits, retrieved
+
+    def _base(self):
+        o = self.options
+        return chunk_base(self.n_blocks, o.top_k, self.blocks.L, o.position_mapping)
+
+    def _retrieve(self, layer, q, qr, qpos, skip=None):
+        """Block ids (B, H, Tq, top_k) chosen for each query (-1 = none) and the positions
+        their first rows sit at. ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
+        B, H, Tq, D = q.shape
+        o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
+        K = o.top_k
+        lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
+        empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
+        if nb == lo:
+            return empty, torch.zeros_like(empty)
+        stats = self.retrieval_stats
+        stats.queries += B * H * Tq
+        if skip is not None:
+            stats.skipped_queries += int(skip.sum())
+            if skip.all():  # nothing to search, score or fetch
+                stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - K > lo else 0
+                return empty, torch.zeros_like(empty)
+        scale, rope = D ** -0.5, self.rope
+
+        def landmarks(blocks):  # (B, H, n, D): key/value head h // G serves query head h
+            lms = self.blocks.landmark_keys(layer, blocks)
+            return lms.repeat_interleave(self.group, 1) if self.group > 1 else lms
+
+        if o.position_mapping == "exact":
+            ids = torch.arange(lo, nb, device=self.device)
+            S = (qr @ rope(landmarks(ids), ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
+            I = ids.expand(B, H, Tq, -1)
+        else:
+            recent = torch.arange(max(lo, nb - K), nb, device=self.device)
+            S = (qr @ rope(landmarks(recent), recent_slots(recent, nb, K) * L + bs).transpose(-2, -1)) * scale
+            I = recent.expand(B, H, Tq, -1)  # (B, H, Tq, r)
+            if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
+                xq = rope(q, qpos - bs).float().cpu().numpy()  # (B, H, Tq, D)
+                need = np.ones((B, H, Tq), bool) if skip is None else ~skip.cpu().numpy()
+                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, int(recent[0]), self.group)
+                stats.searches += B * H - skipped
+                stats.skipped_searches += skipped
+                S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype) * scale, S], -1)
+                I = torch.cat([torch.from_numpy(I_old).to(self.device), I], -1)
+        if skip is not None:
+            S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
+        ids = select_blocks(S, I, lo, nb, K, o.retrieval)
+        if skip is not None:  # shared selections (per head, per token) must not reach skipped queries
+            ids = ids.masked_fill(skip[..., None], -1)
+        return ids, block_positions(ids, nb, K, L, o.position_mapping)

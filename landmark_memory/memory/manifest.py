@@ -1,0 +1,167 @@
+"""The manifest of a saved memory as typed records, and the byte layout of its row files.
+
+``manifest.json`` (docs/DESIGN.md, "On-disk format") is written from a ``Manifest`` and read
+back into one; nothing else reads its JSON. ``RowLayout`` owns the layout of ``tokens.bin``
+and ``landmarks.bin``: one row per block, token ids as int32 (streams, block_size) and the
+landmark keys of every layer and key/value head (streams, n_layer, n_kv_head, head_dim) in
+the model's dtype.
+"""
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from ..storage import DTYPES
+from .options import MemoryOptions
+
+FORMAT = "landmark-memory/memory"
+FORMAT_VERSION = 2  # 2: the manifest's model has a shape (grouped-query attention)
+TOKENS, LANDMARKS = "tokens.bin", "landmarks.bin"
+
+
+class MemoryFileError(ValueError):
+    """A memory directory that cannot be opened as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes a memory's files depend on."""
+
+    n_layer: int
+    n_kv_head: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def block_entry(self) -> tuple[int, int, int, int]:
+        """Shape of one stored block of one layer: keys and values, (2, H_kv, block_size + 1, D)."""
+        return (2, self.n_kv_head, self.block_size + 1, self.head_dim)
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """The model a memory was built with: only that model may read it."""
+
+    fingerprint: str
+    config: dict
+    shape: ModelShape
+    dtype: str
+
+
+@dataclass
+class InputRecord:
+    """A text file ingested by ``build``: where its tokens start in the memory and how many of
+    them are in it (``ingested`` advances as the build goes)."""
+
+    path: str
+    name: str
+    sha256: str
+    tokens: int
+    ingested: int
+    start: int
+
+    @property
+    def done(self) -> bool:
+        return self.ingested == self.tokens
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """The per-commit state file and what its bytes must be."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    model: ModelRecord
+    options: MemoryOptions
+    streams: int | None = None  # batch size, fixed by the first forward
+    blocks: int = 0  # blocks per stream
+    tokens: int = 0  # normal tokens per stream
+    pending_tokens: int = 0  # of those, in the open chunk
+    inputs: list[InputRecord] = field(default_factory=list)
+    commit: int = 0
+    state: StateFile | None = None  # None until the first tokens are committed
+    updated: str = ""
+
+    @property
+    def rows(self) -> "RowLayout":
+        return RowLayout(self.streams or 0, self.model.shape, DTYPES[self.model.dtype])
+
+    @property
+    def block_bytes(self) -> int:
+        """Stored bytes of one block of one stream, all layers."""
+        return self.model.shape.n_layer * int(np.prod(self.model.shape.block_entry)) * DTYPES[self.options.store_dtype].itemsize
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION,
+                "model": asdict(self.model), "options": self.options.to_dict(),
+                "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
+                "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
+                "commit": self.commit, "files": {"state": asdict(self.state)} if self.state else {},
+                "updated": self.updated}
+
+    @classmethod
+    def from_json(cls, doc: dict, where: str) -> "Manifest":
+        """The manifest in ``doc`` (read from ``where``); format 1 is upgraded, a newer format or
+        a missing entry raises ``MemoryFileError``."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise MemoryFileError(f"{where} is not a landmark-memory manifest; restore the memory or rebuild it")
+        version = doc.get("format_version", 0)
+        if version > FORMAT_VERSION:
+            raise MemoryFileError(f"{where} was written by a newer landmark-memory (memory format {version}, this "
+                                  f"one reads up to {FORMAT_VERSION}); upgrade the package")
+        try:
+            model, files = doc["model"], doc["files"]
+            cfg = model["config"]
+            shape = model.get("shape") if version >= 2 else {  # format 1: LandmarkGPT, one key/value head per head
+                "n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"], "head_dim": cfg["n_embd"] // cfg["n_head"],
+                "block_size": cfg["block_size"]}
+            return cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"]),
+                       options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
+                       tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
+                       inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
+                       state=StateFile(**files["state"]) if files else None, updated=doc.get("updated", ""))
+        except (KeyError, TypeError) as e:
+            raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
+                                  "from a backup or rebuild it") from None
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Bytes of one block's row in ``tokens.bin`` and ``landmarks.bin`` for ``streams`` streams."""
+
+    streams: int
+    shape: ModelShape
+    dtype: torch.dtype
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        s = self.shape
+        return {TOKENS: self.streams * s.block_size * 4,
+                LANDMARKS: self.streams * s.n_layer * s.n_kv_head * s.head_dim * self.dtype.itemsize}
+
+    def encode_tokens(self, ids: np.ndarray) -> bytes:
+        """Rows of token ids ``ids`` int (streams, n * block_size) of n blocks."""
+        n = ids.shape[1] // self.shape.block_size
+        return np.ascontiguousarray(ids.reshape(self.streams, n, -1).transpose(1, 0, 2), np.int32).tobytes()
+
+    def decode_tokens(self, data: bytes) -> np.ndarray:
+        """int32 (n, streams, block_size) token ids of n rows."""
+        return np.frombuffer(data, np.int32).reshape(-1, self.streams, self.shape.block_size)
+
+    def encode_landmarks(self, keys: list[torch.Tensor]) -> bytes:
+        """Rows of landmark keys, ``keys`` per layer (streams, H_kv, n, D)."""
+        lm = torch.stack(keys, 2)  # (B, H, n_layer, n, D)
+        return lm.permute(3, 0, 2, 1, 4).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def decode_landmarks(self, data: bytes, device: torch.device) -> list[torch.Tensor]:
+        """Per layer the landmark keys (streams, H_kv, n, D) of n rows."""
+        s = self.shape
+        lm = torch.frombuffer(bytearray(data), dtype=self.dtype).view(-1, self.streams, s.n_layer, s.n_kv_head,
+                                                                       s.head_dim).to(device)
+        return [lm[:, :, layer].permute(1, 2, 0, 3).contiguous() for layer in range(s.n_layer)]

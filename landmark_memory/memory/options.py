@@ -1,0 +1,87 @@
+"""A memory's options: one frozen dataclass, validated in one place, stored in the manifest.
+
+Structural options (index kind, store, chunk size, stored dtype) are fixed when a memory is
+built; query options (``QUERY_OPTIONS``) and the index search breadths (``SEARCH_OPTIONS``)
+may change when a saved memory is reopened (``with_query``).
+"""
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from ..index import LandmarkIndex
+from ..storage import STORES
+
+RETRIEVALS = ("per_token_head", "per_head", "per_token")
+MAPPINGS = ("stingy", "exact")
+QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
+SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
+CHUNK_TOKENS = 250  # the paper's l_local: chunks default to the multiple of the block size nearest this
+
+
+def default_chunk_size(block_size: int) -> int:
+    """The multiple of ``block_size`` nearest 250 (the paper's l_local): 250 for blocks of 50,
+    252 for blocks of 63."""
+    return block_size * max(1, round(CHUNK_TOKENS / block_size))
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How a memory searches, stores and reads (see ``LandmarkMemory`` for each field).
+
+    ``chunk_size`` and ``store_dtype`` may be None until ``resolved`` fills them in for a model.
+    """
+
+    index: str = "flat"
+    index_options: dict = field(default_factory=dict)
+    store: str = "memory"
+    store_dtype: str | None = None
+    top_k: int = 4
+    chunk_size: int | None = None
+    retrieval: str = "per_token_head"
+    position_mapping: str = "stingy"
+    max_blocks: int | None = None
+    cmt_cutoff: float = 0.0
+
+    def resolved(self, block_size: int, dtype_name: str, has_cmt: bool, head_dim: int) -> "MemoryOptions":
+        """These options checked for a model (its block size, dtype, Context Miss Token, head
+        dim), defaults filled in; raises ``ValueError`` saying what is wrong."""
+        chunk_size = self.chunk_size or default_chunk_size(block_size)
+        if not isinstance(chunk_size, int) or chunk_size < block_size or chunk_size % block_size:
+            raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({block_size}), "
+                             f"got {chunk_size}")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        if self.retrieval not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {self.retrieval!r}")
+        if self.position_mapping not in MAPPINGS:
+            raise ValueError(f"position_mapping must be one of {MAPPINGS}, got {self.position_mapping!r}")
+        if self.max_blocks is not None and (not isinstance(self.max_blocks, int) or self.max_blocks < 1):
+            raise ValueError(f"max_blocks must be None or an int >= 1, got {self.max_blocks!r}")
+        if self.store not in STORES:
+            raise ValueError(f"unknown store {self.store!r}; choose one of {STORES}")
+        cutoff = self.cmt_cutoff
+        if not isinstance(cutoff, (int, float)) or not 0.0 <= cutoff <= 1.0:
+            raise ValueError(f"cmt_cutoff must be a number in [0, 1], got {cutoff!r}")
+        if cutoff > 0 and not has_cmt:
+            raise ValueError("cmt_cutoff needs a model trained with a Context Miss Token (config cmt=True)")
+        LandmarkIndex(self.index, head_dim, **self.index_options)  # fail now on a bad kind or option
+        return replace(self, chunk_size=chunk_size, store_dtype=self.store_dtype or dtype_name, cmt_cutoff=float(cutoff))
+
+    def with_query(self, **changes: Any) -> "MemoryOptions":
+        """These options with query-time settings changed (``QUERY_OPTIONS`` and
+        ``SEARCH_OPTIONS``); the others were fixed when the memory was built."""
+        bad = sorted(set(changes) - set(QUERY_OPTIONS) - set(SEARCH_OPTIONS))
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot change once a memory is built; only "
+                             f"{', '.join(QUERY_OPTIONS + SEARCH_OPTIONS)} can")
+        search = {k: changes.pop(k) for k in SEARCH_OPTIONS if k in changes}
+        return replace(self, **changes, index_options={**self.index_options, **search})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MemoryOptions":
+        """Options as a manifest stores them (older manifests lack ``cmt_cutoff``)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

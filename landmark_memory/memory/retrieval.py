@@ -1,0 +1,81 @@
+"""The retrieval policy as pure functions: which blocks each query reads (paper Table 2's
+granularities) and where the chosen blocks sit (stingy or exact positions, section 3.2.1).
+
+Block ids are memory block numbers; -1 marks an empty slot. ``L = block_size + 1`` rows per
+block, the landmark last.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int, retrieval: str) -> torch.Tensor:
+    """Top-k block ids per the retrieval mode from candidate scores and ids.
+
+    Parameters
+    ----------
+    S : float (B, H, T_q, M), landmark scores of the candidates, -inf where none.
+    I : int64 (B, H, T_q, M), their block ids (-1 where none); every id is in [lo, nb).
+    lo, nb : int, the retrievable blocks are ``[lo, nb)``.
+    top_k : int, blocks per query.
+    retrieval : {"per_token_head", "per_head", "per_token"}: one set per (token, head), one
+        per head for all tokens of the step, or one per token for all heads. The shared sets
+        rank blocks by the maximum, over tokens or heads, of the softmaxed landmark scores.
+
+    Returns
+    -------
+    int64 (B, H, T_q, top_k), -1 where fewer blocks qualify.
+    """
+    B, H, Tq, M = S.shape
+    if retrieval == "per_token_head":
+        top = S.topk(min(top_k, M), dim=-1)
+        ids = torch.where(top.values == float("-inf"), -1, I.gather(-1, top.indices))
+    else:
+        logp = S - torch.logsumexp(S, -1, keepdim=True)
+        logp = torch.where(I >= 0, logp, float("-inf"))
+        if retrieval == "per_token":
+            logp, I = logp.transpose(1, 2).flatten(2), I.transpose(1, 2).flatten(2)  # (B, Tq, H * M)
+        else:
+            logp, I = logp.flatten(2), I.flatten(2)  # (B, H, Tq * M)
+        dense = logp.new_full((*logp.shape[:2], nb - lo), float("-inf"))
+        dense = dense.scatter_reduce(-1, (I - lo).clamp(min=0), logp, "amax")
+        top = dense.topk(min(top_k, nb - lo), dim=-1)
+        ids = torch.where(top.values == float("-inf"), -1, top.indices + lo)  # (B, H or Tq, k)
+        ids = ids[:, :, None] if retrieval == "per_head" else ids[:, None]
+        ids = ids.expand(B, H, Tq, -1)
+    if ids.shape[-1] < top_k:
+        ids = F.pad(ids, (0, top_k - ids.shape[-1]), value=-1)
+    return ids
+
+
+def block_positions(ids: torch.Tensor, nb: int, top_k: int, L: int, mapping: str) -> torch.Tensor:
+    """Where each chosen block's first row sits, int64 like ``ids`` (B, H, T_q, K).
+
+    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``top_k + 1``
+    block slots; the latest ``top_k`` memory blocks sit at their own slots (the newest at slot
+    ``top_k``), older chosen blocks fill slots from 0 in memory order, kept left of the first
+    recent one (several share slot 0 when there is no room).
+    """
+    if mapping == "exact":
+        return ids.clamp(min=0) * L
+    K = top_k
+    order = torch.where(ids < 0, torch.iinfo(torch.long).max, ids).sort(-1)
+    ids_sorted = ids.gather(-1, order.indices)
+    recent = ids_sorted >= nb - K
+    own_slot = recent_slots(ids_sorted, nb, K)
+    first_recent = torch.where(recent, own_slot, K + 1).min(-1, keepdim=True).values
+    old_rank = torch.cumsum(~recent & (ids_sorted >= 0), -1) - 1
+    slot = torch.where(recent, own_slot, torch.minimum(old_rank, first_recent - 1)).clamp(min=0)
+    return torch.empty_like(slot).scatter_(-1, order.indices, slot) * L
+
+
+def recent_slots(recent: torch.Tensor, nb: int, top_k: int) -> torch.Tensor:
+    """Stingy slots of the latest blocks ``recent`` (int64 (r,)): the newest at slot ``top_k``,
+    the one before at ``top_k - 1``, ..."""
+    return top_k + 1 - (nb - recent)
+
+
+def chunk_base(n_blocks: int, top_k: int, L: int, mapping: str) -> int:
+    """Position of the open chunk's first token: after the ``top_k + 1`` stingy slots, or
+    after every block in memory (exact)."""
+    return (top_k + 1) * L if mapping == "stingy" else n_blocks * L

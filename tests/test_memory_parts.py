@@ -1,0 +1,130 @@
+"""The memory's parts on their own: the retrieval policy's pure functions, the options, the
+manifest's records and row layout, and the decoding loop."""
+
+import numpy as np
+import pytest
+import torch
+
+from landmark_memory.decode import decode, next_token
+from landmark_memory.memory import Manifest, MemoryFileError, MemoryOptions, ModelShape
+from landmark_memory.memory.manifest import InputRecord, ModelRecord, RowLayout, StateFile
+from landmark_memory.memory.retrieval import chunk_base, select_blocks
+
+NEG = float("-inf")
+
+
+def candidates():
+    """Scores and ids of 2 heads x 2 queries over blocks 0..4 (B = 1)."""
+    S = torch.tensor([[[[3.0, 1.0, 2.0], [0.0, 5.0, NEG]],
+                       [[1.0, 4.0, 0.5], [2.0, 2.5, 3.0]]]])  # (1, 2, 2, 3)
+    I = torch.tensor([[[[0, 1, 4], [2, 3, -1]],
+                       [[0, 1, 4], [2, 3, 4]]]])
+    return S, I
+
+
+def test_per_token_head_selection_is_each_querys_own_top_k():
+    S, I = candidates()
+    ids = select_blocks(S, I, lo=0, nb=5, top_k=2, retrieval="per_token_head")
+    assert ids.tolist() == [[[[0, 4], [3, 2]], [[1, 0], [4, 3]]]]
+
+
+def test_fewer_candidates_than_k_leave_empty_slots():
+    S, I = candidates()
+    ids = select_blocks(S, I, lo=0, nb=5, top_k=4, retrieval="per_token_head")
+    assert ids[0, 0, 1].tolist() == [3, 2, -1, -1]  # one candidate of query 1, head 0 is -inf
+
+
+@pytest.mark.parametrize("retrieval", ["per_head", "per_token"])
+def test_shared_selections_rank_by_the_best_softmaxed_score(retrieval):
+    S, I = candidates()
+    ids = select_blocks(S, I, lo=0, nb=5, top_k=2, retrieval=retrieval)
+    logp = torch.where(I >= 0, S - torch.logsumexp(S, -1, keepdim=True), NEG)
+    for h in range(2):
+        for t in range(2):
+            group = [(hh, tt) for hh in range(2) for tt in range(2)
+                     if (hh == h if retrieval == "per_head" else tt == t)]
+            best = {}
+            for hh, tt in group:
+                for s, i in zip(logp[0, hh, tt].tolist(), I[0, hh, tt].tolist()):
+                    if i >= 0:
+                        best[i] = max(best.get(i, NEG), s)
+            expected = sorted(best, key=lambda i: -best[i])[:2]
+            assert ids[0, h, t].tolist() == expected
+
+
+def test_chunk_base_sits_after_the_stingy_slots_or_every_block():
+    assert chunk_base(n_blocks=9, top_k=3, L=6, mapping="stingy") == 24
+    assert chunk_base(n_blocks=9, top_k=3, L=6, mapping="exact") == 54
+
+
+def test_query_options_change_on_reopen_and_structural_ones_do_not():
+    o = MemoryOptions(index="ivf", index_options={"train_size": 64}, chunk_size=10)
+    changed = o.with_query(top_k=7, nprobe=3)
+    assert (changed.top_k, changed.index_options) == (7, {"train_size": 64, "nprobe": 3})
+    assert o.top_k == 4 and o.index_options == {"train_size": 64}  # frozen: the original is unchanged
+    with pytest.raises(ValueError, match="store cannot change"):
+        o.with_query(store="lmdb")
+
+
+def test_options_are_resolved_for_the_model_and_bad_ones_explained():
+    o = MemoryOptions().resolved(block_size=50, dtype_name="float16", has_cmt=False, head_dim=32)
+    assert (o.chunk_size, o.store_dtype) == (250, "float16")
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        MemoryOptions(top_k=0).resolved(50, "float32", False, 32)
+    with pytest.raises(ValueError, match="needs a model trained with a Context Miss Token"):
+        MemoryOptions(cmt_cutoff=0.5).resolved(50, "float32", False, 32)
+
+
+def manifest():
+    shape = ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5)
+    return Manifest(model=ModelRecord("ab" * 32, {"n_layer": 2}, shape, "float32"),
+                    options=MemoryOptions(chunk_size=10, store_dtype="float16"), streams=2, blocks=4, tokens=23,
+                    pending_tokens=3, inputs=[InputRecord("/x/a.txt", "a.txt", "cd" * 32, 30, 23, 0)], commit=5,
+                    state=StateFile("state.5.safetensors", 123, "ef" * 32), updated="2026-11-22T00:00:00+0000")
+
+
+def test_manifest_round_trips_through_json():
+    m = manifest()
+    assert Manifest.from_json(m.to_json(), "m") == m
+    assert m.block_bytes == 2 * (2 * 3 * 6 * 4) * 2  # layers x (k and v, heads, rows, dim) x float16
+
+
+def test_a_manifest_missing_an_entry_is_refused_as_damaged():
+    doc = manifest().to_json()
+    del doc["blocks"]
+    with pytest.raises(MemoryFileError, match="lacks or garbles an entry"):
+        Manifest.from_json(doc, "m")
+
+
+def test_row_layout_round_trips_tokens_and_landmarks():
+    layout = RowLayout(streams=2, shape=ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5),
+                       dtype=torch.float32)
+    ids = np.arange(2 * 15, dtype=np.int32).reshape(2, 15)  # 3 blocks per stream
+    data = layout.encode_tokens(ids)
+    assert len(data) == 3 * layout.sizes["tokens.bin"]
+    tok = layout.decode_tokens(data)  # (n, streams, block_size)
+    np.testing.assert_array_equal(tok.transpose(1, 0, 2).reshape(2, 15), ids)
+    keys = [torch.randn(2, 3, 3, 4) for _ in range(2)]  # per layer (streams, H_kv, n, D)
+    data = layout.encode_landmarks(keys)
+    assert len(data) == 3 * layout.sizes["landmarks.bin"]
+    for a, b in zip(layout.decode_landmarks(data, torch.device("cpu")), keys):
+        assert torch.equal(a, b)
+
+
+def test_greedy_decoding_feeds_each_pick_but_the_last():
+    fed = []
+
+    def feed(nxt):
+        fed.append(int(nxt))
+        return torch.nn.functional.one_hot(nxt[:, 0] + 1, 10).float()  # the next token is always one more
+
+    new = decode(torch.nn.functional.one_hot(torch.tensor([3]), 10).float(), feed, 4)
+    assert new.tolist() == [[3, 4, 5, 6]] and fed == [3, 4, 5]
+
+
+def test_sampling_keeps_to_the_top_k_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]]).expand(64, -1)
+    g = torch.Generator().manual_seed(0)
+    picks = next_token(logits, temperature=2.0, top_k=2, generator=g)
+    assert set(picks.tolist()) == {1, 2}
+    assert next_token(logits, temperature=0.0).tolist() == [1] * 64
