@@ -43,42 +43,57 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(strip_gutenberg(text)).ids + [tokenizer.token_to_id(EOS_TOKEN)]
 
 
-class _StopOnInterrupt:
-    """Ctrl-C sets a flag that the build loop checks between chunks (then commits and stops)."""
+class _StopOnSignal:
+    """Ctrl-C (SIGINT) and SIGTERM (what ``kill``, systemd and container runtimes send) set a
+    flag that the build loop checks between chunks; it then commits and stops."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
-        self.stop, self._old = False, None
+        self.signum, self._old = None, {}
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.stop = True
+        self.signum = signum
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, commit_every: float = 60.0,
-          progress: bool = True) -> dict:
+          progress: bool = True, leave_unfinished: bool = False) -> dict:
     """Feed ``inputs`` (``TextInput``) into the writable saved memory ``mem``.
 
-    Commits every ``commit_every`` seconds and after each input. Returns a summary dict:
-    ``added`` (tokens fed now), ``skipped`` (inputs already in memory), ``interrupted``.
+    Commits every ``commit_every`` seconds and after each input. An input left unfinished by an
+    earlier build is finished first; ``leave_unfinished`` leaves it as it is instead (its tokens
+    so far stay in memory), for when its file has changed since. Returns a summary dict:
+    ``added`` (tokens fed now), ``skipped`` (inputs already in memory), ``left`` (the input
+    left unfinished, if any), ``interrupted`` (the signal that stopped the build, or None).
     """
     done = {e.sha256: e for e in mem.inputs}
-    unfinished = [e for e in mem.inputs if not e.done]
+    unfinished = next((e for e in mem.inputs if not e.done), None)
     given = {i.sha256: i for i in inputs}
-    if unfinished and unfinished[0].sha256 not in given:
-        e = unfinished[0]
-        raise ValueError(f"the memory holds an unfinished input, {e.path} ({e.ingested:,} of {e.tokens:,} "
-                         "tokens); build again with that file among the inputs to finish it first")
-    order = [given[unfinished[0].sha256]] if unfinished else []
+    summary = {"added": 0, "skipped": [], "left": None, "interrupted": None}
+    if unfinished is not None and leave_unfinished:
+        unfinished.abandoned, summary["left"] = True, unfinished.path
+        mem.commit()
+        unfinished = None
+    if unfinished is not None and unfinished.sha256 not in given:
+        e = unfinished
+        changed = next((i for i in inputs if str(i.path.resolve()) == e.path), None)
+        what = (f"{e.path} has changed since its build began ({e.ingested:,} of its {e.tokens:,} tokens are in "
+                "memory): restore its old content to finish it, or build with --leave-unfinished to keep those "
+                "tokens and go on (the new content is then read as a new input)" if changed else
+                f"the memory holds an unfinished input, {e.path} ({e.ingested:,} of {e.tokens:,} tokens); build "
+                "again with that file among the inputs to finish it first, or with --leave-unfinished to leave it")
+        raise ValueError(what)
+    order = [given[unfinished.sha256]] if unfinished else []
     order += [i for i in inputs if i not in order]
-    summary = {"added": 0, "skipped": [], "interrupted": False}
     last_commit = time.monotonic()
-    with _StopOnInterrupt() as interrupt:
+    with _StopOnSignal() as stop:
         for inp in order:
             entry = done.get(inp.sha256)
             if entry is not None and entry.done:
@@ -100,12 +115,12 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, commit_every:
                 entry.ingested = pos
                 summary["added"] += n
                 bar.update(n)
-                if interrupt.stop or time.monotonic() - last_commit >= commit_every:
+                if stop.signum is not None or time.monotonic() - last_commit >= commit_every:
                     mem.commit()
                     last_commit = time.monotonic()
-                if interrupt.stop:
+                if stop.signum is not None:
                     bar.close()
-                    summary["interrupted"] = True
+                    summary["interrupted"] = signal.Signals(stop.signum).name
                     return summary
             bar.close()
             mem.commit()

@@ -11,11 +11,12 @@
 
 Every command takes ``--help``; ``--json`` prints one JSON document on stdout (progress bars
 go to stderr). ``--model`` defaults to the bundled model. Errors exit with status 2 and a
-message saying what to do; an interrupted build exits with 130 after committing.
+message saying what to do; a build stopped by Ctrl-C (or SIGTERM) commits and exits with 130
+(143).
 """
 
-import argparse
 import json
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,11 +26,12 @@ import torch
 from .build import build, encode, read_inputs
 from .decode import decode
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
+from .cli_args import parser
 from .index import KINDS
 from .kinds import backbone_for, is_landmark, load_model, reading_mode
-from .memory import MAPPINGS, RETRIEVALS, LandmarkMemory, MemoryDir, MemoryFileError, default_chunk_size
+from .memory import LandmarkMemory, MemoryDir, default_chunk_size
+from .memory.inspect import describe, verify
 from .model import BUNDLED_MODEL
-from .storage import DTYPES
 
 
 class UsageError(ValueError):
@@ -49,34 +51,6 @@ def memory_options(args, model):
             "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None)}
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
     return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options}
-
-
-def add_model_args(p):
-    p.add_argument("--model", help="model directory (save_pretrained layout); default: the bundled model")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-
-
-CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
-
-
-def add_retrieval_args(p, index_default="flat", top_k_default=4):
-    p.add_argument("--chunk-size", type=int, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=int, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
-    p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(KINDS)} (default {index_default})")
-    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
-    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
-    p.add_argument("--cmt-cutoff", type=float, help=CMT_HELP)
-
-
-CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT share is below this retrieves "
-            "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
-
-
-def add_index_tuning(p, train_size=None):
-    p.add_argument("--train-size", type=int, default=train_size,
-                   help=f"landmarks before IVF indexes train (default {train_size or '4096 ivf, 16384 ivfpq'})")
-    p.add_argument("--nprobe", type=int, help="IVF lists visited per query (default 16)")
-    p.add_argument("--ef-search", type=int, help="HNSW search breadth (default 128)")
 
 
 def read_one_text(path):
@@ -109,7 +83,8 @@ def cmd_build(args):
         mem = LandmarkMemory(model, path=path, top_k=args.top_k or 4, **opts)
         created = True
     try:
-        summary = build(mem, inputs, tok, commit_every=args.commit_every, progress=not args.quiet)
+        summary = build(mem, inputs, tok, commit_every=args.commit_every, progress=not args.quiet,
+                        leave_unfinished=args.leave_unfinished)
     finally:
         mem.close(commit=False)  # build() committed everything it fed
     doc = {"memory": str(path), "created": created, **summary, "tokens": mem.n_tokens, "blocks": mem.n_blocks,
@@ -117,30 +92,19 @@ def cmd_build(args):
     lines = [f"{'created' if created else 'updated'} {path}: {mem.n_tokens:,} tokens in {mem.n_blocks:,} blocks "
              f"(commit {mem.commit_count}); {summary['added']:,} tokens added"]
     lines += [f"skipped (already in memory): {s}" for s in summary["skipped"]]
+    if summary["left"]:
+        lines.append(f"left unfinished: {summary['left']}")
     if summary["interrupted"]:
-        lines.append("interrupted: everything fed so far is committed; run the same build again to continue")
+        lines.append(f"interrupted ({summary['interrupted']}): everything fed so far is committed; run the same build "
+                     "again to continue")
     emit(args, doc, "\n".join(lines))
-    return 130 if summary["interrupted"] else 0
-
-
-def memory_info(path: str | Path) -> dict:
-    """The manifest's facts about a memory, with its files checked."""
-    d = MemoryDir(path, writable=False)
-    m, _ = d.read_commit()
-    d.read_block_rows(m)  # present and long enough
-    disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-    o = m.options
-    return {"memory": str(path), "tokens": m.tokens, "blocks": m.blocks, "pending_tokens": m.pending_tokens,
-            "streams": m.streams, "index": o.index, "store": o.store, "store_dtype": o.store_dtype,
-            "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
-            "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
-            "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
-            "inputs": [{"path": e.path, "tokens": e.tokens, "ingested": e.ingested, "start": e.start,
-                        "sha256": e.sha256, "done": e.done} for e in m.inputs]}
+    return 128 + signal.Signals[summary["interrupted"]].value if summary["interrupted"] else 0
 
 
 def cmd_info(args):
-    info = memory_info(args.memory)
+    if args.verify:
+        return cmd_verify(args)
+    info = describe(args.memory)
     lines = [f"memory      {info['memory']} (commit {info['commit']}, {info['updated']})",
              f"tokens      {info['tokens']:,} in {info['blocks']:,} blocks of {info['block_size']} "
              f"(+{info['pending_tokens']} in the open chunk)",
@@ -148,10 +112,22 @@ def cmd_info(args):
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
              f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB",
              f"inputs      {len(info['inputs'])}"]
-    lines += [f"  {'done' if e['done'] else 'partial':7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}"
-              for e in info["inputs"]]
+    state = lambda e: "left" if e["abandoned"] else "done" if e["done"] else "partial"  # noqa: E731
+    lines += [f"  {state(e):7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
     emit(args, info, "\n".join(lines))
     return 0
+
+
+def cmd_verify(args):
+    report = verify(args.memory)
+    doc = {"memory": str(args.memory), "ok": report.ok, "problems": report.problems,
+           "damaged_blocks": [dict(zip(("stream", "layer", "block"), k)) for k in report.damaged_blocks],
+           "blocks_checked": report.blocks_checked, "indexes_checked": report.indexes_checked}
+    head = (f"{args.memory}: sound ({report.blocks_checked:,} stored blocks and {report.indexes_checked:,} indexes "
+            "checked)" if report.ok else f"{args.memory}: damaged, {len(report.problems)} problem(s); restore the "
+            "memory from a backup or rebuild it")
+    emit(args, doc, "\n".join([head, *(f"  {p}" for p in report.problems)]))
+    return 0 if report.ok else 2
 
 
 def source_of(mem, ids, block, tok):
@@ -277,104 +253,18 @@ def cmd_train(argv):
     return 0
 
 
-# ---- argument parsing -------------------------------------------------------------------
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="landmark-memory", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    common.add_argument("--quiet", action="store_true", help="no progress bars")
-
-    sub.add_parser("train", help="train a model (the options of experiments/train.py; see `train --help`)",
-                   add_help=False)
-
-    p = sub.add_parser("build", parents=[common], help="build or extend a saved memory from text files")
-    p.add_argument("memory", help="memory directory (created if absent, extended if present)")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=".txt files or folders of them")
-    add_model_args(p)
-    p.add_argument("--index", choices=KINDS, help="landmark index of a new memory (default flat)")
-    p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
-    p.add_argument("--store-dtype", choices=sorted(DTYPES), help="stored key/value dtype (default: the model's)")
-    p.add_argument("--block-size", type=int, help="tokens per block (default: the model's)")
-    p.add_argument("--chunk-size", type=int, help=CHUNK_HELP + "; fixed when the memory is created")
-    p.add_argument("--top-k", type=int, help="blocks retrieved per query (default 4)")
-    p.add_argument("--commit-every", type=float, default=60.0, metavar="SECONDS",
-                   help="commit at least this often (default 60; each input's end commits too)")
-    p.set_defaults(fn=cmd_build)
-
-    p = sub.add_parser("info", parents=[common], help="what a memory holds")
-    p.add_argument("memory")
-    p.set_defaults(fn=cmd_info)
-
-    p = sub.add_parser("ask", parents=[common], help="continue from a memory's end with a prompt")
-    p.add_argument("memory")
-    p.add_argument("prompt")
-    add_model_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed when temperature > 0")
-    p.add_argument("--top-k", type=int, help="blocks retrieved per query (default: the memory's)")
-    p.add_argument("--cmt-cutoff", type=float, help=CMT_HELP)
-    p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
-    p.add_argument("--passages", type=int, default=3, help="passages to report (default 3)")
-    p.set_defaults(fn=cmd_ask)
-
-    p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
-    p.add_argument("--input", required=True, metavar="FILE")
-    add_model_args(p)
-    p.add_argument("--eval-length", type=int, default=2048, help="tokens per segment (default 2048)")
-    p.add_argument("--max-segments", type=int, help="evaluate only the first segments")
-    p.add_argument("--full-attention", action="store_true",
-                   help="each segment in one forward, no memory (the model's own attention)")
-    add_retrieval_args(p)
-    add_index_tuning(p)
-    p.set_defaults(fn=cmd_eval)
-
-    p = sub.add_parser("compare", parents=[common], help="exact vs approximate retrieval: perplexity, recall, latency")
-    p.add_argument("--input", required=True, metavar="FILE")
-    add_model_args(p)
-    p.add_argument("--index", default="flat,hnsw,ivf,ivfpq", help="index kinds, comma-separated (default all CPU kinds)")
-    p.add_argument("--eval-length", type=int, default=0, help="tokens per segment (default 0: the whole text)")
-    p.add_argument("--max-segments", type=int, help="evaluate only the first segments")
-    p.add_argument("--chunk-size", type=int, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=int, default=4, help="blocks retrieved per query (default 4)")
-    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head")
-    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy")
-    add_index_tuning(p, train_size=1024)
-    p.add_argument("--plot", metavar="FILE.png", help="bar charts of the table")
-    p.set_defaults(fn=cmd_compare)
-
-    p = sub.add_parser("passkey", parents=[common], help="the paper's passkey retrieval test")
-    add_model_args(p)
-    p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths in tokens (default 1k,2k,4k,8k; k = 1024)")
-    p.add_argument("--trials", type=int, default=10, help="prompts per length (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="keys and depths are reproducible from it")
-    p.add_argument("--full-attention", action="store_true", help="whole prompt in one forward, no memory")
-    p.add_argument("--plot", metavar="FILE.png", help="accuracy vs length")
-    add_retrieval_args(p)
-    add_index_tuning(p)
-    p.set_defaults(fn=cmd_passkey)
-
-    p = sub.add_parser("demo", parents=[common], help="build, save, reopen and query a memory over the sample book")
-    p.add_argument("--out", help="where to keep the memory (default: a temporary folder, removed afterwards)")
-    p.add_argument("--seed", type=int, help="where the passkey goes and what it is (default: random)")
-    p.add_argument("--book", metavar="FILE", help="a text file to use instead of the bundled sample book")
-    add_model_args(p)
-    p.set_defaults(fn=cmd_demo)
-    return ap
-
-
-ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, MemoryFileError)
+COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "eval": cmd_eval, "compare": cmd_compare,
+            "passkey": cmd_passkey, "demo": cmd_demo}
+ERRORS = (ValueError, OSError)  # bad input, damaged memories (MemoryFileError), files that cannot be read or written
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
         return cmd_train(argv[1:])
-    args = parser().parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
     try:
-        return args.fn(args)
+        return COMMANDS[args.command](args)
     except ERRORS as e:
         print(f"landmark-memory {args.command}: error: {e}", file=sys.stderr)
         return 2

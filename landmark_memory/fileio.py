@@ -1,19 +1,51 @@
-"""Crash-safe file writes: nothing on disk is ever left half-written."""
+"""Crash-safe file writes that never follow a symbolic link: nothing on disk is ever left
+half-written, and nothing is written outside the folder named."""
 
+import errno
 import os
 from pathlib import Path
+from typing import Callable
+
+TMP_MARK = ".tmp"  # temporary files are ".<name>.tmp<pid>": a cleanup can tell them from everything else
 
 
-def atomic_write(dest, write):
-    """Call ``write(tmp_path)`` to produce the file, fsync it, then rename it over ``dest``.
+class LinkError(OSError):
+    """A path that should be a plain file or folder is a symbolic link."""
 
-    A crash leaves either the previous ``dest`` or the new one, never a partial file."""
-    dest = Path(dest)
-    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symbolic link at ``path`` (its last component) with ``LinkError``."""
     try:
-        write(str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LinkError(errno.ELOOP, f"{path} is a symbolic link") from None
+        raise
+
+
+def atomic_write(dest: str | Path, content: bytes | Callable[[str], None]) -> None:
+    """Write ``content`` (bytes, or a function that writes the file at the path it is given)
+    to a temporary file beside ``dest``, fsync it, then rename it over ``dest``.
+
+    A crash leaves either the previous ``dest`` or the new one, never a partial file. Bytes
+    are written through a file created new (never through a link), with the usual
+    permissions (0666 less the umask); the rename replaces a link at ``dest`` itself, never
+    what it points to."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}{TMP_MARK}{os.getpid()}")
+    try:
+        if isinstance(content, (bytes, bytearray, memoryview)):
+            if tmp.is_symlink():
+                tmp.unlink()
+            fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            content(str(tmp))
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

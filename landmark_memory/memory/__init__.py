@@ -7,13 +7,16 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     manifest.py   the manifest's typed records and the row files' byte layout
     directory.py  the files of a saved memory and the commit protocol
     engine.py     LandmarkMemory: forward, step, generate, commit, open, close
+    outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
+    inspect.py    a saved memory read without its model: describe (info) and verify
 """
 
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
-from .engine import LandmarkMemory, MemoryOutput, RetrievalStats
+from .engine import LandmarkMemory
 from .manifest import InputRecord, Manifest, MemoryFileError, ModelShape
 from .options import MAPPINGS, QUERY_OPTIONS, RETRIEVALS, MemoryOptions, default_chunk_size
+from .outputs import MemoryOutput, RetrievalStats
 
 __all__ = ["BlockMemory", "InputRecord", "LandmarkMemory", "MAPPINGS", "Manifest", "MemoryDir", "MemoryFileError",
            "MemoryOptions", "MemoryOutput", "ModelShape", "QUERY_OPTIONS", "RETRIEVALS", "RetrievalStats",

@@ -13,7 +13,8 @@ import torch
 
 from ..index import LandmarkIndex
 from ..rope import RotaryEmbedding
-from ..storage import HotCache, OverlayStore, open_store
+from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
+from .directory import disk_errors
 from .manifest import LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout
 from .options import MemoryOptions
 
@@ -25,24 +26,29 @@ class BlockMemory:
     ----------
     shape : ModelShape, the model's layer count, key/value heads, head dim and block size.
     options : MemoryOptions, resolved (index kind and options, store kind and dtype, chunk size).
-    path : Path, optional, the memory directory (its ``store/`` holds on-disk blocks).
+    store_path : Path, optional, the folder of an on-disk store (a saved memory's ``store/``).
     readonly : bool, new blocks stay in this process (an overlay over the saved store).
     device, dtype : where and in what the model computes; landmarks and cached blocks live there.
     rope : RotaryEmbedding of the model (cached blocks are kept rotated by their row offset).
     cache_bytes : int, hot-cache budget.
     """
 
-    def __init__(self, shape: ModelShape, options: MemoryOptions, *, path: Path | None, readonly: bool,
+    def __init__(self, shape: ModelShape, options: MemoryOptions, *, store_path: Path | None, readonly: bool,
                  device: torch.device, dtype: torch.dtype, rope: RotaryEmbedding, cache_bytes: int):
         self.shape, self.options, self.device, self.dtype = shape, options, device, dtype
+        self.where = "this memory" if store_path is None else str(Path(store_path).parent)  # for messages
         self.L = shape.block_size + 1
         self.streams: int | None = None  # batch size, fixed by the first chunk
         self.n_blocks = 0  # blocks per stream
         self.landmarks = [None] * shape.n_layer  # per layer (B, H_kv, >= n_blocks, D), grown by doubling
         self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
         self.chunk_ids: list[np.ndarray] = []  # int32 (B, chunk_size) token ids of each chunk in memory
-        store = open_store(options.store, shape.block_entry, None if path is None else Path(path) / "store",
-                           options.store_dtype, readonly=readonly)
+        try:
+            with disk_errors(f"the block store of {self.where}"):
+                store = open_store(options.store, shape.block_entry, store_path, options.store_dtype,
+                                   readonly=readonly, checksums=options.block_checksums)
+        except StoreDamagedError as e:
+            raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         self.store = OverlayStore(store) if readonly else store
         offsets = torch.arange(self.L, device=device)
         # cached blocks are pool-ready: keys rotated by their offset inside the block (the
@@ -88,7 +94,8 @@ class BlockMemory:
             for b in range(B):
                 for h in range(H):
                     self.indexes[b][layer][h].add(xb[b, h])
-        self.store.put(items)
+        with disk_errors(f"the block store of {self.where}"):
+            self.store.put(items)
         self.chunk_ids.append(ids.to("cpu", torch.int32).numpy())
         self.n_blocks += n_new
 
@@ -138,7 +145,11 @@ class BlockMemory:
             empty = torch.zeros((0, self.shape.n_kv_head, self.L, self.shape.head_dim), device=self.device,
                                 dtype=self.dtype)
             return table, empty, empty
-        pool, slots = self.cache.pool([(u // (nb + 1), layer, u % (nb + 1)) for u in uniq.tolist()])
+        try:
+            pool, slots = self.cache.pool([(u // (nb + 1), layer, u % (nb + 1)) for u in uniq.tolist()])
+        except StoreDamagedError as e:
+            raise MemoryFileError(f"{e} in the block store of {self.where}; the memory is damaged: restore it from a "
+                                  "backup or rebuild it (`landmark-memory info --verify` lists every damaged block)")
         table[valid] = slots[inverse]
         return table, pool[:, 0], pool[:, 1]
 
@@ -189,17 +200,21 @@ class BlockMemory:
         self.chunk_ids = [tok[c:c + per_chunk].transpose(1, 0, 2).reshape(B, -1) for c in range(0, n_blocks, per_chunk)]
         if n_blocks:
             self.landmarks = layout.decode_landmarks(rows[LANDMARKS], self.device)
-        self.indexes = [[[self._new_index(state[f"index.{b}.{layer}.{h}"].numpy()) for h in range(cfg.n_kv_head)]
-                         for layer in range(cfg.n_layer)] for b in range(B)]
+        try:
+            self.indexes = [[[self._new_index(state[f"index.{b}.{layer}.{h}"].numpy()) for h in range(cfg.n_kv_head)]
+                             for layer in range(cfg.n_layer)] for b in range(B)]
+        except (KeyError, RuntimeError, ValueError) as e:  # a missing entry, or bytes FAISS cannot read
+            raise MemoryFileError(f"the state file of {where} lacks or garbles a landmark index ({e}); the memory "
+                                  "is damaged: restore it from a backup or rebuild it") from None
         if any(ix.ntotal != n_blocks for ix in self.all_indexes()):
             raise MemoryFileError(f"the indexes of {where} do not hold the {n_blocks} blocks the manifest names; "
                                   "the memory is damaged: restore it from a backup or rebuild it")
         try:
             if n_blocks:
                 self.store.get([(b, layer, n_blocks - 1) for b in range(B) for layer in range(cfg.n_layer)])
-        except KeyError:
-            raise MemoryFileError(f"the block store of {where} lacks blocks the manifest names; "
-                                  "the memory is damaged: restore it from a backup or rebuild it") from None
+        except (KeyError, StoreDamagedError):
+            raise MemoryFileError(f"the block store of {where} lacks blocks the manifest names, or they are "
+                                  "damaged; restore the memory from a backup or rebuild it") from None
 
     def close(self) -> None:
         self.store.close()

@@ -3,35 +3,47 @@
 A memory directory holds (docs/DESIGN.md, "On-disk format"):
 
 - ``manifest.json``: format version, model fingerprint and config, options, counts, the
-  commit counter, the inputs ingested; written last, atomically: it *is* the commit;
+  commit counter, the inputs ingested, checksums of the other files; written last,
+  atomically: it *is* the commit;
 - ``state.<commit>.safetensors``: every FAISS index (FAISS's own serialisation, as uint8
   tensors) and the incomplete chunk (its token ids, keys and values);
 - ``tokens.bin`` / ``landmarks.bin``: append-only raw rows, one per block (token ids as int32;
   landmark keys of every layer and head in the model's dtype); only the first ``blocks`` rows
   count, a writer cuts any tail a crash left;
-- ``store/lmdb`` or ``store/mmap``: block keys and values, written when a chunk completes,
-  one transaction per chunk; blocks past the committed count are ignored and rewritten;
+- ``store/lmdb`` or ``store/mmap``: block keys and values (each with a CRC-32), written when
+  a chunk completes, one transaction per chunk; blocks past the committed count are ignored
+  and rewritten;
 - ``writer.lock``: held (``flock``) by the one process that may write.
 
 Commit order: store transactions (already done), raw rows (fsync), the state file (temp file,
 fsync, rename), the manifest (same), then older state files go. A process killed at any
-instant leaves the previous manifest pointing at files that are all complete.
+instant leaves the previous manifest pointing at files that are all complete. Nothing here
+follows a symbolic link, and every name read from a manifest stays inside the directory.
 """
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import time
+import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
-from ..fileio import atomic_write
+from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
 from .manifest import Manifest, MemoryFileError, StateFile
 
-MANIFEST, LOCK = "manifest.json", "writer.lock"
+MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
+STATE_NAME = re.compile(r"state\.\d+\.safetensors")
+TEMPORARY = re.compile(r"\..+" + re.escape(TMP_MARK) + r"\d+|\.tmp\w{6,}")  # ours, and older safetensors' own
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 # config entries that say where or how a model was loaded, not what it computes (Hugging Face),
 # or how it was trained: p_cmt and p_jump change nothing at inference, and a Context Miss Token
@@ -50,12 +62,20 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+@contextlib.contextmanager
+def disk_errors(what: str):
+    """Turn a full disk or a link where a file should be into a ``MemoryFileError`` that says
+    what to do; the memory stays at its last commit."""
+    try:
+        yield
+    except LinkError as e:
+        raise MemoryFileError(f"{e.strerror}: a memory writes only its own files, never through a link; "
+                              "remove the link (or choose another folder)") from None
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise MemoryFileError(f"no space left on the device while writing {what}; free some space and run "
+                                  "again: the memory stays at its last commit") from None
+        raise
 
 
 def _fsync_dir(path):
@@ -64,6 +84,10 @@ def _fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _damaged(what: str, why: str) -> MemoryFileError:
+    return MemoryFileError(f"{what} {why}; the memory is damaged: restore it from a backup or rebuild it")
 
 
 class MemoryDir:
@@ -78,39 +102,53 @@ class MemoryDir:
     # ---- creation and locking -----------------------------------------------------------
     @classmethod
     def create(cls, path: str | Path, manifest: Manifest) -> "MemoryDir":
-        """A new memory at ``path`` (absent or empty), its manifest at commit 0."""
+        """A new memory at ``path`` (absent or empty), its manifest at commit 0. What an
+        interrupted first commit left (the lock file, temporary files) does not count."""
         path = Path(path)
         if (path / MANIFEST).exists():
             raise MemoryFileError(f"{path} already holds a memory; open it with LandmarkMemory.open(path, model) "
                                   "to continue it, or choose another path")
         if path.exists() and not path.is_dir():
             raise MemoryFileError(f"{path} is a file; a memory is a directory: choose another path")
-        if path.is_dir() and any(p.name not in (LOCK,) for p in path.iterdir()):
-            raise MemoryFileError(f"{path} is not empty and holds no memory (no {MANIFEST}); "
-                                  "choose a new or empty directory")
+        if path.is_dir():
+            leftovers = [p for p in path.iterdir() if p.name == LOCK or TEMPORARY.fullmatch(p.name)]
+            if len(leftovers) < sum(1 for _ in path.iterdir()):
+                raise MemoryFileError(f"{path} is not empty and holds no memory (no {MANIFEST}); "
+                                      "choose a new or empty directory")
+            for p in leftovers:
+                if p.is_symlink():
+                    raise MemoryFileError(f"{p} is a symbolic link: a memory writes only its own files; remove it")
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MemoryFileError(f"cannot create the memory directory {path}: {e.strerror}") from None
         d = cls(path, writable=True)
-        d.write_manifest(manifest)
+        try:
+            d.drop_old_states(keep=None)
+            d.write_manifest(manifest)
+        except BaseException:
+            d.close()
+            raise
         return d
 
     def _take_lock(self):
         try:
-            fh = open(self.path / LOCK, "a+")
-        except OSError as e:
+            with disk_errors(str(self.path / LOCK)):
+                fd = open_nofollow(self.path / LOCK, os.O_RDWR | os.O_CREAT)
+        except PermissionError as e:
             raise MemoryFileError(f"cannot write to the memory {self.path} ({e.strerror}); open it read-only "
                                   "(readonly=True; the CLI's info and ask do) or fix its permissions") from None
+        except FileNotFoundError:
+            raise MemoryFileError(f"no memory at {self.path}: the directory does not exist "
+                                  "(build one with `landmark-memory build`)") from None
+        fh = os.fdopen(fd, "r+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fh.seek(0)
             who = fh.read().strip() or "another process"
             fh.close()
             raise MemoryFileError(f"the memory {self.path} is being written by {who}; only one writer at a time: "
                                   "wait for it to finish, or open the memory read-only") from None
-        fh.seek(0)
         fh.truncate()
         fh.write(f"process {os.getpid()}\n")
         fh.flush()
@@ -121,17 +159,30 @@ class MemoryDir:
             self._lock.close()  # releases the flock
             self._lock = None
 
+    def store_path(self) -> Path:
+        """The block store's folder, refused when it (or what is in it) is a symbolic link."""
+        store = self.path / STORE
+        for p in [store, *(store.glob("*")), *(store.glob("*/*"))]:
+            if p.is_symlink():
+                raise MemoryFileError(f"{p} is a symbolic link: a memory writes only its own files; remove the link "
+                                      "(or restore the memory from a backup)")
+        return store
+
     # ---- manifest -----------------------------------------------------------------------
     def read_manifest(self) -> Manifest:
         f = self.path / MANIFEST
         if not self.path.is_dir():
             raise MemoryFileError(f"no memory at {self.path}: the directory does not exist "
                                   "(build one with `landmark-memory build`)")
-        if not f.is_file():
+        if not f.exists() and not f.is_symlink():
+            entries = list(self.path.iterdir())
+            if entries and all(p.name == LOCK or TEMPORARY.fullmatch(p.name) for p in entries):
+                raise MemoryFileError(f"{self.path} holds no memory yet: a build was stopped before its first commit; "
+                                      "build it again")
             raise MemoryFileError(f"{self.path} is not a memory: {MANIFEST} is missing "
                                   "(build one with `landmark-memory build`, or restore the directory from a backup)")
         try:
-            doc = json.loads(f.read_text())
+            doc = json.loads(self._read(MANIFEST))
         except PermissionError:
             raise MemoryFileError(f"cannot read {f}: permission denied; fix the memory's permissions") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -141,35 +192,55 @@ class MemoryDir:
     def write_manifest(self, manifest: Manifest) -> None:
         """Write ``manifest`` (its ``updated`` time set now) atomically: this is the commit."""
         manifest.updated = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        doc = manifest.to_json()
-        atomic_write(self.path / MANIFEST, lambda f: Path(f).write_text(json.dumps(doc, indent=1) + "\n"))
-        _fsync_dir(self.path)
+        with disk_errors(str(self.path / MANIFEST)):
+            atomic_write(self.path / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
+            _fsync_dir(self.path)
+
+    def _read(self, name: str, nbytes: int = -1) -> bytes:
+        try:
+            fd = open_nofollow(self.path / name, os.O_RDONLY)
+        except LinkError:
+            raise MemoryFileError(f"{self.path / name} is a symbolic link: a memory reads only its own files; "
+                                  "restore the memory from a backup") from None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(nbytes)
 
     # ---- raw append-only rows -----------------------------------------------------------
     def write_rows(self, name: str, offset: int, data: bytes) -> None:
         """Write ``data`` at byte ``offset`` of file ``name``, drop anything after it, fsync."""
-        with open(self.path / name, "ab+") as f:
-            f.truncate(offset)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with disk_errors(str(self.path / name)):
+            fd = open_nofollow(self.path / name, os.O_RDWR | os.O_CREAT)
+            with os.fdopen(fd, "rb+") as f:
+                f.truncate(offset)
+                f.seek(offset)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
 
     def read_rows(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of file ``name``; a writer cuts what follows (an uncommitted tail)."""
         f = self.path / name
+        if f.is_symlink():
+            raise MemoryFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the "
+                                  "link, or restore the memory from a backup")
         size = f.stat().st_size if f.is_file() else -1
+        if nbytes == 0 and size < 0:  # nothing committed yet: the file need not exist
+            return b""
         if size < nbytes:
-            raise MemoryFileError(f"{f} is {'missing' if size < 0 else f'truncated ({size} of {nbytes} bytes)'}; "
-                                  "the memory is damaged: restore it from a backup or rebuild it")
-        with open(f, "rb") as fh:
-            data = fh.read(nbytes)
+            raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {nbytes} bytes)")
+        data = self._read(name, nbytes)
         if self.writable and size > nbytes:
             os.truncate(f, nbytes)
         return data
 
     def read_block_rows(self, manifest: Manifest) -> dict[str, bytes]:
-        """``{name: bytes}``, the committed rows of ``tokens.bin`` and ``landmarks.bin``."""
-        return {name: self.read_rows(name, manifest.blocks * n) for name, n in manifest.rows.sizes.items()}
+        """``{name: bytes}``, the committed rows of ``tokens.bin`` and ``landmarks.bin``,
+        checked against the manifest's CRC-32s (memories written before those were kept: not)."""
+        rows = {name: self.read_rows(name, manifest.blocks * n) for name, n in manifest.rows.sizes.items()}
+        for name, crc in (manifest.rows_crc or {}).items():
+            if zlib.crc32(rows[name]) != crc:
+                raise _damaged(str(self.path / name), "is corrupted (its CRC-32 differs from the manifest's)")
+        return rows
 
     # ---- per-commit state files ---------------------------------------------------------
     def read_commit(self) -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -181,27 +252,33 @@ class MemoryDir:
                 return manifest, (self.read_state(manifest.state) if manifest.state else {})
             except FileNotFoundError as e:
                 if attempt == 2 or self.writable:
-                    raise MemoryFileError(f"{e} is missing; the memory is damaged: restore it from a backup "
-                                          "or rebuild it") from None
+                    raise _damaged(str(e), "is missing") from None
 
     def write_state(self, commit: int, tensors: dict[str, torch.Tensor]) -> StateFile:
         """Write ``state.<commit>.safetensors``; returns its manifest entry."""
         name = f"state.{commit}.safetensors"
-        atomic_write(self.path / name, lambda f: save_file({k: t.contiguous() for k, t in tensors.items()}, f))
-        return StateFile(name, (self.path / name).stat().st_size, _sha256(self.path / name))
+        data = save_safetensors({k: t.contiguous() for k, t in tensors.items()})
+        with disk_errors(str(self.path / name)):
+            atomic_write(self.path / name, data)
+        return StateFile(name, len(data), hashlib.sha256(data).hexdigest())
 
     def read_state(self, entry: StateFile) -> dict[str, torch.Tensor]:
+        if not STATE_NAME.fullmatch(entry.name):
+            raise _damaged(f"{self.path / MANIFEST}", f"names a state file {entry.name!r} that is no memory file")
         f = self.path / entry.name
-        if not f.is_file():
+        if not f.exists() and not f.is_symlink():
             raise FileNotFoundError(f)
-        if f.stat().st_size != entry.bytes or _sha256(f) != entry.sha256:
+        data = self._read(entry.name)
+        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             raise MemoryFileError(f"{f} is truncated or corrupted (its size or checksum differs from the manifest); "
                                   "restore the memory from a backup or rebuild it")
-        return load_file(f)
+        try:
+            return load_safetensors(data)
+        except SafetensorError as e:
+            raise _damaged(str(f), f"cannot be read ({e})") from None
 
     def drop_old_states(self, keep: str | None) -> None:
-        for f in self.path.glob("state.*.safetensors"):
-            if f.name != keep:
+        """Remove state files other than ``keep`` and temporary files a stopped commit left."""
+        for f in self.path.iterdir():
+            if (STATE_NAME.fullmatch(f.name) and f.name != keep) or TEMPORARY.fullmatch(f.name):
                 f.unlink(missing_ok=True)
-        for f in self.path.glob(".*.tmp*"):  # temp files of a commit that never finished
-            f.unlink(missing_ok=True)

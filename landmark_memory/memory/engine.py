@@ -11,7 +11,7 @@ tokens since the last boundary stay local: feeding a text in one call, in pieces
 at a time (decoding) gives the same result.
 """
 
-from dataclasses import dataclass, fields
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,31 +26,10 @@ from ..rope import RotaryEmbedding
 from ..storage import DTYPE_NAMES
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
-from .manifest import InputRecord, Manifest, MemoryFileError, ModelRecord, ModelShape
+from .manifest import LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, ModelRecord, ModelShape
 from .options import MemoryOptions
+from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import block_positions, chunk_base, recent_slots, select_blocks
-
-
-@dataclass
-class MemoryOutput:
-    logits: torch.Tensor  # (B, T, vocab)
-    loss: torch.Tensor | None  # mean next-token loss when targets were given
-    retrieved: list[torch.Tensor]  # per layer: int64 (B, H, T, top_k) memory block ids used by each token, -1 = none
-
-
-@dataclass
-class RetrievalStats:
-    """Counts since a memory was created: query retrievals (per token, layer and head) and
-    those the CMT cutoff dropped; index searches (per step, stream, layer and head) and those
-    skipped because every query was below the cutoff."""
-
-    queries: int = 0
-    skipped_queries: int = 0
-    searches: int = 0
-    skipped_searches: int = 0
-
-    def __add__(self, other: "RetrievalStats") -> "RetrievalStats":
-        return RetrievalStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 class LandmarkMemory:
@@ -102,7 +81,7 @@ class LandmarkMemory:
             if store == "memory":
                 raise ValueError("a memory saved at a path keeps its blocks on disk: pass store='lmdb' or 'mmap'")
             self.dir = MemoryDir.create(path, Manifest(model=self._model_record(), options=self.options))
-        self.blocks = self._new_blocks(path, readonly=False)
+        self.blocks = self._new_blocks(readonly=False)
 
     def _setup(self, model, options, cache_bytes, backend):
         bb = backbone_for(model)
@@ -121,11 +100,13 @@ class LandmarkMemory:
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
         self.inputs: list[InputRecord] = []
         self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
+        self._rows_crc = {TOKENS: 0, LANDMARKS: 0}  # CRC-32 of the committed rows of each row file
         self._fingerprint, self._closed = None, False
 
-    def _new_blocks(self, path, readonly):
-        return BlockMemory(self.shape, self.options, path=path, readonly=readonly, device=self.device,
-                           dtype=self.dtype, rope=self.rope, cache_bytes=self.cache_bytes)
+    def _new_blocks(self, readonly):
+        return BlockMemory(self.shape, self.options, store_path=self.dir.store_path() if self.dir else None,
+                           readonly=readonly, device=self.device, dtype=self.dtype, rope=self.rope,
+                           cache_bytes=self.cache_bytes)
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
@@ -230,16 +211,16 @@ class LandmarkMemory:
             layout, first = manifest.rows, self._committed_blocks
             for name, data in self.blocks.rows_since(layout, first).items():
                 self.dir.write_rows(name, first * layout.sizes[name], data)
+                manifest.rows_crc[name] = zlib.crc32(data, self._rows_crc[name])
             state = self.blocks.index_state()
             if self.pending_count:
                 state["pending_ids"] = self.pending_ids.cpu()
                 for layer, (k, _, v) in enumerate(self.pending_kv):
                     state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
             manifest.state = self.dir.write_state(self.commit_count + 1, state)
-        self.commit_count += 1
-        manifest.commit = self.commit_count
+        manifest.commit = self.commit_count + 1
         self.dir.write_manifest(manifest)
-        self._committed_blocks = self.n_blocks
+        self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
         self.dir.drop_old_states(manifest.state.name if manifest.state else None)
         return self.commit_count
 
@@ -269,7 +250,7 @@ class LandmarkMemory:
             mem = cls.__new__(cls)
             mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
             mem.dir, mem.readonly, mem._fingerprint = d, readonly, fingerprint
-            mem.blocks = mem._new_blocks(path, readonly)
+            mem.blocks = mem._new_blocks(readonly)
             mem._load(manifest, state)
         except BaseException:
             if mem is not None and hasattr(mem, "blocks"):
@@ -282,14 +263,28 @@ class LandmarkMemory:
         self.commit_count, self.inputs = manifest.commit, manifest.inputs
         if manifest.streams is None:
             return
-        self.blocks.load(manifest.rows, manifest.blocks, self.dir.read_block_rows(manifest), state, self.dir.path)
+        rows = self.dir.read_block_rows(manifest)
+        self._rows_crc = {name: zlib.crc32(data) for name, data in rows.items()}
+        self.blocks.load(manifest.rows, manifest.blocks, rows, state, self.dir.path)
         self._committed_blocks = manifest.blocks
-        if "pending_ids" in state:
+        tokens = self.blocks.tokens()
+        if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
+            raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
+                                  "memory is damaged: restore it from a backup or rebuild it")
+        P, B, H, D = manifest.pending_tokens, manifest.streams, self.shape.n_kv_head, self.shape.head_dim
+        expected = {"pending_ids": (B, P)} if P else {}
+        expected.update({f"pending.{layer}.{n}": (B, H, landmarked_length(P, self.shape.block_size), D)
+                         for layer in range(self.shape.n_layer) for n in "kv" if P})
+        wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
+        if wrong:
+            raise MemoryFileError(f"the state file of {self.dir.path} lacks or misshapes {', '.join(wrong[:3])}; the "
+                                  "memory is damaged: restore it from a backup or rebuild it")
+        if P:
             self.pending_ids = state["pending_ids"].to(self.device)
-            pos = self._base() + torch.arange(state["pending.0.k"].shape[2], device=self.device)
+            pos = self._base() + torch.arange(expected["pending.0.k"][2], device=self.device)
             self.pending_kv = []
             for layer in range(self.shape.n_layer):
-                k, v = (state[f"pending.{layer}.{n}"].to(self.device) for n in "kv")
+                k, v = (state[f"pending.{layer}.{n}"].to(self.device, self.dtype) for n in "kv")
                 self.pending_kv.append((k, self.rope(k, pos), v))
 
     def _model_record(self) -> ModelRecord:
@@ -300,7 +295,7 @@ class LandmarkMemory:
     def _manifest(self) -> Manifest:
         return Manifest(model=self._model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,
                         tokens=self.n_tokens, pending_tokens=self.pending_count, inputs=self.inputs,
-                        commit=self.commit_count)
+                        commit=self.commit_count, rows_crc=dict(self._rows_crc))
 
     def close(self, commit: bool = True) -> None:
         """Release the store and the writer lock; a writable saved memory commits first

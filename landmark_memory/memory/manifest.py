@@ -16,7 +16,7 @@ from ..storage import DTYPES
 from .options import MemoryOptions
 
 FORMAT = "landmark-memory/memory"
-FORMAT_VERSION = 2  # 2: the manifest's model has a shape (grouped-query attention)
+FORMAT_VERSION = 3  # 2: the manifest's model has a shape (grouped-query attention); 3: checksums
 TOKENS, LANDMARKS = "tokens.bin", "landmarks.bin"
 
 
@@ -60,10 +60,12 @@ class InputRecord:
     tokens: int
     ingested: int
     start: int
+    abandoned: bool = False  # left unfinished on purpose (its file changed mid-build)
 
     @property
     def done(self) -> bool:
-        return self.ingested == self.tokens
+        """Nothing more of it will be read: all of it is in memory, or it was abandoned."""
+        return self.ingested == self.tokens or self.abandoned
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Manifest:
     inputs: list[InputRecord] = field(default_factory=list)
     commit: int = 0
     state: StateFile | None = None  # None until the first tokens are committed
+    rows_crc: dict[str, int] | None = None  # CRC-32 of the committed rows per row file (format 3 on)
     updated: str = ""
 
     @property
@@ -102,7 +105,8 @@ class Manifest:
                 "model": asdict(self.model), "options": self.options.to_dict(),
                 "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
                 "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
-                "commit": self.commit, "files": {"state": asdict(self.state)} if self.state else {},
+                "commit": self.commit, "files": {**({"state": asdict(self.state)} if self.state else {}),
+                                                 **({"rows_crc32": self.rows_crc} if self.rows_crc else {})},
                 "updated": self.updated}
 
     @classmethod
@@ -125,8 +129,9 @@ class Manifest:
                        options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
                        tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
                        inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
-                       state=StateFile(**files["state"]) if files else None, updated=doc.get("updated", ""))
-        except (KeyError, TypeError) as e:
+                       state=StateFile(**files["state"]) if "state" in files else None,
+                       rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""))
+        except (KeyError, TypeError, AttributeError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
 

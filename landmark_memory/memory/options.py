@@ -41,6 +41,7 @@ class MemoryOptions:
     position_mapping: str = "stingy"
     max_blocks: int | None = None
     cmt_cutoff: float = 0.0
+    block_checksums: bool = True  # every stored block carries a CRC-32 that reads verify
 
     def resolved(self, block_size: int, dtype_name: str, has_cmt: bool, head_dim: int) -> "MemoryOptions":
         """These options checked for a model (its block size, dtype, Context Miss Token, head
@@ -82,6 +83,7 @@ class MemoryOptions:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MemoryOptions":
-        """Options as a manifest stores them (older manifests lack ``cmt_cutoff``)."""
+        """Options as a manifest stores them (older manifests lack ``cmt_cutoff``, and their
+        blocks carry no checksums)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**{"block_checksums": False, **{k: v for k, v in d.items() if k in known}})

@@ -9,30 +9,53 @@ all heads, a (2, H, block_size + 1, D) tensor (landmark row last). Backends:
 - ``mmap``: one memory-mapped file per (stream, layer), grown by doubling.
 
 Stored dtype is float32, float16 or bfloat16 (``dtype``); tensors come back in that dtype.
+With ``checksums`` every on-disk record ends with the CRC-32 of its bytes, checked on every
+read: a damaged block raises ``CorruptBlockError`` instead of turning into wrong keys.
 """
 
+import errno
 import os
 import struct
+import zlib
 from collections import OrderedDict
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
+
+from ..fileio import open_nofollow
 
 STORES = ("memory", "lmdb", "mmap")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+class StoreDamagedError(ValueError):
+    """A store whose files cannot be read as a store."""
+
+
+class CorruptBlockError(StoreDamagedError):
+    """A stored block whose bytes fail their checksum (or have the wrong length)."""
+
+    def __init__(self, key):
+        super().__init__(f"block {key[2]} of layer {key[1]} (stream {key[0]}) is corrupted")
+        self.key = key
+
+
+class DiskFullError(OSError):
+    """The device ran out of space while the store was writing."""
+
+
 class BlockStore:
     """Common checks and (de)serialisation; subclasses keep bytes."""
 
-    def __init__(self, shape, dtype="float16"):
+    def __init__(self, shape, dtype="float16", checksums=False):
         if dtype not in DTYPES:
             raise ValueError(f"store dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.shape, self.dtype = tuple(shape), DTYPES[dtype]
-        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.shape, self.dtype, self.checksums = tuple(shape), DTYPES[dtype], checksums
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize  # one block's keys and values
+        self.record_bytes = self.nbytes + (4 if checksums else 0)  # as stored
 
     def _checked(self, t):
         if tuple(t.shape) != self.shape:
@@ -40,20 +63,26 @@ class BlockStore:
         return t.detach().to("cpu", self.dtype).contiguous()
 
     def _encode(self, t):
-        return self._checked(t).view(torch.uint8).numpy().tobytes()
+        data = self._checked(t).view(torch.uint8).numpy().tobytes()
+        return data + zlib.crc32(data).to_bytes(4, "little") if self.checksums else data
 
-    def _decode(self, b):
-        if b is None or len(b) != self.nbytes:
-            raise KeyError("block missing or truncated in the store")
-        return torch.frombuffer(bytearray(b), dtype=self.dtype).view(self.shape)
+    def _decode(self, key, b):
+        if b is None:
+            raise KeyError(f"block {key} missing in the store")
+        if len(b) != self.record_bytes or (self.checksums and zlib.crc32(b[:self.nbytes]).to_bytes(4, "little")
+                                           != bytes(b[self.nbytes:])):
+            raise CorruptBlockError(key)
+        return torch.frombuffer(bytearray(b[:self.nbytes]), dtype=self.dtype).view(self.shape)
 
     def put(self, items: dict[tuple[int, int, int], torch.Tensor]) -> None:
         """Write ``{(stream, layer, block): tensor (2, H, L, D)}`` in one transaction."""
         self._put({key: self._encode(t) for key, t in items.items()})
 
     def get(self, keys: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Read blocks ``[(stream, layer, block), ...]`` in one transaction; a list of tensors."""
-        return [self._decode(b) for b in self._get(list(keys))]
+        """Read blocks ``[(stream, layer, block), ...]`` in one transaction; a list of tensors.
+        Raises ``KeyError`` for a missing block and ``CorruptBlockError`` for a damaged one."""
+        keys = list(keys)
+        return [self._decode(k, b) for k, b in zip(keys, self._get(keys))]
 
     def close(self):
         pass
@@ -80,21 +109,28 @@ _LMDB_ENVS = {}  # real path -> [environment, users]: LMDB allows one environmen
 
 
 class LmdbStore(BlockStore):
-    """LMDB environment at ``path``; the map grows by doubling when full. Stores of one path in
-    one process share the environment."""
+    """LMDB environment at ``path``; the map grows by doubling when full, and a reader follows
+    a map that a writer grew. Stores of one path in one process share the environment."""
 
-    def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False):
+    def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False, checksums=False):
         import lmdb
 
-        super().__init__(shape, dtype)
+        super().__init__(shape, dtype, checksums)
         if not readonly:
             Path(path).mkdir(parents=True, exist_ok=True)
         self.key = os.path.realpath(path)
         shared = _LMDB_ENVS.get(self.key)
         if shared is None:
-            # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only media
-            env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
-                            lock=not readonly or os.access(path, os.W_OK))
+            if readonly and not (Path(path) / "data.mdb").is_file():
+                raise StoreDamagedError(f"the LMDB store {path} is missing its data.mdb")
+            try:
+                # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only media
+                env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
+                                lock=not readonly or os.access(path, os.W_OK))
+            except lmdb.Error as e:
+                if "No space left" in str(e):
+                    raise DiskFullError(errno.ENOSPC, str(e)) from None
+                raise StoreDamagedError(f"the LMDB store {path} cannot be opened ({e})") from None
             shared = _LMDB_ENVS[self.key] = [env, 0]
         elif not readonly and shared[0].flags()["readonly"]:
             raise ValueError(f"{path} is open read-only in this process; close its readers before writing")
@@ -116,10 +152,22 @@ class LmdbStore(BlockStore):
                 return
             except lmdb.MapFullError:  # the whole transaction was aborted: grow and redo it
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.Error as e:
+                if "No space left" in str(e) or "Disk quota" in str(e):
+                    raise DiskFullError(errno.ENOSPC, str(e)) from None
+                raise
 
     def _get(self, keys):
-        with self.env.begin(buffers=False) as txn:
-            return [txn.get(self._key(k)) for k in keys]
+        import lmdb
+
+        try:
+            with self.env.begin(buffers=False) as txn:
+                return [txn.get(self._key(k)) for k in keys]
+        except lmdb.MapResizedError:  # a writer grew the map past ours: adopt its size, read again
+            self.env.set_mapsize(0)
+            return self._get(keys)
+        except lmdb.Error as e:  # pages that fail LMDB's own checks
+            raise StoreDamagedError(f"the LMDB store {self.key} cannot be read ({e})") from None
 
     def close(self):
         shared = _LMDB_ENVS.get(self.key)
@@ -132,10 +180,11 @@ class LmdbStore(BlockStore):
 
 
 class MmapStore(BlockStore):
-    """One file ``s{stream}_l{layer}.blocks`` per (stream, layer) under ``path``."""
+    """One file ``s{stream}_l{layer}.blocks`` per (stream, layer) under ``path``, grown by
+    doubling with space reserved on the device (a full disk is an error, never a SIGBUS)."""
 
-    def __init__(self, shape, path, dtype="float16", readonly=False):
-        super().__init__(shape, dtype)
+    def __init__(self, shape, path, dtype="float16", readonly=False, checksums=False):
+        super().__init__(shape, dtype, checksums)
         self.path, self.readonly = Path(path), readonly
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -145,17 +194,26 @@ class MmapStore(BlockStore):
         key = (stream, layer)
         f = self.path / f"s{stream}_l{layer}.blocks"
         mm = self._maps.get(key)
-        capacity = f.stat().st_size // self.nbytes if f.exists() else 0
+        capacity = f.stat().st_size // self.record_bytes if f.exists() else 0
         if need > capacity:
             if self.readonly:
                 raise PermissionError(f"{f} is open read-only")
             if mm is not None:
                 mm.flush()
-            with open(f, "ab") as fh:
-                fh.truncate(max(need, 2 * capacity, 16) * self.nbytes)
+            fd = open_nofollow(f, os.O_RDWR | os.O_CREAT)
+            try:
+                os.posix_fallocate(fd, 0, max(need, 2 * capacity, 16) * self.record_bytes)  # ENOSPC now, not SIGBUS later
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFullError(e.errno, f"no space left to grow {f}") from None
+                raise
+            finally:
+                os.close(fd)
             mm = None
         if mm is None and f.exists():
-            mm = np.memmap(f, dtype=np.uint8, mode="r" if self.readonly else "r+").reshape(-1, self.nbytes)
+            with os.fdopen(open_nofollow(f, os.O_RDONLY if self.readonly else os.O_RDWR),
+                           "rb" if self.readonly else "rb+") as fh:
+                mm = np.memmap(fh, dtype=np.uint8, mode="r" if self.readonly else "r+").reshape(-1, self.record_bytes)
             self._maps[key] = mm
         return mm
 
@@ -201,16 +259,17 @@ class OverlayStore(BlockStore):
 
 
 def open_store(kind: str, shape: tuple[int, ...], path: str | Path | None = None, dtype: str = "float16",
-               readonly: bool = False) -> BlockStore:
-    """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path`` and may be
-    opened ``readonly``."""
+               readonly: bool = False, checksums: bool = False) -> BlockStore:
+    """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path``, may be
+    opened ``readonly`` and keep a CRC-32 per block with ``checksums``."""
     if kind not in STORES:
         raise ValueError(f"unknown store {kind!r}; choose one of {STORES}")
     if kind == "memory":
         return MemoryStore(shape, dtype)
     if path is None:
         raise ValueError(f"store {kind!r} keeps blocks on disk: pass a path")
-    return (LmdbStore if kind == "lmdb" else MmapStore)(shape, Path(path) / kind, dtype, readonly=readonly)
+    return (LmdbStore if kind == "lmdb" else MmapStore)(shape, Path(path) / kind, dtype, readonly=readonly,
+                                                        checksums=checksums)
 
 
 class HotCache:

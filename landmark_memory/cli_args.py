@@ -1,0 +1,140 @@
+"""The ``landmark-memory`` command's arguments: every sub-command, its options and their
+checks (a value out of range is refused by argparse with exit status 2)."""
+
+import argparse
+
+from .index import KINDS
+from .memory import MAPPINGS, RETRIEVALS
+from .storage import DTYPES
+
+
+def _number(kind, low, what):
+    """An argparse type: ``kind`` (int or float) at least ``low``."""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not x >= low:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return x
+    return parse
+
+
+positive = _number(int, 1, "a positive integer")
+count = _number(int, 0, "an integer >= 0")
+nonnegative = _number(float, 0.0, "a number >= 0")
+
+
+def add_model_args(p):
+    p.add_argument("--model", help="model directory (save_pretrained layout); default: the bundled model")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+
+
+CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
+
+
+def add_retrieval_args(p, index_default="flat", top_k_default=4):
+    p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
+    p.add_argument("--top-k", type=positive, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
+    p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(KINDS)} (default {index_default})")
+    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
+    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
+    p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
+
+
+CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT share is below this retrieves "
+            "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
+
+
+def add_index_tuning(p, train_size=None):
+    p.add_argument("--train-size", type=positive, default=train_size,
+                   help=f"landmarks before IVF indexes train (default {train_size or '4096 ivf, 16384 ivfpq'})")
+    p.add_argument("--nprobe", type=positive, help="IVF lists visited per query (default 16)")
+    p.add_argument("--ef-search", type=positive, help="HNSW search breadth (default 128)")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The command line of every sub-command; ``args.command`` names the one given."""
+    ap = argparse.ArgumentParser(prog="landmark-memory", description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    sub.add_parser("train", help="train a model (the options of experiments/train.py; see `train --help`)",
+                   add_help=False)
+
+    p = sub.add_parser("build", parents=[common], help="build or extend a saved memory from text files")
+    p.add_argument("memory", help="memory directory (created if absent, extended if present)")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=".txt files or folders of them")
+    add_model_args(p)
+    p.add_argument("--index", choices=KINDS, help="landmark index of a new memory (default flat)")
+    p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
+    p.add_argument("--store-dtype", choices=sorted(DTYPES), help="stored key/value dtype (default: the model's)")
+    p.add_argument("--block-size", type=positive, help="tokens per block (default: the model's)")
+    p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
+    p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default 4)")
+    p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
+                   help="commit at least this often (default 60; each input's end commits too)")
+    p.add_argument("--leave-unfinished", action="store_true",
+                   help="leave an input an earlier build did not finish as it is (its tokens so far stay), "
+                        "e.g. when its file has changed since")
+
+    p = sub.add_parser("info", parents=[common], help="what a memory holds")
+    p.add_argument("memory")
+    p.add_argument("--verify", action="store_true",
+                   help="check every file and stored block (checksums, lengths, indexes); exit 2 if any is damaged")
+
+    p = sub.add_parser("ask", parents=[common], help="continue from a memory's end with a prompt")
+    p.add_argument("memory")
+    p.add_argument("prompt")
+    add_model_args(p)
+    p.add_argument("--max-new-tokens", type=count, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed when temperature > 0")
+    p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default: the memory's)")
+    p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
+    p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
+    p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
+
+    p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
+    p.add_argument("--input", required=True, metavar="FILE")
+    add_model_args(p)
+    p.add_argument("--eval-length", type=positive, default=2048, help="tokens per segment (default 2048)")
+    p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
+    p.add_argument("--full-attention", action="store_true",
+                   help="each segment in one forward, no memory (the model's own attention)")
+    add_retrieval_args(p)
+    add_index_tuning(p)
+
+    p = sub.add_parser("compare", parents=[common], help="exact vs approximate retrieval: perplexity, recall, latency")
+    p.add_argument("--input", required=True, metavar="FILE")
+    add_model_args(p)
+    p.add_argument("--index", default="flat,hnsw,ivf,ivfpq", help="index kinds, comma-separated (default all CPU kinds)")
+    p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
+    p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
+    p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
+    p.add_argument("--top-k", type=positive, default=4, help="blocks retrieved per query (default 4)")
+    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head")
+    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy")
+    add_index_tuning(p, train_size=1024)
+    p.add_argument("--plot", metavar="FILE.png", help="bar charts of the table")
+
+    p = sub.add_parser("passkey", parents=[common], help="the paper's passkey retrieval test")
+    add_model_args(p)
+    p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths in tokens (default 1k,2k,4k,8k; k = 1024)")
+    p.add_argument("--trials", type=positive, default=10, help="prompts per length (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="keys and depths are reproducible from it")
+    p.add_argument("--full-attention", action="store_true", help="whole prompt in one forward, no memory")
+    p.add_argument("--plot", metavar="FILE.png", help="accuracy vs length")
+    add_retrieval_args(p)
+    add_index_tuning(p)
+
+    p = sub.add_parser("demo", parents=[common], help="build, save, reopen and query a memory over the sample book")
+    p.add_argument("--out", help="where to keep the memory (default: a temporary folder, removed afterwards)")
+    p.add_argument("--seed", type=int, help="where the passkey goes and what it is (default: random)")
+    p.add_argument("--book", metavar="FILE", help="a text file to use instead of the bundled sample book")
+    add_model_args(p)
+    return ap

@@ -1,0 +1,117 @@
+"""A saved memory read without its model: ``describe`` (what ``landmark-memory info`` shows)
+and ``verify`` (``info --verify``: every file and stored block checked, each problem named, the
+file or the block of the store, so a user knows what is damaged). Nothing is written."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..index import LandmarkIndex
+from ..layout import landmarked_length
+from ..storage import StoreDamagedError, open_store
+from .directory import MemoryDir
+from .manifest import Manifest, MemoryFileError
+
+
+def describe(path: str | Path) -> dict:
+    """The manifest's facts about the memory at ``path``, its state and row files checked."""
+    d = MemoryDir(path, writable=False)
+    m, _ = d.read_commit()
+    d.read_block_rows(m)  # present, long enough and (format 3 on) matching their CRC-32
+    disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    o = m.options
+    return {"memory": str(path), "tokens": m.tokens, "blocks": m.blocks, "pending_tokens": m.pending_tokens,
+            "streams": m.streams, "index": o.index, "store": o.store, "store_dtype": o.store_dtype,
+            "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
+            "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
+            "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
+            "inputs": [{"path": e.path, "tokens": e.tokens, "ingested": e.ingested, "start": e.start,
+                        "sha256": e.sha256, "done": e.done, "abandoned": e.abandoned} for e in m.inputs]}
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found: ``problems`` (one line each, empty when the memory is sound),
+    ``damaged_blocks`` ((stream, layer, block) of the store), and the counts checked."""
+
+    problems: list[str] = field(default_factory=list)
+    damaged_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    blocks_checked: int = 0
+    indexes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str | Path) -> VerifyReport:
+    """Check the memory at ``path``: manifest, state file (size, checksum, contents), row
+    files (length, CRC-32), every landmark index (readable, one key per block) and every
+    block of the store (present, CRC-32 where the memory keeps them)."""
+    report, d = VerifyReport(), MemoryDir(path, writable=False)
+    try:
+        manifest, state = d.read_commit()
+    except MemoryFileError as e:
+        report.problems.append(str(e))
+        return report
+    if manifest.streams is None:
+        return report  # nothing fed yet
+    try:
+        d.read_block_rows(manifest)
+    except MemoryFileError as e:
+        report.problems.append(str(e))
+    _check_state(manifest, state, report)
+    _check_store(d, manifest, report)
+    return report
+
+
+def _check_state(m: Manifest, state: dict, report: VerifyReport) -> None:
+    shape, o = m.model.shape, m.options
+    for b in range(m.streams):
+        for layer in range(shape.n_layer):
+            for h in range(shape.n_kv_head):
+                name = f"index.{b}.{layer}.{h}"
+                try:
+                    n = LandmarkIndex.from_bytes(o.index, shape.head_dim, state[name].numpy(), **o.index_options).ntotal
+                except KeyError:
+                    report.problems.append(f"the state file {m.state.name} lacks {name}")
+                    continue
+                except (RuntimeError, ValueError) as e:
+                    report.problems.append(f"{name} of the state file {m.state.name} cannot be read ({e})")
+                    continue
+                report.indexes_checked += 1
+                if n != m.blocks:
+                    report.problems.append(f"{name} holds {n} landmark keys, the manifest names {m.blocks} blocks")
+    P = m.pending_tokens
+    if P:
+        want = {"pending_ids": (m.streams, P), **{f"pending.{layer}.{kv}": (
+            m.streams, shape.n_kv_head, landmarked_length(P, shape.block_size), shape.head_dim)
+            for layer in range(shape.n_layer) for kv in "kv"}}
+        for name, s in want.items():
+            if name not in state or tuple(state[name].shape) != s:
+                report.problems.append(f"the state file {m.state.name} lacks or misshapes {name} (want {s})")
+
+
+def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport) -> None:
+    shape = m.model.shape
+    try:
+        store = open_store(m.options.store, shape.block_entry, d.store_path(), m.options.store_dtype, readonly=True,
+                           checksums=m.options.block_checksums)
+    except (StoreDamagedError, MemoryFileError, OSError) as e:
+        report.problems.append(f"the block store cannot be opened: {e}")
+        return
+    try:
+        for b in range(m.streams):
+            for layer in range(shape.n_layer):
+                for block in range(m.blocks):
+                    key = (b, layer, block)
+                    try:
+                        store.get([key])
+                    except KeyError:
+                        report.damaged_blocks.append(key)
+                        report.problems.append(f"block {block} of layer {layer} (stream {b}) is missing from the store")
+                    except StoreDamagedError as e:
+                        report.damaged_blocks.append(key)
+                        report.problems.append(f"{e} in the store")
+                    report.blocks_checked += 1
+    finally:
+        store.close()

@@ -1,0 +1,27 @@
+"""What a memory returns and counts."""
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class MemoryOutput:
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None  # mean next-token loss when targets were given
+    retrieved: list[torch.Tensor]  # per layer: int64 (B, H, T, top_k) memory block ids used by each token, -1 = none
+
+
+@dataclass
+class RetrievalStats:
+    """Counts since a memory was created: query retrievals (per token, layer and head) and
+    those the CMT cutoff dropped; index searches (per step, stream, layer and head) and those
+    skipped because every query was below the cutoff."""
+
+    queries: int = 0
+    skipped_queries: int = 0
+    searches: int = 0
+    skipped_searches: int = 0
+
+    def __add__(self, other: "RetrievalStats") -> "RetrievalStats":
+        return RetrievalStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

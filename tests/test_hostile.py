@@ -1,0 +1,388 @@
+"""Saved memories under hostile conditions: links, corruption, growth under readers, a full
+disk, signals, damaged files, edited inputs, bad option values, and a kill at every rename
+and sync of a build. Each failure is one line on stderr and exit status 2; the memory stays
+at its last commit and nothing outside its folder is written."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
+from landmark_memory.build import encode
+from landmark_memory.cli import main
+from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.storage import LmdbStore
+
+BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
+CLI = [sys.executable, "-m", "landmark_memory.cli"]
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "book.txt"
+    f.write_text(BOOK.read_text()[:5000])
+    return f
+
+
+def build(mem, book, *extra, capsys=None):
+    rc = main(["build", str(mem), "--input", str(book), "--chunk-size", "50", "--quiet", *extra])
+    if capsys is not None:
+        return rc, capsys.readouterr().err
+    return rc
+
+
+def refused(capsys, argv, *words):
+    """``argv`` exits 2 with one line on stderr that holds ``words``."""
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def built(tmp_path, book, store="lmdb"):
+    mem = tmp_path / f"mem-{store}"
+    assert build(mem, book, "--store", store) == 0
+    return mem
+
+
+# ---- 1. symbolic links -------------------------------------------------------------------
+def test_a_linked_writer_lock_is_refused_and_its_target_untouched(tmp_path, book, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "writer.lock").symlink_to(victim)
+    refused(capsys, ["build", str(tmp_path / "m"), "--input", str(book), "--quiet"], "symbolic link")
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("name", ["tokens.bin", "landmarks.bin", "store"])
+def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, capsys, name):
+    mem = built(tmp_path, book)
+    victim = tmp_path / "victim"
+    target = mem / name
+    if target.is_dir():
+        target.rename(victim)
+    else:
+        victim.write_bytes(target.read_bytes())
+        target.unlink()
+    target.symlink_to(victim)
+    before = {f: f.read_bytes() for f in ([victim] if victim.is_file() else victim.rglob("*")) if f.is_file()}
+    more = tmp_path / "more.txt"
+    more.write_text(BOOK.read_text()[5000:7000])
+    refused(capsys, ["build", str(mem), "--input", str(more), "--quiet"], "symbolic link")
+    assert {f: f.read_bytes() for f in before} == before
+
+
+@pytest.mark.parametrize("name", ["../../state.1.safetensors", "/etc/passwd"])
+def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, capsys, name):
+    mem = built(tmp_path, book)
+    doc = json.loads((mem / "manifest.json").read_text())
+    doc["files"]["state"]["name"] = name
+    (mem / "manifest.json").write_text(json.dumps(doc))
+    refused(capsys, ["info", str(mem)], "no memory file")
+
+
+# ---- 2. corruption -----------------------------------------------------------------------
+def corrupt_blocks(mem, store, blocks):
+    rng = np.random.default_rng(0)
+    if store == "mmap":
+        f = mem / "store" / "mmap" / "s0_l1.blocks"
+        data = bytearray(f.read_bytes())
+        shape = json.loads((mem / "manifest.json").read_text())["model"]["shape"]
+        record = 2 * shape["n_kv_head"] * (shape["block_size"] + 1) * shape["head_dim"] * 4 + 4  # float32 + CRC-32
+        for b in blocks:
+            data[b * record + 100:b * record + 164] = rng.bytes(64)
+        f.write_bytes(bytes(data))
+    else:
+        env = lmdb.open(str(mem / "store" / "lmdb"))
+        with env.begin(write=True) as txn:
+            for b in blocks:
+                key = struct.pack(">III", 0, 1, b)
+                value = bytearray(txn.get(key))
+                value[100:164] = rng.bytes(64)
+                txn.put(key, bytes(value))
+        env.close()
+
+
+@pytest.mark.parametrize("store", ["lmdb", "mmap"])
+def test_corrupted_blocks_are_detected_on_read_and_named_by_verify(tmp_path, book, capsys, store):
+    mem = built(tmp_path, book, store)
+    capsys.readouterr()
+    assert main(["info", str(mem), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    n_blocks = json.loads((mem / "manifest.json").read_text())["blocks"]
+    bad = [0, n_blocks // 2, n_blocks - 2]  # the last block is read on open: these only when retrieved
+    corrupt_blocks(mem, store, bad)
+    rc = main(["info", str(mem), "--verify", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 2 and not doc["ok"]
+    assert sorted(d["block"] for d in doc["damaged_blocks"]) == bad
+    assert all(d["layer"] == 1 and d["stream"] == 0 for d in doc["damaged_blocks"])
+    opened = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True, top_k=n_blocks)
+    with pytest.raises(ValueError, match="corrupted"):  # a query that reads every block meets the damage
+        opened.forward(torch.tensor([[5] * 60]))
+    opened.close()
+
+
+def test_a_flipped_row_file_is_refused(tmp_path, book, capsys):
+    mem = built(tmp_path, book)
+    f = mem / "tokens.bin"
+    data = bytearray(f.read_bytes())
+    data[7] ^= 0x80  # a token id becomes huge
+    f.write_bytes(bytes(data))
+    refused(capsys, ["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], "tokens.bin", "corrupted")
+    refused(capsys, ["info", str(mem)], "tokens.bin")
+
+
+# ---- 3. readers follow a growing LMDB map --------------------------------------------------
+def test_a_reader_follows_the_map_a_writer_grew(tmp_path):
+    shape = (2, 1, 4, 8)
+    path = tmp_path / "lmdb"
+    writer = textwrap.dedent(f"""
+        import torch, sys
+        from landmark_memory.storage import LmdbStore
+        s = LmdbStore({shape}, {str(path)!r}, dtype="float32", map_size=1 << 16, checksums=True)
+        n = int(sys.argv[1])
+        s.put({{(0, 0, b): torch.full({shape}, float(b)) for b in range(n)}})
+        s.close()
+    """)
+    subprocess.run([sys.executable, "-c", writer, "4"], check=True)
+    reader = LmdbStore(shape, path, dtype="float32", map_size=1 << 16, readonly=True, checksums=True)
+    assert reader.get([(0, 0, 3)])[0][0, 0, 0, 0] == 3
+    subprocess.run([sys.executable, "-c", writer, "2000"], check=True)  # grows the map several times
+    assert reader.get([(0, 0, 1999)])[0][0, 0, 0, 0] == 1999
+    assert reader.get([(0, 0, 3)])[0][0, 0, 0, 0] == 3
+    reader.close()
+
+
+# ---- 4. a full disk ----------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    d = tmp_path / "small"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(d)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a small filesystem here")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.mark.parametrize("store", ["lmdb", "mmap"])
+def test_a_full_disk_is_one_line_and_the_memory_stays_at_its_last_commit(small_disk, book, capsys, store):
+    mem = small_disk / "mem"
+    err = refused(capsys, ["build", str(mem), "--input", str(book), "--chunk-size", "50", "--store", store,
+                           "--commit-every", "0", "--quiet"], "no space left")
+    assert "last commit" in err
+    if (mem / "manifest.json").exists():
+        opened = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True)
+        ids = encode(load_tokenizer(), book.read_text())
+        np.testing.assert_array_equal(opened.tokens(), ids[:opened.n_blocks * 50])
+        opened.close()
+
+
+# ---- 5. a stop before the first commit ------------------------------------------------------
+def test_a_folder_left_by_a_kill_before_the_first_commit_builds_again(tmp_path, book, capsys):
+    mem = tmp_path / "m"
+    mem.mkdir()
+    (mem / "writer.lock").write_text("process 1\n")
+    (mem / f".manifest.json.tmp{os.getpid() + 1}").write_text("{")
+    refused(capsys, ["info", str(mem)], "no memory yet", "build it again")
+    assert build(mem, book) == 0
+    assert not [f for f in mem.iterdir() if ".tmp" in f.name]
+
+
+def test_a_memory_with_no_commit_of_tokens_is_reported_not_damaged(tmp_path, capsys):
+    LandmarkMemory(LandmarkGPT.from_pretrained(), store="lmdb", path=tmp_path / "m").close()
+    assert main(["info", str(tmp_path / "m"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 0
+
+
+# ---- 6. signals -------------------------------------------------------------------------------
+def start_build(mem, book, *extra):
+    return subprocess.Popen(CLI + ["build", str(mem), "--input", str(book), "--chunk-size", "50", "--quiet", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_sigterm_commits_what_is_done_like_ctrl_c(tmp_path, capsys):
+    long = tmp_path / "long.txt"
+    long.write_text(BOOK.read_text()[:40000])
+    mem = tmp_path / "m"
+    proc = start_build(mem, long, "--commit-every", "3600")
+    while not (mem / "manifest.json").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    main(["info", str(mem), "--json"])
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0  # an hourly interval: only the signal committed
+
+
+def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, book):
+    proc = subprocess.Popen([sys.executable, "-c", "from landmark_memory.entry import main; raise SystemExit(main())",
+                             "build", str(tmp_path / "m"), "--input", str(book)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.3)  # still importing
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+# ---- 7. damaged contents get exit 2, never a traceback -------------------------------------------
+def rewrite_state(mem, change):
+    doc = json.loads((mem / "manifest.json").read_text())
+    f = mem / doc["files"]["state"]["name"]
+    tensors = load(f.read_bytes())
+    change(tensors)
+    data = save(tensors)
+    f.write_bytes(data)
+    doc["files"]["state"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (mem / "manifest.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("index_missing", ["index.0.0.0"]),
+    ("index_garbled", ["index"]),
+    ("pending_misshaped", ["pending"]),
+    ("manifest_without_model", ["lacks or garbles"]),
+    ("manifest_without_files", ["lacks or garbles"]),
+    ("store_missing", ["store"]),
+    ("store_garbled", ["store"]),
+])
+def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words):
+    text = tmp_path / "t.txt"
+    text.write_text(BOOK.read_text()[:3030])  # ends mid-chunk: the state holds a pending chunk
+    mem = built(tmp_path, text)
+    if damage == "index_missing":
+        rewrite_state(mem, lambda t: t.pop("index.0.0.0"))
+    elif damage == "index_garbled":
+        rewrite_state(mem, lambda t: t.update({"index.0.0.0": torch.zeros(40, dtype=torch.uint8)}))
+    elif damage == "pending_misshaped":
+        rewrite_state(mem, lambda t: t.update({"pending.0.k": t["pending.0.k"][:, :, :1].contiguous()}))
+    elif damage.startswith("manifest"):
+        doc = json.loads((mem / "manifest.json").read_text())
+        del doc["model" if damage == "manifest_without_model" else "files"]
+        (mem / "manifest.json").write_text(json.dumps(doc))
+    else:
+        data = mem / "store" / "lmdb" / "data.mdb"
+        if damage == "store_missing":
+            data.unlink()
+        else:
+            data.write_bytes(random.Random(0).randbytes(data.stat().st_size))
+    refused(capsys, ["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], *words)
+    rc = main(["info", str(mem), "--verify"])
+    out = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in out.err
+
+
+# ---- 8. an input edited after its build was stopped -------------------------------------------
+def test_an_edited_unfinished_input_says_what_to_do_and_can_be_left(tmp_path, capsys):
+    text = tmp_path / "x.txt"
+    text.write_text(BOOK.read_text()[:4000])
+    model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
+    mem = LandmarkMemory(model, store="lmdb", path=tmp_path / "m", chunk_size=50)
+    ids = encode(tok, text.read_text())
+    entry = mem.add_input(text, hashlib.sha256(text.read_text().encode()).hexdigest(), len(ids))
+    mem.forward(torch.tensor([ids[:120]]))
+    entry.ingested = 120
+    mem.close()  # a build stopped after 120 tokens
+    with open(text, "a") as f:
+        f.write("\nOne more line.\n")
+    refused(capsys, ["build", str(tmp_path / "m"), "--input", str(text), "--quiet"], "has changed", "--leave-unfinished")
+    assert main(["build", str(tmp_path / "m"), "--input", str(text), "--leave-unfinished", "--quiet", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["left"] == str(text.resolve()) and doc["added"] == len(encode(tok, text.read_text()))
+    main(["info", str(tmp_path / "m"), "--json"])
+    inputs = json.loads(capsys.readouterr().out)["inputs"]
+    assert [(e["abandoned"], e["ingested"]) for e in inputs] == [(True, 120), (False, doc["added"])]
+
+
+# ---- 9. permissions and option values -----------------------------------------------------------
+def test_state_files_are_readable_by_whoever_may_read_the_memory(tmp_path, book):
+    mem = built(tmp_path, book)
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [*mem.glob("state.*.safetensors"), mem / "manifest.json", mem / "tokens.bin"]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+
+@pytest.mark.parametrize("argv", [
+    ["build", "M", "--input", "B", "--top-k", "0"],
+    ["build", "M", "--input", "B", "--chunk-size", "0"],
+    ["build", "M", "--input", "B", "--block-size", "0"],
+    ["build", "M", "--input", "B", "--commit-every", "-1"],
+    ["ask", "M", "p", "--max-new-tokens", "-1"],
+    ["ask", "M", "p", "--temperature", "-0.5"],
+    ["ask", "M", "p", "--passages", "0"],
+    ["eval", "--input", "B", "--eval-length", "0"],
+    ["passkey", "--trials", "0"],
+])
+def test_invalid_option_values_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "is not a" in capsys.readouterr().err
+
+
+# ---- fault injection: a kill at each rename and sync of a build and its commits ---------------
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    at, calls = int(sys.argv[1]), [0]
+
+    def counted(orig):
+        def call(*a, **k):
+            calls[0] += 1
+            if calls[0] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return orig(*a, **k)
+        return call
+
+    os.replace, os.fsync = counted(os.replace), counted(os.fsync)
+    from landmark_memory.cli import main
+    rc = main(sys.argv[2:])
+    print("CALLS", calls[0], file=sys.stderr)
+    sys.exit(rc)
+""")
+
+
+def test_a_kill_at_any_rename_or_sync_leaves_a_memory_that_finishes_exactly(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(BOOK.read_text()[:2500])
+    ids = encode(load_tokenizer(), text.read_text())
+
+    def run(at, mem):
+        argv = ["build", str(mem), "--input", str(text), "--chunk-size", "50", "--commit-every", "0", "--quiet"]
+        return subprocess.run([sys.executable, "-c", KILLER, str(at), *argv], capture_output=True, text=True)
+
+    clean = run(10 ** 9, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+    calls = int(clean.stderr.split("CALLS")[-1])
+    points = sorted({*range(1, 9), *random.Random(0).sample(range(9, calls + 1), 4)})
+    for at in points:
+        mem = tmp_path / f"killed-{at}"
+        assert run(at, mem).returncode == -signal.SIGKILL
+        assert build(mem, text) == 0, f"kill at call {at}"
+        capsys.readouterr()
+        opened = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True)
+        assert opened.n_tokens == len(ids), f"kill at call {at}"
+        np.testing.assert_array_equal(opened.tokens(), ids[:opened.n_blocks * 50])
+        opened.close()
+        assert main(["info", str(mem), "--verify"]) == 0, capsys.readouterr().out
