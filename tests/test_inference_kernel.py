@@ -143,3 +143,18 @@ def test_inference_bad_input_is_rejected_clearly(change, match):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(ValueError, match=match):
         landmark_attention_inference(q, k, v, 3, **args)
+
+
+def test_dense_pairs_read_by_many_queries_once_and_the_rest_per_query_agree_with_the_reference():
+    g = torch.Generator().manual_seed(5)
+    B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 40, 48, 4, 12
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tk, Tk))
+    arena = torch.randn(n_pool + 3, 2, H_kv, bs + 1, D, generator=g, dtype=torch.float64)
+    pool_k, pool_v = arena[:n_pool, 0], arena[:n_pool, 1]  # strided views, as the hot cache hands them
+    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
+    pos = torch.randint(0, 5000, (B, H, Tq, K), generator=g)
+    table[..., 2:], pos[..., 2:] = torch.tensor([3, 7]), torch.tensor([8, 16])  # two pairs every query reads
+    args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos)
+    out = landmark_attention_inference(q, k, v, bs, backend="dense", **args)
+    ref = landmark_attention_inference(q, k, v, bs, backend="reference", **args)
+    torch.testing.assert_close(out, ref)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..rope import RotaryEmbedding
 
 NEG_INF = float("-inf")
+SHARED_BY = 8  # a (block, position) pair that 1/8 of a head's queries read is read once for all of them
 
 
 def _gated(s, block_size):
@@ -92,22 +93,7 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
         if s_cmt is None:
             return torch.softmax(s_loc, -1) @ v
         return torch.softmax(torch.cat([s_loc, s_cmt], -1), -1)[..., :-1] @ v  # the CMT's share is lost
-    H_kv = pool_k.shape[1]
-    heads = torch.arange(H, device=q.device)[None, :, None, None] // (H // H_kv)  # pool head of each query head
-    slots = block_table.clamp(min=0).long()  # (B, H, Tq, K)
-
-    def gather(pool):
-        """Each (query, slot)'s block of its head's pool head, (B, H, Tq, K, L, D): whole (L, D) rows
-        picked by index_select (several times faster than broadcast advanced indexing) from a
-        view of the pool's storage, so a strided pool (a view into a larger arena) is not copied."""
-        if pool.stride(0) % pool.stride(1) or pool.stride(2) != D or pool.stride(3) != 1:
-            pool = pool.contiguous()
-        step = pool.stride(0) // pool.stride(1)  # storage rows from one pool entry to the next
-        rows = pool.as_strided(((pool.shape[0] - 1) * step + H_kv, *pool.shape[2:]), (pool.stride(1), D, 1))
-        return rows.index_select(0, (slots * step + heads).flatten()).view(B, H, T_q, K, *pool.shape[2:])
-
-    qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
-    s_raw = torch.einsum("bhqkd,bhqkld->bhqkl", qb, gather(pool_k)) * scale  # (B, H, Tq, K, L)
+    s_raw, read_values = _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale)  # (B, H, Tq, K, L)
     s_ret = _gated(s_raw, block_size).masked_fill((block_table < 0)[..., None], NEG_INF).flatten(-2)
     if s_cmt is None:
         p = torch.softmax(torch.cat([s_ret, s_loc], -1), -1)
@@ -115,4 +101,69 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
         controlled = torch.arange(s_ret.shape[-1] + s_loc.shape[-1], device=q.device) < s_ret.shape[-1]
         p = _cmt_softmax(torch.cat([s_ret, s_loc], -1), s_cmt, s_raw[..., block_size], block_table >= 0, controlled)
     n = K * (block_size + 1)
-    return torch.einsum("bhqkl,bhqkld->bhqd", p[..., :n].unflatten(-1, (K, -1)), gather(pool_v)) + p[..., n:] @ v
+    return read_values(p[..., :n].unflatten(-1, (K, -1))) + p[..., n:] @ v
+
+
+def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
+    """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
+    function that turns their weights (B, H, Tq, K, L) into the output (B, H, Tq, D).
+
+    A (block, position) pair that many queries of a head read (in practice the recent blocks,
+    which stingy positions put at the same slot for every query) is read once for all the
+    head's queries as one matrix product; the other pairs are gathered per (query, slot). Both
+    ways compute the same products: the first only avoids copying the block per query, which
+    is what bounds this kernel on CPUs."""
+    B, H, T_q, D = q.shape
+    K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
+    slot = (block_table.flatten() >= 0).nonzero()[:, 0]  # the filled slots, flat in (B, H, Tq, K), (N,)
+    query = slot // K  # flat in (B, H, Tq)
+    bh, t = query // T_q, query % T_q
+    entry, pos = block_table.flatten()[slot].long(), block_pos.flatten()[slot].long()
+    pos_ids, pos_id = torch.unique(pos, return_inverse=True)
+    pair_key = (bh * n_pool + entry) * len(pos_ids) + pos_id  # one id per (head, block, position)
+    keys, pair_of, users = torch.unique(pair_key, return_inverse=True, return_counts=True)  # (P,), (N,), (P,)
+    shared = users >= max(2, T_q // SHARED_BY)  # (P,)
+    rank = torch.cumsum(shared, 0) - 1  # index among the shared pairs
+    sh = shared[pair_of]  # (N,) slots that read a shared pair
+    (rows_k, step_k), (rows_v, step_v) = _rows(pool_k), _rows(pool_v)  # (rows, L, D)
+
+    def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head bh_
+        return rows_.index_select(0, e * step + (bh_ % H) // (H // H_kv))
+
+    rope, q_rows = RotaryEmbedding(D, rope_base), q.reshape(-1, D)  # (B * H * Tq, D)
+    sp = keys[shared]  # the shared pairs: their head, block and position, decoded
+    sp_bh, sp_entry, sp_pos = sp // len(pos_ids) // n_pool, sp // len(pos_ids) % n_pool, pos_ids[sp % len(pos_ids)]
+    q_sh = rope(q.reshape(B * H, T_q, D).index_select(0, sp_bh), -sp_pos[:, None])  # (S, Tq, D) all the head's queries
+    s_sh = (q_sh @ rows(rows_k, step_k, sp_bh, sp_entry).transpose(-2, -1)) * scale  # (S, Tq, L)
+    at_sh = rank[pair_of[sh]] * T_q + t[sh]  # where each shared slot's scores are in s_sh
+    it = ~sh
+    q_it = rope(q_rows.index_select(0, query[it])[:, None], -pos[it, None])[:, 0]  # (N_it, D)
+    s_it = torch.einsum("nd,nld->nl", q_it, rows(rows_k, step_k, bh[it], entry[it])) * scale  # (N_it, L)
+    s_raw = q.new_zeros((B * H * T_q * K, L))
+    s_raw.index_copy_(0, slot[sh], s_sh.reshape(-1, L).index_select(0, at_sh))
+    s_raw.index_copy_(0, slot[it], s_it)
+
+    def read_values(w):
+        w = w.reshape(-1, L)  # (B * H * Tq * K, L)
+        w_sh = q.new_zeros((len(sp) * T_q, L))  # each query's weights on each shared pair, 0 where it reads none
+        w_sh.index_copy_(0, at_sh, w.index_select(0, slot[sh]))
+        per_slot = q.new_zeros((B * H * T_q * K, D))  # each slot's share of the output, summed over slots below
+        per_slot.index_copy_(0, slot[it], torch.einsum("nl,nld->nd", w.index_select(0, slot[it]),
+                                                        rows(rows_v, step_v, bh[it], entry[it])))
+        out = per_slot.view(B * H, T_q, K, D).sum(2)
+        out.index_add_(0, sp_bh, w_sh.view(len(sp), T_q, L) @ rows(rows_v, step_v, sp_bh, sp_entry))
+        return out.view(B, H, T_q, D)
+
+    return s_raw.view(B, H, T_q, K, L), read_values
+
+
+def _rows(pool):
+    """``(rows, step)``: the pool's (L, D) rows as one (n, L, D) view of its storage, entry
+    ``e``, head ``h`` at row ``e * step + h``. Rows are picked by index_select (several times
+    faster than advanced indexing), and a pool that is a view into a larger arena (the hot
+    cache's) is not copied."""
+    D = pool.shape[-1]
+    if pool.stride(0) % pool.stride(1) or pool.stride(2) != D or pool.stride(3) != 1:
+        pool = pool.contiguous()
+    step = pool.stride(0) // pool.stride(1)
+    return pool.as_strided(((pool.shape[0] - 1) * step + pool.shape[1], *pool.shape[2:]), (pool.stride(1), D, 1)), step

@@ -1,0 +1,167 @@
+"""Ingestion speed: reading a held-out book through memory against the same model's own
+in-sequence forward over the same tokens, measured in the same run.
+
+    python experiments/bench_ingest.py                                  # bundled model, 32K tokens
+    python experiments/bench_ingest.py --indexes flat --stores memory --profile
+    python experiments/bench_ingest.py --growth 8192,131072,1048576 --indexes hnsw,ivf,flat --data BOOKS
+    python experiments/bench_ingest.py --model my-landmark-llama --window 8192
+
+The in-sequence forward reads the text in windows of ``--window`` tokens (the model's training
+length; 512 for the bundled model's pretraining), each window alone. The memory reads it chunk
+by chunk, each query retrieving its top-k blocks. Overhead = 1 - memory tokens/s / forward
+tokens/s. ``--profile`` splits the memory's time into its parts (the model's own layers, the
+attention kernel over local and retrieved blocks, landmark scoring and FAISS searches, the hot
+cache, store writes). ``--growth`` measures tokens/s over ``--span`` tokens read once the
+memory holds each given number of tokens (a cost that grows with the memory shows here).
+"""
+
+import argparse
+import collections
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from landmark_memory.data import SAMPLE_DIR, list_text_files, read_text, strip_gutenberg
+from landmark_memory.kinds import in_sequence_logits, load_model
+from landmark_memory.memory import BlockMemory, LandmarkMemory, engine
+
+HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundled model's training
+PARTS = [(engine, "landmark_attention_inference", "attention kernel"), (LandmarkMemory, "_retrieve", "retrieval"),
+         (BlockMemory, "search", "  of which FAISS searches"), (BlockMemory, "pool", "hot cache (pool)"),
+         (BlockMemory, "add_chunk", "store writes, index adds")]
+
+
+def book_tokens(tok, n, data):
+    ids = []
+    for f in list_text_files([data]):
+        ids += tok.encode(strip_gutenberg(read_text(f))).ids
+        if len(ids) >= n:
+            break
+    while len(ids) < n:  # a short text repeats
+        ids += ids
+    return torch.tensor(ids[:n])[None]
+
+
+@torch.no_grad()
+def forward_rate(model, ids, window):
+    """Tokens/s of the in-sequence forward over ``ids`` in windows of ``window``, best of two."""
+    in_sequence_logits(model, ids[:, :window])  # warm up
+    best = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for a in range(0, ids.shape[1], window):
+            in_sequence_logits(model, ids[:, a:a + window])
+        best = max(best, ids.shape[1] / (time.perf_counter() - t0))
+    return best
+
+
+class Profile:
+    """Seconds spent in each part of ``PARTS`` (and the model's layers) while enabled."""
+
+    def __init__(self, backbone_cls):
+        self.seconds, self._undo = collections.Counter(), []
+        parts = PARTS + [(backbone_cls, n, "model layers") for n in ("embed", "qkv", "finish", "head")]
+        for owner, name, label in parts:
+            self._wrap(owner, name, label)
+
+    def _wrap(self, owner, name, label):
+        orig = getattr(owner, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, orig))
+
+    def close(self):
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+
+
+def read_through_memory(model, ids, piece, **options):
+    """Tokens/s of ``LandmarkMemory.forward`` over ``ids`` fed ``piece`` tokens at a time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = None if options.get("store", "memory") == "memory" else Path(tmp) / "m"
+        mem = LandmarkMemory(model, path=path, **options)
+        t0 = time.perf_counter()
+        for a in range(0, ids.shape[1], piece):
+            mem.forward(ids[:, a:a + piece])
+        rate = ids.shape[1] / (time.perf_counter() - t0)
+        mem.close(commit=False)
+    return rate
+
+
+def growth(model, ids, sizes, span, piece, **options):
+    """Tokens/s over ``span`` tokens read once the memory holds each of ``sizes`` tokens."""
+    mem, fed, out = LandmarkMemory(model, **options), 0, {}
+    for n in sizes:
+        while fed < n:
+            mem.forward(ids[:, fed:min(n, fed + piece)])
+            fed = min(n, fed + piece)
+        t0 = time.perf_counter()
+        mem.forward(ids[:, fed:fed + span])
+        out[n] = span / (time.perf_counter() - t0)
+        fed += span
+    mem.close()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the bundled model)")
+    ap.add_argument("--data", default=str(HELD_OUT), help="text file or folder to read (default: the held-out book)")
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens read per measurement (default 32768)")
+    ap.add_argument("--window", type=int, default=512, help="in-sequence window (default 512)")
+    ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq")
+    ap.add_argument("--stores", default="memory,lmdb")
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--train-size", type=int, default=1024, help="landmarks before IVF indexes train (default 1024)")
+    ap.add_argument("--piece", type=int, default=8192, help="tokens per forward call (default 8192)")
+    ap.add_argument("--profile", action="store_true", help="time the parts of the first memory row")
+    ap.add_argument("--growth", help="memory sizes in tokens, e.g. 8192,131072,1048576 (instead of the table)")
+    ap.add_argument("--span", type=int, default=8192, help="tokens timed at each growth point (default 8192)")
+    args = ap.parse_args(argv)
+    model, tok = load_model(args.model, "cpu")
+    n = max(map(int, args.growth.split(","))) + args.span if args.growth else args.tokens
+    ids = book_tokens(tok, n, Path(args.data))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model {args.model or 'bundled'}: {params / 1e6:.2f}M parameters; {torch.get_num_threads()} threads; "
+          f"top-k {args.top_k}; text {Path(args.data).name}")
+    options = dict(top_k=args.top_k, index_options={"train_size": args.train_size})
+    if args.growth:
+        sizes = sorted(map(int, args.growth.split(",")))
+        print(f"| index | {' | '.join(f'{s:,} tokens' for s in sizes)} | last / first |")
+        print("|---|" + "---|" * (len(sizes) + 1))
+        for kind in args.indexes.split(","):
+            rates = growth(model, ids, sizes, args.span, args.piece, index=kind, **options)
+            print(f"| {kind} | {' | '.join(f'{r:,.0f}' for r in rates.values())} | "
+                  f"{rates[sizes[-1]] / rates[sizes[0]]:.2f}x |", flush=True)
+        return
+    fwd = forward_rate(model, ids, args.window)
+    print(f"in-sequence forward, windows of {args.window}: {fwd:,.0f} tokens/s over {ids.shape[1]:,} tokens")
+    print("| index | store | tokens/s | vs forward | overhead |")
+    print("|---|---|---|---|---|")
+    rows = [(kind, store) for kind in args.indexes.split(",") for store in args.stores.split(",")]
+    for i, (kind, store) in enumerate(rows):
+        profile = Profile(type(engine.backbone_for(model))) if args.profile and i == 0 else None
+        t0 = time.perf_counter()
+        rate = read_through_memory(model, ids, args.piece, index=kind, store=store, **options)
+        if profile is not None:
+            total, parts = time.perf_counter() - t0, dict(profile.seconds)
+            profile.close()
+        print(f"| {kind} | {store} | {rate:,.0f} | {rate / fwd:.2f} | {1 - rate / fwd:.0%} |", flush=True)
+    if args.profile:
+        print(f"\nprofile of the first row ({total:.2f} s in all):")
+        for label, s in sorted(parts.items(), key=lambda x: -x[1]):
+            print(f"  {label:28s} {s:7.2f} s  {s / total:5.1%}")
+        inner = sum(s for label, s in parts.items() if not label.startswith("  "))
+        print(f"  {'other (Python, RoPE, glue)':28s} {total - inner:7.2f} s  {(total - inner) / total:5.1%}")
+
+if __name__ == "__main__":
+    main()
