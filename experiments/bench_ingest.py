@@ -122,7 +122,8 @@ def main(argv=None):
     ap.add_argument("--stores", default="memory,lmdb")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--train-size", type=int, default=1024, help="landmarks before IVF indexes train (default 1024)")
-    ap.add_argument("--piece", type=int, default=8192, help="tokens per forward call (default 8192)")
+    ap.add_argument("--piece", type=int, default=0,
+                    help="tokens per forward call (default 0: one chunk, as build feeds them)")
     ap.add_argument("--profile", action="store_true", help="time the parts of the first memory row")
     ap.add_argument("--growth", help="memory sizes in tokens, e.g. 8192,131072,1048576 (instead of the table)")
     ap.add_argument("--span", type=int, default=8192, help="tokens timed at each growth point (default 8192)")
@@ -134,6 +135,7 @@ def main(argv=None):
     print(f"model {args.model or 'bundled'}: {params / 1e6:.2f}M parameters; {torch.get_num_threads()} threads; "
           f"top-k {args.top_k}; text {Path(args.data).name}")
     options = dict(top_k=args.top_k, index_options={"train_size": args.train_size})
+    args.piece = args.piece or LandmarkMemory(model, **options).options.chunk_size
     if args.growth:
         sizes = sorted(map(int, args.growth.split(",")))
         print(f"| index | {' | '.join(f'{s:,} tokens' for s in sizes)} | last / first |")

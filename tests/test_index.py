@@ -1,3 +1,4 @@
+import faiss
 import numpy as np
 import pytest
 import torch
@@ -97,3 +98,26 @@ def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
                 recalls[kind].append(recall_at_k(index.search(xq, 4)[1], I_exact))
     for kind, r in recalls.items():
         assert np.mean(r) >= 0.9, (kind, np.round(r, 3))
+
+
+@pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
+def test_ivf_indexes_train_again_as_they_grow_and_resume_exactly(kind):
+    rng = np.random.default_rng(3)
+    xb, xq = rng.standard_normal((1100, 16)).astype(np.float32), rng.standard_normal((20, 16)).astype(np.float32)
+    grown = LandmarkIndex(kind, 16, train_size=64)
+    lists = []
+    for a in range(0, 1100, 10):
+        grown.add(xb[a:a + 10])
+        lists.append(faiss.extract_index_ivf(grown.index).nlist if grown.trained else 0)
+    assert 0 < lists[10] < lists[30] < lists[-1]  # trained at 64 keys, again at 256 and 1024
+    resumed = LandmarkIndex(kind, 16, train_size=64)
+    for a in range(0, 500, 10):
+        resumed.add(xb[a:a + 10])
+    resumed = LandmarkIndex.from_bytes(kind, 16, resumed.to_bytes(), train_size=64)
+    for a in range(500, 1100, 10):
+        resumed.add(xb[a:a + 10])
+    for a, b in zip(grown.search(xq, 4), resumed.search(xq, 4)):
+        np.testing.assert_array_equal(a, b)
+    exact = LandmarkIndex("flat", 16)
+    exact.add(xb)
+    assert recall_at_k(grown.search(xq, 4)[1], exact.search(xq, 4)[1]) > 0.5

@@ -9,7 +9,10 @@ search restricted to a block range is an ``IDSelectorRange`` (how ``max_blocks``
 exact-scored recent blocks are kept out of the approximate search).
 
 IVF kinds need training: they search an exact flat index until ``train_size`` keys exist, then
-train on all keys seen so far, move them over, and stay trained.
+train on all keys seen so far and move them over. They train again, on all their keys, each time
+they have grown ``RETRAIN_GROWTH`` times (at ``train_size`` x 4, x 16, ...), so their lists keep
+about the same length and a search costs about the same however large the memory grows. The
+points of training follow from the key count alone, so a saved index resumes exactly.
 """
 
 import math
@@ -19,6 +22,7 @@ import faiss
 import numpy as np
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")
+RETRAIN_GROWTH = 4
 
 
 def gpu_available() -> bool:
@@ -55,6 +59,8 @@ class LandmarkIndex:
                              f"got {self.train_size}")
         self.nprobe, self.ef_search, self.refine = nprobe, ef_search, refine
         self.trained = self.base in ("flat", "hnsw")
+        # CPU IVF indexes hold their keys exactly (IVF-Flat, or IVF-PQ's refinement), so they can retrain
+        self.retrains = (self.base == "ivf" or (self.base == "ivfpq" and refine > 0)) and not kind.endswith("-gpu")
         self.searches, self.search_seconds = 0, 0.0  # calls to search() and time spent in FAISS
         self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
@@ -102,12 +108,33 @@ class LandmarkIndex:
     def add(self, xb: np.ndarray) -> None:
         """Append keys ``xb`` (n, dim); their ids continue from ``ntotal``."""
         xb = self._check(xb, "xb")
+        n_before = self.ntotal
         self.index.add(xb)
         if not self.trained and self.ntotal >= self.train_size:
             self._train()
+        elif self.trained and self.retrains and self._level(self.ntotal) > self._level(n_before):
+            self._train()
+
+    def _level(self, n):
+        """How many times an index of ``n`` keys has grown ``RETRAIN_GROWTH`` times since training."""
+        level, t = 0, self.train_size * RETRAIN_GROWTH
+        while n >= t:
+            level, t = level + 1, t * RETRAIN_GROWTH
+        return level
+
+    def _keys(self):
+        """Every key, float32 (ntotal, dim), exactly as added."""
+        if not self.trained or self.base not in ("ivf", "ivfpq"):
+            return self.index.reconstruct_n(0, self.ntotal)  # an exact flat index until trained
+        if self.base == "ivfpq":
+            return faiss.downcast_index(self.index).refine_index.reconstruct_n(0, self.ntotal)
+        ivf = faiss.extract_index_ivf(self.index)
+        if ivf.direct_map.type == faiss.DirectMap.NoMap:
+            ivf.make_direct_map()
+        return self.index.reconstruct_n(0, self.ntotal)
 
     def _train(self):
-        xb = self.index.reconstruct_n(0, self.ntotal)  # the exact index holds every key so far
+        xb = self._keys()
         n = len(xb)
         nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants >= 39 points per list
         nbits = 8 if n >= 39 * 256 else 4  # PQ codebooks want >= 39 points per centroid too

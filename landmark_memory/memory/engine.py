@@ -129,9 +129,12 @@ class LandmarkMemory:
             retrieved.append(ret)
             pos += n
         V, H, K = self.backbone.vocab_size, self.backbone.n_head, self.options.top_k
-        logits = torch.cat(logits, 1) if logits else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
-        retrieved = [torch.cat([r[layer] for r in retrieved], 2) if retrieved else
-                     idx.new_full((idx.shape[0], H, 0, K), -1) for layer in range(self.shape.n_layer)]
+        if len(logits) == 1:  # one step (a chunk, or a token): nothing to join, and logits are large
+            logits, retrieved = logits[0], retrieved[0]
+        else:
+            logits = torch.cat(logits, 1) if logits else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
+            retrieved = [torch.cat([r[layer] for r in retrieved], 2) if retrieved else
+                         idx.new_full((idx.shape[0], H, 0, K), -1) for layer in range(self.shape.n_layer)]
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
