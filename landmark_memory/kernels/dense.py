@@ -115,6 +115,17 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     is what bounds this kernel on CPUs."""
     B, H, T_q, D = q.shape
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
+    (rows_k, step_k), (rows_v, step_v) = _rows(pool_k), _rows(pool_v)  # (rows, L, D)
+
+    def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head(s) bh_
+        return rows_.index_select(0, (e * step + (bh_ % H) // (H // H_kv)).flatten())
+
+    if T_q < 2 * SHARED_BY:  # too few queries for a pair to be worth sharing (decoding): every slot gathered
+        bh_all = torch.arange(B * H, device=q.device).view(B, H, 1, 1)
+        e = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+        qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
+        k_g, v_g = (rows(r, st, bh_all, e).view(B, H, T_q, K, L, D) for r, st in ((rows_k, step_k), (rows_v, step_v)))
+        return torch.einsum("bhqkd,bhqkld->bhqkl", qb, k_g) * scale, lambda w: torch.einsum("bhqkl,bhqkld->bhqd", w, v_g)
     slot = (block_table.flatten() >= 0).nonzero()[:, 0]  # the filled slots, flat in (B, H, Tq, K), (N,)
     query = slot // K  # flat in (B, H, Tq)
     bh, t = query // T_q, query % T_q
@@ -122,20 +133,14 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     pos_ids, pos_id = torch.unique(pos, return_inverse=True)
     pair_key = (bh * n_pool + entry) * len(pos_ids) + pos_id  # one id per (head, block, position)
     keys, pair_of, users = torch.unique(pair_key, return_inverse=True, return_counts=True)  # (P,), (N,), (P,)
-    shared = users >= max(2, T_q // SHARED_BY)  # (P,)
-    rank = torch.cumsum(shared, 0) - 1  # index among the shared pairs
+    shared = users >= T_q // SHARED_BY  # (P,)
     sh = shared[pair_of]  # (N,) slots that read a shared pair
-    (rows_k, step_k), (rows_v, step_v) = _rows(pool_k), _rows(pool_v)  # (rows, L, D)
-
-    def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head bh_
-        return rows_.index_select(0, e * step + (bh_ % H) // (H // H_kv))
-
+    sp, sh_rank = keys[shared], (torch.cumsum(shared, 0) - 1)[pair_of[sh]]  # the shared pairs; each slot's
     rope, q_rows = RotaryEmbedding(D, rope_base), q.reshape(-1, D)  # (B * H * Tq, D)
-    sp = keys[shared]  # the shared pairs: their head, block and position, decoded
     sp_bh, sp_entry, sp_pos = sp // len(pos_ids) // n_pool, sp // len(pos_ids) % n_pool, pos_ids[sp % len(pos_ids)]
     q_sh = rope(q.reshape(B * H, T_q, D).index_select(0, sp_bh), -sp_pos[:, None])  # (S, Tq, D) all the head's queries
     s_sh = (q_sh @ rows(rows_k, step_k, sp_bh, sp_entry).transpose(-2, -1)) * scale  # (S, Tq, L)
-    at_sh = rank[pair_of[sh]] * T_q + t[sh]  # where each shared slot's scores are in s_sh
+    at_sh = sh_rank * T_q + t[sh]  # where each shared slot's scores are in s_sh
     it = ~sh
     q_it = rope(q_rows.index_select(0, query[it])[:, None], -pos[it, None])[:, 0]  # (N_it, D)
     s_it = torch.einsum("nd,nld->nl", q_it, rows(rows_k, step_k, bh[it], entry[it])) * scale  # (N_it, L)
