@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from landmark_memory.build import encode
-from landmark_memory.data import list_text_files, read_text, split_books
+from landmark_memory.data import list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.evaluate import perplexity
 from landmark_memory.memory import RetrievalStats
 from landmark_memory.model import LandmarkGPT
@@ -85,6 +85,19 @@ def books_eval(model, books, eval_length, n_tokens, progress=True, **kw):
         count += r["tokens"]
         stats += r["retrieval_stats"]
     return math.exp(loss / count), int(count), stats
+
+
+def book_tokens(tok, n, data):
+    """(1, n) token ids of the books in ``data`` (a file or folder), read in order; a short
+    text repeats."""
+    ids = []
+    for f in list_text_files(data):
+        ids += tok.encode(strip_gutenberg(read_text(f))).ids
+        if len(ids) >= n:
+            break
+    while len(ids) < n:
+        ids += ids
+    return torch.tensor(ids[:n])[None]
 
 
 def machine():

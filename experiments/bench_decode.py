@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _common import book_tokens
 from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
-from landmark_memory.data import SAMPLE_DIR, list_text_files, strip_gutenberg
+from landmark_memory.data import SAMPLE_DIR
 from landmark_memory.memory import LandmarkMemory
 
 MiB = 2 ** 20
@@ -36,18 +37,6 @@ def load_model(path, shape):
         return LandmarkGPT.from_pretrained(path)
     torch.manual_seed(0)  # decoding costs the same with untrained weights
     return LandmarkGPT(LandmarkConfig.for_tokenizer(**SHAPES[shape]))
-
-
-def book_tokens(n, data):
-    tok = load_tokenizer()
-    ids = []
-    for f in list_text_files(data):
-        ids += tok.encode(strip_gutenberg(f.read_text(encoding="utf-8"))).ids
-        if len(ids) >= n:
-            break
-    while len(ids) < n:  # a small corpus repeats
-        ids += ids
-    return torch.tensor(ids[:n])[None]
 
 
 @torch.no_grad()
@@ -91,7 +80,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     contexts = sorted(map(int, args.contexts.split(",")))
     model = load_model(args.model, args.shape).eval()
-    ids = book_tokens(contexts[-1] + len(contexts) * args.steps, Path(args.data))
+    ids = book_tokens(load_tokenizer(), contexts[-1] + len(contexts) * args.steps, Path(args.data))
     c = model.config
     print(f"model {model.num_params() / 1e6:.2f}M params ({c.n_layer} layers, {c.n_head} heads of {c.head_dim}), "
           f"block_size {c.block_size}, top_k {args.top_k}, chunk {args.chunk_size}, hot cache {args.cache_mib} MiB, "

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from landmark_memory.data import SAMPLE_DIR, list_text_files, read_text, strip_gutenberg
+from _common import book_tokens
+from landmark_memory.data import SAMPLE_DIR
 from landmark_memory.kinds import in_sequence_logits, load_model
 from landmark_memory.memory import BlockMemory, LandmarkMemory, engine
 
@@ -31,17 +32,6 @@ HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundle
 PARTS = [(engine, "landmark_attention_inference", "attention kernel"), (LandmarkMemory, "_retrieve", "retrieval"),
          (BlockMemory, "search", "  of which FAISS searches"), (BlockMemory, "pool", "hot cache (pool)"),
          (BlockMemory, "add_chunk", "store writes, index adds")]
-
-
-def book_tokens(tok, n, data):
-    ids = []
-    for f in list_text_files([data]):
-        ids += tok.encode(strip_gutenberg(read_text(f))).ids
-        if len(ids) >= n:
-            break
-    while len(ids) < n:  # a short text repeats
-        ids += ids
-    return torch.tensor(ids[:n])[None]
 
 
 @torch.no_grad()
