@@ -1,12 +1,15 @@
 """The benchmark scripts run end to end on tiny settings (their figures come from full runs)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def script(name):
+    if str(EXPERIMENTS) not in sys.path:  # the scripts import _common from beside them, as `python experiments/x.py` does
+        sys.path.insert(0, str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -45,9 +48,19 @@ def test_decode_benchmark_compares_with_full_attention(capsys):
     assert "| 600 | landmark, flat |" in out and "| 600 | landmark, ivf |" in out
 
 
-def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
-    import sys
+def test_ingest_benchmark_reports_overhead_profile_and_growth(capsys):
+    script("bench_ingest").main(["--tokens", "600", "--window", "256", "--indexes", "flat,ivf", "--stores", "memory,lmdb",
+                                 "--train-size", "4", "--profile"])
+    out = capsys.readouterr().out
+    assert "in-sequence forward, windows of 256" in out
+    for row in ("| flat | memory |", "| flat | lmdb |", "| ivf | memory |", "| ivf | lmdb |"):
+        assert row in out
+    assert "attention kernel" in out and "of which FAISS searches" in out and "model layers" in out
+    script("bench_ingest").main(["--growth", "300,600", "--span", "250", "--indexes", "ivf", "--train-size", "4"])
+    assert "| ivf | " in capsys.readouterr().out
 
+
+def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
