@@ -25,7 +25,7 @@ import torch
 
 from _common import book_tokens
 from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.kinds import in_sequence_logits, load_model
+from landmark_memory.kinds import backbone_for, in_sequence_logits, load_model
 from landmark_memory.memory import BlockMemory, LandmarkMemory, engine
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundled model's training
@@ -141,7 +141,7 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     rows = [(kind, store) for kind in args.indexes.split(",") for store in args.stores.split(",")]
     for i, (kind, store) in enumerate(rows):
-        profile = Profile(type(engine.backbone_for(model))) if args.profile and i == 0 else None
+        profile = Profile(type(backbone_for(model))) if args.profile and i == 0 else None
         t0 = time.perf_counter()
         rate = read_through_memory(model, ids, args.piece, index=kind, store=store, **options)
         if profile is not None:

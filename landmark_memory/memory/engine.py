@@ -274,15 +274,12 @@ class LandmarkMemory:
         if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
             raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
                                   "memory is damaged: restore it from a backup or rebuild it")
-        P, B, H, D = manifest.pending_tokens, manifest.streams, self.shape.n_kv_head, self.shape.head_dim
-        expected = {"pending_ids": (B, P)} if P else {}
-        expected.update({f"pending.{layer}.{n}": (B, H, landmarked_length(P, self.shape.block_size), D)
-                         for layer in range(self.shape.n_layer) for n in "kv" if P})
+        expected = manifest.pending_shapes()
         wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
         if wrong:
             raise MemoryFileError(f"the state file of {self.dir.path} lacks or misshapes {', '.join(wrong[:3])}; the "
                                   "memory is damaged: restore it from a backup or rebuild it")
-        if P:
+        if expected:
             self.pending_ids = state["pending_ids"].to(self.device)
             pos = self._base() + torch.arange(expected["pending.0.k"][2], device=self.device)
             self.pending_kv = []

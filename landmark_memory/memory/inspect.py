@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..index import LandmarkIndex
-from ..layout import landmarked_length
 from ..storage import StoreDamagedError, open_store
 from .directory import MemoryDir
 from .manifest import Manifest, MemoryFileError
@@ -81,14 +80,9 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport) -> None:
                 report.indexes_checked += 1
                 if n != m.blocks:
                     report.problems.append(f"{name} holds {n} landmark keys, the manifest names {m.blocks} blocks")
-    P = m.pending_tokens
-    if P:
-        want = {"pending_ids": (m.streams, P), **{f"pending.{layer}.{kv}": (
-            m.streams, shape.n_kv_head, landmarked_length(P, shape.block_size), shape.head_dim)
-            for layer in range(shape.n_layer) for kv in "kv"}}
-        for name, s in want.items():
-            if name not in state or tuple(state[name].shape) != s:
-                report.problems.append(f"the state file {m.state.name} lacks or misshapes {name} (want {s})")
+    for name, s in m.pending_shapes().items():
+        if name not in state or tuple(state[name].shape) != s:
+            report.problems.append(f"the state file {m.state.name} lacks or misshapes {name} (want {s})")
 
 
 def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport) -> None:

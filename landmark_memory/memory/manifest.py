@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..layout import landmarked_length
 from ..storage import DTYPES
 from .options import MemoryOptions
 
@@ -94,6 +95,15 @@ class Manifest:
     @property
     def rows(self) -> "RowLayout":
         return RowLayout(self.streams or 0, self.model.shape, DTYPES[self.model.dtype])
+
+    def pending_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and
+        per layer its un-rotated keys and values (streams, H_kv, P with landmarks, D)."""
+        s, P, B = self.model.shape, self.pending_tokens, self.streams
+        if not P:
+            return {}
+        kv = (B, s.n_kv_head, landmarked_length(P, s.block_size), s.head_dim)
+        return {"pending_ids": (B, P), **{f"pending.{layer}.{n}": kv for layer in range(s.n_layer) for n in "kv"}}
 
     @property
     def block_bytes(self) -> int:
