@@ -148,8 +148,9 @@ def cmd_ask(args):
     query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
     mem = LandmarkMemory.open(args.memory, model, readonly=True, **query)
     n_saved = mem.n_blocks  # blocks the prompt adds are not passages of the memory
-    ids = tok.encode(args.prompt).ids
-    if not ids:
+    chat = None if args.raw else getattr(tok, "chat_prompt", lambda q: None)(args.prompt)
+    ids = tok.encode(chat or args.prompt).ids
+    if not args.prompt.strip():
         raise UsageError("the prompt is empty")
     uses = Counter()
 
@@ -160,8 +161,9 @@ def cmd_ask(args):
         return out.logits[:, -1]
 
     logits = feed(torch.tensor([ids]))
+    stop = tok.end_of_turn_id if chat else None
     new = decode(logits, feed, args.max_new_tokens, temperature=args.temperature,
-                 generator=torch.Generator().manual_seed(args.seed))[0].tolist()
+                 generator=torch.Generator().manual_seed(args.seed), stop_id=stop)[0].tolist()
     if new:  # the last new token reads the memory too: its lookups count with the others'
         feed(torch.tensor([new[-1:]]))
     mem.close()
@@ -170,8 +172,10 @@ def cmd_ask(args):
     for block, n in uses.most_common(args.passages):
         text, src, offset = source_of(mem, memory_ids, block, tok)
         passages.append({"block": block, "share": n / total, "source": src, "token_offset": offset, "text": text})
-    doc = {"prompt": args.prompt, "text": tok.decode(new), "retrieved": passages, "memory_tokens": mem.n_tokens}
-    lines = [args.prompt + tok.decode(new)]
+    text = tok.decode(new[:-1] if stop is not None and new and new[-1] == stop else new)
+    doc = {"prompt": args.prompt, "chat": chat is not None, "text": text, "retrieved": passages,
+           "memory_tokens": mem.n_tokens}
+    lines = [f"Q: {args.prompt}\nA: {text.strip()}" if chat else args.prompt + text]
     if args.show_retrieved:
         for p in passages:
             lines.append(f"\n--- retrieved block {p['block']} ({100 * p['share']:.0f}% of lookups), "

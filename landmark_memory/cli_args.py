@@ -4,6 +4,7 @@ checks (a value out of range is refused by argparse with exit status 2)."""
 import argparse
 
 from .index import KINDS
+from .kinds import NAMED_MODELS
 from .memory import MAPPINGS, RETRIEVALS
 from .storage import DTYPES
 
@@ -27,7 +28,8 @@ nonnegative = _number(float, 0.0, "a number >= 0")
 
 
 def add_model_args(p):
-    p.add_argument("--model", help="model directory (save_pretrained layout); default: the bundled model")
+    p.add_argument("--model", help="model directory (save_pretrained layout) or a name: "
+                   + "; ".join(f"{k}: {v}" for k, v in NAMED_MODELS.items()) + " (default: the bundled model)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
@@ -98,6 +100,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
     p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
+    p.add_argument("--raw", action="store_true",
+                   help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
+                        "template and its answer ends at its end-of-turn token")
 
     p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
     p.add_argument("--input", required=True, metavar="FILE")
@@ -136,5 +141,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", help="where to keep the memory (default: a temporary folder, removed afterwards)")
     p.add_argument("--seed", type=int, help="where the passkey goes and what it is (default: random)")
     p.add_argument("--book", metavar="FILE", help="a text file to use instead of the bundled sample book")
+    p.add_argument("--book-tokens", type=positive,
+                   help="read only the book's first N tokens (default: all of it for the bundled model, "
+                        "8192 for others, which read about 100 times slower on a CPU)")
     add_model_args(p)
     return ap

@@ -22,8 +22,9 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 
 
 def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], max_new_tokens: int, *,
-           temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Generate ``max_new_tokens`` tokens.
+           temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None,
+           stop_id: int | None = None) -> torch.Tensor:
+    """Generate up to ``max_new_tokens`` tokens.
 
     Parameters
     ----------
@@ -31,16 +32,23 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
     feed : callable taking the new tokens (B, 1) and returning the logits (B, vocab) after
         them; it is not called after the last token.
     temperature, top_k, generator : as for ``next_token``.
+    stop_id : int, optional; generation ends once every stream has produced this token (a
+        chat model's end of turn); the token is kept.
 
     Returns
     -------
-    int64 Tensor (B, max_new_tokens).
+    int64 Tensor (B, n), n <= max_new_tokens.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     out = []
+    stopped = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for i in range(max_new_tokens):
         out.append(next_token(logits, temperature, top_k, generator))
+        if stop_id is not None:
+            stopped |= out[-1] == stop_id
+            if bool(stopped.all()):
+                break
         if i + 1 < max_new_tokens:
             logits = feed(out[-1][:, None])
     return torch.stack(out, 1) if out else torch.zeros((logits.shape[0], 0), dtype=torch.long, device=logits.device)

@@ -24,14 +24,15 @@ from .data import SAMPLE_DIR, read_text, strip_gutenberg
 from .evaluate import compare_indexes
 from .kinds import load_model
 from .memory import LandmarkMemory
-from .model import BUNDLED_MODEL
+from .model import BUNDLED_MODEL, LandmarkGPT
 from .passkey import MAX_KEY, QUESTION, fact, first_int
 
 SAMPLE_BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"
 DEMO_INDEXES = ("flat", "hnsw", "ivf", "ivfpq")
 PASSAGES = 8  # retrieved passages the ask step reports, most-read first
 COMPARE_TOKENS = 32768  # the book's opening read once per index kind: a fraction of the whole keeps the demo short
-COMPARE_OPTIONS = {"top_k": 4, "chunk_size": 250, "index_options": {"train_size": 256, "nprobe": 2}}
+LARGE_MODEL_TOKENS = 8192  # of the book, for a model other than the bundled one (CPU minutes, not hours)
+COMPARE_OPTIONS = {"top_k": 4, "index_options": {"train_size": 256, "nprobe": 2}}
 
 
 def plant_passkey(text, key, rng):
@@ -63,20 +64,25 @@ def run_demo(args: argparse.Namespace) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
         source = Path(args.book) if args.book else SAMPLE_BOOK
-        text, depth = plant_passkey(strip_gutenberg(read_text(source)), key, rng)
+        model, tok = load_model(args.model, args.device)
+        text = strip_gutenberg(read_text(source))
+        cap = args.book_tokens or (None if isinstance(model, LandmarkGPT) else LARGE_MODEL_TOKENS)
+        if cap:
+            text = tok.decode(tok.encode(text).ids[:cap])
+        text, depth = plant_passkey(text, key, rng)
         book = work / "book-with-passkey.txt"
         book.write_text(text)
-        model, tok = load_model(args.model, args.device)
         n_tokens = len(encode(tok, text))
 
-        say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens) with the pass key {key} planted "
+        say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens{' of its opening' if cap else ''}) with the "
+            f"pass key {key} planted "
             f"{100 * depth:.0f}% of the way in (seed {seed})")
-        with LandmarkMemory(model, path=mem_path, index="flat", store="lmdb", top_k=4, chunk_size=250) as mem:
+        with LandmarkMemory(model, path=mem_path, index="flat", store="lmdb", top_k=4) as mem:
             build(mem, read_inputs([book]), tok, progress=not args.quiet)
         say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
 
         say(f"2. Reopening it in a fresh process and asking:{QUESTION}")
-        cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--max-new-tokens", "8",
+        cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--raw", "--max-new-tokens", "8",
                "--passages", str(PASSAGES), "--json", "--model", str(args.model or BUNDLED_MODEL), "--device",
                args.device]
         run = subprocess.run(cmd, capture_output=True, text=True)
@@ -95,11 +101,12 @@ def run_demo(args: argparse.Namespace) -> int:
             say(f"   the key's passage is not among the {PASSAGES} most-read")
 
         ids = encode(tok, text)
-        length = min(COMPARE_TOKENS, len(ids) - 1)
+        bundled = isinstance(model, LandmarkGPT)  # IVF kinds need 256 landmarks a layer-head: 16K tokens of blocks
+        length = min(COMPARE_TOKENS if bundled else LARGE_MODEL_TOKENS // 2, len(ids) - 1)
+        kinds = DEMO_INDEXES if bundled else ("flat", "hnsw")
         say(f"3. Perplexity of the book's first {length:,} tokens read through memory, exact vs approximate "
-            "landmark search (IVF kinds train on the first 256 landmarks of each layer and head)")
-        rows = compare_indexes(model, ids, DEMO_INDEXES, length, COMPARE_OPTIONS, max_segments=1,
-                               progress=not args.quiet)
+            "landmark search" + (" (IVF kinds train on the first 256 landmarks of each layer and head)" if bundled else ""))
+        rows = compare_indexes(model, ids, kinds, length, COMPARE_OPTIONS, max_segments=1, progress=not args.quiet)
         say(f"   {'index':6s} {'perplexity':>10s} {'vs exact':>9s} {'recall@4':>9s} {'search ms':>10s}")
         for r in rows:
             say(f"   {r['index']:6s} {r['perplexity']:10.2f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .decode import decode, decode_rereading
 from .index import recall_at_k
 from .infini import InfiniState
-from .kinds import in_sequence_logits, is_infini, is_landmark
+from .kinds import in_sequence_logits, is_infini, is_landmark, is_plain_hf, kv_cache_decoder
 from .memory import LandmarkMemory, RetrievalStats
 from .passkey import run_passkey
 
@@ -149,6 +149,8 @@ def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], tria
         if is_infini(model):  # streamed: the state carries the context
             state = InfiniState()
             new = decode(model(idx, state=state)[:, -1], lambda nxt: model(nxt, state=state)[:, -1], max_new_tokens)
+        elif memory is None and is_plain_hf(model):  # its own KV cache, as generate() would use
+            new = decode(*kv_cache_decoder(model, idx), max_new_tokens)
         elif memory is None:  # no cache: the whole context is re-read for each new token
             new = decode_rereading(lambda x: in_sequence_logits(model, x), idx, max_new_tokens)
         else:

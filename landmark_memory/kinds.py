@@ -41,6 +41,24 @@ def is_infini(model: torch.nn.Module) -> bool:
     return isinstance(model, LandmarkGPT) and model.config.attention == "infini"
 
 
+def is_plain_hf(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM with its own attention (not converted)."""
+    return not isinstance(model, LandmarkGPT) and not is_converted(model)
+
+
+def kv_cache_decoder(model: torch.nn.Module, idx: torch.Tensor):
+    """``(logits, feed)`` for ``decode.decode``: a plain Hugging Face model reads ``idx`` (B, T)
+    into a ``DynamicCache``, and ``feed`` extends it by one token at a time."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+
+    def feed(nxt):  # (B, 1) -> (B, vocab)
+        return model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    return feed(idx), feed
+
+
 def reading_mode(model: torch.nn.Module) -> str:
     """How ``model`` reads a text without a landmark memory."""
     if is_landmark(model):
@@ -89,28 +107,45 @@ def hf_config(path: str | Path) -> dict | None:
     return doc if isinstance(doc, dict) and "model_type" in doc else None
 
 
+NAMED_MODELS = {"smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",
+                "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
+
+
+def _hf_ready(model, tokenizer, name, device: str, block_size: int | None):
+    """A loaded Hugging Face model in eval mode on ``device`` with its ``TextTokenizer``, once
+    ``block_size`` (if given) is found to be its own."""
+    from .hf.tokenizer import TextTokenizer
+
+    saved_block = getattr(model.config, "landmark_block_size", None)
+    if block_size and block_size != saved_block:
+        raise ValueError(f"{name} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
+                         if saved_block else "--block-size applies to landmark models only")
+    return model.to(device).eval(), TextTokenizer(tokenizer)
+
+
 def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None):
     """``(model, tokenizer)`` from ``path``: a LandmarkGPT directory (default: the bundled
-    model) with the shipped tokenizer, or a Hugging Face model directory (converted or plain)
-    with its own tokenizer (a ``hf.TextTokenizer``), in eval mode on ``device`` ("auto": cuda
-    when available). ``block_size`` must match a landmark model's own, except that a
+    model) with the shipped tokenizer, a Hugging Face model directory (converted or plain)
+    with its own tokenizer (a ``hf.TextTokenizer``), or a name of ``NAMED_MODELS``
+    (``hf/smollm2.py``), in eval mode on ``device`` ("auto": cuda when available). ``block_size`` must match a landmark model's own, except that a
     LandmarkGPT may be read with another (its trained blocks may suit it less)."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     config = hf_config(path) if path else None
-    if config is not None:
-        from transformers import AutoModelForCausalLM
+    named = path in NAMED_MODELS and not Path(path).exists()
+    if config is not None or named:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         from .hf.convert import from_pretrained
-        from .hf.tokenizer import TextTokenizer
+        from .hf.smollm2 import LANDMARK, load_base, load_landmark
 
         hf_logging.disable_progress_bar()  # our own bars report the work
-        saved_block = config.get("landmark_block_size")
-        if block_size and block_size != saved_block:
-            raise ValueError(f"{path} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
-                             if saved_block else "--block-size applies to landmark models only")
-        model = from_pretrained(path) if saved_block else AutoModelForCausalLM.from_pretrained(path)
-        return model.to(dev).eval(), TextTokenizer.from_pretrained(path)
+        if named:
+            model, tok = load_landmark() if path == LANDMARK else load_base()
+        else:
+            load = from_pretrained if config.get("landmark_block_size") else AutoModelForCausalLM.from_pretrained
+            model, tok = load(path), AutoTokenizer.from_pretrained(path)
+        return _hf_ready(model, tok, path, dev, block_size)
     model = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev)
     if block_size and block_size != model.config.block_size:
         if model.config.attention != "landmark":

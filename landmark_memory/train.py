@@ -56,7 +56,9 @@ class TrainConfig:
     ffn_hidden: int = 4096
     dropout: float = 0.0
     init_from: str = ""  # start from this saved model's weights and config (fine-tuning); "" = random init
-    hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model with landmarks instead (paper 4.2)
+    hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model (or "smollm2") with landmarks instead (paper 4.2)
+    lora_rank: int = 0  # with --hf-model: train LoRA adapters of this rank and the landmark embedding; 0 = all weights
+    lora_alpha: int = 0  # LoRA scale numerator; 0 = twice the rank
     # optimisation (paper defaults)
     batch_size: int = 8  # per process, per micro-step
     grad_accum: int = 1
@@ -161,7 +163,9 @@ class Trainer:
 
             if cfg.init_from:
                 raise ValueError("--init-from starts a LandmarkGPT; with --hf-model the model is the starting point")
-            self.model = HFLandmarkLM.load(self.out if cfg.resume else cfg.hf_model, cfg.block_size).to(self.device)
+            self.model = HFLandmarkLM.load(cfg.hf_model, cfg.block_size, lora_rank=cfg.lora_rank,
+                                           lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
+                                           resume_from=self.out if cfg.resume else None).to(self.device)
             self.tok = self.model.text_tokenizer()
         else:
             self.tok = load_tokenizer()
@@ -173,7 +177,8 @@ class Trainer:
         self.val_batches = [val.batch() for _ in range(cfg.eval_iters)]
 
         if cfg.hf_model:
-            self.log(f"fine-tuning {cfg.hf_model} with a landmark every {cfg.block_size} tokens")
+            what = f"LoRA adapters of rank {cfg.lora_rank} and the landmark embedding" if cfg.lora_rank else "all weights"
+            self.log(f"fine-tuning {cfg.hf_model} ({what}) with a landmark every {cfg.block_size} tokens")
         elif cfg.init_from:  # the saved model's architecture wins over the model flags
             self.model = LandmarkGPT.from_pretrained(cfg.init_from).to(self.device)
             self.log(f"initialised from {cfg.init_from}")

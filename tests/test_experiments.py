@@ -99,3 +99,18 @@ def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
         assert row in md and "- command: `python " in md and "$BOOKS" in md and "nan" not in md
         assert (results / f"{name}.png").stat().st_size > 1000
     assert sys.modules.get("_common") is not None
+
+
+def test_smollm2_experiment_runs_a_part_and_writes_its_report(tmp_path):
+    books = tmp_path / "books"
+    books.mkdir()
+    text = (Path(__file__).resolve().parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt").read_text()
+    for i in range(3):
+        (books / f"b{i}.txt").write_text(text[i * 3000:(i + 1) * 3000])
+    script("exp_smollm2").main(["--books", str(books), "--parts", "passkey", "--lengths", "300", "--trials", "1",
+                                "--base-lengths", "300", "--base-trials", "1", "--out", str(tmp_path / "parts"),
+                                "--results", str(tmp_path), "--report", "--quiet"])
+    report = (tmp_path / "smollm2.md").read_text()
+    assert "| landmark + memory | 300 |" in report and "| base in context | 300 |" in report
+    assert "- command: `python experiments/exp_smollm2.py --books $BOOKS --parts passkey" in report
+    assert (tmp_path / "smollm2.png").is_file()

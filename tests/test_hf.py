@@ -215,7 +215,8 @@ def test_passkey_and_eval_commands_take_a_hugging_face_model_directory(model_dir
         assert doc["mode"] == mode and doc["segments"] == 2 and 1 < doc["perplexity"] < 1e4
 
 
-def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text):
+@pytest.mark.parametrize("lora", [False, True], ids=["all-weights", "lora"])
+def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text, lora):
     data = tmp_path / "books"
     data.mkdir()
     for i in range(2):
@@ -225,6 +226,8 @@ def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text):
            "--data", data, "--out-dir", out, "--block-size", "7", "--seq-len", "56", "--batch-size", "2",
            "--grad-accum", "1", "--eval-interval", "2", "--eval-iters", "1", "--lr", "1e-3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if lora:
+        run += ["--lora-rank", "4"]
     for steps, extra in (("2", []), ("4", ["--resume"])):
         r = subprocess.run([*map(str, run), "--max-iters", steps, *extra], capture_output=True, text=True, env=env,
                            timeout=300)
@@ -232,9 +235,22 @@ def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text):
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 2, 4]
     assert "resumed from" in r.stderr + r.stdout
-    tuned = hf.from_pretrained(out)
-    assert tuned.config.landmark_block_size == 7
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 4
+    if not lora:
+        assert hf.from_pretrained(out).config.landmark_block_size == 7
+        return
+    # the adapter and the landmark row alone were saved, and they apply on top of the base weights
+    from peft import PeftModel
+
+    assert json.loads((out / "landmark.json").read_text()) == {"block_size": 7}
+    assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
+    base = hf.from_pretrained(model_dir)
+    tuned = PeftModel.from_pretrained(hf.from_pretrained(model_dir), str(out)).merge_and_unload()
+    lm = base.config.landmark_token_id
+    emb, base_emb = tuned.get_input_embeddings().weight, base.get_input_embeddings().weight
+    assert not torch.equal(emb[lm], base_emb[lm]) and torch.equal(emb[:lm], base_emb[:lm])
+    tuned_q, base_q = tuned.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(tuned_q, base_q)
 
 
 def test_readme_example_runs_as_written(model_dir, tmp_path, text):

@@ -122,6 +122,15 @@ def test_greedy_decoding_feeds_each_pick_but_the_last():
     assert new.tolist() == [[3, 4, 5, 6]] and fed == [3, 4, 5]
 
 
+def test_decoding_stops_once_every_stream_has_produced_the_stop_token():
+    def feed(nxt):  # stream 0 counts up from 3, stream 1 from 5
+        return torch.nn.functional.one_hot(nxt[:, 0] + 1, 16).float()
+
+    start = torch.nn.functional.one_hot(torch.tensor([3, 5]), 16).float()
+    assert decode(start, feed, 6, stop_id=6).tolist() == [[3, 4, 5, 6], [5, 6, 7, 8]]  # stream 1 stopped at 6 first
+    assert decode(start, feed, 6, stop_id=9).shape == (2, 6)  # never produced by both in time
+
+
 def test_sampling_keeps_to_the_top_k_tokens():
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]]).expand(64, -1)
     g = torch.Generator().manual_seed(0)

@@ -53,6 +53,9 @@ def landmark_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if dropout:
         raise ValueError("landmark attention has no attention dropout; set config.attention_dropout = 0")
     cfg = module.config
+    if not query.dtype == key.dtype == value.dtype:  # under autocast RoPE may have upcast some of them
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     G = query.shape[1] // key.shape[1]
     if G > 1:  # grouped-query attention: each key/value head serves G query heads
         key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)

@@ -37,11 +37,18 @@ class TextTokenizer:
             return self.hf.eos_token_id
         return self.backend.token_to_id(token)
 
+    def chat_prompt(self, question: str) -> str | None:
+        """``question`` as a user turn of the model's chat template, ready for the assistant's
+        answer; None when the model has no chat template."""
+        if not getattr(self.hf, "chat_template", None):
+            return None
+        return self.hf.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                           add_generation_prompt=True)
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The token a chat model ends its answer with (its EOS)."""
+        return self.hf.eos_token_id
+
     def get_vocab_size(self) -> int:
         return len(self.hf)
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "TextTokenizer":
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(path))

@@ -14,6 +14,7 @@ from ..kinds import hf_config
 from ..model import LandmarkGPT
 from ..layout import IGNORE_INDEX
 from .convert import convert, from_pretrained, normal_logits
+from .lora import ADAPTER_CONFIG, add_lora, apply_adapter, write_settings
 from .tokenizer import TextTokenizer
 
 
@@ -37,11 +38,19 @@ class HFLandmarkLM(nn.Module):
         return TextTokenizer(self.tokenizer)
 
     @classmethod
-    def load(cls, path, block_size):
-        """The model at ``path``: a landmark model as it is (its block size must be
-        ``block_size``), or a plain Llama-family model converted with ``block_size``."""
+    def load(cls, path, block_size, lora_rank=0, lora_alpha=0, resume_from=None):
+        """The model to fine-tune: ``path`` (a local Hugging Face folder, or ``"smollm2"``) as a
+        landmark model with blocks of ``block_size`` (converted here when it is a plain one).
+        With ``lora_rank`` > 0 only LoRA adapters and the landmark embedding train.
+        ``resume_from``: a checkpoint of this training (the whole model, or the adapter)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .smollm2 import BASE, base_model_dir
+
+        if path == BASE:
+            path = base_model_dir()
+        if resume_from is not None and not lora_rank:
+            path = resume_from  # the whole model was saved
         config = hf_config(path)
         if config is None:
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json with a model_type)")
@@ -55,17 +64,27 @@ class HFLandmarkLM(nn.Module):
         else:
             model = convert(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tok, block_size)
         model.config.use_cache = False
+        if lora_rank and resume_from is not None:
+            model = apply_adapter(model, resume_from, trainable=True)
+        elif lora_rank:
+            model = add_lora(model, lora_rank, lora_alpha)
         return cls(model, tok)
 
     def save_pretrained(self, path):
-        """Model and tokenizer written to a temporary folder, then moved in file by file,
-        ``config.json`` last: an interrupted save leaves the previous files usable."""
+        """Model and tokenizer (or, under LoRA, the adapter and its ``landmark.json``) written to
+        a temporary folder, then moved in file by file, the config last: an interrupted save
+        leaves the previous files usable."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path, prefix=".save-") as tmp:
+            for c in getattr(self.hf, "peft_config", {}).values():  # the base model's name, not where it lies here
+                c.base_model_name_or_path = Path(c.base_model_name_or_path or "").name
             self.hf.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            files = sorted(Path(tmp).iterdir(), key=lambda f: f.name == "config.json")
+            if (Path(tmp) / ADAPTER_CONFIG).is_file():  # the base model and tokenizer are rebuilt from their source
+                write_settings(tmp, self.config.landmark_block_size)
+            else:
+                self.tokenizer.save_pretrained(tmp)
+            files = sorted(Path(tmp).iterdir(), key=lambda f: f.name in ("config.json", ADAPTER_CONFIG))
             for f in files:
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())

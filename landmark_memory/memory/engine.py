@@ -149,12 +149,15 @@ class LandmarkMemory:
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Feed ``idx`` (B, T), then generate ``max_new_tokens`` (greedy when temperature is 0);
-        returns the new tokens (B, max_new_tokens). The memory reads the new tokens too, so a
-        later call continues after them."""
-        new = decode(self.forward(idx).logits[:, -1], self.step, max_new_tokens, temperature=temperature,
-                     generator=generator)
+                 generator: torch.Generator | None = None, stop_id: int | None = None) -> torch.Tensor:
+        """Feed ``idx`` (B, T), then generate up to ``max_new_tokens`` (greedy when temperature
+        is 0; ``stop_id`` ends it, as in ``decode.decode``); returns the new tokens (B, n). The
+        memory reads the new tokens too, so a later call continues after them."""
+        if idx.shape[-1] == 0:
+            raise ValueError("generate needs a prompt of at least one token")
+        for a in range(0, idx.shape[1], self.options.chunk_size):  # a chunk at a time: a long prompt's logits
+            last = self.forward(idx[:, a:a + self.options.chunk_size]).logits[:, -1]  # would not fit in memory
+        new = decode(last, self.step, max_new_tokens, temperature=temperature, generator=generator, stop_id=stop_id)
         if new.shape[1]:
             self.step(new[:, -1])
         return new

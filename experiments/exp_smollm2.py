@@ -1,0 +1,317 @@
+"""SmolLM2-135M-Instruct with landmarks (``--model smollm2-landmark``) against the base model
+as published (``smollm2``), on books the fine-tuning held out.
+
+Parts, each saved as JSON under ``--out`` so that they can run separately (a CPU affords them
+one at a time) and the report gathers whatever exists:
+
+- ``convert``: perplexity in sequence at 2K tokens: base, converted without fine-tuning, landmark;
+- ``chat``: answers to a few chat prompts, base and landmark side by side;
+- ``passkey``: the landmark model through memory at 1K-64K against the base model in context up
+  to its 8K window;
+- ``ppl``: perplexity through memory at eval lengths 2K, 8K and 32K against the base model in
+  context at 2K and 8K, over the same tokens of a held-out book;
+- ``ask``: ``landmark-memory build`` over a whole held-out book, then ``landmark-memory ask``
+  with the passages shown.
+
+    python experiments/exp_smollm2.py --books BOOKS --parts convert,chat
+    python experiments/exp_smollm2.py --books BOOKS --parts passkey --lengths 1k,4k,16k,64k --trials 5
+    python experiments/exp_smollm2.py --books BOOKS --report      # experiments/results/smollm2.md
+"""
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _common import ROOT, machine, plt
+from landmark_memory.build import encode
+from landmark_memory.data import list_text_files, read_text, split_books
+from landmark_memory.decode import decode
+from landmark_memory.evaluate import parse_lengths, passkey_accuracy, perplexity
+from landmark_memory.hf import smollm2
+from landmark_memory.hf.convert import convert
+from landmark_memory.hf.lora import adapter_settings
+from landmark_memory.hf.tokenizer import TextTokenizer
+from landmark_memory.kinds import kv_cache_decoder, load_model
+from landmark_memory.memory import LandmarkMemory
+
+PARTS = ("convert", "chat", "passkey", "ppl", "ask")
+MEMORY = dict(chunk_size=252, top_k=4)  # 4 blocks of 63 per chunk, the memory's default for this block size
+CHAT_PROMPTS = ["What is the capital of France?",
+                "Give me three tips for sleeping better.",
+                "Write one sentence about the sea.",
+                "What is 12 times 7?",
+                "Who wrote Pride and Prejudice?"]
+ASK_QUESTION = "What school did the author of this book found?"
+
+
+def held_out(books, tok):
+    """[(name, path, token ids)] of the books the fine-tuning held out (its default split)."""
+    _, val = split_books(list_text_files([books]))
+    return [(f.stem, f, encode(tok, read_text(f))) for f in val]
+
+
+def part_convert(args, tok, books):
+    n_seg = max(1, args.convert_tokens // 2048 // len(books))
+    rows = {}
+    for label, load in (("base", smollm2.load_base), ("converted, not fine-tuned", _converted),
+                        ("landmark (adapter)", smollm2.load_landmark)):
+        model = load()[0].eval()
+        loss = count = 0
+        for name, _, ids in books:
+            r = perplexity(model, ids, 2048, max_segments=n_seg, progress=not args.quiet, desc=f"{label[:12]} {name[:12]}")
+            loss, count = loss + r["loss"] * r["tokens"], count + r["tokens"]
+        rows[label] = {"perplexity": math.exp(loss / count), "tokens": count}
+        del model
+    return {"eval_length": 2048, "rows": rows}
+
+
+def _converted():
+    model, tok = smollm2.load_base()
+    return convert(model, tok, block_size=adapter_settings(smollm2.ADAPTER_DIR)["block_size"]), tok
+
+
+def part_chat(args, tok, books):
+    base, landmark = smollm2.load_base()[0].eval(), smollm2.load_landmark()[0].eval()
+    rows = []
+    for q in CHAT_PROMPTS:
+        idx = torch.tensor([tok.encode(tok.chat_prompt(q)).ids])
+        answers = {}
+        with torch.no_grad():
+            answers["base"] = decode(*kv_cache_decoder(base, idx), args.chat_tokens, stop_id=tok.end_of_turn_id)
+            mem = LandmarkMemory(landmark, **MEMORY)  # the path `ask` takes: the prompt read through a memory
+            answers["landmark"] = mem.generate(idx, args.chat_tokens, stop_id=tok.end_of_turn_id)
+            mem.close()
+        rows.append({"prompt": q, **{k: tok.decode([t for t in v[0].tolist() if t != tok.end_of_turn_id]).strip()
+                                     for k, v in answers.items()}})
+    return {"rows": rows}
+
+
+def trials_per_length(lengths, trials):
+    """``--trials``: one count for every length, or one per length."""
+    counts = [int(t) for t in trials.split(",")]
+    if len(counts) == 1:
+        counts *= len(lengths)
+    if len(counts) != len(lengths) or min(counts) < 1:
+        raise SystemExit(f"--trials: give one count, or one per length ({len(lengths)}), each >= 1")
+    return counts
+
+
+def passkey_rows(model, tok, lengths, trials, seed, quiet, **kw):
+    rows = []
+    for n, t in zip(lengths, trials_per_length(lengths, trials)):
+        rows += passkey_accuracy(model, tok, [n], t, seed, progress=not quiet, **kw)
+        print(f"passkey at {n:,}: {rows[-1]['correct']}/{t}", flush=True)
+    return rows
+
+
+def part_passkey(args, tok, books):
+    landmark = load_model(smollm2.LANDMARK)[0]
+    rows = {"landmark + memory": passkey_rows(landmark, tok, parse_lengths(args.lengths), args.trials, args.seed,
+                                              args.quiet, memory=MEMORY)}
+    del landmark
+    base = load_model(smollm2.BASE)[0]
+    rows["base in context"] = passkey_rows(base, tok, parse_lengths(args.base_lengths), args.base_trials, args.seed,
+                                           args.quiet)
+    return {"seed": args.seed, "memory": MEMORY, "rows": rows}
+
+
+def part_ppl(args, tok, books):
+    name, _, ids = books[0]
+    n = args.ppl_tokens
+    if len(ids) < n + 1:
+        raise SystemExit(f"{name} has {len(ids)} tokens, fewer than --ppl-tokens {n}")
+    ids = ids[:n + 1]
+    rows = []
+    landmark = load_model(smollm2.LANDMARK)[0]
+    for length in parse_lengths(args.memory_lengths):
+        r = perplexity(landmark, ids, length, memory=MEMORY, progress=not args.quiet, desc=f"memory @{length}")
+        rows.append({"model": "landmark + memory", "eval_length": length, "perplexity": r["perplexity"],
+                     "tokens": r["tokens"], "seconds": r["seconds"]})
+    del landmark
+    base = load_model(smollm2.BASE)[0]
+    for length in parse_lengths(args.base_eval_lengths):
+        r = perplexity(base, ids, length, progress=not args.quiet, desc=f"base @{length}")
+        rows.append({"model": "base in context", "eval_length": length, "perplexity": r["perplexity"],
+                     "tokens": r["tokens"], "seconds": r["seconds"]})
+    return {"book": name, "tokens": n, "rows": rows}
+
+
+def part_ask(args, tok, books):
+    name, path, ids = books[0]
+    mem = Path(args.out) / f"memory-{name}"
+    cli = [sys.executable, "-m", "landmark_memory.cli"]
+    t0 = time.time()
+    subprocess.run([*cli, "build", str(mem), "--input", str(path), "--model", smollm2.LANDMARK, "--quiet"], check=True)
+    built = time.time() - t0
+    run = subprocess.run([*cli, "ask", str(mem), args.question, "--model", smollm2.LANDMARK, "--show-retrieved",
+                          "--passages", "3", "--max-new-tokens", "64", "--json"], check=True, capture_output=True,
+                         text=True)
+    asked = json.loads(run.stdout)
+    for p in asked["retrieved"]:
+        p["source"] = Path(p["source"]).name
+    return {"book": name, "book_tokens": len(ids), "build_seconds": built, "ask_seconds": time.time() - t0 - built,
+            **asked}
+
+
+# ---- the report ---------------------------------------------------------------------------
+def report(args):
+    got = {p: json.loads((Path(args.out) / f"{p}.json").read_text()) for p in PARTS
+           if (Path(args.out) / f"{p}.json").is_file()}
+    lines = ["# SmolLM2-135M-Instruct with landmarks", "",
+             "The base model as published (`--model smollm2`, full attention, 8K window) against it converted to "
+             "landmarks (a landmark after every 63 tokens) with our LoRA adapter (`--model smollm2-landmark`, "
+             "model card: `landmark_memory/assets/smollm2-landmark/README.md`), on the books its fine-tuning held "
+             "out. Each part below names the command that measured it, the machine and the date.", ""]
+    lines += _targets(got)
+    for part, doc in got.items():
+        lines += [f"## {part}", "", f"- command: `{doc['command']}` (BOOKS: the project's 53 Gutenberg books)",
+                  f"- machine: {doc['machine']}", f"- date: {doc['date']}, {doc['seconds'] / 60:.1f} min", ""]
+        lines += RENDER[part](doc)
+        lines.append("")
+    if "passkey" in got or "ppl" in got:
+        p = plt()
+        fig, axes = p.subplots(1, 2, figsize=(11, 4))
+        for label, rows in got.get("passkey", {}).get("rows", {}).items():
+            axes[0].plot([r["length"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)
+        axes[0].set(xscale="log", xlabel="prompt length (tokens)", ylabel="passkey accuracy %", ylim=(-3, 103),
+                    title="Passkey")
+        for label in ("landmark + memory", "base in context"):
+            rows = [r for r in got.get("ppl", {}).get("rows", []) if r["model"] == label]
+            axes[1].plot([r["eval_length"] for r in rows], [r["perplexity"] for r in rows], marker="o", label=label)
+        axes[1].set(xscale="log", xlabel="eval length (tokens)", ylabel="perplexity", title="Held-out perplexity")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(Path(args.results) / "smollm2.png", dpi=120)
+        lines += ["![passkey accuracy and perplexity vs length](smollm2.png)", ""]
+    out = Path(args.results) / "smollm2.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {os.path.relpath(out, ROOT)}")
+
+
+def _targets(got):
+    """The issue's targets against what the saved parts measured."""
+    out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    if "convert" in got:
+        rows = got["convert"]["rows"]
+        d = 100 * (rows["landmark (adapter)"]["perplexity"] / rows["base"]["perplexity"] - 1)
+        out.append(f"| in-sequence perplexity at 2K within 5% of the base model's | {d:+.1f}% | {'yes' if d <= 5 else 'no'} |")
+    if "passkey" in got:
+        far = [r for r in got["passkey"]["rows"]["landmark + memory"] if r["length"] == 65536]
+        if far:
+            r = far[0]
+            out.append(f"| passkey through memory at 64K at least 95% | {100 * r['accuracy']:.0f}% "
+                       f"({r['correct']}/{r['trials']}) | {'yes' if r['accuracy'] >= 0.95 else 'no'} |")
+    if "ppl" in got:
+        ppl = {(r["model"], r["eval_length"]): r["perplexity"] for r in got["ppl"]["rows"]}
+        a, b = ppl.get(("landmark + memory", 32768)), ppl.get(("base in context", 8192))
+        if a and b:
+            out.append(f"| perplexity through memory at 32K below the base model's in context at 8K | {a:.2f} vs "
+                       f"{b:.2f} | {'yes' if a < b else 'no'} |")
+    return out + [""]
+
+
+def _render_convert(doc):
+    rows = doc["rows"]
+    base = rows["base"]["perplexity"]
+    out = [f"Perplexity in sequence, segments of {doc['eval_length']:,} tokens, "
+           f"{next(iter(rows.values()))['tokens']:,} predicted tokens over the held-out books.", "",
+           "| model | perplexity | vs base |", "|---|---|---|"]
+    out += [f"| {k} | {v['perplexity']:.2f} | {100 * (v['perplexity'] / base - 1):+.1f}% |" for k, v in rows.items()]
+    return out
+
+
+def _render_chat(doc):
+    out = ["Greedy answers through each model's chat template (the landmark model reads the prompt through a "
+           "memory, as `ask` does).", "", "| prompt | base | landmark |", "|---|---|---|"]
+    cell = lambda t: " ".join(t.split()).replace("|", "\\|")  # noqa: E731
+    return out + [f"| {cell(r['prompt'])} | {cell(r['base'])} | {cell(r['landmark'])} |" for r in doc["rows"]]
+
+
+def _render_passkey(doc):
+    out = [f"Seed {doc['seed']}, memory {doc['memory']}; the key is a random integer in 1..50000 at a random depth "
+           "of the paper's filler; a trial is correct when the first integer generated (greedy) is the key.", "",
+           "| model | length | accuracy |", "|---|---|---|"]
+    for label, rows in doc["rows"].items():
+        out += [f"| {label} | {r['length']:,} | {100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) |"
+                for r in rows]
+    return out
+
+
+def _render_ppl(doc):
+    out = [f"The first {doc['tokens']:,} tokens of {doc['book']}, cut into segments of the eval length, each read "
+           "from its start.", "", "| model | eval length | perplexity | seconds |", "|---|---|---|---|"]
+    return out + [f"| {r['model']} | {r['eval_length']:,} | {r['perplexity']:.2f} | {r['seconds']:.0f} |"
+                  for r in doc["rows"]]
+
+
+def _render_ask(doc):
+    out = [f"A memory over all {doc['book_tokens']:,} tokens of {doc['book']} (build {doc['build_seconds'] / 60:.1f} "
+           f"min), then `ask` ({doc['ask_seconds']:.0f} s):", "", f"> Q: {doc['prompt']}", ">",
+           f"> A: {' '.join(doc['text'].split())}", "", "Passages read most:", ""]
+    for p in doc["retrieved"]:
+        out += [f"- block {p['block']} ({100 * p['share']:.0f}% of lookups), token {p['token_offset']:,} of "
+                f"{p['source']}: \"{' '.join(p['text'].split())}\""]
+    return out
+
+
+RENDER = {"convert": _render_convert, "chat": _render_chat, "passkey": _render_passkey, "ppl": _render_ppl,
+          "ask": _render_ask}
+RUN = {"convert": part_convert, "chat": part_chat, "passkey": part_passkey, "ppl": part_ppl, "ask": part_ask}
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--books", required=True, help="the book corpus the adapter was fine-tuned on")
+    ap.add_argument("--parts", default="", help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--report", action="store_true", help="write experiments/results/smollm2.md from the saved parts")
+    ap.add_argument("--out", default=str(ROOT / "out" / "smollm2-eval"), help="where the parts' JSON go")
+    ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
+    ap.add_argument("--convert-tokens", type=int, default=8192, help="predicted tokens for the convert part")
+    ap.add_argument("--chat-tokens", type=int, default=48, help="answer length cap for the chat part")
+    ap.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k,64k", help="passkey lengths through memory")
+    ap.add_argument("--base-lengths", default="1k,2k,4k,8k", help="passkey lengths for the base model in context")
+    ap.add_argument("--trials", default="20,20,20,20,20,10,10", help="passkey trials: one count, or one per length")
+    ap.add_argument("--base-trials", default="20", help="passkey trials of the base model: one, or one per length")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ppl-tokens", type=int, default=32768, help="tokens of the book the ppl part reads")
+    ap.add_argument("--memory-lengths", default="2k,8k,32k")
+    ap.add_argument("--base-eval-lengths", default="2k,8k")
+    ap.add_argument("--question", default=ASK_QUESTION)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not (parts or args.report):
+        ap.error(f"give --parts from {', '.join(PARTS)} and/or --report")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if parts:
+        tok = TextTokenizer(smollm2.load_base()[1])
+        books = held_out(args.books, tok)
+        for part in parts:
+            t0 = time.time()
+            with torch.no_grad():
+                doc = RUN[part](args, tok, books)
+            cmd = ["python", "experiments/exp_smollm2.py", *(sys.argv[1:] if argv is None else argv)]
+            cmd = ["$BOOKS" if i and cmd[i - 1] == "--books" else a for i, a in enumerate(cmd)]
+            doc.update(command=" ".join(a if a == "$BOOKS" else shlex.quote(a) for a in cmd), machine=machine(),
+                       date=time.strftime("%Y-%m-%d"), seconds=time.time() - t0)
+            (Path(args.out) / f"{part}.json").write_text(json.dumps(doc, indent=1))
+            print(f"{part}: done in {doc['seconds'] / 60:.1f} min", flush=True)
+    if args.report:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
