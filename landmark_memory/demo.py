@@ -75,16 +75,15 @@ def run_demo(args: argparse.Namespace) -> int:
         n_tokens = len(encode(tok, text))
 
         say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens{' of its opening' if cap else ''}) with the "
-            f"pass key {key} planted "
-            f"{100 * depth:.0f}% of the way in (seed {seed})")
+            f"pass key {key} planted {100 * depth:.0f}% of the way in (seed {seed})")
         with LandmarkMemory(model, path=mem_path, index="flat", store="lmdb", top_k=4) as mem:
             build(mem, read_inputs([book]), tok, progress=not args.quiet)
         say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
 
         say(f"2. Reopening it in a fresh process and asking:{QUESTION}")
-        cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--raw", "--max-new-tokens", "8",
-               "--passages", str(PASSAGES), "--json", "--model", str(args.model or BUNDLED_MODEL), "--device",
-               args.device]
+        cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--raw",
+               "--max-new-tokens", "8", "--passages", str(PASSAGES), "--json", "--model", str(args.model or BUNDLED_MODEL),
+               "--device", args.device]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"the ask process failed:\n{run.stderr}")

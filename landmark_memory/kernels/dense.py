@@ -109,7 +109,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     function that turns their weights (B, H, Tq, K, L) into the output (B, H, Tq, D).
 
     Copying each slot's block (L, D) out of the pool is what bounds this kernel on CPUs, and a
-    chunk's queries read few distinct blocks (in practice about 30 per head for 250 queries).
+    chunk's queries share most of their blocks.
     So the slots are grouped by (head, block, position): each group's queries, rotated to the
     block's position, meet the block's rows in one matrix product, and the block is read once
     per group. Groups of similar size are padded to a power of two and batched, so padding at
