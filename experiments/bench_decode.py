@@ -3,13 +3,17 @@ attention with a KV cache, same model weights, same run.
 
     python experiments/bench_decode.py                                   # 4K..64K on CPU
     python experiments/bench_decode.py --contexts 4096,32768 --indexes flat,hnsw --shape tiny
+    python experiments/bench_decode.py --model smollm2-landmark --contexts 8192,32768,131072
 
 The landmark memory ingests real book text (its ingestion speed is reported too) and then
 decodes ``--steps`` tokens at each context length. The full-attention baseline decodes with a
-preallocated KV cache of the same length; its cache holds random values, which cost the same
-time as real ones and spare an O(n^2) prefill. Memory: the KV cache of full attention vs the
-landmark memory's fast part (landmark keys, indexes, hot cache, current chunk) and its block
-store.
+KV cache of the same length holding random values, which cost the same time as real ones and
+spare an O(n^2) prefill: for a LandmarkGPT a preallocated cache read by PyTorch's SDPA, for a
+converted Hugging Face model the plain model it was converted from (``--baseline``; for
+``smollm2-landmark`` the published SmolLM2) with transformers' SDPA attention and its
+``DynamicCache``, the path a user would otherwise take. Memory: the KV cache of full attention
+vs the landmark memory's fast part (landmark keys, indexes, hot cache, current chunk) and its
+block store.
 """
 
 import argparse
@@ -22,46 +26,86 @@ import torch.nn.functional as F
 from _common import book_tokens
 from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.kinds import backbone_for, load_model
 from landmark_memory.memory import LandmarkMemory
 
 MiB = 2 ** 20
-
+BASELINES = {"smollm2-landmark": "smollm2"}  # the plain model a named landmark model was converted from
 
 SHAPES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, ffn_hidden=512),
           "small": dict(n_layer=6, n_head=8, n_embd=512, ffn_hidden=2048),
           "paper": dict(n_layer=12, n_head=8, n_embd=1024, ffn_hidden=4096)}
 
 
-def load_model(path, shape):
-    if path:
-        return LandmarkGPT.from_pretrained(path)
-    torch.manual_seed(0)  # decoding costs the same with untrained weights
-    return LandmarkGPT(LandmarkConfig.for_tokenizer(**SHAPES[shape]))
+def models(args):
+    """``(landmark model, tokenizer, decode step of the full-attention baseline)``."""
+    if not args.model:
+        torch.manual_seed(0)  # decoding costs the same with untrained weights
+        model = LandmarkGPT(LandmarkConfig.for_tokenizer(**SHAPES[args.shape])).eval()
+        return model, load_tokenizer(), gpt_kv_cache(model)
+    model, tok = load_model(args.model, "cpu")
+    if isinstance(model, LandmarkGPT):
+        return model, tok, gpt_kv_cache(model)
+    baseline = args.baseline or BASELINES.get(args.model)
+    if baseline is None:
+        raise SystemExit(f"--baseline: the plain Hugging Face model {args.model} was converted from")
+    return model, tok, hf_dynamic_cache(load_model(baseline, "cpu")[0])
+
+
+def gpt_kv_cache(model):
+    """``cached(n, steps)``: a LandmarkGPT's layers decoding with a preallocated KV cache
+    holding n positions; returns the step function and the cache's bytes."""
+    cfg = model.config
+
+    def cached(n, steps):
+        shape = (1, cfg.n_head, n + steps, cfg.head_dim)
+        cache = [(torch.randn(shape), torch.randn(shape)) for _ in model.blocks]
+
+        def step(tok, pos):
+            h = model.wte(tok)  # (1, 1, C)
+            for block, (ck, cv) in zip(model.blocks, cache):
+                q, k, v = block.attn.heads(block.ln_1(h))
+                p = torch.tensor([pos])
+                ck[:, :, pos], cv[:, :, pos] = block.attn.rope(k, p)[:, :, 0], v[:, :, 0]
+                y = F.scaled_dot_product_attention(block.attn.rope(q, p), ck[:, :, :pos + 1], cv[:, :, :pos + 1])
+                h = h + block.attn.merge(y)
+                h = h + block.mlp(block.ln_2(h))
+            return model.lm_head(model.ln_f(h))
+
+        return step, 2 * cfg.n_layer * n * cfg.n_embd * 4
+
+    return cached
+
+
+def hf_dynamic_cache(model):
+    """``cached(n, steps)`` for a plain Hugging Face model: a ``DynamicCache`` filled with n
+    random positions, extended one token per step by the model's own forward."""
+    from transformers import DynamicCache
+
+    bb = model.config
+    H_kv, D = bb.num_key_value_heads, getattr(bb, "head_dim", None) or bb.hidden_size // bb.num_attention_heads
+
+    def cached(n, steps):
+        cache = DynamicCache(config=bb)
+        for layer in range(bb.num_hidden_layers):
+            cache.update(torch.randn(1, H_kv, n, D), torch.randn(1, H_kv, n, D), layer)
+
+        def step(tok, pos):
+            return model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+
+        return step, 2 * bb.num_hidden_layers * n * H_kv * D * 4
+
+    return cached
 
 
 @torch.no_grad()
-def full_attention_ms(model, n, steps):
+def full_attention_ms(cached, n, steps):
     """ms per token decoding at context n with a KV cache, and the cache's bytes."""
-    cfg = model.config
-    shape = (1, cfg.n_head, n + steps, cfg.head_dim)
-    cache = [(torch.randn(shape), torch.randn(shape)) for _ in model.blocks]
-
-    def step(tok, pos):
-        h = model.wte(tok)  # (1, 1, C)
-        for block, (ck, cv) in zip(model.blocks, cache):
-            q, k, v = block.attn.heads(block.ln_1(h))
-            p = torch.tensor([pos])
-            ck[:, :, pos], cv[:, :, pos] = block.attn.rope(k, p)[:, :, 0], v[:, :, 0]
-            y = F.scaled_dot_product_attention(block.attn.rope(q, p), ck[:, :, :pos + 1], cv[:, :, :pos + 1])
-            h = h + block.attn.merge(y)
-            h = h + block.mlp(block.ln_2(h))
-        return model.lm_head(model.ln_f(h))
-
+    step, kv_bytes = cached(n, steps + 1)
     step(torch.tensor([[5]]), n)  # warm up
     t0 = time.perf_counter()
     for i in range(steps):
-        step(torch.tensor([[5]]), n + i)
-    kv_bytes = 2 * cfg.n_layer * n * cfg.n_embd * 4
+        step(torch.tensor([[5]]), n + 1 + i)
     return (time.perf_counter() - t0) * 1e3 / steps, kv_bytes
 
 
@@ -69,23 +113,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,16384,32768,65536")
     ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq")
-    ap.add_argument("--model", default=None, help="a saved LandmarkGPT (default: an untrained one of --shape)")
+    ap.add_argument("--model", default=None, help="a landmark model: a saved LandmarkGPT, a converted Hugging Face "
+                                                  "model or smollm2-landmark (default: an untrained LandmarkGPT of --shape)")
+    ap.add_argument("--baseline", help="with a converted Hugging Face --model, the plain model it came from "
+                                       "(default: smollm2 for smollm2-landmark)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape without --model")
     ap.add_argument("--cache-mib", type=int, default=64, help="hot-block cache budget")
     ap.add_argument("--train-size", type=int, default=512, help="landmarks before IVF indexes train")
     ap.add_argument("--data", default=str(SAMPLE_DIR), help="text to ingest")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--chunk-size", type=int, default=250)
+    ap.add_argument("--chunk-size", type=int, default=None, help="default the memory's (about 250)")
     args = ap.parse_args(argv)
     contexts = sorted(map(int, args.contexts.split(",")))
-    model = load_model(args.model, args.shape).eval()
-    ids = book_tokens(load_tokenizer(), contexts[-1] + len(contexts) * args.steps, Path(args.data))
-    c = model.config
-    print(f"model {model.num_params() / 1e6:.2f}M params ({c.n_layer} layers, {c.n_head} heads of {c.head_dim}), "
-          f"block_size {c.block_size}, top_k {args.top_k}, chunk {args.chunk_size}, hot cache {args.cache_mib} MiB, "
-          f"{torch.get_num_threads()} threads, {args.steps} decode steps per point")
-    full = {n: full_attention_ms(model, n, args.steps) for n in contexts}
+    model, tok, cached = models(args)
+    ids = book_tokens(tok, contexts[-1] + len(contexts) * args.steps, Path(args.data))
+    bb = backbone_for(model)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model {args.model or args.shape} {params / 1e6:.2f}M params ({bb.n_layer} layers, {bb.n_head} heads "
+          f"over {bb.n_kv_head} key/value heads of {bb.head_dim}), block_size {bb.block_size}, top_k {args.top_k}, "
+          f"hot cache {args.cache_mib} MiB, {torch.get_num_threads()} threads, {args.steps} decode steps per point")
+    full = {}
+    for n in contexts:  # one cache at a time: at 128K a model's cache can take gigabytes
+        full[n] = full_attention_ms(cached, n, args.steps)
     print("| context | method | ms / token | speed-up vs full | fast memory MiB | store MiB | ingest tok/s |")
     print("|---|---|---|---|---|---|---|")
     for n in contexts:
@@ -96,7 +146,8 @@ def main(argv=None):
         fed = 0
         for n in contexts:
             t0 = time.perf_counter()
-            mem.forward(ids[:, fed:n])
+            for a in range(fed, n, mem.options.chunk_size):  # a chunk at a time: logits stay small
+                mem.forward(ids[:, a:min(n, a + mem.options.chunk_size)])
             rate = (n - fed) / (time.perf_counter() - t0)
             fed = n
             t0 = time.perf_counter()

@@ -6,6 +6,8 @@ integer (or real) tensor, not only ``arange(T)``. Uses the rotate-half layout of
 Llama: dimension ``d`` pairs with ``d + D/2``.
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -21,21 +23,40 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
         self.head_dim, self.base = head_dim, base
+        self._inv_freq = {}  # per device, float64 (D/2,): computed once, not at every call
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (..., T, D) at ``positions``, any shape that broadcasts to (..., T).
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, *more: torch.Tensor):
+        """Rotate ``x`` (..., T, D) at ``positions``, any shape that broadcasts to (..., T);
+        tensors in ``more`` (same dtype) are rotated at the same positions, and then a tuple of
+        all is returned.
 
         Angles are computed in float64 (not a buffer, so ``model.half()`` cannot degrade them):
         at position 10^6 a float32 angle is already off by ~0.06 rad. The rotation itself runs
         in float32 (float64 for float64 inputs); the result has x's dtype."""
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(positions, x.device, dt)  # (..., T, D/2)
+        out = tuple(self._rotate(t, cos, sin, dt) for t in (x, *more))
+        return out if more else out[0]
+
+    @staticmethod
+    def _rotate(x, cos, sin, dt):
         x1, x2 = x.to(dt).chunk(2, dim=-1)  # (..., T, D/2) each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     def cos_sin(self, positions, device=None, dtype=torch.float32):
         """cos and sin of the rotation angles at ``positions``: two (*positions.shape, D/2)
         tensors, angles computed in float64 and then cast to ``dtype``."""
-        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
-        angles = torch.as_tensor(positions, device=device).double()[..., None] * inv_freq
+        positions = torch.as_tensor(positions, device=device)
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            d = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=positions.device)
+            inv_freq = self._inv_freq[positions.device] = self.base ** (-d / self.head_dim)
+        angles = positions.double()[..., None] * inv_freq
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rotary(head_dim: int, base: float) -> RotaryEmbedding:
+    """A shared ``RotaryEmbedding`` for kernels that are handed only the head dim and base (it
+    keeps its frequencies per device, so a fresh one per call would compute them again)."""
+    return RotaryEmbedding(head_dim, base)

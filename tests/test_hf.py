@@ -22,6 +22,7 @@ from landmark_memory.memory import LandmarkMemory
 from landmark_memory.rope import RotaryEmbedding
 from landmark_memory.layout import insert_landmarks, normal_positions
 from landmark_memory.tokenizer import LANDMARK_TOKEN
+from test_experiments import script
 
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -192,6 +193,24 @@ def model_dir(tokenizer_object, tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def test_decode_benchmark_sets_memory_against_the_plain_models_dynamic_cache(model_dir, tokenizer_object, tmp_path,
+                                                                            capsys):
+    plain, (model, tok) = tmp_path / "plain", tiny(tokenizer_object)
+    LlamaForCausalLM(LlamaConfig(**{k: getattr(model.config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads")})).save_pretrained(plain)
+    tok.save_pretrained(plain)
+    bench = script("bench_decode")
+    bench.main(["--model", str(model_dir), "--baseline", str(plain), "--contexts", "100,200", "--indexes", "flat",
+                "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "4 heads over 2 key/value heads" in out and "| 200 | landmark, flat |" in out
+    kv_mib = 2 * 2 * 200 * 2 * (64 // 4) * 4 / 2 ** 20  # layers x keys and values x positions x kv heads x dim
+    assert "| 200 | full attention + KV cache | " in out and f"| {kv_mib:.1f} |" in out
+    with pytest.raises(SystemExit, match="--baseline"):
+        bench.main(["--model", str(model_dir), "--contexts", "100"])
 
 
 def cli(*args, cwd=None):

@@ -28,6 +28,19 @@ def test_search_pads_with_minus_one_when_range_is_small():
     assert (I == -1).all()
 
 
+def test_a_range_searched_again_after_training_searches_the_trained_index():
+    rng = np.random.default_rng(1)
+    xb, xq = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((5, 16)).astype(np.float32)
+    index, exact = LandmarkIndex("ivf", 16, train_size=260, nprobe=1000), LandmarkIndex("flat", 16)
+    index.add(xb[:250])
+    exact.add(xb)
+    untrained = index.index
+    np.testing.assert_array_equal(index.search(xq, 4, 100, 250)[1], exact.search(xq, 4, 100, 250)[1])
+    index.add(xb[250:])  # trains: the same range now lies in another index
+    assert index.trained and index.index is not untrained
+    np.testing.assert_array_equal(index.search(xq, 4, 100, 250)[1], exact.search(xq, 4, 100, 250)[1])
+
+
 @pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
 def test_ivf_searches_exactly_until_trained_then_trains_once(kind):
     rng = np.random.default_rng(0)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from landmark_memory.decode import decode, next_token
-from landmark_memory.memory import Manifest, MemoryFileError, MemoryOptions, ModelShape
+from landmark_memory.memory import BlockMemory, Manifest, MemoryFileError, MemoryOptions, ModelShape
 from landmark_memory.memory.manifest import InputRecord, ModelRecord, RowLayout, StateFile
 from landmark_memory.memory.retrieval import chunk_base, select_blocks
+from landmark_memory.rope import RotaryEmbedding
 
 NEG = float("-inf")
 
@@ -137,3 +138,26 @@ def test_sampling_keeps_to_the_top_k_tokens():
     picks = next_token(logits, temperature=2.0, top_k=2, generator=g)
     assert set(picks.tolist()) == {1, 2}
     assert next_token(logits, temperature=0.0).tolist() == [1] * 64
+
+
+def test_query_heads_of_a_key_value_head_search_its_index_together_as_each_alone():
+    shape, bs = ModelShape(n_layer=1, n_kv_head=2, head_dim=8, block_size=3), 3
+    options = MemoryOptions(chunk_size=12).resolved(bs, "float32", False, 8)
+    blocks = BlockMemory(shape, options, store_path=None, readonly=False, device=torch.device("cpu"),
+                         dtype=torch.float32, rope=RotaryEmbedding(8), cache_bytes=1 << 20)
+    blocks.start(1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):  # 12 blocks
+        kv = torch.randn(2, 1, 2, 4 * (bs + 1), 8, generator=g)
+        blocks.add_chunk([(kv[0], kv[1])], torch.zeros(1, 12, dtype=torch.long))
+    xq = torch.randn(1, 4, 3, 8, generator=g).numpy()  # 4 query heads, 2 per key/value head
+    need = np.ones((1, 4, 3), bool)
+    need[0, 1, 1] = need[0, 3] = False  # one query, and the whole of head 3, retrieve nothing
+    D, I, skipped = blocks.search(0, xq, need, 2, 1, 10, group=2)
+    assert skipped == 1
+    for h in range(4):
+        Dh, Ih = blocks.index(0, 0, h // 2).search(xq[0, h, need[0, h]], 2, 1, 10)
+        np.testing.assert_array_equal(I[0, h][need[0, h]], Ih)
+        np.testing.assert_allclose(D[0, h][need[0, h]], Dh, rtol=1e-6)
+        assert (I[0, h][~need[0, h]] == -1).all() and np.isneginf(D[0, h][~need[0, h]]).all()
+        assert ((Ih >= 1) & (Ih < 10)).all()

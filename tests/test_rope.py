@@ -1,6 +1,7 @@
 import torch
 
 from landmark_memory import RotaryEmbedding
+from landmark_memory.rope import rotary
 
 
 def test_position_zero_is_identity_and_norms_are_kept():
@@ -36,3 +37,11 @@ def test_matches_complex_rotation_at_arbitrary_positions():
 def test_keeps_dtype():
     rope = RotaryEmbedding(8)
     assert rope(torch.randn(1, 2, 8, dtype=torch.bfloat16), torch.arange(2)).dtype == torch.bfloat16
+
+
+def test_tensors_rotated_together_equal_each_rotated_alone():
+    rope, pos = RotaryEmbedding(16), torch.tensor([3, 70000, 5])
+    q, k = torch.randn(2, 4, 3, 16), torch.randn(2, 1, 3, 16)
+    rq, rk = rope(q, pos, k)
+    assert torch.equal(rq, rope(q, pos)) and torch.equal(rk, rope(k, pos))
+    assert torch.equal(rotary(16, 10000.0)(q, pos), rq) and rotary(16, 10000.0) is rotary(16, 10000.0)

@@ -62,6 +62,7 @@ class LandmarkIndex:
         # CPU IVF indexes hold their keys exactly (IVF-Flat, or IVF-PQ's refinement), so they can retrain
         self.retrains = (self.base == "ivf" or (self.base == "ivfpq" and refine > 0)) and not kind.endswith("-gpu")
         self.searches, self.search_seconds = 0, 0.0  # calls to search() and time spent in FAISS
+        self._params_for = (None, None, None)  # ((lo, hi), index, search parameters) of the last search
         self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
     def _build(self, factory):
@@ -155,6 +156,23 @@ class LandmarkIndex:
         index.add(xb)
         self.index = index
 
+    def _params(self, lo, hi):
+        """Search parameters restricted to ids ``[lo, hi)``, made once per range and index (a
+        decoding step searches the same range as the step before, and making them costs as
+        much as a small search)."""
+        if self._params_for[0] != (lo, hi) or self._params_for[1] is not self.index:  # training makes a new index
+            sel = faiss.IDSelectorRange(lo, hi)
+            if not self.trained or self.base == "flat":
+                params = faiss.SearchParameters(sel=sel)
+            elif self.base == "hnsw":
+                params = faiss.SearchParametersHNSW(sel=sel, efSearch=self.ef_search)
+            else:
+                params = faiss.SearchParametersIVF(sel=sel, nprobe=self.nprobe)
+                if self.base == "ivfpq" and self.refine:
+                    params = faiss.IndexRefineSearchParameters(k_factor=self.refine, base_index_params=params)
+            self._params_for = ((lo, hi), self.index, params)
+        return self._params_for[2]
+
     def search(self, xq: np.ndarray, k: int, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` inner products among ids in ``[lo, hi)``.
 
@@ -167,17 +185,8 @@ class LandmarkIndex:
         hi = self.ntotal if hi is None else min(hi, self.ntotal)
         if k <= 0 or hi <= lo:
             return np.full((len(xq), max(k, 0)), -np.inf, np.float32), np.full((len(xq), max(k, 0)), -1, np.int64)
-        sel = faiss.IDSelectorRange(lo, hi)
-        if not self.trained or self.base == "flat":
-            params = faiss.SearchParameters(sel=sel)
-        elif self.base == "hnsw":
-            params = faiss.SearchParametersHNSW(sel=sel, efSearch=self.ef_search)
-        else:
-            params = faiss.SearchParametersIVF(sel=sel, nprobe=self.nprobe)
-            if self.base == "ivfpq" and self.refine:
-                params = faiss.IndexRefineSearchParameters(k_factor=self.refine, base_index_params=params)
         t0 = time.perf_counter()
-        D, I = self.index.search(xq, k, params=params)
+        D, I = self.index.search(xq, k, params=self._params(lo, hi))
         self.searches += 1
         self.search_seconds += time.perf_counter() - t0
         D[I < 0] = -np.inf

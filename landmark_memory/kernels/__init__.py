@@ -123,7 +123,8 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                              f"{t.dtype} {tuple(t.shape)}")
     if block_pos.shape != block_table.shape:
         raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")
-    if not q.is_cuda and block_table.numel() and not (-1 <= block_table.min() and block_table.max() < pool_k.shape[0]):
+    if not q.is_cuda and block_table.numel() and not (-1 <= (r := torch.aminmax(block_table)).min and
+                                                      r.max < pool_k.shape[0]):
         raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
     _check_cmt(q, cmt_k)
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty

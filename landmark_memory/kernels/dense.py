@@ -13,10 +13,12 @@ carry exp(s_cmt), the CMT's share of the query's group. A query that sees no con
 landmark gives that share to a value-less sink column instead.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from ..rope import RotaryEmbedding
+from ..rope import rotary
 
 NEG_INF = float("-inf")
 GATHER_BELOW = 16  # queries per head under which (decoding) each retrieved slot's block is gathered on its own
@@ -37,15 +39,26 @@ def _gated(s, block_size):
 
 def local_effective_scores(s, block_size, T_k):
     """Effective scores (..., T_q, T_k) of queries at the last T_q of T_k in-sequence positions."""
-    L, T_q = block_size + 1, s.shape[-2]
-    pad = -T_k % L
+    pad = -T_k % (block_size + 1)
     gated = _gated(F.pad(s, (0, pad)), block_size)[..., :T_k]  # padded tail block is never earlier
-    i = torch.arange(T_k - T_q, T_k, device=s.device)[:, None]
-    j = torch.arange(T_k, device=s.device)[None, :]
-    normal = j % L != block_size
-    earlier = normal & (j // L < i // L)
-    own = normal & (j // L == i // L) & (j <= i)
+    T_q = s.shape[-2]
+    masks = _small_local_masks if T_q * T_k <= 4096 else _local_masks
+    earlier, own = masks(T_k, T_q, block_size, s.device)
     return torch.where(earlier, gated, torch.where(own, s, NEG_INF))
+
+
+def _local_masks(T_k, T_q, block_size, device):
+    """Which keys a query sees as tokens of earlier blocks, and as tokens of its own block:
+    two bool (T_q, T_k)."""
+    L = block_size + 1
+    i = torch.arange(T_k - T_q, T_k, device=device)[:, None]
+    j = torch.arange(T_k, device=device)[None, :]
+    normal = j % L != block_size
+    return normal & (j // L < i // L), normal & (j // L == i // L) & (j <= i)
+
+
+# a decoding step asks for the masks of the step a chunk before; small ones (8 KB at most) are kept
+_small_local_masks = functools.lru_cache(maxsize=1024)(_local_masks)
 
 
 def _cmt_softmax(eff, s_cmt, lm_s, visible, controlled):
@@ -112,12 +125,13 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     chunk's queries share most of their blocks.
     So the slots are grouped by (head, block, position): each group's queries, rotated to the
     block's position, meet the block's rows in one matrix product, and the block is read once
-    per group. Groups of similar size are padded to a power of two and batched, so padding at
-    most doubles the arithmetic. With a handful of queries (decoding) every slot is gathered."""
+    per group. Groups are padded to a power of two rows and laid out in one buffer by size, and
+    each size is one batched product: padding at most doubles the arithmetic. With a handful
+    of queries (decoding) every slot is gathered."""
     B, H, T_q, D = q.shape
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
     (rows_k, step_k), (rows_v, step_v) = _rows(pool_k), _rows(pool_v)  # (rows, L, D)
-    rope = RotaryEmbedding(D, rope_base)
+    rope = rotary(D, float(rope_base))
 
     def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head(s) bh_
         return rows_.index_select(0, (e * step + (bh_ % H) // (H // H_kv)).flatten())
@@ -127,7 +141,8 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
         e = block_table.clamp(min=0).long()  # (B, H, Tq, K)
         qb = rope(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
         k_g, v_g = (rows(r, st, bh_all, e).view(B, H, T_q, K, L, D) for r, st in ((rows_k, step_k), (rows_v, step_v)))
-        return torch.einsum("bhqkd,bhqkld->bhqkl", qb, k_g) * scale, lambda w: torch.einsum("bhqkl,bhqkld->bhqd", w, v_g)
+        s = (qb[..., None, :] @ k_g.transpose(-2, -1))[..., 0, :] * scale  # (B, H, Tq, K, L)
+        return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g.flatten(-3, -2))[..., 0, :]  # (B, H, Tq, D)
     slot = (block_table.flatten() >= 0).nonzero()[:, 0]  # the filled slots, flat in (B, H, Tq, K), (N,)
     query = slot // K  # flat in (B, H, Tq)
     entry, pos = block_table.flatten()[slot].long(), block_pos.flatten()[slot].long()
@@ -139,30 +154,38 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     order = torch.argsort(pair_of, stable=True)
     rank = torch.empty_like(pair_of)
     rank[order] = torch.arange(len(slot), device=q.device) - (torch.cumsum(users, 0) - users).repeat_interleave(users)
-    cap = torch.ceil(torch.log2(users.double())).long()  # pairs padded to 2^cap rows
+    # pairs padded to a power of two rows and sorted by that size: one buffer holds every pair's
+    # queries, and each run of equal sizes is one batched matrix product
+    cap = torch.ceil(torch.log2(users.double())).long()  # (P,) log2 of a pair's padded rows
+    by_cap = torch.argsort(cap, stable=True)
+    place = torch.empty_like(by_cap)
+    place[by_cap] = torch.arange(len(by_cap), device=q.device)
+    size = 1 << cap[by_cap]
+    row = (torch.cumsum(size, 0) - size)[place[pair_of]] + rank  # (N,) each slot's row in the buffer
+    caps, counts = torch.unique_consecutive(cap[by_cap], return_counts=True)
+    runs, first = [], 0  # (first pair, pairs, rows per pair)
+    for c, n in zip(caps.tolist(), counts.tolist()):
+        runs.append((first, n, 1 << c))
+        first += n
+    n_rows, pair_bh, pair_entry = int(size.sum()), pair_bh[by_cap], pair_entry[by_cap]
+
+    def through_blocks(x, rows_, step, scores):  # per slot (N, D) -> scores (N, L), or weights (N, L) -> (N, D)
+        blocks = rows(rows_, step, pair_bh, pair_entry)  # (P, L, D)
+        blocks = blocks.transpose(-2, -1) if scores else blocks
+        xb = x.new_zeros((n_rows, x.shape[1])).index_copy_(0, row, x)
+        out, r = [], 0
+        for a, n, m in runs:
+            out.append((xb[r:r + n * m].view(n, m, -1) @ blocks[a:a + n]).flatten(0, 1))  # (n * m, out)
+            r += n * m
+        return torch.cat(out).index_select(0, row)
+
     q_slot = rope(q.reshape(-1, D).index_select(0, query)[:, None], -pos[:, None])[:, 0]  # (N, D) rotated to the block
-    s_slot = q.new_empty((len(slot), L))
-    groups = []  # per bucket: its slots, their rows in the padded bucket, its pairs' heads and blocks
-    for c in torch.unique(cap).tolist():
-        pairs = (cap == c).nonzero()[:, 0]  # (P_c,)
-        local = torch.full_like(users, -1)
-        local[pairs] = torch.arange(len(pairs), device=q.device)
-        sl = (local[pair_of] >= 0).nonzero()[:, 0]  # this bucket's slots (n_c,)
-        row = local[pair_of[sl]] * (1 << c) + rank[sl]  # (n_c,) in (P_c * 2^c)
-        qb = q.new_zeros((len(pairs) << c, D)).index_copy_(0, row, q_slot.index_select(0, sl))
-        sb = qb.view(len(pairs), 1 << c, D) @ rows(rows_k, step_k, pair_bh[pairs], pair_entry[pairs]).transpose(-2, -1)
-        s_slot.index_copy_(0, sl, sb.view(-1, L).index_select(0, row))  # (P_c, 2^c, L) -> the slots'
-        groups.append((sl, row, pairs, c))
-    s_raw = q.new_zeros((B * H * T_q * K, L)).index_copy_(0, slot, s_slot * scale)
+    s_raw = q.new_zeros((B * H * T_q * K, L)).index_copy_(0, slot, through_blocks(q_slot, rows_k, step_k, True) * scale)
 
     def read_values(w):
         w_slot = w.reshape(-1, L).index_select(0, slot)  # (N, L)
-        per_slot = q.new_zeros((B * H * T_q * K, D))  # each slot's share of the output, summed over slots below
-        for sl, row, pairs, c in groups:
-            wb = q.new_zeros((len(pairs) << c, L)).index_copy_(0, row, w_slot.index_select(0, sl))
-            ob = wb.view(len(pairs), 1 << c, L) @ rows(rows_v, step_v, pair_bh[pairs], pair_entry[pairs])
-            per_slot.index_copy_(0, slot.index_select(0, sl), ob.view(-1, D).index_select(0, row))
-        return per_slot.view(B, H, T_q, K, D).sum(3)
+        per_slot = q.new_zeros((B * H * T_q * K, D)).index_copy_(0, slot, through_blocks(w_slot, rows_v, step_v, False))
+        return per_slot.view(B, H, T_q, K, D).sum(3)  # each slot's share of the output, summed over slots
 
     return s_raw.view(B, H, T_q, K, L), read_values
 

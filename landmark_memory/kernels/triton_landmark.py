@@ -396,7 +396,7 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
                               scale=None, cmt_k=None):
     """Chunk attention over local keys and retrieved blocks; same contract as
     ``landmark_attention_inference``. Inference only: no autograd."""
-    from ..rope import RotaryEmbedding
+    from ..rope import rotary
 
     scale = _check_backend(q) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -412,7 +412,7 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     s_cmt = None if cmt_k is None else ((q.float() @ cmt_k.float().transpose(-2, -1)) * scale)[..., 0].contiguous()
     if n_slots == 0:  # with a CMT, its share of the group is lost
         return (o_loc if s_cmt is None else o_loc * torch.sigmoid(lse - s_cmt)[..., None]).to(q.dtype)
-    cos, sin = RotaryEmbedding(D, rope_base).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
+    cos, sin = rotary(D, float(rope_base)).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
     out = _empty_like(q)
     _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, block_table.to(torch.int32).contiguous(), cos, sin, o_loc, lse,
                                    lse if s_cmt is None else s_cmt, out, Tq, H, H // pool_k.shape[1], n_slots,

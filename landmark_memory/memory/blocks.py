@@ -122,14 +122,13 @@ class BlockMemory:
         B, H, Tq, _ = xq.shape
         D = np.full((B, H, Tq, k), -np.inf, np.float32)
         I = np.full((B, H, Tq, k), -1, np.int64)
-        skipped = 0
+        skipped = int((~need.any(-1)).sum())  # layer-heads whose queries are all below the CMT cutoff
         for b in range(B):
-            for h in range(H):
-                if not need[b, h].any():  # every query of this layer-head is below the CMT cutoff
-                    skipped += 1
-                    continue
-                D[b, h, need[b, h]], I[b, h, need[b, h]] = self.indexes[b][layer][h // group].search(
-                    xq[b, h, need[b, h]], k, lo, hi)
+            for g in range(H // group):  # the query heads of a key/value head search its index in one call
+                heads = slice(g * group, (g + 1) * group)
+                sel = need[b, heads]  # (group, T_q)
+                if sel.any():
+                    D[b, heads][sel], I[b, heads][sel] = self.indexes[b][layer][g].search(xq[b, heads][sel], k, lo, hi)
         return D, I, skipped
 
     def pool(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -96,6 +96,7 @@ class LandmarkMemory:
         self.rope = RotaryEmbedding(bb.head_dim, bb.rope_base)
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
+        self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
         self.inputs: list[InputRecord] = []
@@ -331,7 +332,7 @@ class LandmarkMemory:
         retrieved, new_kv = [], []
         for layer in range(self.shape.n_layer):
             q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
-            qr, kr = self.rope(q, qpos), self.rope(k, qpos)
+            qr, kr = self.rope(q, qpos, k)
             if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
                 pk, pkr, pv = self.pending_kv[layer]
                 k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
@@ -389,7 +390,11 @@ class LandmarkMemory:
             I = ids.expand(B, H, Tq, -1)
         else:
             recent = torch.arange(max(lo, nb - K), nb, device=self.device)
-            S = (qr @ rope(landmarks(recent), recent_slots(recent, nb, K) * L + bs).transpose(-2, -1)) * scale
+            keys = self._recent_keys.get(layer)
+            if keys is None or keys[0] != (lo, nb):  # they change only when a chunk enters memory
+                keys = (lo, nb), rope(landmarks(recent), recent_slots(recent, nb, K) * L + bs).transpose(-2, -1)
+                self._recent_keys[layer] = keys
+            S = (qr @ keys[1]) * scale  # (B, H, Tq, r)
             I = recent.expand(B, H, Tq, -1)  # (B, H, Tq, r)
             if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope(q, qpos - bs).float().cpu().numpy()  # (B, H, Tq, D)
