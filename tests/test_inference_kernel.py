@@ -145,7 +145,7 @@ def test_inference_bad_input_is_rejected_clearly(change, match):
         landmark_attention_inference(q, k, v, 3, **args)
 
 
-def test_dense_pairs_read_by_many_queries_once_and_the_rest_per_query_agree_with_the_reference():
+def test_dense_slots_grouped_by_block_across_positions_agree_with_the_reference():
     g = torch.Generator().manual_seed(5)
     B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 40, 48, 4, 12
     q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tk, Tk))

@@ -123,9 +123,9 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
 
     Copying each slot's block (L, D) out of the pool is what bounds this kernel on CPUs, and a
     chunk's queries share most of their blocks.
-    So the slots are grouped by (head, block, position): each group's queries, rotated to the
-    block's position, meet the block's rows in one matrix product, and the block is read once
-    per group. Groups are padded to a power of two rows and laid out in one buffer by size, and
+    So the slots are grouped by (head, block): each slot's query is rotated to its block's
+    position, the group's queries meet the block's rows in one matrix product, and the block is
+    read once per group. Groups are padded to a power of two rows and laid out in one buffer by size, and
     each size is one batched product: padding at most doubles the arithmetic. With a handful
     of queries (decoding) every slot is gathered."""
     B, H, T_q, D = q.shape
@@ -146,10 +146,11 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     slot = (block_table.flatten() >= 0).nonzero()[:, 0]  # the filled slots, flat in (B, H, Tq, K), (N,)
     query = slot // K  # flat in (B, H, Tq)
     entry, pos = block_table.flatten()[slot].long(), block_pos.flatten()[slot].long()
-    pos_ids, pos_id = torch.unique(pos, return_inverse=True)
-    pair_key = ((query // T_q) * n_pool + entry) * len(pos_ids) + pos_id  # one id per (head, block, position)
-    keys, pair_of, users = torch.unique(pair_key, return_inverse=True, return_counts=True)  # (P,), (N,), (P,)
-    pair_bh, pair_entry = keys // len(pos_ids) // n_pool, keys // len(pos_ids) % n_pool
+    # each slot's query is rotated to its own block position below, so a block's rows serve every
+    # slot of its (head, block) whatever the position
+    keys, pair_of, users = torch.unique((query // T_q) * n_pool + entry, return_inverse=True,
+                                        return_counts=True)  # (P,), (N,), (P,) one id per (head, block)
+    pair_bh, pair_entry = keys // n_pool, keys % n_pool
     # each slot's rank among its pair's slots: slots sorted by pair, minus where the pair starts
     order = torch.argsort(pair_of, stable=True)
     rank = torch.empty_like(pair_of)
