@@ -125,9 +125,9 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     chunk's queries share most of their blocks.
     So the slots are grouped by (head, block): each slot's query is rotated to its block's
     position, the group's queries meet the block's rows in one matrix product, and the block is
-    read once per group. Groups are padded to a power of two rows and laid out in one buffer by size, and
-    each size is one batched product: padding at most doubles the arithmetic. With a handful
-    of queries (decoding) every slot is gathered."""
+    read once per group. Groups are padded to a power of two rows and laid out in one buffer
+    by size, and each size is one batched product: padding at most doubles the arithmetic.
+    With a handful of queries (decoding) every slot is gathered."""
     B, H, T_q, D = q.shape
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
     (rows_k, step_k), (rows_v, step_v) = _rows(pool_k), _rows(pool_v)  # (rows, L, D)
@@ -148,30 +148,30 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     entry, pos = block_table.flatten()[slot].long(), block_pos.flatten()[slot].long()
     # each slot's query is rotated to its own block position below, so a block's rows serve every
     # slot of its (head, block) whatever the position
-    keys, pair_of, users = torch.unique((query // T_q) * n_pool + entry, return_inverse=True,
-                                        return_counts=True)  # (P,), (N,), (P,) one id per (head, block)
-    pair_bh, pair_entry = keys // n_pool, keys % n_pool
-    # each slot's rank among its pair's slots: slots sorted by pair, minus where the pair starts
-    order = torch.argsort(pair_of, stable=True)
-    rank = torch.empty_like(pair_of)
+    keys, group_of, users = torch.unique((query // T_q) * n_pool + entry, return_inverse=True,
+                                        return_counts=True)  # (P,), (N,), (P,): one group per (head, block)
+    group_bh, group_entry = keys // n_pool, keys % n_pool
+    # each slot's rank among its group's slots: slots sorted by group, minus where the group starts
+    order = torch.argsort(group_of, stable=True)
+    rank = torch.empty_like(group_of)
     rank[order] = torch.arange(len(slot), device=q.device) - (torch.cumsum(users, 0) - users).repeat_interleave(users)
-    # pairs padded to a power of two rows and sorted by that size: one buffer holds every pair's
+    # groups padded to a power of two rows and sorted by that size: one buffer holds every group's
     # queries, and each run of equal sizes is one batched matrix product
-    cap = torch.ceil(torch.log2(users.double())).long()  # (P,) log2 of a pair's padded rows
+    cap = torch.ceil(torch.log2(users.double())).long()  # (P,) log2 of a group's padded rows
     by_cap = torch.argsort(cap, stable=True)
     place = torch.empty_like(by_cap)
     place[by_cap] = torch.arange(len(by_cap), device=q.device)
     size = 1 << cap[by_cap]
-    row = (torch.cumsum(size, 0) - size)[place[pair_of]] + rank  # (N,) each slot's row in the buffer
+    row = (torch.cumsum(size, 0) - size)[place[group_of]] + rank  # (N,) each slot's row in the buffer
     caps, counts = torch.unique_consecutive(cap[by_cap], return_counts=True)
-    runs, first = [], 0  # (first pair, pairs, rows per pair)
+    runs, first = [], 0  # (first group, groups, rows per group)
     for c, n in zip(caps.tolist(), counts.tolist()):
         runs.append((first, n, 1 << c))
         first += n
-    n_rows, pair_bh, pair_entry = int(size.sum()), pair_bh[by_cap], pair_entry[by_cap]
+    n_rows, group_bh, group_entry = int(size.sum()), group_bh[by_cap], group_entry[by_cap]
 
     def through_blocks(x, rows_, step, scores):  # per slot (N, D) -> scores (N, L), or weights (N, L) -> (N, D)
-        blocks = rows(rows_, step, pair_bh, pair_entry)  # (P, L, D)
+        blocks = rows(rows_, step, group_bh, group_entry)  # (P, L, D)
         blocks = blocks.transpose(-2, -1) if scores else blocks
         xb = x.new_zeros((n_rows, x.shape[1])).index_copy_(0, row, x)
         out, r = [], 0
