@@ -18,6 +18,7 @@ one at a time) and the report gathers whatever exists:
     python experiments/exp_smollm2.py --books BOOKS --report      # experiments/results/smollm2.md
 """
 
+import hashlib
 import json
 import math
 import os
@@ -160,6 +161,11 @@ def part_ask(args, tok, books):
             **asked}
 
 
+def adapter_id():
+    """The shipped adapter the parts measure: the first 12 hex digits of its weights' SHA-256."""
+    return hashlib.sha256((smollm2.ADAPTER_DIR / "adapter_model.safetensors").read_bytes()).hexdigest()[:12]
+
+
 # ---- the report ---------------------------------------------------------------------------
 def report(args):
     got = {p: json.loads((Path(args.out) / f"{p}.json").read_text()) for p in PARTS
@@ -172,7 +178,8 @@ def report(args):
     lines += _targets(got)
     for part, doc in got.items():
         lines += [f"## {part}", "", f"- command: `{doc['command']}` (BOOKS: the project's 53 Gutenberg books)",
-                  f"- machine: {doc['machine']}", f"- date: {doc['date']}, {doc['seconds'] / 60:.1f} min", ""]
+                  f"- machine: {doc['machine']}", f"- date: {doc['date']}, {doc['seconds'] / 60:.1f} min",
+                  f"- adapter: {doc.get('adapter', 'an earlier one (not recorded)')}", ""]
         lines += RENDER[part](doc)
         lines.append("")
     if "passkey" in got or "ppl" in got:
@@ -208,8 +215,9 @@ def _targets(got):
         far = [r for r in got["passkey"]["rows"]["landmark + memory"] if r["length"] == 65536]
         if far:
             r = far[0]
+            met = "no" if r["accuracy"] < 0.95 else "yes" if r["trials"] >= 10 else "too few trials to say (10 asked)"
             out.append(f"| passkey through memory at 64K at least 95% | {100 * r['accuracy']:.0f}% "
-                       f"({r['correct']}/{r['trials']}) | {'yes' if r['accuracy'] >= 0.95 else 'no'} |")
+                       f"({r['correct']}/{r['trials']}) | {met} |")
     if "ppl" in got:
         ppl = {(r["model"], r["eval_length"]): r["perplexity"] for r in got["ppl"]["rows"]}
         a, b = ppl.get(("landmark + memory", 32768)), ppl.get(("base in context", 8192))
@@ -307,7 +315,7 @@ def main(argv=None):
             cmd = ["python", "experiments/exp_smollm2.py", *(sys.argv[1:] if argv is None else argv)]
             cmd = ["$BOOKS" if i and cmd[i - 1] == "--books" else a for i, a in enumerate(cmd)]
             doc.update(command=" ".join(a if a == "$BOOKS" else shlex.quote(a) for a in cmd), machine=machine(),
-                       date=time.strftime("%Y-%m-%d"), seconds=time.time() - t0)
+                       date=time.strftime("%Y-%m-%d"), seconds=time.time() - t0, adapter=adapter_id())
             (Path(args.out) / f"{part}.json").write_text(json.dumps(doc, indent=1))
             print(f"{part}: done in {doc['seconds'] / 60:.1f} min", flush=True)
     if args.report:

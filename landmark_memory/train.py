@@ -55,7 +55,7 @@ class TrainConfig:
     n_embd: int = 1024
     ffn_hidden: int = 4096
     dropout: float = 0.0
-    init_from: str = ""  # start from this saved model's weights and config (fine-tuning); "" = random init
+    init_from: str = ""  # start from this saved model (with --hf-model: an earlier stage's adapter or model); "" = random init
     hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model (or "smollm2") with landmarks instead (paper 4.2)
     lora_rank: int = 0  # with --hf-model: train LoRA adapters of this rank and the landmark embedding; 0 = all weights
     lora_alpha: int = 0  # LoRA scale numerator; 0 = twice the rank
@@ -161,11 +161,10 @@ class Trainer:
         if cfg.hf_model:
             from .hf.train import HFLandmarkLM
 
-            if cfg.init_from:
-                raise ValueError("--init-from starts a LandmarkGPT; with --hf-model the model is the starting point")
+            start = self.out if cfg.resume else (cfg.init_from or None)
             self.model = HFLandmarkLM.load(cfg.hf_model, cfg.block_size, lora_rank=cfg.lora_rank,
                                            lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
-                                           resume_from=self.out if cfg.resume else None).to(self.device)
+                                           start_from=start).to(self.device)
             self.tok = self.model.text_tokenizer()
         else:
             self.tok = load_tokenizer()
@@ -178,7 +177,8 @@ class Trainer:
 
         if cfg.hf_model:
             what = f"LoRA adapters of rank {cfg.lora_rank} and the landmark embedding" if cfg.lora_rank else "all weights"
-            self.log(f"fine-tuning {cfg.hf_model} ({what}) with a landmark every {cfg.block_size} tokens")
+            self.log(f"fine-tuning {cfg.hf_model} ({what}) with a landmark every {cfg.block_size} tokens"
+                     + (f", starting from {cfg.init_from}" if cfg.init_from and not cfg.resume else ""))
         elif cfg.init_from:  # the saved model's architecture wins over the model flags
             self.model = LandmarkGPT.from_pretrained(cfg.init_from).to(self.device)
             self.log(f"initialised from {cfg.init_from}")

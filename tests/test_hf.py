@@ -255,6 +255,12 @@ def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text, lora):
     assert [r["step"] for r in log] == [0, 2, 4]
     assert "resumed from" in r.stderr + r.stdout
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 4
+    # a next stage starts from these weights: its first evaluation (the same windows) scores them
+    stage2 = [*map(str, run), "--max-iters", "1", "--init-from", str(out), "--out-dir", str(tmp_path / "stage2")]
+    r = subprocess.run(stage2, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads((tmp_path / "stage2" / "train_log.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and abs(first["val_loss"] - log[-1]["val_loss"]) < 1e-3
     if not lora:
         assert hf.from_pretrained(out).config.landmark_block_size == 7
         return
@@ -270,6 +276,8 @@ def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text, lora):
     assert not torch.equal(emb[lm], base_emb[lm]) and torch.equal(emb[:lm], base_emb[:lm])
     tuned_q, base_q = tuned.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(tuned_q, base_q)
+    r = subprocess.run([*stage2, "--lora-rank", "8"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "has LoRA rank 4; pass --lora-rank 4" in r.stderr
 
 
 def test_readme_example_runs_as_written(model_dir, tmp_path, text):

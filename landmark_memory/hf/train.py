@@ -3,6 +3,7 @@ one training loop (``landmark_memory.train``) serves both: ``model(idx, targets)
 token ids returns ``(logits, loss)``, landmarks inserted inside (paper section 4.2: targets
 that fall on a landmark move to the next normal token, landmarks carry no loss)."""
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from ..kinds import hf_config
 from ..model import LandmarkGPT
 from ..layout import IGNORE_INDEX
 from .convert import convert, from_pretrained, normal_logits
-from .lora import ADAPTER_CONFIG, add_lora, apply_adapter, write_settings
+from .lora import ADAPTER_CONFIG, adapter_settings, add_lora, apply_adapter, write_settings
 from .tokenizer import TextTokenizer
 
 
@@ -38,19 +39,20 @@ class HFLandmarkLM(nn.Module):
         return TextTokenizer(self.tokenizer)
 
     @classmethod
-    def load(cls, path, block_size, lora_rank=0, lora_alpha=0, resume_from=None):
+    def load(cls, path, block_size, lora_rank=0, lora_alpha=0, start_from=None):
         """The model to fine-tune: ``path`` (a local Hugging Face folder, or ``"smollm2"``) as a
         landmark model with blocks of ``block_size`` (converted here when it is a plain one).
         With ``lora_rank`` > 0 only LoRA adapters and the landmark embedding train.
-        ``resume_from``: a checkpoint of this training (the whole model, or the adapter)."""
+        ``start_from``: weights to start from, a checkpoint of this training or an earlier stage's
+        (under LoRA an adapter of the same rank, else a whole saved landmark model)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from .smollm2 import BASE, base_model_dir
 
         if path == BASE:
             path = base_model_dir()
-        if resume_from is not None and not lora_rank:
-            path = resume_from  # the whole model was saved
+        if start_from is not None and not lora_rank:
+            path = start_from  # the whole model was saved
         config = hf_config(path)
         if config is None:
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json with a model_type)")
@@ -64,8 +66,12 @@ class HFLandmarkLM(nn.Module):
         else:
             model = convert(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tok, block_size)
         model.config.use_cache = False
-        if lora_rank and resume_from is not None:
-            model = apply_adapter(model, resume_from, trainable=True)
+        if lora_rank and start_from is not None:
+            adapter_settings(start_from)  # says so when it is not an adapter
+            rank = json.loads((Path(start_from) / ADAPTER_CONFIG).read_text())["r"]
+            if rank != lora_rank:
+                raise ValueError(f"the adapter at {start_from} has LoRA rank {rank}; pass --lora-rank {rank}")
+            model = apply_adapter(model, start_from, trainable=True)
         elif lora_rank:
             model = add_lora(model, lora_rank, lora_alpha)
         return cls(model, tok)
