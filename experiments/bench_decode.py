@@ -118,7 +118,7 @@ def main(argv=None):
     ap.add_argument("--baseline", help="with a converted Hugging Face --model, the plain model it came from "
                                        "(default: smollm2 for smollm2-landmark)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape without --model")
-    ap.add_argument("--cache-mib", type=int, default=64, help="hot-block cache budget")
+    ap.add_argument("--cache-mib", type=int, default=256, help="hot-block cache budget (default 256, the memory's own)")
     ap.add_argument("--train-size", type=int, default=512, help="landmarks before IVF indexes train")
     ap.add_argument("--data", default=str(SAMPLE_DIR), help="text to ingest")
     ap.add_argument("--steps", type=int, default=20)

@@ -34,14 +34,26 @@ class RotaryEmbedding(nn.Module):
         at position 10^6 a float32 angle is already off by ~0.06 rad. The rotation itself runs
         in float32 (float64 for float64 inputs); the result has x's dtype."""
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self.cos_sin(positions, x.device, dt)  # (..., T, D/2)
-        out = tuple(self._rotate(t, cos, sin, dt) for t in (x, *more))
+        return self.rotate(self.angles(positions, x.device, dt), x, *more)
+
+    def rotate(self, angles: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, *more: torch.Tensor):
+        """``forward`` with the ``angles`` of its positions computed beforehand, for positions
+        that many calls share (a step's query positions at every layer)."""
+        cos, sin = angles  # (..., T, D)
+        out = tuple(self._rotate(t, cos, sin) for t in (x, *more))
         return out if more else out[0]
 
     @staticmethod
-    def _rotate(x, cos, sin, dt):
-        x1, x2 = x.to(dt).chunk(2, dim=-1)  # (..., T, D/2) each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def _rotate(x, cos, sin):
+        xf = x.to(cos.dtype)
+        x1, x2 = xf.chunk(2, dim=-1)  # (..., T, D/2) each
+        return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)  # (x1 cos - x2 sin, x2 cos + x1 sin)
+
+    def angles(self, positions, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation at ``positions`` in the layout ``rotate`` applies: ``(cos, sin)``, each
+        (*positions.shape, D), cos twice and -sin then sin."""
+        cos, sin = self.cos_sin(positions, device, dtype)
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
     def cos_sin(self, positions, device=None, dtype=torch.float32):
         """cos and sin of the rotation angles at ``positions``: two (*positions.shape, D/2)

@@ -96,25 +96,28 @@ def landmark_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
                              scale=None, cmt_k=None):
-    """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``."""
+    """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``.
+
+    A retrieved block behaves as a complete earlier block in sequence, so its scores are laid
+    before the local ones and one in-sequence rule (``local_effective_scores``) gates both."""
     B, H, T_q, D = q.shape
-    K = block_table.shape[-1]
+    K, L = block_table.shape[-1], block_size + 1
+    n = K * L  # retrieved columns, first
     scale = D ** -0.5 if scale is None else scale
-    s_loc = local_effective_scores((q @ k.transpose(-2, -1)) * scale, block_size, k.shape[-2])  # (B, H, Tq, Tk)
-    s_cmt = None if cmt_k is None else (q @ cmt_k.transpose(-2, -1)) * scale  # (B, H, Tq, 1)
-    if K == 0:
-        if s_cmt is None:
-            return torch.softmax(s_loc, -1) @ v
-        return torch.softmax(torch.cat([s_loc, s_cmt], -1), -1)[..., :-1] @ v  # the CMT's share is lost
-    s_raw, read_values = _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale)  # (B, H, Tq, K, L)
-    s_ret = _gated(s_raw, block_size).masked_fill((block_table < 0)[..., None], NEG_INF).flatten(-2)
-    if s_cmt is None:
-        p = torch.softmax(torch.cat([s_ret, s_loc], -1), -1)
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if K:
+        s_ret, read_values = _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale)  # (B, H, Tq, K, L)
+        s = torch.cat([s_ret.flatten(-2), s], -1)  # (B, H, Tq, K * L + Tk)
+    eff = local_effective_scores(s, block_size, s.shape[-1])
+    eff[..., :n].unflatten(-1, (K, L)).masked_fill_((block_table < 0)[..., None], NEG_INF)  # empty slots
+    if cmt_k is None:
+        p = torch.softmax(eff, -1)
     else:  # every retrieved landmark is CMT-controlled, every local one free
-        controlled = torch.arange(s_ret.shape[-1] + s_loc.shape[-1], device=q.device) < s_ret.shape[-1]
-        p = _cmt_softmax(torch.cat([s_ret, s_loc], -1), s_cmt, s_raw[..., block_size], block_table >= 0, controlled)
-    n = K * (block_size + 1)
-    return read_values(p[..., :n].unflatten(-1, (K, -1))) + p[..., n:] @ v
+        controlled = torch.arange(eff.shape[-1], device=q.device) < n
+        p = _cmt_softmax(eff, (q @ cmt_k.transpose(-2, -1)) * scale, s[..., block_size:n:L], block_table >= 0,
+                         controlled)
+    out = p[..., n:] @ v
+    return out + read_values(p[..., :n].unflatten(-1, (K, L))) if K else out
 
 
 def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):

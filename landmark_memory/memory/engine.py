@@ -327,12 +327,15 @@ class LandmarkMemory:
         x = insert_landmarks(ids, bs, bb.landmark_id)  # (B, Tk) the chunk so far
         p0, Tk = landmarked_length(P, bs), x.shape[1]
         qpos = self._base() + torch.arange(p0, Tk, device=self.device)
+        # the angles every layer shares: the queries' positions, and the one they search older blocks from
+        dt = torch.float64 if self.dtype == torch.float64 else torch.float32
+        at_q, at_search = (self.rope.angles(pos, dtype=dt) for pos in (qpos, qpos - bs))
         h = bb.embed(x[:, p0:])  # (B, Tq, C)
         normal = ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv = [], []
         for layer in range(self.shape.n_layer):
             q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
-            qr, kr = self.rope(q, qpos, k)
+            qr, kr = self.rope.rotate(at_q, q, k)
             if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
                 pk, pkr, pv = self.pending_kv[layer]
                 k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
@@ -343,7 +346,7 @@ class LandmarkMemory:
                 cmt_k = self.cmt_k[layer].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
                 if self.options.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
                     skip = cmt_share(qr, local_k, bs, cmt_k) < self.options.cmt_cutoff  # (B, H, Tq)
-            ids_used, block_pos = self._retrieve(layer, q, qr, qpos, skip)
+            ids_used, block_pos = self._retrieve(layer, q, qr, at_search, skip)
             table, pool_k, pool_v = self.blocks.pool(layer, ids_used)
             y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
                                              block_pos=block_pos, rope_base=bb.rope_base, cmt_k=cmt_k,
@@ -361,9 +364,10 @@ class LandmarkMemory:
         o = self.options
         return chunk_base(self.n_blocks, o.top_k, self.blocks.L, o.position_mapping)
 
-    def _retrieve(self, layer, q, qr, qpos, skip=None):
+    def _retrieve(self, layer, q, qr, at_search, skip=None):
         """Block ids (B, H, Tq, top_k) chosen for each query (-1 = none) and the positions
-        their first rows sit at. ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
+        their first rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries
+        ``q`` search older blocks from; ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
         K = o.top_k
@@ -397,7 +401,7 @@ class LandmarkMemory:
             S = (qr @ keys[1]) * scale  # (B, H, Tq, r)
             I = recent.expand(B, H, Tq, -1)  # (B, H, Tq, r)
             if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
-                xq = rope(q, qpos - bs).float().cpu().numpy()  # (B, H, Tq, D)
+                xq = rope.rotate(at_search, q).float().cpu().numpy()  # (B, H, Tq, D)
                 need = np.ones((B, H, Tq), bool) if skip is None else ~skip.cpu().numpy()
                 S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, int(recent[0]), self.group)
                 stats.searches += B * H - skipped
