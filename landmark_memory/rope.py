@@ -33,8 +33,7 @@ class RotaryEmbedding(nn.Module):
         Angles are computed in float64 (not a buffer, so ``model.half()`` cannot degrade them):
         at position 10^6 a float32 angle is already off by ~0.06 rad. The rotation itself runs
         in float32 (float64 for float64 inputs); the result has x's dtype."""
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return self.rotate(self.angles(positions, x.device, dt), x, *more)
+        return self.rotate(self.angles(positions, x.device, rotation_dtype(x.dtype)), x, *more)
 
     def rotate(self, angles: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, *more: torch.Tensor):
         """``forward`` with the ``angles`` of its positions computed beforehand, for positions
@@ -65,6 +64,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._inv_freq[positions.device] = self.base ** (-d / self.head_dim)
         angles = positions.double()[..., None] * inv_freq
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What tensors of ``dtype`` are rotated in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ from ..decode import decode
 from ..kernels import cmt_share, landmark_attention_inference
 from ..kinds import backbone_for
 from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
-from ..rope import RotaryEmbedding
+from ..rope import RotaryEmbedding, rotation_dtype
 from ..storage import DTYPE_NAMES
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
@@ -328,8 +328,7 @@ class LandmarkMemory:
         p0, Tk = landmarked_length(P, bs), x.shape[1]
         qpos = self._base() + torch.arange(p0, Tk, device=self.device)
         # the angles every layer shares: the queries' positions, and the one they search older blocks from
-        dt = torch.float64 if self.dtype == torch.float64 else torch.float32
-        at_q, at_search = (self.rope.angles(pos, dtype=dt) for pos in (qpos, qpos - bs))
+        at_q, at_search = (self.rope.angles(pos, dtype=rotation_dtype(self.dtype)) for pos in (qpos, qpos - bs))
         h = bb.embed(x[:, p0:])  # (B, Tq, C)
         normal = ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv = [], []
