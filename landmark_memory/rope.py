@@ -58,12 +58,16 @@ class RotaryEmbedding(nn.Module):
         """cos and sin of the rotation angles at ``positions``: two (*positions.shape, D/2)
         tensors, angles computed in float64 and then cast to ``dtype``."""
         positions = torch.as_tensor(positions, device=device)
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:
-            d = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=positions.device)
-            inv_freq = self._inv_freq[positions.device] = self.base ** (-d / self.head_dim)
-        angles = positions.double()[..., None] * inv_freq
+        angles = positions.double()[..., None] * self.inv_freq(positions.device)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """float64 (D/2,) the angle per position of each dimension pair, ``base^(-2d/D)``."""
+        inv_freq = self._inv_freq.get(device)
+        if inv_freq is None:
+            d = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+            inv_freq = self._inv_freq[device] = self.base ** (-d / self.head_dim)
+        return inv_freq
 
 
 def rotation_dtype(dtype: torch.dtype) -> torch.dtype:

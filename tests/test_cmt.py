@@ -130,7 +130,7 @@ def test_cmt_arguments_are_checked():
 
 
 # ---- inference: memory blocks are the CMT-controlled ones ---------------------------------
-@pytest.mark.parametrize("backend", ["reference", "dense", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba"])
 @pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47)])
 def test_retrieving_every_block_with_cmt_equals_in_sequence_attention_with_memory_blocks_controlled(
         backend, block_size, n_mem, Tk, Tq):
@@ -149,7 +149,7 @@ def test_retrieving_every_block_with_cmt_equals_in_sequence_attention_with_memor
 
 
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
-                                           ("dense", torch.float32)])
+                                           ("dense", torch.float32), ("numba", torch.float32)])
 @pytest.mark.parametrize("n_pool", [0, 9])
 def test_fast_cmt_inference_matches_reference_on_random_retrieval(backend, dtype, n_pool):
     g = torch.Generator().manual_seed(n_pool + 1)

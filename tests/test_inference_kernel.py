@@ -33,7 +33,7 @@ def all_blocks_table(B, H, Tq, n_mem, block_size, extra_empty=1, perm=None):
     return table, (table % n_mem) * (block_size + 1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "dense", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba"])
 @pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47), (7, 4, 16, 16)])
 def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, block_size, n_mem, Tk, Tq):
     B, H, D = 2, 2, 32
@@ -48,7 +48,7 @@ def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, bl
 
 
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
-                                           ("dense", torch.float32)])
+                                           ("dense", torch.float32), ("numba", torch.float32)])
 @pytest.mark.parametrize("block_size,Tk,Tq,D", [(50, 110, 24, 64), (50, 37, 1, 32), (7, 30, 5, 64)])
 def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, block_size, Tk, Tq, D):
     g = torch.Generator().manual_seed(block_size + Tq)
@@ -65,7 +65,7 @@ def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, bl
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("backend", ["reference", "dense", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba"])
 def test_grouped_query_pool_equals_pool_repeated_per_query_head(backend):
     g = torch.Generator().manual_seed(11)
     B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 5, 12, 3, 6
@@ -99,7 +99,7 @@ def test_pool_may_be_a_strided_view_of_an_arena():
     args = (m["q"][:, :, -7:], m["k"][:, :, 18:], m["v"][:, :, 18:], 5)
     ref = landmark_attention_inference(*args, pool_k=m["pool_k"], pool_v=m["pool_v"], block_table=table, block_pos=pos,
                                        backend="reference")
-    for backend in ("dense", "triton"):
+    for backend in ("dense", "triton", "numba"):
         out = landmark_attention_inference(*args, pool_k=arena[:, 0], pool_v=arena[:, 1], block_table=table,
                                            block_pos=pos, backend=backend)
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
@@ -108,7 +108,7 @@ def test_pool_may_be_a_strided_view_of_an_arena():
 def test_empty_table_is_local_attention_only():
     q, k, v = (torch.randn(1, 2, 12, 32) for _ in range(3))
     pool = torch.randn(3, 2, 4, 32)
-    for backend in ("reference", "dense", "triton"):
+    for backend in ("reference", "dense", "triton", "numba"):
         empty = torch.full((1, 2, 12, 2), -1)
         out = landmark_attention_inference(q, k, v, 3, pool_k=pool, pool_v=pool, block_table=empty,
                                            block_pos=torch.zeros_like(empty), backend=backend)
@@ -126,6 +126,26 @@ def test_pytorch_inference_paths_have_equal_gradients():
         grads.append(q.grad)
     assert torch.isfinite(grads[0]).all() and grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_auto_decodes_on_the_cpu_with_the_compiled_kernel_and_falls_back_to_dense():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g) for n in (2, 9, 9))
+    pool = torch.randn(4, 2, 4, 32, generator=g)
+    table, pos = torch.tensor([0, 3, -1])[None, None, None].expand(1, 2, 2, 3), torch.full((1, 2, 2, 3), 8)
+    args = dict(pool_k=pool, pool_v=pool, block_table=table, block_pos=pos)
+    assert torch.equal(landmark_attention_inference(q, k, v, 3, **args),
+                       landmark_attention_inference(q, k, v, 3, backend="numba", **args))
+    half = {"pool_k": pool.bfloat16(), "pool_v": pool.bfloat16()}
+    assert torch.equal(landmark_attention_inference(q.bfloat16(), k.bfloat16(), v.bfloat16(), 3, **{**args, **half}),
+                       landmark_attention_inference(q.bfloat16(), k.bfloat16(), v.bfloat16(), 3, backend="dense",
+                                                    **{**args, **half}))
+    with pytest.raises(ValueError, match="float32 or float64 CPU tensors"):
+        landmark_attention_inference(q.bfloat16(), k.bfloat16(), v.bfloat16(), 3, backend="numba", **{**args, **half})
+    with pytest.raises(ValueError, match="without autograd"):
+        landmark_attention_inference(q.requires_grad_(), k, v, 3, backend="numba", **args)
+    with pytest.raises(ValueError, match="inference only"):
+        landmark_attention(q, q, q, 3, backend="numba")
 
 
 @pytest.mark.parametrize("change,match", [
@@ -158,3 +178,20 @@ def test_dense_slots_grouped_by_block_across_positions_agree_with_the_reference(
     out = landmark_attention_inference(q, k, v, bs, backend="dense", **args)
     ref = landmark_attention_inference(q, k, v, bs, backend="reference", **args)
     torch.testing.assert_close(out, ref)
+
+
+def test_compiled_code_runs_where_no_disk_cache_can_be_written(monkeypatch):
+    import numba
+
+    from landmark_memory import jit
+
+    real = numba.njit
+
+    def no_cache_location(*args, cache=False, **options):
+        if cache:  # what numba says for a read-only install run with an unwritable home
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'f.py'")
+        return real(*args, **options)
+
+    monkeypatch.setattr(numba, "njit", no_cache_location)
+    twice = jit.njit(lambda x: 2 * x)
+    assert twice(21) == 42

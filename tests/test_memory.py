@@ -3,7 +3,7 @@ import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.retrieval import block_positions
+from landmark_memory.memory.retrieval import block_positions, stingy_slots
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,16 @@ def test_stingy_positions_keep_order_and_recent_slots():
     ids = torch.tensor([[[[9, 2, 5]], [[8, -1, 3]], [[0, 1, 2]], [[9, 8, 7]]]])  # nb = 10: recent are 7, 8, 9
     pos = block_positions(ids.view(1, 4, 1, 3), nb=10, top_k=3, L=L, mapping="stingy") // L
     assert pos.view(4, 3).tolist() == [[3, 0, 1], [2, 0, 0], [0, 1, 2], [3, 2, 1]]
+    assert torch.equal(stingy_slots(ids.view(1, 4, 1, 3), nb=10, top_k=3), pos)
+
+
+@pytest.mark.parametrize("nb,top_k,width", [(30, 4, 4), (30, 4, 6), (3, 4, 4), (1, 2, 3), (9, 1, 2)])
+def test_compiled_stingy_positions_equal_the_tensor_expression(nb, top_k, width):
+    g = torch.Generator().manual_seed(nb * 10 + width)
+    rows = [torch.randperm(max(nb, width), generator=g)[:width] for _ in range(60)]  # distinct ids per row
+    ids = torch.stack(rows).view(3, 4, 5, width)
+    ids = torch.where((ids >= nb) | (torch.rand(ids.shape, generator=g) < 0.25), -1, ids)  # empty slots
+    assert torch.equal(block_positions(ids, nb, top_k, 7, "stingy"), stingy_slots(ids, nb, top_k) * 7)
 
 
 def test_greedy_generation_with_memory_equals_full_recompute(model, text):
@@ -109,6 +119,8 @@ def test_bad_arguments_are_explained(model, text):
         LandmarkMemory(model, index="annoy")
     with pytest.raises(ValueError, match="pass a path"):
         LandmarkMemory(model, store="lmdb")
+    with pytest.raises(ValueError, match="unknown backend"):
+        LandmarkMemory(model, backend="cuda-magic")
     full = LandmarkGPT(LandmarkConfig(**{**model.config.to_dict(), "attention": "full"}))
     with pytest.raises(ValueError, match="landmark attention; this LandmarkGPT has attention='full'"):
         LandmarkMemory(full)

@@ -161,3 +161,6 @@ def test_query_heads_of_a_key_value_head_search_its_index_together_as_each_alone
         np.testing.assert_allclose(D[0, h][need[0, h]], Dh, rtol=1e-6)
         assert (I[0, h][~need[0, h]] == -1).all() and np.isneginf(D[0, h][~need[0, h]]).all()
         assert ((Ih >= 1) & (Ih < 10)).all()
+    every = blocks.search(0, xq, np.ones((1, 4, 3), bool), 2, 1, 10, group=2)
+    for a, b in zip(blocks.search(0, xq, None, 2, 1, 10, group=2), every):  # None: every query, unmasked
+        np.testing.assert_array_equal(a, b)

@@ -6,7 +6,8 @@ from ..layout import check_block_size
 from .dense import local_effective_scores, landmark_attention_dense, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
-BACKENDS = ("auto", "reference", "dense", "triton")
+BACKENDS = ("auto", "reference", "dense", "triton", "numba")
+FEW_QUERIES = 16  # queries per head below which (decoding) "auto" takes the compiled CPU kernel
 
 
 def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *, scale: float | None = None,
@@ -33,6 +34,7 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     cmt_blocks : bool Tensor (B, T // (block_size + 1)), with ``cmt_k``: which landmarks
         (blocks) are CMT-controlled.
     backend : {"auto", "reference", "dense", "triton"}
+        (``"numba"`` serves ``landmark_attention_inference`` only)
         ``"reference"``: the paper's equations in plain PyTorch with autograd, O(T^2) memory.
         ``"dense"``: one softmax over effective scores in plain PyTorch with autograd, O(T^2)
         memory, about 1.6x faster than the reference on CPUs.
@@ -45,6 +47,8 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     Tensor (B, H, T, D).
     """
     _check_common(q, k, v, block_size, backend)
+    if backend == "numba":
+        raise ValueError("the numba backend serves landmark_attention_inference only; use auto, dense or triton")
     if q.shape != k.shape:
         raise ValueError(f"q and k shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}")
     _check_cmt(q, cmt_k)
@@ -66,7 +70,8 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *,
                                  pool_k: torch.Tensor, pool_v: torch.Tensor, block_table: torch.Tensor,
                                  block_pos: torch.Tensor, rope_base: float = 10000.0, scale: float | None = None,
-                                 cmt_k: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                                 cmt_k: torch.Tensor | None = None, backend: str = "auto",
+                                 check: bool = True) -> torch.Tensor:
     """Attention of a chunk of queries over its local keys and retrieved memory blocks.
 
     The local keys ``k``, ``v`` start at a block boundary and follow the in-sequence rules of
@@ -99,34 +104,21 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         (appendix D). With it every retrieved landmark is CMT-controlled and every local one
         free; a query whose slots are all empty gives up the CMT's share, which is exactly what
         skipping its retrieval means (``cmt_share`` says how large that share is).
-    backend : {"auto", "reference", "dense", "triton"}, as for ``landmark_attention``; the Triton
-        path is inference only (no autograd).
+    backend : {"auto", "reference", "dense", "triton", "numba"}, as for ``landmark_attention``; the
+        Triton path is inference only (no autograd). ``"numba"``: one compiled loop nest per query
+        on the CPU (numba_decode.py), float32 or float64, no autograd; ``"auto"`` takes it for
+        fewer than ``FEW_QUERIES`` queries per head (decoding), where the dense path's many
+        small operations cost more than its arithmetic.
+    check : bool, validate the arguments (shapes, dtypes, table entries in range); callers that
+        build them by construction (``LandmarkMemory``, at every layer of every step) pass False.
 
     Returns
     -------
     Tensor (B, H, T_q, D).
     """
-    _check_common(q, k, v, block_size, backend)
-    B, H, Tq, D = q.shape
-    if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < Tq:
-        raise ValueError(f"local keys k {tuple(k.shape)} must be (B, H, T_k, D) with T_k >= T_q for q {tuple(q.shape)}")
-    L = block_size + 1
-    for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
-        if t.dim() != 4 or t.shape[2:] != (L, D) or H % max(t.shape[1], 1) or t.shape != pool_k.shape:
-            raise ValueError(f"{name} must be (n_pool, H_kv, block_size + 1={L}, D={D}) with H_kv dividing H={H}, "
-                             f"pool_k and pool_v alike; got {tuple(t.shape)}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
-    for name, t in (("block_table", block_table), ("block_pos", block_pos)):
-        if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={Tq}, K), got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    if block_pos.shape != block_table.shape:
-        raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")
-    if not q.is_cuda and block_table.numel() and not (-1 <= (r := torch.aminmax(block_table)).min and
-                                                      r.max < pool_k.shape[0]):
-        raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
-    _check_cmt(q, cmt_k)
+    Tq = q.shape[2]
+    if check:
+        _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, backend)
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
         block_table, block_pos = block_table[..., :0], block_pos[..., :0]
     if backend == "triton" or (backend == "auto" and q.is_cuda):
@@ -134,6 +126,16 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
         return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
                                          cmt_k)
+    compiled = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, pool_k, pool_v, cmt_k)))
+    if backend == "numba" and not compiled:
+        raise ValueError(f"the numba backend takes float32 or float64 CPU tensors without autograd, got {q.dtype} "
+                         f"on {q.device}{' needing gradients' if torch.is_grad_enabled() else ''}; use auto or dense")
+    if backend == "numba" or (backend == "auto" and compiled and Tq < FEW_QUERIES):
+        from .numba_decode import landmark_inference_numba
+
+        return landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
+                                        cmt_k)
     impl = landmark_inference_reference if backend == "reference" else landmark_inference_dense
     return impl(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale, cmt_k)
 
@@ -161,6 +163,30 @@ def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Te
     s_loc = local_effective_scores((q @ k.transpose(-2, -1)) * scale, block_size, k.shape[-2])  # (B, H, Tq, Tk)
     s_cmt = ((q @ cmt_k.transpose(-2, -1)) * scale)[..., 0]  # (B, H, Tq)
     return torch.sigmoid(s_cmt - torch.logsumexp(s_loc, -1))
+
+
+def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, backend):
+    _check_common(q, k, v, block_size, backend)
+    B, H, Tq, D = q.shape
+    if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < Tq:
+        raise ValueError(f"local keys k {tuple(k.shape)} must be (B, H, T_k, D) with T_k >= T_q for q {tuple(q.shape)}")
+    L = block_size + 1
+    for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
+        if t.dim() != 4 or t.shape[2:] != (L, D) or H % max(t.shape[1], 1) or t.shape != pool_k.shape:
+            raise ValueError(f"{name} must be (n_pool, H_kv, block_size + 1={L}, D={D}) with H_kv dividing H={H}, "
+                             f"pool_k and pool_v alike; got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
+    for name, t in (("block_table", block_table), ("block_pos", block_pos)):
+        if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={Tq}, K), got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if block_pos.shape != block_table.shape:
+        raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")
+    if not q.is_cuda and block_table.numel() and not (-1 <= (r := torch.aminmax(block_table)).min and
+                                                      r.max < pool_k.shape[0]):
+        raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
+    _check_cmt(q, cmt_k)
 
 
 def _check_cmt(q, cmt_k):

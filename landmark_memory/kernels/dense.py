@@ -133,7 +133,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     With a handful of queries (decoding) every slot is gathered."""
     B, H, T_q, D = q.shape
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
-    (rows_k, step_k), (rows_v, step_v) = _rows(pool_k), _rows(pool_v)  # (rows, L, D)
+    (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k), pool_rows(pool_v)  # (rows, L, D)
     rope = rotary(D, float(rope_base))
 
     def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head(s) bh_
@@ -194,7 +194,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     return s_raw.view(B, H, T_q, K, L), read_values
 
 
-def _rows(pool):
+def pool_rows(pool: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(rows, step)``: the pool's (L, D) rows as one (n, L, D) view of its storage, entry
     ``e``, head ``h`` at row ``e * step + h``. Rows are picked by index_select (several times
     faster than advanced indexing), and a pool that is a view into a larger arena (the hot

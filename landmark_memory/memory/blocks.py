@@ -104,7 +104,7 @@ class BlockMemory:
         """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``."""
         return self.landmarks[layer][:, :, :self.n_blocks][:, :, blocks]
 
-    def search(self, layer: int, xq: np.ndarray, need: np.ndarray, k: int, lo: int, hi: int,
+    def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int,
                group: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Top-``k`` landmark inner products among blocks ``[lo, hi)`` per query.
 
@@ -112,14 +112,20 @@ class BlockMemory:
         ----------
         xq : float32 (B, H, T_q, D), RoPE-adjusted queries of the ``H`` query heads; head ``h``
             searches key/value head ``h // group``.
-        need : bool (B, H, T_q), the queries that retrieve (a layer-head with none is skipped).
+        need : bool (B, H, T_q), the queries that retrieve (a layer-head with none is skipped);
+            None: every query.
 
         Returns
         -------
         D : float32 (B, H, T_q, k), scores, -inf where none; I : int64 ids, -1 there;
         skipped : int, layer-heads not searched.
         """
-        B, H, Tq, _ = xq.shape
+        B, H, Tq, dim = xq.shape
+        if need is None:  # every query: each key/value head's query heads in one call, no masks
+            out = [self.indexes[b][layer][g].search(xq[b, g * group:(g + 1) * group].reshape(-1, dim), k, lo, hi)
+                   for b in range(B) for g in range(H // group)]
+            return (np.stack([d for d, _ in out]).reshape(B, H, Tq, k), np.stack([i for _, i in out]).reshape(B, H, Tq, k),
+                    0)
         D = np.full((B, H, Tq, k), -np.inf, np.float32)
         I = np.full((B, H, Tq, k), -1, np.int64)
         skipped = int((~need.any(-1)).sum())  # layer-heads whose queries are all below the CMT cutoff
@@ -136,21 +142,22 @@ class BlockMemory:
         arena: ``(block_table, pool_k, pool_v)``, the table (B, H, T_q, K) of arena slots (-1
         empty) and the arena's keys and values (n, H_kv, L, D), keys rotated by row offset."""
         B, nb = ids.shape[0], self.n_blocks
-        valid = ids >= 0
-        key = torch.arange(B, device=self.device)[:, None, None, None] * (nb + 1) + ids
-        uniq, inverse = torch.unique(key[valid], return_inverse=True)
-        table = torch.full_like(ids, -1)
+        ids_np = ids.cpu().numpy()  # a few hundred ids at most: bookkeeping on the host, in numpy
+        valid = ids_np >= 0
+        key = np.arange(B)[:, None, None, None] * (nb + 1) + ids_np
+        uniq, inverse = np.unique(key[valid], return_inverse=True)
+        table = np.full(ids_np.shape, -1, np.int64)
         if len(uniq) == 0:
             empty = torch.zeros((0, self.shape.n_kv_head, self.L, self.shape.head_dim), device=self.device,
                                 dtype=self.dtype)
-            return table, empty, empty
+            return torch.from_numpy(table).to(self.device), empty, empty
         try:
             pool, slots = self.cache.pool([(u // (nb + 1), layer, u % (nb + 1)) for u in uniq.tolist()])
         except StoreDamagedError as e:
             raise MemoryFileError(f"{e} in the block store of {self.where}; the memory is damaged: restore it from a "
                                   "backup or rebuild it (`landmark-memory info --verify` lists every damaged block)")
-        table[valid] = slots[inverse]
-        return table, pool[:, 0], pool[:, 1]
+        table[valid] = slots.cpu().numpy()[inverse]
+        return torch.from_numpy(table).to(self.device), pool[:, 0], pool[:, 1]
 
     def tokens(self, stream: int = 0) -> np.ndarray:
         """int32 (n_blocks * block_size,) the normal token ids of every block."""

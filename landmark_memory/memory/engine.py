@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode import decode
-from ..kernels import cmt_share, landmark_attention_inference
+from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
 from ..kinds import backbone_for
 from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 from ..rope import RotaryEmbedding, rotation_dtype
@@ -84,6 +84,8 @@ class LandmarkMemory:
         self.blocks = self._new_blocks(readonly=False)
 
     def _setup(self, model, options, cache_bytes, backend):
+        if backend not in BACKENDS:  # the kernel is called unchecked at every layer
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         bb = backbone_for(model)
         with torch.no_grad():
             cmt_keys = bb.cmt_keys()
@@ -96,7 +98,7 @@ class LandmarkMemory:
         self.rope = RotaryEmbedding(bb.head_dim, bb.rope_base)
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
-        self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' landmark keys at their slots (B, H, D, r))
+        self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
         self.inputs: list[InputRecord] = []
@@ -349,7 +351,7 @@ class LandmarkMemory:
             table, pool_k, pool_v = self.blocks.pool(layer, ids_used)
             y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
                                              block_pos=block_pos, rope_base=bb.rope_base, cmt_k=cmt_k,
-                                             backend=self.backend)
+                                             backend=self.backend, check=False)
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal])
         logits = bb.head(h[:, normal])  # (B, n, V)
@@ -371,8 +373,8 @@ class LandmarkMemory:
         o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
         K = o.top_k
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
-        empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
         if nb == lo:
+            empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
         stats = self.retrieval_stats
         stats.queries += B * H * Tq
@@ -380,6 +382,7 @@ class LandmarkMemory:
             stats.skipped_queries += int(skip.sum())
             if skip.all():  # nothing to search, score or fetch
                 stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - K > lo else 0
+                empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
                 return empty, torch.zeros_like(empty)
         scale, rope = D ** -0.5, self.rope
 
@@ -392,17 +395,19 @@ class LandmarkMemory:
             S = (qr @ rope(landmarks(ids), ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
             I = ids.expand(B, H, Tq, -1)
         else:
-            recent = torch.arange(max(lo, nb - K), nb, device=self.device)
-            keys = self._recent_keys.get(layer)
-            if keys is None or keys[0] != (lo, nb):  # they change only when a chunk enters memory
-                keys = (lo, nb), rope(landmarks(recent), recent_slots(recent, nb, K) * L + bs).transpose(-2, -1)
-                self._recent_keys[layer] = keys
-            S = (qr @ keys[1]) * scale  # (B, H, Tq, r)
+            first = max(lo, nb - K)  # the latest blocks, scored exactly at their own slots
+            cached = self._recent_keys.get(layer)
+            if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
+                recent = torch.arange(first, nb, device=self.device)
+                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, K) * L + bs).transpose(-2, -1)
+                self._recent_keys[layer] = cached
+            _, recent, keys = cached
+            S = (qr @ keys) * scale  # (B, H, Tq, r)
             I = recent.expand(B, H, Tq, -1)  # (B, H, Tq, r)
-            if recent[0] > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
+            if first > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope.rotate(at_search, q).float().cpu().numpy()  # (B, H, Tq, D)
-                need = np.ones((B, H, Tq), bool) if skip is None else ~skip.cpu().numpy()
-                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, int(recent[0]), self.group)
+                need = None if skip is None else ~skip.cpu().numpy()
+                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, first, self.group)
                 stats.searches += B * H - skipped
                 stats.skipped_searches += skipped
                 S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype) * scale, S], -1)
