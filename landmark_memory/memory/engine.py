@@ -29,7 +29,7 @@ from .directory import MemoryDir, model_fingerprint
 from .manifest import LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, ModelRecord, ModelShape
 from .options import MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
-from .retrieval import block_positions, chunk_base, recent_slots, select_blocks
+from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy
 
 
 class LandmarkMemory:
@@ -98,6 +98,7 @@ class LandmarkMemory:
         self.rope = RotaryEmbedding(bb.head_dim, bb.rope_base)
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
+        self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
@@ -328,11 +329,10 @@ class LandmarkMemory:
         ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
         x = insert_landmarks(ids, bs, bb.landmark_id)  # (B, Tk) the chunk so far
         p0, Tk = landmarked_length(P, bs), x.shape[1]
-        qpos = self._base() + torch.arange(p0, Tk, device=self.device)
-        # the angles every layer shares: the queries' positions, and the one they search older blocks from
-        at_q, at_search = (self.rope.angles(pos, dtype=rotation_dtype(self.dtype)) for pos in (qpos, qpos - bs))
+        at_q, at_search = self._angles(p0, Tk)
         h = bb.embed(x[:, p0:])  # (B, Tq, C)
-        normal = ~landmark_mask(Tk, bs, self.device)[p0:]
+        # the new positions that are normal tokens: all of them unless the step closes a block
+        normal = slice(None) if Tk - p0 == new.shape[1] else ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv = [], []
         for layer in range(self.shape.n_layer):
             q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
@@ -360,6 +360,18 @@ class LandmarkMemory:
             self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)
             self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
         return logits, retrieved
+
+    def _angles(self, p0, Tk):
+        """RoPE angles every layer shares for the open chunk's positions ``[p0, Tk)``: at the
+        queries' positions, and one block earlier, where they search older blocks from. The
+        chunk's positions change only when it enters memory (stingy: never), so its angles
+        are made once per chunk and sliced at each step."""
+        base, bs = self._base(), self.shape.block_size
+        if self._chunk_angles is None or self._chunk_angles[0] != base:
+            pos = base - bs + torch.arange(bs + landmarked_length(self.options.chunk_size, bs), device=self.device)
+            self._chunk_angles = base, self.rope.angles(pos, dtype=rotation_dtype(self.dtype))
+        cos, sin = self._chunk_angles[1]
+        return (cos[p0 + bs:Tk + bs], sin[p0 + bs:Tk + bs]), (cos[p0:Tk], sin[p0:Tk])
 
     def _base(self):
         o = self.options
@@ -403,15 +415,20 @@ class LandmarkMemory:
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
             S = (qr @ keys) * scale  # (B, H, Tq, r)
-            I = recent.expand(B, H, Tq, -1)  # (B, H, Tq, r)
+            S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
             if first > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope.rotate(at_search, q).float().cpu().numpy()  # (B, H, Tq, D)
                 need = None if skip is None else ~skip.cpu().numpy()
                 S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, first, self.group)
+                S_old *= scale
                 stats.searches += B * H - skipped
                 stats.skipped_searches += skipped
-                S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype) * scale, S], -1)
-                I = torch.cat([torch.from_numpy(I_old).to(self.device), I], -1)
+            if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
+                if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
+                    S = S.masked_fill(skip[..., None], float("-inf"))
+                return top_k_stingy(S_old, I_old, S, recent, nb, K, L)
+            S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype), S], -1)
+            I = torch.cat([torch.from_numpy(I_old).to(self.device), recent.expand(B, H, Tq, -1)], -1)
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
         ids = select_blocks(S, I, lo, nb, K, o.retrieval)

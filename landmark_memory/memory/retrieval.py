@@ -82,23 +82,75 @@ def stingy_slots(ids: torch.Tensor, nb: int, top_k: int) -> torch.Tensor:
     return torch.empty_like(slot).scatter_(-1, order.indices, slot)
 
 
+def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, recent: torch.Tensor, nb: int,
+                 top_k: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_blocks(..., "per_token_head")`` and ``block_positions(..., "stingy")`` in one
+    compiled pass over CPU rows, from the two candidate sets a stingy step has.
+
+    Parameters
+    ----------
+    S_old, I_old : float32 and int64 (B, H, T_q, m), the index's candidates among the older
+        blocks (-inf and -1 where none).
+    S_recent : float (B, H, T_q, r), the latest blocks' scores; recent : int64 (r,), their ids.
+    nb, top_k, L : as for ``block_positions``.
+
+    Returns
+    -------
+    ids, pos : int64 (B, H, T_q, top_k), as the two functions give them (equal scores may be
+        ordered otherwise).
+    """
+    B, H, Tq, _ = S_recent.shape
+    ids, slots = (torch.empty((B, H, Tq, top_k), dtype=torch.long) for _ in range(2))
+    _top_k_stingy_rows(S_old.reshape(B * H * Tq, -1), I_old.reshape(B * H * Tq, -1),
+                       S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k,
+                       ids.view(-1, top_k).numpy(), slots.view(-1, top_k).numpy())
+    return ids, slots * L
+
+
+@njit
+def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, ids, slots):
+    """Per row: the ``top_k`` best of the old candidates, then the new ones (the first of
+    equal scores wins; -inf never does), then their stingy slots."""
+    m = S_old.shape[1]
+    for n in range(S_old.shape[0]):
+        taken = np.zeros(m + len(I_new), np.bool_)
+        for j in range(top_k):
+            best, arg = -np.inf, -1
+            for c in range(m + len(I_new)):
+                s = S_old[n, c] if c < m else S_new[n, c - m]
+                if not taken[c] and s > best:
+                    best, arg = s, c
+            if arg < 0:
+                ids[n, j] = -1
+            else:
+                taken[arg] = True
+                ids[n, j] = I_old[n, arg] if arg < m else I_new[arg - m]
+        _stingy_row(ids[n], nb, top_k, slots[n])
+
+
 @njit
 def _stingy_slots_rows(ids, nb, top_k, out):
-    """``stingy_slots`` of rows ``ids`` (N, K) into ``out``, one row at a time: visit the ids in ascending order (empty slots, -1, last), the recent ones take their
-    own slots, the older ones the next free slot left of the first recent one."""
-    K = top_k
+    """``stingy_slots`` of rows ``ids`` (N, K) into ``out``."""
     for n in range(ids.shape[0]):
-        row = ids[n]
-        order = np.argsort(np.where(row < 0, np.iinfo(np.int64).max, row), kind="mergesort")
-        first_recent = K + 1
-        for j in range(len(row)):
-            if row[j] >= nb - K:
-                first_recent = min(first_recent, K + 1 - (nb - row[j]))
-        old_rank = -1
-        for j in order:
-            recent = row[j] >= nb - K
-            old_rank += 1 if not recent and row[j] >= 0 else 0
-            out[n, j] = max(0, K + 1 - (nb - row[j]) if recent else min(old_rank, first_recent - 1))
+        _stingy_row(ids[n], nb, top_k, out[n])
+
+
+@njit
+def _stingy_row(row, nb, top_k, out):
+    """One row's stingy slots: visit the ids in ascending order (empty slots, -1, last), the
+    recent ones take their own slots, the older ones the next free slot left of the first
+    recent one."""
+    K = top_k
+    order = np.argsort(np.where(row < 0, np.iinfo(np.int64).max, row), kind="mergesort")
+    first_recent = K + 1
+    for j in range(len(row)):
+        if row[j] >= nb - K:
+            first_recent = min(first_recent, K + 1 - (nb - row[j]))
+    old_rank = -1
+    for j in order:
+        recent = row[j] >= nb - K
+        old_rank += 1 if not recent and row[j] >= 0 else 0
+        out[j] = max(0, K + 1 - (nb - row[j]) if recent else min(old_rank, first_recent - 1))
 
 
 def recent_slots(recent: torch.Tensor, nb: int, top_k: int) -> torch.Tensor:
