@@ -156,7 +156,7 @@ class BlockMemory:
         except StoreDamagedError as e:
             raise MemoryFileError(f"{e} in the block store of {self.where}; the memory is damaged: restore it from a "
                                   "backup or rebuild it (`landmark-memory info --verify` lists every damaged block)")
-        table[valid] = slots.cpu().numpy()[inverse]
+        table[valid] = slots[inverse]
         return torch.from_numpy(table).to(self.device), pool[:, 0], pool[:, 1]
 
     def tokens(self, stream: int = 0) -> np.ndarray:

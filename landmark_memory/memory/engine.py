@@ -415,14 +415,15 @@ class LandmarkMemory:
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
             S = (qr @ keys) * scale  # (B, H, Tq, r)
-            S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
             if first > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
-                xq = rope.rotate(at_search, q).float().cpu().numpy()  # (B, H, Tq, D)
+                xq = rope.rotate(at_search, q).to("cpu", torch.float32).numpy()  # (B, H, Tq, D)
                 need = None if skip is None else ~skip.cpu().numpy()
                 S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, first, self.group)
                 S_old *= scale
                 stats.searches += B * H - skipped
                 stats.skipped_searches += skipped
+            else:
+                S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
             if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))

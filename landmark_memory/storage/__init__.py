@@ -305,30 +305,32 @@ class HotCache:
             t = t.pin_memory()
         return self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
 
-    def pool(self, keys: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def pool(self, keys: list[tuple[int, int, int]]) -> tuple[torch.Tensor, np.ndarray]:
         """``(pool, slots)``: a tensor (n, *shape) holding the blocks and int64 (len(keys),)
-        positions of each key in it. Valid until the next call."""
+        positions of each key in it (host bookkeeping, so a numpy array). Valid until the next
+        call."""
+        resident = self._slots
         wanted = list(dict.fromkeys(keys))
-        missing = [k for k in wanted if k not in self._slots]
+        missing = [k for k in wanted if k not in resident]
         self.hits += len(wanted) - len(missing)
         self.misses += len(missing)
         if len(wanted) > self.capacity:  # cannot all be resident at once
             pool = self._fetch(wanted)
             pos = {k: i for i, k in enumerate(wanted)}
-            return pool, torch.tensor([pos[k] for k in keys], device=self.device)
+            return pool, np.array([pos[k] for k in keys], np.int64)
         if self.arena is None:
             self.arena = torch.empty((self.capacity, *self.store.shape), device=self.device, dtype=self.dtype)
         for k in wanted:
-            if k in self._slots:
-                self._slots.move_to_end(k)
+            if k in resident:
+                resident.move_to_end(k)
         if missing:
             slots = []
             for k in missing:  # the least recent blocks are never this request's: those were just touched
-                slot = len(self._slots) if len(self._slots) < self.capacity else self._slots.popitem(last=False)[1]
-                self._slots[k] = slot
+                slot = len(resident) if len(resident) < self.capacity else resident.popitem(last=False)[1]
+                resident[k] = slot
                 slots.append(slot)
             self.arena[torch.tensor(slots, device=self.device)] = self._fetch(missing)
-        return self.arena, torch.tensor([self._slots[k] for k in keys], device=self.device)
+        return self.arena, np.array([resident[k] for k in keys], np.int64)
 
     def get(self, keys):
         """The blocks themselves, a list of tensors (views into the pool)."""
