@@ -110,13 +110,16 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
 @njit
 def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, ids, slots):
     """Per row: the ``top_k`` best of the old candidates, then the new ones (the first of
-    equal scores wins; -inf never does), then their stingy slots."""
-    m = S_old.shape[1]
+    equal scores wins; -inf never does), then their stingy slots. Nothing is allocated per
+    row: a chunk has thousands."""
+    m, M = S_old.shape[1], S_old.shape[1] + len(I_new)
+    taken = np.zeros(M, np.bool_)
+    order = np.empty(top_k, np.int64)
     for n in range(S_old.shape[0]):
-        taken = np.zeros(m + len(I_new), np.bool_)
+        taken[:] = False
         for j in range(top_k):
             best, arg = -np.inf, -1
-            for c in range(m + len(I_new)):
+            for c in range(M):
                 s = S_old[n, c] if c < m else S_new[n, c - m]
                 if not taken[c] and s > best:
                     best, arg = s, c
@@ -125,29 +128,38 @@ def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, ids, slots):
             else:
                 taken[arg] = True
                 ids[n, j] = I_old[n, arg] if arg < m else I_new[arg - m]
-        _stingy_row(ids[n], nb, top_k, slots[n])
+        _stingy_row(ids[n], nb, top_k, slots[n], order)
 
 
 @njit
 def _stingy_slots_rows(ids, nb, top_k, out):
     """``stingy_slots`` of rows ``ids`` (N, K) into ``out``."""
+    order = np.empty(ids.shape[1], np.int64)
     for n in range(ids.shape[0]):
-        _stingy_row(ids[n], nb, top_k, out[n])
+        _stingy_row(ids[n], nb, top_k, out[n], order)
 
 
 @njit
-def _stingy_row(row, nb, top_k, out):
+def _stingy_row(row, nb, top_k, out, order):
     """One row's stingy slots: visit the ids in ascending order (empty slots, -1, last), the
     recent ones take their own slots, the older ones the next free slot left of the first
-    recent one."""
-    K = top_k
-    order = np.argsort(np.where(row < 0, np.iinfo(np.int64).max, row), kind="mergesort")
+    recent one. ``order``: scratch of the row's length."""
+    K, n = top_k, len(row)
+    for j in range(n):  # insertion sort of a handful of ids, -1 after every block id
+        order[j] = j
+        a = j
+        while a > 0 and (row[order[a - 1]] < 0 <= row[j] or
+                         (row[order[a - 1]] >= 0) == (row[j] >= 0) and row[order[a - 1]] > row[j]):
+            order[a] = order[a - 1]
+            a -= 1
+        order[a] = j
     first_recent = K + 1
-    for j in range(len(row)):
+    for j in range(n):
         if row[j] >= nb - K:
             first_recent = min(first_recent, K + 1 - (nb - row[j]))
     old_rank = -1
-    for j in order:
+    for a in range(n):
+        j = order[a]
         recent = row[j] >= nb - K
         old_rank += 1 if not recent and row[j] >= 0 else 0
         out[j] = max(0, K + 1 - (nb - row[j]) if recent else min(old_rank, first_recent - 1))
