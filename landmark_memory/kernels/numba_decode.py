@@ -12,7 +12,7 @@ to the block's position on the fly, and scores, gates, softmax and output never 
 row. Loops are serial: a step's work is far too small to pay for threads.
 
 float32 and float64 only, no autograd (``kernels.landmark_attention_inference`` sends other
-calls to the dense path). Compiled on first use and cached on disk by Numba.
+calls to the dense path). Compiled on first use, and cached on disk where it can be (jit.py).
 """
 
 import math
