@@ -7,7 +7,8 @@ one at a time) and the report gathers whatever exists:
 - ``convert``: perplexity in sequence at 2K tokens: base, converted without fine-tuning, landmark;
 - ``chat``: answers to a few chat prompts, base and landmark side by side;
 - ``passkey``: the landmark model through memory at 1K-64K against the base model in context up
-  to its 8K window;
+  to its 8K window (saved after each length: an interrupted run, started again with the same
+  seed, keeps the lengths it finished);
 - ``ppl``: perplexity through memory at eval lengths 2K, 8K and 32K against the base model in
   context at 2K and 8K, over the same tokens of a held-out book;
 - ``ask``: ``landmark-memory build`` over a whole held-out book, then ``landmark-memory ask``
@@ -104,22 +105,47 @@ def trials_per_length(lengths, trials):
     return counts
 
 
-def passkey_rows(model, tok, lengths, trials, seed, quiet, **kw):
+def passkey_rows(model, tok, lengths, trials, seed, quiet, done, save, **kw):
+    """Rows per length; a length already in ``done`` (same trials) is kept, and ``save`` runs
+    after each new one, so that an interrupted run resumes where it stopped."""
     rows = []
     for n, t in zip(lengths, trials_per_length(lengths, trials)):
-        rows += passkey_accuracy(model, tok, [n], t, seed, progress=not quiet, **kw)
-        print(f"passkey at {n:,}: {rows[-1]['correct']}/{t}", flush=True)
+        kept = [r for r in done if r["length"] == n and r["trials"] == t]
+        rows += kept or passkey_accuracy(model(), tok, [n], t, seed, progress=not quiet, **kw)
+        save(rows)
+        print(f"passkey at {n:,}: {rows[-1]['correct']}/{t}" + (" (kept from the saved run)" if kept else ""),
+              flush=True)
     return rows
 
 
 def part_passkey(args, tok, books):
-    landmark = load_model(smollm2.LANDMARK)[0]
-    rows = {"landmark + memory": passkey_rows(landmark, tok, parse_lengths(args.lengths), args.trials, args.seed,
-                                              args.quiet, memory=MEMORY)}
-    del landmark
-    base = load_model(smollm2.BASE)[0]
-    rows["base in context"] = passkey_rows(base, tok, parse_lengths(args.base_lengths), args.base_trials, args.seed,
-                                           args.quiet)
+    partial = Path(args.out) / "passkey.partial.json"
+    key = {"seed": args.seed, "memory": MEMORY, "adapter": adapter_id()}
+    saved = json.loads(partial.read_text()) if partial.is_file() else {}
+    rows = saved.get("rows", {}) if all(saved.get(k) == v for k, v in key.items()) else {}
+
+    def saver(label):
+        def save(got):
+            rows[label] = got
+            tmp = partial.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**key, "rows": rows}, indent=1))
+            tmp.replace(partial)
+        return save
+
+    for label, name, lengths, trials, kw in (
+            ("landmark + memory", smollm2.LANDMARK, args.lengths, args.trials, {"memory": MEMORY}),
+            ("base in context", smollm2.BASE, args.base_lengths, args.base_trials, {})):
+        loaded = []
+
+        def model():  # loaded once, and only if a length still has to run
+            if not loaded:
+                loaded.append(load_model(name)[0])
+            return loaded[0]
+
+        passkey_rows(model, tok, parse_lengths(lengths), trials, args.seed, args.quiet, rows.get(label, []),
+                     saver(label), **kw)
+        loaded.clear()
+    partial.unlink()
     return {"seed": args.seed, "memory": MEMORY, "rows": rows}
 
 

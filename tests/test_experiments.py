@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end on tiny settings (their figures come from full runs)."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -114,3 +115,26 @@ def test_smollm2_experiment_runs_a_part_and_writes_its_report(tmp_path):
     assert "| landmark + memory | 300 |" in report and "| base in context | 300 |" in report
     assert "- command: `python experiments/exp_smollm2.py --books $BOOKS --parts passkey" in report
     assert (tmp_path / "smollm2.png").is_file()
+
+
+def test_smollm2_passkey_resumes_from_the_lengths_an_interrupted_run_saved(tmp_path, monkeypatch):
+    books = tmp_path / "books"
+    books.mkdir()
+    text = (Path(__file__).resolve().parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt").read_text()
+    for i in range(3):
+        (books / f"b{i}.txt").write_text(text[i * 3000:(i + 1) * 3000])
+    exp = script("exp_smollm2")
+    out = tmp_path / "parts"
+    out.mkdir()
+    kept = {"length": 300, "accuracy": 1.0, "trials": 1, "correct": 1}
+    (out / "passkey.partial.json").write_text(json.dumps(
+        {"seed": 0, "memory": exp.MEMORY, "adapter": exp.adapter_id(), "rows": {"landmark + memory": [kept]}}))
+    ran = []
+    monkeypatch.setattr(exp, "load_model", lambda name: (name,))
+    monkeypatch.setattr(exp, "passkey_accuracy", lambda model, tok, lengths, trials, seed, **kw: ran.append(
+        (lengths, trials, "memory" in kw)) or [{"length": lengths[0], "accuracy": 0.0, "trials": trials, "correct": 0}])
+    exp.main(["--books", str(books), "--parts", "passkey", "--lengths", "300,600", "--trials", "1",
+              "--base-lengths", "300", "--base-trials", "1", "--out", str(out), "--quiet"])
+    assert ran == [([600], 1, True), ([300], 1, False)]  # 300 through memory was kept
+    doc = json.loads((out / "passkey.json").read_text())
+    assert doc["rows"]["landmark + memory"][0] == kept and not (out / "passkey.partial.json").exists()
