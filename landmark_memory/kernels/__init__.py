@@ -3,7 +3,7 @@
 import torch
 
 from ..layout import check_block_size
-from .dense import local_effective_scores, landmark_attention_dense, landmark_inference_dense
+from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
 BACKENDS = ("auto", "reference", "dense", "triton", "numba")
@@ -160,9 +160,9 @@ def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Te
     _check_cmt(q, cmt_k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, cmt_k = q.float(), k.float(), cmt_k.float()
-    s_loc = local_effective_scores((q @ k.transpose(-2, -1)) * scale, block_size, k.shape[-2])  # (B, H, Tq, Tk)
+    lse = local_group_logsumexp((q @ k.transpose(-2, -1)) * scale, block_size)  # (B, H, Tq)
     s_cmt = ((q @ cmt_k.transpose(-2, -1)) * scale)[..., 0]  # (B, H, Tq)
-    return torch.sigmoid(s_cmt - torch.logsumexp(s_loc, -1))
+    return torch.sigmoid(s_cmt - lse)
 
 
 def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, backend):

@@ -1,16 +1,18 @@
-"""Landmark attention as one plain softmax over effective scores, in dense PyTorch.
+"""Landmark attention as grouped softmax, in dense PyTorch: the fast path on CPUs.
 
-The same formulation as the Triton kernel (see triton_landmark.py): a normal token of an
-earlier block c gets s + s_landmark(c) - logsumexp_c(s), a token of the query's own block
-keeps s, everything else is -inf, and a single softmax gives equations 1-4. Per-block
-log-sum-exps come from a (..., n_blocks, block_size + 1) view of the scores, so no scatter is
-needed: this is the fast path on CPUs, with O(T^2) memory like the reference it is tested
-against.
+Equations 1-4 of the paper, grouped as they read: a query's own softmax group holds the
+landmark of every earlier block it sees and the keys of its own block it sees; a block's normal
+tokens share their landmark's weight by a softmax inside the block. So a token r of an earlier
+block c gets P(landmark c) * softmax_c(s)_r, a token of the query's own block P(r), everything
+else 0. The same weights as one softmax over effective scores s + s_landmark(c) -
+logsumexp_c(s) (the Triton kernel's formulation, triton_landmark.py), computed with a few
+passes over the (query, key) scores: scores are viewed as (..., T_q, blocks, block_size + 1),
+with O(T^2) memory like the reference they are tested against.
 
-Context Miss Token (appendix D): a controlled block's tokens move by s_cmt - lse_ctrl, where
-lse_ctrl is the log-sum-exp of the controlled landmarks the query sees; together they then
-carry exp(s_cmt), the CMT's share of the query's group. A query that sees no controlled
-landmark gives that share to a value-less sink column instead.
+Context Miss Token (appendix D): the landmarks of controlled blocks a query sees move by
+s_cmt - lse_ctrl, where lse_ctrl is their log-sum-exp; together they then carry exp(s_cmt),
+the CMT's share of the query's group. A query that sees no controlled landmark gives that
+share to a value-less sink instead.
 """
 
 import functools
@@ -18,111 +20,133 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..rope import rotary
+from ..rope import rotary, rotation_dtype
 
 NEG_INF = float("-inf")
 GATHER_BELOW = 16  # queries per head under which (decoding) each retrieved slot's block is gathered on its own
 
 
-def _gated(s, block_size):
-    """Effective scores of every key as a token of a complete *earlier* block.
-
-    s : (..., N) scores against keys laid out as whole blocks from position 0 (N a multiple of
-    block_size + 1). Returns (..., N): s + s_landmark - logsumexp over the block's normal
-    tokens at normal positions, -inf at landmark positions."""
+@functools.lru_cache(maxsize=64)
+def _local_layout(T_k, T_q, block_size, device):
+    """For queries at the last T_q of T_k in-sequence positions, keys laid out as whole blocks
+    from position 0: each query's own block (T_q,) long, the keys of it the query sees (T_q, L)
+    bool (causal, never its own block's landmark), and the blocks it sees as earlier
+    (T_q, n_blocks) bool."""
     L = block_size + 1
-    blocks = s.unflatten(-1, (-1, L))  # (..., n_blocks, L)
-    gate = blocks[..., block_size] - torch.logsumexp(blocks[..., :block_size], -1)  # (..., n_blocks)
-    out = torch.cat([blocks[..., :block_size] + gate[..., None], torch.full_like(blocks[..., :1], NEG_INF)], -1)
-    return out.flatten(-2)
+    i = torch.arange(T_k - T_q, T_k, device=device)
+    r = torch.arange(L, device=device)
+    own = i // L
+    own_keys = (r <= (i % L)[:, None]) & (r != block_size)
+    return own, own_keys, torch.arange(-(-T_k // L), device=device) < own[:, None]
 
 
-def local_effective_scores(s, block_size, T_k):
-    """Effective scores (..., T_q, T_k) of queries at the last T_q of T_k in-sequence positions."""
-    pad = -T_k % (block_size + 1)
-    gated = _gated(F.pad(s, (0, pad)), block_size)[..., :T_k]  # padded tail block is never earlier
-    T_q = s.shape[-2]
-    masks = _small_local_masks if T_q * T_k <= 4096 else _local_masks
-    earlier, own = masks(T_k, T_q, block_size, s.device)
-    return torch.where(earlier, gated, torch.where(own, s, NEG_INF))
-
-
-def _local_masks(T_k, T_q, block_size, device):
-    """Which keys a query sees as tokens of earlier blocks, and as tokens of its own block:
-    two bool (T_q, T_k)."""
+def _as_blocks(s, block_size):
+    """(..., N) scores against keys from position 0 -> (..., n_blocks, L), the padded tail -inf."""
     L = block_size + 1
-    i = torch.arange(T_k - T_q, T_k, device=device)[:, None]
-    j = torch.arange(T_k, device=device)[None, :]
-    normal = j % L != block_size
-    return normal & (j // L < i // L), normal & (j // L == i // L) & (j <= i)
+    return F.pad(s, (0, -s.shape[-1] % L), value=NEG_INF).unflatten(-1, (-1, L))
 
 
-# a decoding step asks for the masks of the step a chunk before; small ones (8 KB at most) are kept
-_small_local_masks = functools.lru_cache(maxsize=1024)(_local_masks)
+def _group_logits(parts, earlier, own, own_keys, block_size):
+    """A query's softmax group (..., T_q, N + L): the landmark scores of the N blocks of
+    ``parts`` (-inf where it does not see the block as earlier), then the scores of its own
+    block's keys (-inf where it does not see them).
+
+    parts : list of (..., T_q, N_i, L) block scores, N = sum of N_i; the own block is in the last.
+    earlier : (..., T_q, N) bool. own : (T_q,) long, index of the own block in the last part.
+    own_keys : (T_q, L) bool."""
+    lm = torch.cat([s[..., block_size] for s in parts], -1).masked_fill(~earlier, NEG_INF)  # (..., Tq, N)
+    s = parts[-1]
+    mine = s[..., torch.arange(s.shape[-3], device=s.device), own, :].masked_fill(~own_keys, NEG_INF)  # (..., Tq, L)
+    return torch.cat([lm, mine], -1)
 
 
-def _cmt_softmax(eff, s_cmt, lm_s, visible, controlled):
-    """Softmax over effective scores with a Context Miss Token.
+def _grouped_weights(parts, earlier, own, own_keys, block_size, s_cmt=None, controlled=None):
+    """Attention weights of the normal tokens, one (..., T_q, N_i, block_size) per part of
+    ``parts`` (see ``_group_logits``); landmark keys themselves are never attended to.
 
-    eff : (..., N) effective scores without the CMT; s_cmt : (..., 1) the CMT's score;
-    lm_s, visible : (..., M) controlled landmark scores and which of them the query sees;
-    controlled : (..., N) bool, columns of the controlled blocks the query sees as earlier
-    blocks. Returns (..., N) weights."""
-    seen = visible.any(-1, keepdim=True)
-    # a finite floor, not -inf: a query that sees none must not get NaN gradients through it
-    lse = torch.logsumexp(lm_s.masked_fill(~visible, torch.finfo(lm_s.dtype).min), -1, keepdim=True)
-    eff = eff + torch.where(controlled, torch.where(seen, s_cmt - lse, 0.0), 0.0)
-    sink = torch.where(seen, NEG_INF, s_cmt)  # the CMT's share, lost when nothing is controlled
-    return torch.softmax(torch.cat([eff, sink], -1), -1)[..., :-1]
+    s_cmt : (..., T_q, 1), the CMT's scores, with controlled (..., N) bool, the blocks it
+    controls (broadcast)."""
+    N = earlier.shape[-1]
+    group = _group_logits(parts, earlier, own, own_keys, block_size)  # (..., Tq, N + L)
+    if s_cmt is not None:
+        ctrl = earlier & controlled  # the controlled landmarks each query sees
+        seen = ctrl.any(-1, keepdim=True)
+        # a finite floor, not -inf: a query that sees none must not get NaN gradients through it
+        lse = torch.logsumexp(group[..., :N].masked_fill(~ctrl, torch.finfo(group.dtype).min), -1, keepdim=True)
+        shift = torch.where(ctrl & seen, s_cmt - lse, 0.0)
+        sink = torch.where(seen, NEG_INF, s_cmt)  # the CMT's share, lost when nothing is controlled
+        group = torch.cat([group[..., :N] + shift, group[..., N:], sink], -1)
+    P = torch.softmax(group, -1)  # (..., Tq, N + L [+ 1])
+    out, n = [], 0
+    for s in parts:  # a block's tokens share its landmark's weight by a softmax inside the block
+        out.append(torch.softmax(s[..., :block_size], -1) * P[..., n:n + s.shape[-2], None])  # (..., Tq, N_i, bs)
+        n += s.shape[-2]
+    # the own block was not seen as earlier (weight 0 so far): its tokens carry their own weights
+    out[-1][..., torch.arange(own.shape[0], device=own.device), own, :] = P[..., N:N + block_size]
+    return out
+
+
+def _normal_rows(x, block_size):
+    """(..., T, D) keys or values from position 0 -> (..., n_blocks * block_size, D): the
+    normal tokens' rows, laid out as ``_grouped_weights`` weighs them (padded tail zero)."""
+    L = block_size + 1
+    x = F.pad(x, (0, 0, 0, -x.shape[-2] % L)).unflatten(-2, (-1, L))  # (..., nb, L, D)
+    return x[..., :block_size, :].flatten(-3, -2)
 
 
 def landmark_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
                              scale: float | None = None, cmt_k: torch.Tensor | None = None,
                              cmt_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """In-sequence landmark attention; same contract as ``landmark_attention``."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
-    eff = local_effective_scores(s, block_size, k.shape[-2])
-    if cmt_k is None:
-        return torch.softmax(eff, -1) @ v
-    T, L, n = s.shape[-1], block_size + 1, cmt_blocks.shape[-1]
-    j = torch.arange(T, device=q.device)
-    earlier = (j // L)[None, :] < (j // L)[:, None]  # (T, T): key j's block ended before query i's
-    controlled = (F.pad(cmt_blocks, (0, 1))[:, j // L] & (j % L != block_size))[:, None, None, :] & earlier  # (B, 1, T, T)
-    visible = cmt_blocks[:, None, None, :] & (torch.arange(n, device=q.device) < (j // L)[:, None])  # (B, 1, T, n)
-    p = _cmt_softmax(eff, (q @ cmt_k.transpose(-2, -1)) * scale, s[..., block_size::L][..., :n], visible, controlled)
-    return p @ v
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)  # scaled once, not every score
+    s = _as_blocks(q @ k.transpose(-2, -1), block_size)  # (B, H, T, nb, L)
+    own, own_keys, earlier = _local_layout(k.shape[-2], q.shape[-2], block_size, q.device)
+    s_cmt = controlled = None
+    if cmt_k is not None:
+        s_cmt = q @ cmt_k.transpose(-2, -1)  # (B, H, T, 1)
+        controlled = F.pad(cmt_blocks, (0, s.shape[-2] - cmt_blocks.shape[-1]))[:, None, None, :]  # (B, 1, 1, nb)
+    w, = _grouped_weights([s], earlier, own, own_keys, block_size, s_cmt, controlled)  # (B, H, T, nb, bs)
+    return w.flatten(-2) @ _normal_rows(v, block_size)
+
+
+def local_group_logsumexp(s, block_size):
+    """log of the normaliser of each query's own softmax group, from local scores alone.
+
+    s : (..., T_q, T_k) scores of queries at the last T_q of T_k in-sequence positions.
+    Returns (..., T_q)."""
+    own, own_keys, earlier = _local_layout(s.shape[-1], s.shape[-2], block_size, s.device)
+    return torch.logsumexp(_group_logits([_as_blocks(s, block_size)], earlier, own, own_keys, block_size), -1)
 
 
 def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
                              scale=None, cmt_k=None):
     """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``.
 
-    A retrieved block behaves as a complete earlier block in sequence, so its scores are laid
-    before the local ones and one in-sequence rule (``local_effective_scores``) gates both."""
+    A retrieved block behaves as a complete earlier block in sequence, so retrieved and local
+    blocks are weighed by one grouped softmax."""
     B, H, T_q, D = q.shape
-    K, L = block_table.shape[-1], block_size + 1
-    n = K * L  # retrieved columns, first
-    scale = D ** -0.5 if scale is None else scale
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    K = block_table.shape[-1]
+    q = q * (D ** -0.5 if scale is None else scale)  # scaled once, not every score
+    s = _as_blocks(q @ k.transpose(-2, -1), block_size)  # (B, H, Tq, nb, L)
+    own, own_keys, earlier = _local_layout(k.shape[-2], T_q, block_size, q.device)
+    parts = [s]
     if K:
-        s_ret, read_values = _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale)  # (B, H, Tq, K, L)
-        s = torch.cat([s_ret.flatten(-2), s], -1)  # (B, H, Tq, K * L + Tk)
-    eff = local_effective_scores(s, block_size, s.shape[-1])
-    eff[..., :n].unflatten(-1, (K, L)).masked_fill_((block_table < 0)[..., None], NEG_INF)  # empty slots
-    if cmt_k is None:
-        p = torch.softmax(eff, -1)
-    else:  # every retrieved landmark is CMT-controlled, every local one free
-        controlled = torch.arange(eff.shape[-1], device=q.device) < n
-        p = _cmt_softmax(eff, (q @ cmt_k.transpose(-2, -1)) * scale, s[..., block_size:n:L], block_table >= 0,
-                         controlled)
-    out = p[..., n:] @ v
-    return out + read_values(p[..., :n].unflatten(-1, (K, L))) if K else out
+        s_ret, read_values = _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base)  # (B, H, Tq, K, L)
+        parts.insert(0, s_ret)
+        earlier = torch.cat([block_table >= 0, earlier.expand(B, H, -1, -1)], -1)  # empty slots are not seen
+    s_cmt = controlled = None
+    if cmt_k is not None:  # every retrieved landmark is CMT-controlled, every local one free
+        s_cmt = q @ cmt_k.transpose(-2, -1)  # (B, H, Tq, 1)
+        controlled = torch.arange(earlier.shape[-1], device=q.device) < K
+    w = _grouped_weights(parts, earlier, own, own_keys, block_size, s_cmt, controlled)
+    out = w[-1].flatten(-2) @ _normal_rows(v, block_size)  # (B, H, Tq, D)
+    return out + read_values(w[0]) if K else out
 
 
-def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
+def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base):
     """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
-    function that turns their weights (B, H, Tq, K, L) into the output (B, H, Tq, D).
+    function that turns the weights of their normal tokens (B, H, Tq, K, block_size) into the
+    output (B, H, Tq, D). ``q`` comes scaled.
 
     Copying each slot's block (L, D) out of the pool is what bounds this kernel on CPUs, and a
     chunk's queries share most of their blocks.
@@ -133,6 +157,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
     With a handful of queries (decoding) every slot is gathered."""
     B, H, T_q, D = q.shape
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
+    bs = L - 1
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k), pool_rows(pool_v)  # (rows, L, D)
     rope = rotary(D, float(rope_base))
 
@@ -144,11 +169,13 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
         e = block_table.clamp(min=0).long()  # (B, H, Tq, K)
         qb = rope(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
         k_g, v_g = (rows(r, st, bh_all, e).view(B, H, T_q, K, L, D) for r, st in ((rows_k, step_k), (rows_v, step_v)))
-        s = (qb[..., None, :] @ k_g.transpose(-2, -1))[..., 0, :] * scale  # (B, H, Tq, K, L)
-        return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g.flatten(-3, -2))[..., 0, :]  # (B, H, Tq, D)
-    slot = (block_table.flatten() >= 0).nonzero()[:, 0]  # the filled slots, flat in (B, H, Tq, K), (N,)
+        s = (qb[..., None, :] @ k_g.transpose(-2, -1))[..., 0, :]  # (B, H, Tq, K, L)
+        return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g[..., :bs, :].flatten(-3, -2))[..., 0, :]  # (B, H, Tq, D)
+    flat = block_table.flatten()
+    full = bool((flat >= 0).all())  # a chunk's slots are usually all filled: then no scatter is needed
+    slot = torch.arange(len(flat), device=q.device) if full else (flat >= 0).nonzero()[:, 0]  # flat in (B, H, Tq, K), (N,)
     query = slot // K  # flat in (B, H, Tq)
-    entry, pos = block_table.flatten()[slot].long(), block_pos.flatten()[slot].long()
+    entry, pos = flat[slot].long(), block_pos.flatten()[slot].long()
     # each slot's query is rotated to its own block position below, so a block's rows serve every
     # slot of its (head, block) whatever the position
     keys, group_of, users = torch.unique((query // T_q) * n_pool + entry, return_inverse=True,
@@ -173,25 +200,32 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, scale):
         first += n
     n_rows, group_bh, group_entry = int(size.sum()), group_bh[by_cap], group_entry[by_cap]
 
-    def through_blocks(x, rows_, step, scores):  # per slot (N, D) -> scores (N, L), or weights (N, L) -> (N, D)
+    def through_blocks(x, rows_, step, scores):  # per slot (N, D) -> scores (N, L), or weights (N, bs) -> (N, D)
         blocks = rows(rows_, step, group_bh, group_entry)  # (P, L, D)
-        blocks = blocks.transpose(-2, -1) if scores else blocks
+        blocks = blocks.transpose(-2, -1) if scores else blocks[:, :bs]
         xb = x.new_zeros((n_rows, x.shape[1])).index_copy_(0, row, x)
-        out, r = [], 0
+        out, r = x.new_empty((n_rows, blocks.shape[-1])), 0
         for a, n, m in runs:
-            out.append((xb[r:r + n * m].view(n, m, -1) @ blocks[a:a + n]).flatten(0, 1))  # (n * m, out)
+            torch.matmul(xb[r:r + n * m].view(n, m, -1), blocks[a:a + n], out=out[r:r + n * m].view(n, m, -1))
             r += n * m
-        return torch.cat(out).index_select(0, row)
+        return out.index_select(0, row)
 
-    q_slot = rope(q.reshape(-1, D).index_select(0, query)[:, None], -pos[:, None])[:, 0]  # (N, D) rotated to the block
-    s_raw = q.new_zeros((B * H * T_q * K, L)).index_copy_(0, slot, through_blocks(q_slot, rows_k, step_k, True) * scale)
+    def per_slot(x, width):  # (N, width) for the filled slots -> (B, H, Tq, K, width), empty slots 0
+        return (x if full else x.new_zeros((len(flat), width)).index_copy_(0, slot, x)).view(B, H, T_q, K, width)
+
+    # a chunk's slots sit at a few distinct positions (stingy): angles once per position
+    at, which = torch.unique(pos, return_inverse=True)
+    cos, sin = rope.angles(-at, dtype=rotation_dtype(q.dtype))  # (U, D) each
+    q_slot = rope.rotate((cos.index_select(0, which), sin.index_select(0, which)),
+                         q.reshape(-1, D).index_select(0, query))  # (N, D) rotated to each slot's block
+    s_ret = per_slot(through_blocks(q_slot, rows_k, step_k, True), L)
 
     def read_values(w):
-        w_slot = w.reshape(-1, L).index_select(0, slot)  # (N, L)
-        per_slot = q.new_zeros((B * H * T_q * K, D)).index_copy_(0, slot, through_blocks(w_slot, rows_v, step_v, False))
-        return per_slot.view(B, H, T_q, K, D).sum(3)  # each slot's share of the output, summed over slots
+        w_slot = w.reshape(-1, bs)
+        w_slot = w_slot if full else w_slot.index_select(0, slot)  # (N, bs)
+        return per_slot(through_blocks(w_slot, rows_v, step_v, False), D).sum(3)  # slots' shares summed
 
-    return s_raw.view(B, H, T_q, K, L), read_values
+    return s_ret, read_values
 
 
 def pool_rows(pool: torch.Tensor) -> tuple[torch.Tensor, int]:
