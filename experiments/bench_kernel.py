@@ -1,12 +1,13 @@
 """Landmark attention kernels vs PyTorch SDPA (full causal attention, the ceiling).
 
     python experiments/bench_kernel.py                       # GPU: bf16, T = 1K..16K, D = 64, 128
-    python experiments/bench_kernel.py --T 512,1024 --D 64 --decode 4096   # CPU: reference vs SDPA only
+    python experiments/bench_kernel.py --T 512,1024 --D 64 --decode 4096   # CPU: reference and dense vs SDPA
 
 Prints forward and forward+backward time and peak memory per backend, each backend's time as
 a ratio of SDPA's measured in the same run, and (up to ``--check-T``) each landmark backend's
-relative error against the float64 reference, so a fast path is never timed unchecked. The Triton backend needs a GPU; the
-reference is skipped where its T x T buffers would not fit.
+relative error against the float64 reference, so a fast path is never timed unchecked. The Triton backend needs a GPU (on a
+CPU the dense backend, its fast path, takes its place); the reference and dense backends are
+skipped beyond ``--max-reference-T``, where their T x T buffers would not fit.
 
 Decode: one new token against a context of n tokens. SDPA reads the whole KV cache; landmark
 decoding scores the n / (block_size + 1) landmarks (a matmul and top-k, standing in for the
@@ -144,7 +145,7 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     reps = args.reps or (10 if device.type == "cuda" else 2)
-    backends = ["sdpa", "reference"] + (["triton"] if device.type == "cuda" else [])
+    backends = ["sdpa", "reference", "triton" if device.type == "cuda" else "dense"]  # dense: the CPU fast path
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs"
           + (", landmark backends with a Context Miss Token" if args.cmt else ""))
@@ -154,7 +155,7 @@ def main(argv=None):
         for T in map(int, args.T.split(",")):
             base = None
             for backend in backends:
-                r = None if backend == "reference" and T > args.max_reference_T else \
+                r = None if backend in ("reference", "dense") and T > args.max_reference_T else \
                     bench(backend, args.B, args.H, T, D, args.block_size, dtype, device, reps, args.cmt)
                 if backend == "sdpa":
                     base = r
@@ -171,7 +172,7 @@ def main(argv=None):
     if contexts == "0":
         return
     D = int(args.D.split(",")[-1])
-    decoders = ["sdpa", "triton" if device.type == "cuda" else "reference"]
+    decoders = ["sdpa", "triton" if device.type == "cuda" else "auto"]  # auto on a CPU: the compiled decode kernel
     print(f"\ndecode, one token, D={D}, top_k={args.top_k}: ms per layer")
     print("| context | " + " | ".join(decoders) + " | landmark / SDPA |")
     print("|---|" + "---|" * (len(decoders) + 1))

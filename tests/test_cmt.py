@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory
-from landmark_memory.kernels import triton_landmark
+from landmark_memory.kernels import dense, triton_landmark
 from landmark_memory.kernels import cmt_share, landmark_attention, landmark_attention_inference, landmark_weights
 from landmark_memory.model import jump_positions
 
@@ -89,8 +89,10 @@ def test_empty_cmt_set_recovers_plain_attention_up_to_the_cmt_share():
     torch.testing.assert_close(W, plain * (1 - share))
 
 
+@pytest.mark.parametrize("query_tile", [512, 6])
 @pytest.mark.parametrize("block_size,T", [(3, 17), (50, 130), (7, 40)])
-def test_dense_cmt_attention_equals_reference_with_gradients(block_size, T):
+def test_dense_cmt_attention_equals_reference_with_gradients(block_size, T, query_tile, monkeypatch):
+    monkeypatch.setattr(dense, "QUERY_TILE", query_tile)
     q, k, v, cmt_k, blocks = random_cmt(2, 2, T, 16, block_size, seed=block_size)
     leaves = [t.requires_grad_() for t in (q, k, v, cmt_k)]
     ref = landmark_attention(q, k, v, block_size, cmt_k=cmt_k, cmt_blocks=blocks, backend="reference")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from landmark_memory.kernels import grouped_softmax, landmark_attention, landmark_weights
+from landmark_memory.kernels import dense, grouped_softmax, landmark_attention, landmark_weights
 from landmark_memory.kernels.reference import landmark_groups, landmark_positions
 
 
@@ -52,8 +52,10 @@ def test_reference_matches_loop_oracle(block_size, T):
             torch.testing.assert_close(out[b, h], W @ v[b, h], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("query_tile", [512, 5, 64])  # tiles of queries start anywhere inside a block
 @pytest.mark.parametrize("block_size,T", [(1, 9), (3, 14), (50, 130), (7, 7)])
-def test_dense_backend_equals_reference_with_gradients(block_size, T):
+def test_dense_backend_equals_reference_with_gradients(block_size, T, query_tile, monkeypatch):
+    monkeypatch.setattr(dense, "QUERY_TILE", query_tile)
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 3, T, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     do = torch.randn(2, 3, T, 16, generator=g, dtype=torch.float64)
