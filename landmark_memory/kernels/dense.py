@@ -6,8 +6,10 @@ tokens share their landmark's weight by a softmax inside the block. So a token r
 block c gets P(landmark c) * softmax_c(s)_r, a token of the query's own block P(r), everything
 else 0. The same weights as one softmax over effective scores s + s_landmark(c) -
 logsumexp_c(s) (the Triton kernel's formulation, triton_landmark.py), computed with a few
-passes over the (query, key) scores: scores are viewed as (..., T_q, blocks, block_size + 1),
-with O(T^2) memory like the reference they are tested against.
+passes over the (query, key) scores: scores are viewed as (..., T_q, blocks, block_size + 1).
+In sequence, queries go in tiles (``QUERY_TILE``), so a forward without autograd holds
+O(T x tile) scores at a time; with autograd the tiles' weights are kept for the backward,
+O(T^2) like the reference the kernel is tested against.
 
 Context Miss Token (appendix D): the landmarks of controlled blocks a query sees move by
 s_cmt - lse_ctrl, where lse_ctrl is their log-sum-exp; together they then carry exp(s_cmt),
