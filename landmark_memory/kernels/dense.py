@@ -82,7 +82,10 @@ def _grouped_weights(parts, earlier, own, own_keys, block_size, s_cmt=None, cont
     P = torch.softmax(group, -1)  # (..., Tq, N + L [+ 1])
     out, n = [], 0
     for s in parts:  # a block's tokens share its landmark's weight by a softmax inside the block
-        out.append(torch.softmax(s[..., :block_size], -1) * P[..., n:n + s.shape[-2], None])  # (..., Tq, N_i, bs)
+        inside = torch.softmax(s[..., :block_size], -1)  # (..., Tq, N_i, bs)
+        P_i = P[..., n:n + s.shape[-2], None]
+        # in place where nothing needs the softmax kept for a backward (one pass less over the weights)
+        out.append(inside * P_i if inside.requires_grad else inside.mul_(P_i))
         n += s.shape[-2]
     # the own block was not seen as earlier (weight 0 so far): its tokens carry their own weights
     out[-1][..., torch.arange(own.shape[0], device=own.device), own, :] = P[..., N:N + block_size]
