@@ -29,7 +29,8 @@ QUERY_TILE = 256  # queries per tile of the in-sequence path (256 measured best 
 GATHER_BELOW = 16  # queries per head under which (decoding) each retrieved slot's block is gathered on its own
 
 
-@functools.lru_cache(maxsize=64)
+# a decoding step (T_q = 1) asks for the layout of the step a chunk before: small ones are kept
+@functools.lru_cache(maxsize=1024)
 def _local_layout(T_k, T_q, block_size, device):
     """For queries at the last T_q of T_k in-sequence positions, keys laid out as whole blocks
     from position 0: each query's own block (T_q,) long, the keys of it the query sees (T_q, L)
@@ -110,6 +111,7 @@ def landmark_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)  # scaled once, not every score
     T = k.shape[-2]
     s_cmt = None if cmt_k is None else q @ cmt_k.transpose(-2, -1)  # (B, H, T, 1)
+    values = _normal_rows(v, block_size)  # (B, H, nb * bs, D); a tile reads its blocks' rows
     out = []
     for a in range(0, T, QUERY_TILE):
         b = min(T, a + QUERY_TILE)
@@ -121,7 +123,7 @@ def landmark_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             controlled = F.pad(cmt_blocks, (0, max(0, nb - n)))[:, None, None, :nb]  # (B, 1, 1, nb)
         w, = _grouped_weights([s], earlier, own, own_keys, block_size, None if s_cmt is None else s_cmt[..., a:b, :],
                               controlled)  # (B, H, b - a, nb, bs)
-        out.append(w.flatten(-2) @ _normal_rows(v[..., :b, :], block_size))
+        out.append(w.flatten(-2) @ values[..., :w.shape[-2] * block_size, :])  # keys past b weigh 0
     return out[0] if len(out) == 1 else torch.cat(out, -2)
 
 
