@@ -121,8 +121,13 @@ def passkey_rows(model, tok, lengths, trials, seed, quiet, done, save, **kw):
 def part_passkey(args, tok, books):
     partial = Path(args.out) / "passkey.partial.json"
     key = {"seed": args.seed, "memory": MEMORY, "adapter": adapter_id()}
-    saved = json.loads(partial.read_text()) if partial.is_file() else {}
-    rows = saved.get("rows", {}) if all(saved.get(k) == v for k, v in key.items()) else {}
+    # what each series depends on: the base model's rows outlive a new adapter
+    depends = {"landmark + memory": key, "base in context": {"seed": args.seed}}
+    rows = {}
+    for f in (Path(args.out) / "passkey.json", partial):  # a finished run, then the newer interrupted one
+        saved = json.loads(f.read_text()) if f.is_file() else {"rows": {}}
+        rows.update({label: got for label, got in saved["rows"].items()
+                     if all(saved.get(k) == v for k, v in depends.get(label, {"": None}).items())})
 
     def saver(label):
         def save(got):
@@ -160,6 +165,12 @@ def part_ppl(args, tok, books):
     for length in parse_lengths(args.memory_lengths):
         r = perplexity(landmark, ids, length, memory=MEMORY, progress=not args.quiet, desc=f"memory @{length}")
         rows.append({"model": "landmark + memory", "eval_length": length, "perplexity": r["perplexity"],
+                     "tokens": r["tokens"], "seconds": r["seconds"]})
+    # the landmark model in sequence (no memory) at the base model's lengths: what its own
+    # grouped softmax makes of the context, apart from what the memory's retrieval adds or loses
+    for length in parse_lengths(args.base_eval_lengths):
+        r = perplexity(landmark, ids, length, progress=not args.quiet, desc=f"in sequence @{length}")
+        rows.append({"model": "landmark in sequence", "eval_length": length, "perplexity": r["perplexity"],
                      "tokens": r["tokens"], "seconds": r["seconds"]})
     del landmark
     base = load_model(smollm2.BASE)[0]
@@ -215,7 +226,7 @@ def report(args):
             axes[0].plot([r["length"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)
         axes[0].set(xscale="log", xlabel="prompt length (tokens)", ylabel="passkey accuracy %", ylim=(-3, 103),
                     title="Passkey")
-        for label in ("landmark + memory", "base in context"):
+        for label in ("landmark + memory", "landmark in sequence", "base in context"):
             rows = [r for r in got.get("ppl", {}).get("rows", []) if r["model"] == label]
             axes[1].plot([r["eval_length"] for r in rows], [r["perplexity"] for r in rows], marker="o", label=label)
         axes[1].set(xscale="log", xlabel="eval length (tokens)", ylabel="perplexity", title="Held-out perplexity")
@@ -278,6 +289,12 @@ def _render_passkey(doc):
     for label, rows in doc["rows"].items():
         out += [f"| {label} | {r['length']:,} | {100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) |"
                 for r in rows]
+    misses = [(label, r["length"], a) for label, rows in doc["rows"].items() for r in rows
+              for a in r.get("answers", []) if a["answer"] != a["key"]]
+    if misses:
+        out += ["", "Misses (where the key sat, 0 = the start of the filler, and what came instead of it):", "",
+                "| model | length | depth | key | answer |", "|---|---|---|---|---|"]
+        out += [f"| {label} | {n:,} | {a['depth']:.2f} | {a['key']} | {a['answer']} |" for label, n, a in misses]
     return out
 
 

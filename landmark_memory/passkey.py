@@ -74,15 +74,20 @@ def run_passkey(generate, tokenizer, lengths, trials=10, seed=0, progress=None):
 
     Returns
     -------
-    list of dicts ``{"length", "accuracy", "trials", "correct"}``.
+    list of dicts ``{"length", "accuracy", "trials", "correct", "answers"}``; ``answers`` holds
+    one ``{"key", "depth", "answer"}`` per trial (``answer``: the first integer generated, or
+    None), so that a miss can be traced to where its key sat.
     """
     prompts, rng, out = PasskeyPrompts(tokenizer), random.Random(seed), []
     for n in lengths:
-        correct = 0
+        answers = []
         for _ in range(trials):
             key, depth = rng.randint(1, MAX_KEY), rng.random()
-            correct += first_int(generate(prompts.prompt(n, key, depth))) == key
+            answers.append({"key": key, "depth": round(depth, 4),
+                            "answer": first_int(generate(prompts.prompt(n, key, depth)))})
             if progress is not None:
                 progress.update(1)
-        out.append({"length": n, "accuracy": correct / trials, "trials": trials, "correct": correct})
+        correct = sum(a["answer"] == a["key"] for a in answers)
+        out.append({"length": n, "accuracy": correct / trials, "trials": trials, "correct": correct,
+                    "answers": answers})
     return out

@@ -102,12 +102,18 @@ def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     assert sys.modules.get("_common") is not None
 
 
-def test_smollm2_experiment_runs_a_part_and_writes_its_report(tmp_path):
+def three_books(tmp_path):
+    """A folder of three small books cut from the bundled sample (the default split holds one out)."""
     books = tmp_path / "books"
     books.mkdir()
     text = (Path(__file__).resolve().parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt").read_text()
     for i in range(3):
         (books / f"b{i}.txt").write_text(text[i * 3000:(i + 1) * 3000])
+    return books
+
+
+def test_smollm2_experiment_runs_a_part_and_writes_its_report(tmp_path):
+    books = three_books(tmp_path)
     script("exp_smollm2").main(["--books", str(books), "--parts", "passkey", "--lengths", "300", "--trials", "1",
                                 "--base-lengths", "300", "--base-trials", "1", "--out", str(tmp_path / "parts"),
                                 "--results", str(tmp_path), "--report", "--quiet"])
@@ -118,11 +124,7 @@ def test_smollm2_experiment_runs_a_part_and_writes_its_report(tmp_path):
 
 
 def test_smollm2_passkey_resumes_from_the_lengths_an_interrupted_run_saved(tmp_path, monkeypatch):
-    books = tmp_path / "books"
-    books.mkdir()
-    text = (Path(__file__).resolve().parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt").read_text()
-    for i in range(3):
-        (books / f"b{i}.txt").write_text(text[i * 3000:(i + 1) * 3000])
+    books = three_books(tmp_path)
     exp = script("exp_smollm2")
     out = tmp_path / "parts"
     out.mkdir()
@@ -138,3 +140,22 @@ def test_smollm2_passkey_resumes_from_the_lengths_an_interrupted_run_saved(tmp_p
     assert ran == [([600], 1, True), ([300], 1, False)]  # 300 through memory was kept
     doc = json.loads((out / "passkey.json").read_text())
     assert doc["rows"]["landmark + memory"][0] == kept and not (out / "passkey.partial.json").exists()
+
+
+def test_smollm2_passkey_after_a_new_adapter_keeps_only_the_base_models_rows(tmp_path, monkeypatch):
+    books, out = three_books(tmp_path), tmp_path / "parts"
+    out.mkdir()
+    exp = script("exp_smollm2")
+    old = {"length": 300, "accuracy": 1.0, "trials": 1, "correct": 1}
+    (out / "passkey.json").write_text(json.dumps(
+        {"seed": 0, "memory": exp.MEMORY, "adapter": "an-older-one", "rows": {"landmark + memory": [old],
+                                                                               "base in context": [old]}}))
+    ran = []
+    monkeypatch.setattr(exp, "load_model", lambda name: (name,))
+    monkeypatch.setattr(exp, "passkey_accuracy", lambda model, tok, lengths, trials, seed, **kw: ran.append(
+        (lengths, "memory" in kw)) or [{"length": lengths[0], "accuracy": 0.0, "trials": trials, "correct": 0}])
+    exp.main(["--books", str(books), "--parts", "passkey", "--lengths", "300", "--trials", "1",
+              "--base-lengths", "300", "--base-trials", "1", "--out", str(out), "--quiet"])
+    assert ran == [([300], True)]  # the landmark model ran again, the base model's row was kept
+    rows = json.loads((out / "passkey.json").read_text())["rows"]
+    assert rows["base in context"] == [old] and rows["landmark + memory"][0]["correct"] == 0

@@ -8,7 +8,7 @@ import torch
 from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
 from landmark_memory.data import PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.evaluate import parse_lengths
-from landmark_memory.passkey import PasskeyPrompts, first_int
+from landmark_memory.passkey import PasskeyPrompts, first_int, run_passkey
 from landmark_memory.layout import IGNORE_INDEX
 from landmark_memory.tokenizer import LANDMARK_TOKEN, SPECIAL_TOKENS
 
@@ -137,6 +137,25 @@ def test_passkey_prompt_has_the_asked_length_and_depth():
         assert n == 100 or abs(at / len(text) - depth) < 0.05
     with pytest.raises(ValueError, match="needs more than"):
         prompts.prompt(20, 1, 0.5)
+
+
+def test_run_passkey_records_each_trials_key_depth_and_answer():
+    tok = load_tokenizer()
+
+    def generate(ids):  # knows the key only when it sits in the first half of the prompt
+        text = tok.decode(ids)
+        key = int(re.search(r"The pass key is (\d+)", text).group(1))
+        return f" {key}." if text.index("The pass key is") < len(text) / 2 else " none"
+
+    rows = run_passkey(generate, tok, [300, 600], trials=6, seed=3)
+    assert [(r["length"], r["trials"]) for r in rows] == [(300, 6), (600, 6)]
+    for r in rows:
+        assert len(r["answers"]) == 6 and r["correct"] == sum(a["answer"] == a["key"] for a in r["answers"])
+        assert all((a["answer"] == a["key"]) == (a["depth"] < 0.5) for a in r["answers"] if abs(a["depth"] - 0.5) > 0.1)
+        assert all(a["answer"] is None for a in r["answers"] if a["answer"] != a["key"])
+        assert r["accuracy"] == r["correct"] / 6
+    assert 0 < sum(r["correct"] for r in rows) < 12  # both outcomes occur with this seed
+    assert run_passkey(generate, tok, [300, 600], trials=6, seed=3) == rows
 
 
 def test_first_int_and_length_parsing():
