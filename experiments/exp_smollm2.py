@@ -213,10 +213,12 @@ def report(args):
              "model card: `landmark_memory/assets/smollm2-landmark/README.md`), on the books its fine-tuning held "
              "out. Each part below names the command that measured it, the machine and the date.", ""]
     lines += _targets(got)
+    shipped = adapter_id()
     for part, doc in got.items():
         lines += [f"## {part}", "", f"- command: `{doc['command']}` (BOOKS: the project's 53 Gutenberg books)",
                   f"- machine: {doc['machine']}", f"- date: {doc['date']}, {doc['seconds'] / 60:.1f} min",
-                  f"- adapter: {doc.get('adapter', 'an earlier one (not recorded)')}", ""]
+                  f"- adapter: {doc.get('adapter', 'an earlier one (not recorded)')}"
+                  + ("" if doc.get("adapter") == shipped else " (an earlier adapter than the shipped one)"), ""]
         lines += RENDER[part](doc)
         lines.append("")
     if "passkey" in got or "ppl" in got:
@@ -300,7 +302,10 @@ def _render_passkey(doc):
 
 def _render_ppl(doc):
     out = [f"The first {doc['tokens']:,} tokens of {doc['book']}, cut into segments of the eval length, each read "
-           "from its start.", "", "| model | eval length | perplexity | seconds |", "|---|---|---|---|"]
+           "from its start. `landmark in sequence` reads a segment in one forward, every block in its grouped "
+           "softmax, no memory: its distance to `landmark + memory` is what keeping the top-k blocks loses, its "
+           "distance to the base model what the fine-tuning has not learned.", "",
+           "| model | eval length | perplexity | seconds |", "|---|---|---|---|"]
     return out + [f"| {r['model']} | {r['eval_length']:,} | {r['perplexity']:.2f} | {r['seconds']:.0f} |"
                   for r in doc["rows"]]
 
