@@ -126,8 +126,8 @@ def part_passkey(args, tok, books):
     rows = {}
     for f in (Path(args.out) / "passkey.json", partial):  # a finished run, then the newer interrupted one
         saved = json.loads(f.read_text()) if f.is_file() else {"rows": {}}
-        rows.update({label: got for label, got in saved["rows"].items()
-                     if all(saved.get(k) == v for k, v in depends.get(label, {"": None}).items())})
+        rows.update({label: saved["rows"][label] for label, on in depends.items()
+                     if label in saved["rows"] and all(saved.get(k) == v for k, v in on.items())})
 
     def saver(label):
         def save(got):
