@@ -8,8 +8,10 @@ in-sequence forward over the same tokens, measured in the same run.
 
 The in-sequence forward reads the text in windows of ``--window`` tokens (the model's training
 length; 512 for the bundled model's pretraining), each window alone. The memory reads it chunk
-by chunk, each query retrieving its top-k blocks. Overhead = 1 - memory tokens/s / forward
-tokens/s. ``--profile`` splits the memory's time into its parts (the model's own layers, the
+by chunk, each query retrieving its top-k blocks, as ``build`` does: without the output head
+(no logits). Overhead = 1 - memory tokens/s / forward tokens/s, against the forward as the
+model runs it (with its head) and against the same forward without its head (the same work
+as reading into memory, less the memory). ``--profile`` splits the memory's time into its parts (the model's own layers, the
 attention kernel over local and retrieved blocks, landmark scoring and FAISS searches, the hot
 cache, store writes). ``--growth`` measures tokens/s over ``--span`` tokens read once the
 memory holds each given number of tokens (a cost that grows with the memory shows here).
@@ -17,6 +19,7 @@ memory holds each given number of tokens (a cost that grows with the memory show
 
 import argparse
 import collections
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -35,16 +38,30 @@ PARTS = [(engine, "landmark_attention_inference", "attention kernel"), (Landmark
 
 
 @torch.no_grad()
-def forward_rate(model, ids, window):
-    """Tokens/s of the in-sequence forward over ``ids`` in windows of ``window``, best of two."""
-    in_sequence_logits(model, ids[:, :window])  # warm up
-    best = 0.0
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for a in range(0, ids.shape[1], window):
-            in_sequence_logits(model, ids[:, a:a + window])
-        best = max(best, ids.shape[1] / (time.perf_counter() - t0))
+def forward_rate(model, ids, window, head=True):
+    """Tokens/s of the in-sequence forward over ``ids`` in windows of ``window``, best of two;
+    ``head=False``: the forward stops at the last hidden states (no logits)."""
+    with contextlib.nullcontext() if head else without_head(model):
+        in_sequence_logits(model, ids[:, :window])  # warm up
+        best = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            for a in range(0, ids.shape[1], window):
+                in_sequence_logits(model, ids[:, a:a + window])
+            best = max(best, ids.shape[1] / (time.perf_counter() - t0))
     return best
+
+
+@contextlib.contextmanager
+def without_head(model):
+    """The model (a LandmarkGPT or a Hugging Face causal LM) with its output head replaced by
+    the identity while the block runs."""
+    head = model.lm_head
+    model.lm_head = torch.nn.Identity()
+    try:
+        yield
+    finally:
+        model.lm_head = head
 
 
 class Profile:
@@ -75,13 +92,13 @@ class Profile:
 
 
 def read_through_memory(model, ids, piece, **options):
-    """Tokens/s of ``LandmarkMemory.forward`` over ``ids`` fed ``piece`` tokens at a time."""
+    """Tokens/s of ``LandmarkMemory.forward`` over ``ids`` fed ``piece`` tokens at a time, no logits."""
     with tempfile.TemporaryDirectory() as tmp:
         path = None if options.get("store", "memory") == "memory" else Path(tmp) / "m"
         mem = LandmarkMemory(model, path=path, **options)
         t0 = time.perf_counter()
         for a in range(0, ids.shape[1], piece):
-            mem.forward(ids[:, a:a + piece])
+            mem.forward(ids[:, a:a + piece], logits="none")
         rate = ids.shape[1] / (time.perf_counter() - t0)
         mem.close(commit=False)
     return rate
@@ -92,10 +109,10 @@ def growth(model, ids, sizes, span, piece, **options):
     mem, fed, out = LandmarkMemory(model, **options), 0, {}
     for n in sizes:
         while fed < n:
-            mem.forward(ids[:, fed:min(n, fed + piece)])
+            mem.forward(ids[:, fed:min(n, fed + piece)], logits="none")
             fed = min(n, fed + piece)
         t0 = time.perf_counter()
-        mem.forward(ids[:, fed:fed + span])
+        mem.forward(ids[:, fed:fed + span], logits="none")
         out[n] = span / (time.perf_counter() - t0)
         fed += span
     mem.close()
@@ -135,14 +152,15 @@ def main(argv=None):
             print(f"| {kind} | {' | '.join(f'{r:,.0f}' for r in rates.values())} | "
                   f"{rates[sizes[-1]] / rates[sizes[0]]:.2f}x |", flush=True)
         return
-    fwd = forward_rate(model, ids, args.window)
-    print(f"in-sequence forward, windows of {args.window}: {fwd:,.0f} tokens/s over {ids.shape[1]:,} tokens")
-    print("| index | store | tokens/s | vs forward | overhead |")
-    print("|---|---|---|---|---|")
+    fwd, bare = forward_rate(model, ids, args.window), forward_rate(model, ids, args.window, head=False)
+    print(f"in-sequence forward, windows of {args.window}: {fwd:,.0f} tokens/s over {ids.shape[1]:,} tokens "
+          f"({bare:,.0f} without its output head)")
+    print("| index | store | tokens/s | vs forward | overhead | overhead vs forward without head |")
+    print("|---|---|---|---|---|---|")
     rows = [(kind, store) for kind in args.indexes.split(",") for store in args.stores.split(",")]
     # warm up as the forward was: a process's first chunk and decoding step load compiled code
     warm, k = LandmarkMemory(model, **options), min(2 * args.piece, ids.shape[1] - 1)
-    warm.forward(ids[:, :k])
+    warm.forward(ids[:, :k], logits="none")
     warm.step(ids[:, k])
     warm.close()
     for i, (kind, store) in enumerate(rows):
@@ -152,7 +170,8 @@ def main(argv=None):
         if profile is not None:
             total, parts = time.perf_counter() - t0, dict(profile.seconds)
             profile.close()
-        print(f"| {kind} | {store} | {rate:,.0f} | {rate / fwd:.2f} | {1 - rate / fwd:.0%} |", flush=True)
+        print(f"| {kind} | {store} | {rate:,.0f} | {rate / fwd:.2f} | {1 - rate / fwd:.0%} | {1 - rate / bare:.0%} |",
+              flush=True)
     if args.profile:
         print(f"\nprofile of the first row ({total:.2f} s in all):")
         for label, s in sorted(parts.items(), key=lambda x: -x[1]):

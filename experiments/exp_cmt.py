@@ -26,7 +26,7 @@ def decode_ms(model, ids, context, steps, **memory):
     """Median ms per greedily decoded token after reading ``context`` tokens of ``ids``, and
     the memory's retrieval counts over the decoded tokens alone."""
     mem = LandmarkMemory(model, **memory)
-    logits = mem.forward(torch.as_tensor(np.asarray(ids[:context], dtype=np.int64))[None]).logits[:, -1]
+    logits = mem.forward(torch.as_tensor(np.asarray(ids[:context], dtype=np.int64))[None], logits="last").logits[:, -1]
     mem.retrieval_stats = RetrievalStats()
     times = []
     for _ in range(steps):

@@ -35,7 +35,7 @@ def main(argv=None):
         x = ids[None, :n]
         kv = 2 * cfg.n_layer * cfg.n_embd * 4 * n  # float32 keys and values of every layer
         mem = LandmarkMemory(landmark, chunk_size=250, top_k=4, cache_bytes=32 << 20)
-        mem.forward(x)
+        mem.forward(x, logits="none")
         use = mem.memory_usage()
         mem.close()
         row = {"context": n, "full": kv, "landmark_fast": use["fast"], "landmark_total": use["fast"] + use["store"]}

@@ -36,7 +36,7 @@ def memory_run(model, tok, lengths, trials, seed, progress):
 
     def generate(ids):
         mem = LandmarkMemory(model, **MEMORY)
-        out = mem.forward(torch.tensor([ids]))
+        out = mem.forward(torch.tensor([ids]), logits="last")
         start = find(ids, marker)
         key_blocks = set(range(start // bs, (start + 24) // bs + 1))  # the sentence is about 22 tokens
         if max(key_blocks) < mem.n_blocks:  # the sentence is in memory, not in the local chunk

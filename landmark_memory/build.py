@@ -110,7 +110,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, commit_every:
                        disable=not progress, dynamic_ncols=True)
             while pos < len(ids):
                 n = min(mem.options.chunk_size - mem.pending_count, len(ids) - pos)
-                mem.forward(torch.tensor([ids[pos:pos + n]]))
+                mem.forward(torch.tensor([ids[pos:pos + n]]), logits="none")
                 pos += n
                 entry.ingested = pos
                 summary["added"] += n

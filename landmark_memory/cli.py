@@ -154,8 +154,8 @@ def cmd_ask(args):
         raise UsageError("the prompt is empty")
     uses = Counter()
 
-    def feed(nxt):  # (1, 1) -> (1, vocab), counting the blocks the last position read
-        out = mem.forward(nxt.to(mem.device))
+    def feed(nxt):  # (1, T) -> (1, vocab), counting the blocks the last position read
+        out = mem.forward(nxt.to(mem.device), logits="last")
         for r in out.retrieved:  # (1, H, T, k)
             uses.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_saved)
         return out.logits[:, -1]

@@ -159,3 +159,24 @@ def test_smollm2_passkey_after_a_new_adapter_keeps_only_the_base_models_rows(tmp
     assert ran == [([300], True)]  # the landmark model ran again, the base model's row was kept
     rows = json.loads((out / "passkey.json").read_text())["rows"]
     assert rows["base in context"] == [old] and rows["landmark + memory"][0]["correct"] == 0
+
+
+def test_smollm2_report_keeps_the_last_reports_sections_of_parts_not_saved_this_time(tmp_path):
+    exp, out = script("exp_smollm2"), tmp_path / "parts"
+    out.mkdir()
+    (tmp_path / "smollm2.md").write_text("\n".join([
+        "# old", "", "## Targets", "", "| target | measured | met |", "|---|---|---|",
+        f"| {exp.TARGETS[2]} | 19.20 vs 18.39 | no |", "", "## ppl", "", "- command: `an old one`", "",
+        "| landmark + memory | 32,768 | 19.20 |", "", "## ask", "", "the old answer", ""]))
+    (out / "ask.json").write_text(json.dumps({
+        "book": "b0", "book_tokens": 1000, "build_seconds": 60.0, "ask_seconds": 2.0, "prompt": "Who?",
+        "text": "the new answer", "retrieved": [{"block": 3, "share": 0.5, "token_offset": 189, "source": "b0.txt",
+                                                 "text": "a passage"}],
+        "command": "python experiments/exp_smollm2.py --parts ask", "machine": "m", "date": "d", "seconds": 62.0,
+        "adapter": exp.adapter_id()}))
+    exp.main(["--books", str(tmp_path), "--report", "--out", str(out), "--results", str(tmp_path)])
+    report = (tmp_path / "smollm2.md").read_text()
+    assert f"| {exp.TARGETS[2]} | 19.20 vs 18.39 | no |" in report
+    assert "| landmark + memory | 32,768 | 19.20 |" in report and "- command: `an old one`" in report
+    assert "A: the new answer" in report and "the old answer" not in report
+    assert report.count("## ask") == 1 and report.index("## ppl") < report.index("## ask")

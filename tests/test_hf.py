@@ -126,6 +126,17 @@ def test_retrieve_all_through_the_cache_equals_in_sequence_forward(tokenizer_obj
     torch.testing.assert_close(torch.cat(pieces, 1), hf.normal_logits(model, idx), **TOL)
 
 
+@torch.no_grad()
+def test_the_cache_keeps_the_logits_transformers_asks_for(tokenizer_object, text):
+    model, tok = tiny(tokenizer_object)
+    idx = ids_of(tok, text, 40)
+    full = model(input_ids=idx, past_key_values=hf.LandmarkMemoryCache(model, chunk_size=14)).logits
+    for keep, want in ((1, full[:, -1:]), (3, full[:, -3:]), (torch.tensor([0, 5]), full[:, [0, 5]])):
+        got = model(input_ids=idx, past_key_values=hf.LandmarkMemoryCache(model, chunk_size=14),
+                    logits_to_keep=keep).logits
+        torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("index", ["flat", "hnsw", "ivf"])
 @torch.no_grad()
 def test_greedy_generate_with_the_cache_equals_landmark_memory_decoding(tokenizer_object, text, index):

@@ -52,6 +52,21 @@ def test_pieces_and_decoding_equal_one_call(model, text, mapping, retrieval):
     torch.testing.assert_close(torch.cat(parts, 1), whole.logits, rtol=1e-5, atol=1e-5)
 
 
+def test_last_or_no_logits_read_the_same_memory_as_every_logit(model, text):
+    kw = dict(top_k=2, chunk_size=10)
+    every, last, none = (LandmarkMemory(model, **kw) for _ in range(3))
+    full = every.forward(text[:, :47]).logits  # (B, 47, V): several chunks, the last one open
+    torch.testing.assert_close(last.forward(text[:, :47], logits="last").logits, full[:, -1:], rtol=1e-6, atol=1e-6)
+    assert none.forward(text[:, :47], logits="none").logits.shape == (2, 0, 64)
+    steps = [m.step(text[:, 47]) for m in (every, last, none)]  # the same memory underneath
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=0)
+    torch.testing.assert_close(steps[2], steps[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="loss needs every token's logits"):
+        none.forward(text[:, 48:50], text[:, 48:50], logits="none")
+    with pytest.raises(ValueError, match="logits must be one of"):
+        none.forward(text[:, 48:50], logits="first")
+
+
 def test_retrieval_picks_top_k_existing_blocks(model, text):
     out = LandmarkMemory(model, top_k=3, chunk_size=10).forward(text)
     for ids in out.retrieved:

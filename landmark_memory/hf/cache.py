@@ -46,9 +46,11 @@ class LandmarkMemoryCache(MemoryBackedCache):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache_position: torch.Tensor | None = None, labels=None, inputs_embeds=None,
-                **_) -> CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, **_) -> CausalLMOutputWithPast:
         """Feed ``input_ids`` (B, T) after everything before; what a converted model's forward
-        returns when it is given this cache."""
+        returns when it is given this cache. ``logits_to_keep`` as transformers means it (0:
+        all; n: the last n; a tensor: those positions); ``generate`` passes 1, and then the
+        output head runs for the prompt's last token only."""
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("a LandmarkMemoryCache reads token ids: pass input_ids, not inputs_embeds")
         if labels is not None:
@@ -59,9 +61,11 @@ class LandmarkMemoryCache(MemoryBackedCache):
         if cache_position is not None and len(cache_position) and int(cache_position[0]) != self.fed:
             raise ValueError(f"the input starts at position {int(cache_position[0])} but this cache has read "
                              f"{self.fed} tokens: a memory cannot go back; pass only new tokens")
-        out = self.memory.forward(input_ids)
+        last_only = isinstance(logits_to_keep, int) and logits_to_keep == 1
+        out = self.memory.forward(input_ids, logits="last" if last_only else "all")
         self.fed += input_ids.shape[1]
-        return CausalLMOutputWithPast(logits=out.logits, past_key_values=self)
+        keep = slice(None) if last_only else slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutputWithPast(logits=out.logits[:, keep], past_key_values=self)
 
     # ---- what transformers asks of a cache ------------------------------------------------
     def get_seq_length(self, layer_idx=0):

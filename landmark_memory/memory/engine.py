@@ -32,6 +32,9 @@ from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy
 
 
+LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
+
+
 class LandmarkMemory:
     """A landmark model with a memory of past blocks.
 
@@ -114,36 +117,44 @@ class LandmarkMemory:
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> MemoryOutput:
-        """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, logits: str = "all") -> MemoryOutput:
+        """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``.
+
+        ``logits``: ``"all"``, every token's (B, T, vocab); ``"last"``, the last token's (B, 1,
+        vocab), all that generating after a prompt needs; ``"none"`` (B, 0, vocab), for reading
+        text into memory (``build``): the model's output head never runs (for SmolLM2, with its
+        49,152-token vocabulary, a fifth of its forward's arithmetic)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
-        if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        if logits not in LOGITS:
+            raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
+        if targets is not None and (targets.shape != idx.shape or logits != "all"):
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}, and a "
+                             f"loss needs every token's logits (logits='all', got {logits!r})")
         if self.streams is None:
             self.blocks.start(idx.shape[0])
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
         idx = idx.to(self.device)
-        logits, retrieved, pos = [], [], 0
+        out, retrieved, pos = [], [], 0
         while pos < idx.shape[1]:
             n = min(self.options.chunk_size - self.pending_count, idx.shape[1] - pos)
-            lg, ret = self._step(idx[:, pos:pos + n])
-            logits.append(lg)
+            lg, ret = self._step(idx[:, pos:pos + n], logits if logits != "last" or pos + n == idx.shape[1] else "none")
+            out.append(lg)
             retrieved.append(ret)
             pos += n
         V, H, K = self.backbone.vocab_size, self.backbone.n_head, self.options.top_k
-        if len(logits) == 1:  # one step (a chunk, or a token): nothing to join, and logits are large
-            logits, retrieved = logits[0], retrieved[0]
+        if len(out) == 1:  # one step (a chunk, or a token): nothing to join, and logits are large
+            out, retrieved = out[0], retrieved[0]
         else:
-            logits = torch.cat(logits, 1) if logits else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
+            out = torch.cat(out, 1) if out else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
             retrieved = [torch.cat([r[layer] for r in retrieved], 2) if retrieved else
                          idx.new_full((idx.shape[0], H, 0, K), -1) for layer in range(self.shape.n_layer)]
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
+            loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten(),
                                    ignore_index=IGNORE_INDEX)
-        return MemoryOutput(logits, loss, retrieved)
+        return MemoryOutput(out, loss, retrieved)
 
     __call__ = forward
 
@@ -159,8 +170,8 @@ class LandmarkMemory:
         memory reads the new tokens too, so a later call continues after them."""
         if idx.shape[-1] == 0:
             raise ValueError("generate needs a prompt of at least one token")
-        for a in range(0, idx.shape[1], self.options.chunk_size):  # a chunk at a time: a long prompt's logits
-            last = self.forward(idx[:, a:a + self.options.chunk_size]).logits[:, -1]  # would not fit in memory
+        for a in range(0, idx.shape[1], self.options.chunk_size):  # a chunk at a time: the retrieved ids of a
+            last = self.forward(idx[:, a:a + self.options.chunk_size], logits="last").logits[:, -1]  # long prompt add up
         new = decode(last, self.step, max_new_tokens, temperature=temperature, generator=generator, stop_id=stop_id)
         if new.shape[1]:
             self.step(new[:, -1])
@@ -323,7 +334,7 @@ class LandmarkMemory:
         self.close(commit=exc_type is None)
 
     # ---- one step: new tokens after the pending ones, within one chunk -------------------
-    def _step(self, new):
+    def _step(self, new, logits):
         bb, bs, G = self.backbone, self.shape.block_size, self.group
         P = self.pending_count
         ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
@@ -354,7 +365,10 @@ class LandmarkMemory:
                                              backend=self.backend, check=False)
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal])
-        logits = bb.head(h[:, normal])  # (B, n, V)
+        h = h[:, normal]  # (B, n, C)
+        if logits != "all":  # "last": the step's last token; "none": no head at all
+            h = h[:, h.shape[1] - (logits == "last"):]
+        logits = bb.head(h) if h.shape[1] else h.new_zeros((h.shape[0], 0, bb.vocab_size))  # (B, n, V)
         self.pending_ids, self.pending_kv = ids, new_kv
         if self.pending_count == self.options.chunk_size:  # the chunk is complete: its blocks go to memory
             self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)

@@ -7,7 +7,7 @@ import torch
 
 @dataclass
 class MemoryOutput:
-    logits: torch.Tensor  # (B, T, vocab)
+    logits: torch.Tensor  # (B, T, vocab); (B, 1, vocab) for logits="last", (B, 0, vocab) for "none"
     loss: torch.Tensor | None  # mean next-token loss when targets were given
     retrieved: list[torch.Tensor]  # per layer: int64 (B, H, T, top_k) memory block ids used by each token, -1 = none
 
