@@ -33,7 +33,7 @@ def all_blocks_table(B, H, Tq, n_mem, block_size, extra_empty=1, perm=None):
     return table, (table % n_mem) * (block_size + 1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba"])
+@pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba", "auto"])
 @pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47), (7, 4, 16, 16)])
 def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, block_size, n_mem, Tk, Tq):
     B, H, D = 2, 2, 32
@@ -48,7 +48,8 @@ def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, bl
 
 
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
-                                           ("dense", torch.float32), ("numba", torch.float32)])
+                                           ("dense", torch.float32), ("numba", torch.float32),
+                                           ("auto", torch.float32)])
 @pytest.mark.parametrize("block_size,Tk,Tq,D", [(50, 110, 24, 64), (50, 37, 1, 32), (7, 30, 5, 64)])
 def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, block_size, Tk, Tq, D):
     g = torch.Generator().manual_seed(block_size + Tq)
@@ -148,6 +149,23 @@ def test_auto_decodes_on_the_cpu_with_the_compiled_kernel_and_falls_back_to_dens
         landmark_attention(q, q, q, 3, backend="numba")
 
 
+def test_auto_reads_a_chunks_retrieved_blocks_with_compiled_loops_in_float32_only(monkeypatch):
+    from landmark_memory.kernels import dense, numba_slots
+
+    calls = []
+    monkeypatch.setattr(numba_slots, "retrieved_compiled", lambda *a: calls.append(1) or dense._retrieved(*a))
+    m = memory_setup(1, 2, 16, 3, 2, 24, torch.float32)
+    table, pos = all_blocks_table(1, 2, 20, 2, 3)  # 20 queries: a chunk, not a decoding step
+    args = (m["q"][:, :, -20:], m["k"][:, :, 8:], m["v"][:, :, 8:], 3)
+    kw = dict(pool_k=m["pool_k"], pool_v=m["pool_v"], block_table=table, block_pos=pos)
+    landmark_attention_inference(*args, **kw)
+    assert calls == [1]
+    half = {n: t.bfloat16() for n, t in kw.items() if n.startswith("pool")}
+    landmark_attention_inference(*(t.bfloat16() for t in args[:3]), 3, **{**kw, **half})  # PyTorch's own
+    landmark_attention_inference(*args, backend="dense", **kw)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(pool_k=torch.randn(3, 2, 5, 32)), "pool_k must be"),
     (dict(block_table=torch.zeros(1, 2, 4, 2)), "integer tensor"),
@@ -165,7 +183,9 @@ def test_inference_bad_input_is_rejected_clearly(change, match):
         landmark_attention_inference(q, k, v, 3, **args)
 
 
-def test_dense_slots_grouped_by_block_across_positions_agree_with_the_reference():
+@pytest.mark.parametrize("backend", ["dense", "auto"])  # auto: a chunk's slots read by compiled loops
+@pytest.mark.parametrize("cmt", [False, True])
+def test_chunk_slots_grouped_by_block_or_compiled_agree_with_the_reference(backend, cmt):
     g = torch.Generator().manual_seed(5)
     B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 40, 48, 4, 12
     q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tk, Tk))
@@ -174,8 +194,9 @@ def test_dense_slots_grouped_by_block_across_positions_agree_with_the_reference(
     table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
     pos = torch.randint(0, 5000, (B, H, Tq, K), generator=g)
     table[..., 2:], pos[..., 2:] = torch.tensor([3, 7]), torch.tensor([8, 16])  # two pairs every query reads
-    args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos)
-    out = landmark_attention_inference(q, k, v, bs, backend="dense", **args)
+    cmt_k = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64) if cmt else None
+    args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos, cmt_k=cmt_k)
+    out = landmark_attention_inference(q, k, v, bs, backend=backend, **args)
     ref = landmark_attention_inference(q, k, v, bs, backend="reference", **args)
     torch.testing.assert_close(out, ref)
 

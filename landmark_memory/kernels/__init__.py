@@ -108,7 +108,9 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         Triton path is inference only (no autograd). ``"numba"``: one compiled loop nest per query
         on the CPU (numba_decode.py), float32 or float64, no autograd; ``"auto"`` takes it for
         fewer than ``FEW_QUERIES`` queries per head (decoding), where the dense path's many
-        small operations cost more than its arithmetic.
+        small operations cost more than its arithmetic; for a chunk, the dense path with its
+        retrieved blocks read by compiled loops in parallel over queries (numba_slots.py), where
+        grouping slots by block for PyTorch's batched products costs more than they save.
     check : bool, validate the arguments (shapes, dtypes, table entries in range); callers that
         build them by construction (``LandmarkMemory``, at every layer of every step) pass False.
 
@@ -136,8 +138,14 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
         return landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
                                         cmt_k)
-    impl = landmark_inference_reference if backend == "reference" else landmark_inference_dense
-    return impl(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale, cmt_k)
+    if backend == "reference":
+        return landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base,
+                                            scale, cmt_k)
+    retrieved = None
+    if backend == "auto" and compiled:
+        from .numba_slots import retrieved_compiled as retrieved
+    return landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
+                                    cmt_k, retrieved)
 
 
 def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Tensor,

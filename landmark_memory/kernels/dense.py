@@ -137,11 +137,13 @@ def local_group_logsumexp(s, block_size):
 
 
 def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
-                             scale=None, cmt_k=None):
+                             scale=None, cmt_k=None, retrieved=None):
     """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``.
 
     A retrieved block behaves as a complete earlier block in sequence, so retrieved and local
-    blocks are weighed by one grouped softmax."""
+    blocks are weighed by one grouped softmax. ``retrieved``: what computes the retrieved
+    slots' scores and reads their values, ``_retrieved`` (PyTorch, with autograd) by default
+    or ``numba_slots.retrieved_compiled``."""
     B, H, T_q, D = q.shape
     K = block_table.shape[-1]
     q = q * (D ** -0.5 if scale is None else scale)  # scaled once, not every score
@@ -149,7 +151,7 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     own, own_keys, earlier = _local_layout(k.shape[-2], T_q, block_size, q.device)
     parts = [s]
     if K:
-        s_ret, read_values = _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base)  # (B, H, Tq, K, L)
+        s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope_base)  # (B, H, Tq, K, L)
         parts.insert(0, s_ret)
         earlier = torch.cat([block_table >= 0, earlier.expand(B, H, -1, -1)], -1)  # empty slots are not seen
     s_cmt = controlled = None

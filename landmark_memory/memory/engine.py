@@ -118,12 +118,9 @@ class LandmarkMemory:
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, logits: str = "all") -> MemoryOutput:
-        """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``.
-
-        ``logits``: ``"all"``, every token's (B, T, vocab); ``"last"``, the last token's (B, 1,
-        vocab), all that generating after a prompt needs; ``"none"`` (B, 0, vocab), for reading
-        text into memory (``build``): the model's output head never runs (for SmolLM2, with its
-        49,152-token vocabulary, a fifth of its forward's arithmetic)."""
+        """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``. ``logits``: ``"all"``
+        (B, T, vocab); ``"last"`` (B, 1, vocab), all that generating after a prompt needs;
+        ``"none"`` (B, 0, vocab), for reading text into memory (``build``): no output head."""
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
         if logits not in LOGITS:
