@@ -11,9 +11,9 @@ length; 512 for the bundled model's pretraining), each window alone. The memory 
 by chunk, each query retrieving its top-k blocks, as ``build`` does: without the output head
 (no logits). Overhead = 1 - memory tokens/s / forward tokens/s, against the forward as the
 model runs it (with its head) and against the same forward without its head (the same work
-as reading into memory, less the memory). ``--profile`` splits the memory's time into its parts (the model's own layers, the
-attention kernel over local and retrieved blocks, landmark scoring and FAISS searches, the hot
-cache, store writes). ``--growth`` measures tokens/s over ``--span`` tokens read once the
+as reading into memory, less the memory). ``--profile`` splits the memory's time into its
+parts (the model's own layers, the attention kernel over local and retrieved blocks, landmark
+scoring and FAISS searches, the hot cache, store writes). ``--growth`` measures tokens/s over ``--span`` tokens read once the
 memory holds each given number of tokens (a cost that grows with the memory shows here).
 """
 

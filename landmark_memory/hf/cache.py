@@ -64,7 +64,7 @@ class LandmarkMemoryCache(MemoryBackedCache):
         last_only = isinstance(logits_to_keep, int) and logits_to_keep == 1
         out = self.memory.forward(input_ids, logits="last" if last_only else "all")
         self.fed += input_ids.shape[1]
-        keep = slice(None) if last_only else slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep  # 0: all
         return CausalLMOutputWithPast(logits=out.logits[:, keep], past_key_values=self)
 
     # ---- what transformers asks of a cache ------------------------------------------------
