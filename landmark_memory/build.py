@@ -1,23 +1,32 @@
-"""Ingesting text files into a saved memory: resumable, crash-safe and interruptible.
+"""Building a memory from text files: each file a document, read apart, and one corpus over
+all of them (``memory/corpus.py``).
 
-Each input is recorded in the memory's manifest with its content hash, its token count and how
-many of its tokens are in memory. Building again with the same inputs skips finished ones and
-continues an unfinished one exactly where its last commit left it, so a killed or interrupted
-build loses nothing and duplicates nothing.
+A document is read from its own first token and sees only its own blocks while it is read,
+so documents can be read in any order, by any number of workers (``distributed.py`` runs them
+on Ray), and give the same blocks. Each is read into its own folder, committing every
+``commit_every`` seconds: a reader killed or stopped goes on from its last commit, and a
+document read to its end is never read again. The driver (``build``) merges documents into the
+corpus in the inputs' order, each as soon as it and every document before it are read, so the
+same inputs give the same memory bit for bit however many workers read them.
 """
 
 import hashlib
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable, Iterator, Protocol
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from .data import list_text_files, read_text, strip_gutenberg
-from .memory import LandmarkMemory
+from .memory import LandmarkMemory, MemoryFileError
+from .memory.corpus import document_manifest, document_states, finished, merge_document
+from .memory.manifest import document_folder
+from .memory.options import MemoryOptions
 from .tokenizer import EOS_TOKEN
 
 
@@ -43,9 +52,94 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(strip_gutenberg(text)).ids + [tokenizer.token_to_id(EOS_TOKEN)]
 
 
+def encode_document(tokenizer, text: str, block_size: int) -> np.ndarray:
+    """int32 (n * block_size,) a document's token ids: ``encode``'s, then end-of-text tokens up
+    to the end of its last block, so that every token of it is in a block."""
+    ids = encode(tokenizer, text)
+    ids += [ids[-1]] * (-len(ids) % block_size)
+    return np.array(ids, np.int32)
+
+
+@dataclass(frozen=True)
+class DocumentJob:
+    """One document to read: into ``folder`` (absolute), with the corpus's ``options``."""
+
+    folder: Path
+    path: str
+    sha256: str
+    ids: np.ndarray  # int32 (n * block_size,), ``encode_document``
+    options: MemoryOptions
+    commit_every: float
+
+
+@dataclass(frozen=True)
+class DocumentResult:
+    folder: Path
+    added: int  # tokens read now
+    done: bool  # read to its end (else stopped)
+
+
+def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], bool] = lambda: False,
+                  on_tokens: Callable[[int], None] = lambda n: None) -> DocumentResult:
+    """Read one document into its folder, from its last commit on: a memory of its own, its
+    blocks in its own store. Commits every ``job.commit_every`` seconds and at its end; when
+    ``stop()`` turns true, commits and returns unfinished."""
+    if (job.folder / "manifest.json").is_file():
+        mem = LandmarkMemory.open(job.folder, model)
+    else:
+        init = {f.name: getattr(job.options, f.name) for f in fields(MemoryOptions) if f.name != "block_checksums"}
+        mem = LandmarkMemory(model, path=job.folder, **init)
+    try:
+        if not mem.inputs:
+            mem.add_input(Path(job.path), job.sha256, len(job.ids))
+        entry = mem.inputs[0]
+        if entry.sha256 != job.sha256 or entry.tokens != len(job.ids):
+            raise MemoryFileError(f"{job.folder} holds another document than {job.path} (or the tokenizer changed); "
+                                  "remove that folder and build again")
+        added, last_commit = 0, time.monotonic()
+        while entry.ingested < entry.tokens:
+            pos = entry.ingested
+            n = min(mem.options.chunk_size - mem.pending_count, entry.tokens - pos)
+            mem.forward(torch.from_numpy(job.ids[None, pos:pos + n]).long(), logits="none")
+            entry.ingested, added = pos + n, added + n
+            on_tokens(n)
+            if stop() or time.monotonic() - last_commit >= job.commit_every:
+                mem.commit()
+                last_commit = time.monotonic()
+            if stop():
+                return DocumentResult(job.folder, added, False)
+        if mem.pending_count or added:
+            mem.end_document()
+            mem.commit()
+        return DocumentResult(job.folder, added, True)
+    finally:
+        mem.close(commit=False)  # everything fed was committed above
+
+
+class DocumentReader(Protocol):
+    """Where documents are read: ``LocalReader`` (this process) or ``distributed.RayReader``."""
+
+    def run(self, jobs: list[DocumentJob], stop: Callable[[], bool], bar: tqdm) -> Iterator[DocumentResult]:
+        """Read ``jobs``, yielding each result as it comes (any order); after ``stop()`` turns
+        true, the documents under way commit and stop, and no more start."""
+
+
+class LocalReader:
+    """Documents read one after another in this process."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def run(self, jobs, stop, bar):
+        for job in jobs:
+            if stop():
+                return
+            yield read_document(job, self.model, stop, bar.update)
+
+
 class _StopOnSignal:
     """Ctrl-C (SIGINT) and SIGTERM (what ``kill``, systemd and container runtimes send) set a
-    flag that the build loop checks between chunks; it then commits and stops."""
+    flag that the build checks between chunks; it then commits and stops."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -58,71 +152,117 @@ class _StopOnSignal:
     def _handle(self, signum, frame):
         self.signum = signum
 
+    def __call__(self) -> bool:
+        return self.signum is not None
+
     def __exit__(self, *exc):
         for s, old in self._old.items():
             signal.signal(s, old)
 
 
-def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, commit_every: float = 60.0,
-          progress: bool = True, leave_unfinished: bool = False) -> dict:
-    """Feed ``inputs`` (``TextInput``) into the writable saved memory ``mem``.
+@dataclass
+class BuildSummary:
+    """What a build did: ``added`` tokens read now in ``seconds`` (reading and merging, after
+    the model and the workers are up), documents ``merged`` into the corpus now, inputs
+    ``skipped`` (already in it), documents ``left`` unfinished, and the signal that
+    ``interrupted`` it (or None)."""
 
-    Commits every ``commit_every`` seconds and after each input. An input left unfinished by an
-    earlier build is finished first; ``leave_unfinished`` leaves it as it is instead (its tokens
-    so far stay in memory), for when its file has changed since. Returns a summary dict:
-    ``added`` (tokens fed now), ``skipped`` (inputs already in memory), ``left`` (the input
-    left unfinished, if any), ``interrupted`` (the signal that stopped the build, or None).
+    added: int = 0
+    seconds: float = 0.0
+    merged: int = 0
+    skipped: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    interrupted: str | None = None
+
+
+def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: DocumentReader | None = None,
+          commit_every: float = 60.0, progress: bool = True, leave_unfinished: bool = False) -> BuildSummary:
+    """Read ``inputs`` as documents into the corpus ``mem`` (writable, ``documents=True``) and
+    merge them, in the inputs' order, as they are read; ``reader`` reads them (default: in this
+    process). The corpus commits at most every ``commit_every`` seconds and at the end.
+
+    A document an earlier build left unfinished is finished when its file is among the
+    inputs; when it is not (its file changed or was dropped), ``leave_unfinished`` merges what
+    was read of it, and otherwise the build stops before reading anything and says what to do.
     """
-    done = {e.sha256: e for e in mem.inputs}
-    unfinished = next((e for e in mem.inputs if not e.done), None)
-    given = {i.sha256: i for i in inputs}
-    summary = {"added": 0, "skipped": [], "left": None, "interrupted": None}
-    if unfinished is not None and leave_unfinished:
-        unfinished.abandoned, summary["left"] = True, unfinished.path
-        mem.commit()
-        unfinished = None
-    if unfinished is not None and unfinished.sha256 not in given:
-        e = unfinished
-        changed = next((i for i in inputs if str(i.path.resolve()) == e.path), None)
-        what = (f"{e.path} has changed since its build began ({e.ingested:,} of its {e.tokens:,} tokens are in "
-                "memory): restore its old content to finish it, or build with --leave-unfinished to keep those "
-                "tokens and go on (the new content is then read as a new input)" if changed else
-                f"the memory holds an unfinished input, {e.path} ({e.ingested:,} of {e.tokens:,} tokens); build "
-                "again with that file among the inputs to finish it first, or with --leave-unfinished to leave it")
-        raise ValueError(what)
-    order = [given[unfinished.sha256]] if unfinished else []
-    order += [i for i in inputs if i not in order]
-    last_commit = time.monotonic()
-    with _StopOnSignal() as stop:
-        for inp in order:
-            entry = done.get(inp.sha256)
-            if entry is not None and entry.done:
-                summary["skipped"].append(str(inp.path))
-                continue
-            ids = encode(tokenizer, inp.text)
-            if entry is None:
-                entry = done[inp.sha256] = mem.add_input(inp.path, inp.sha256, len(ids))
-            elif entry.tokens != len(ids):
-                raise ValueError(f"{inp.path} now encodes to {len(ids):,} tokens, not the {entry.tokens:,} recorded "
-                                 "when its build began: the tokenizer differs; rebuild the memory from scratch")
-            pos = entry.ingested
-            bar = tqdm(total=len(ids), initial=pos, unit="tok", unit_scale=True, desc=inp.path.name,
-                       disable=not progress, dynamic_ncols=True)
-            while pos < len(ids):
-                n = min(mem.options.chunk_size - mem.pending_count, len(ids) - pos)
-                mem.forward(torch.tensor([ids[pos:pos + n]]), logits="none")
-                pos += n
-                entry.ingested = pos
-                summary["added"] += n
-                bar.update(n)
-                if stop.signum is not None or time.monotonic() - last_commit >= commit_every:
-                    mem.commit()
-                    last_commit = time.monotonic()
-                if stop.signum is not None:
-                    bar.close()
-                    summary["interrupted"] = signal.Signals(stop.signum).name
-                    return summary
-            bar.close()
+    if not mem.documents:
+        raise ValueError(f"{mem.dir.path} reads its inputs in one context (a memory built before corpora); build "
+                         "now reads each file as its own document: build these files into a new memory (this one "
+                         "still opens for ask and generate)")
+    summary, bs = BuildSummary(), mem.shape.block_size
+    merged = {e.sha256 for e in mem.inputs}
+    given: dict[str, TextInput] = {}
+    for inp in inputs:
+        if inp.sha256 in merged or inp.sha256 in given:
+            summary.skipped.append(str(inp.path))
+        else:
+            given[inp.sha256] = inp
+    root = mem.dir.path.resolve()  # workers elsewhere (Ray) find documents by absolute paths
+    queue = _unmerged_documents(mem, given, leave_unfinished)  # folders still to merge, read ones first
+    jobs, ready = [], set()
+    for folder in queue:  # read to their end, or left as they are
+        m = document_manifest(mem.dir, folder)
+        ready.add(folder)
+        summary.left += [] if finished(m) else [m.inputs[0].path]
+    for sha, inp in given.items():
+        folder = document_folder(sha)
+        queue.append(folder)
+        m = document_manifest(mem.dir, folder)
+        if m is not None and finished(m):  # read by an earlier build: never read again
+            ready.add(folder)
+        else:
+            jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha,
+                                    encode_document(tokenizer, inp.text, bs), mem.options, commit_every))
+    started = last_commit = time.monotonic()
+
+    def merge_ready(force=False):
+        nonlocal last_commit
+        while queue and queue[0] in ready:
+            merge_document(mem, queue.pop(0))
+            summary.merged += 1
+        if summary.merged and (force or time.monotonic() - last_commit >= commit_every):
             mem.commit()
             last_commit = time.monotonic()
+
+    with _StopOnSignal() as stop, tqdm(total=sum(len(j.ids) for j in jobs), initial=sum(_read(mem, j) for j in jobs),
+                                       unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
+                                       desc=f"{len(jobs)} documents") as bar:
+        merge_ready()
+        for result in (reader or LocalReader(mem.model)).run(jobs, stop, bar):
+            summary.added += result.added
+            if result.done:
+                ready.add(str(result.folder.relative_to(root)))
+                merge_ready()
+        merge_ready(force=True)
+        if stop():
+            summary.interrupted = signal.Signals(stop.signum).name
+    summary.seconds = time.monotonic() - started
     return summary
+
+
+def _read(mem: LandmarkMemory, job: DocumentJob) -> int:
+    """Tokens of ``job`` its document's last commit holds."""
+    m = document_manifest(mem.dir, document_folder(job.sha256))
+    return m.inputs[0].ingested if m is not None and m.inputs else 0
+
+
+def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_unfinished: bool) -> list[str]:
+    """Folders under ``docs/`` of documents not merged yet whose files are not among the inputs
+    (by content): read ones are merged first; an unfinished one stops the build unless
+    ``leave_unfinished``."""
+    out = []
+    for s in document_states(mem.dir, mem.inputs):
+        if s.status in ("done", "left") or s.sha256 in given:
+            continue
+        if s.status == "damaged":
+            raise MemoryFileError(f"{s.problem}; or remove {mem.dir.path / s.folder} to drop that document")
+        if s.status == "partial" and not leave_unfinished:
+            changed = any(str(i.path.resolve()) == s.path for i in given.values())
+            raise ValueError(
+                f"{s.path} has changed since its build began ({s.read:,} of its {s.tokens:,} tokens are read): "
+                "restore its old content to finish it, or build with --leave-unfinished to keep those tokens and "
+                "go on (the new content is then read as a new document)" if changed else
+                f"the memory holds an unfinished document, {s.path} ({s.read:,} of {s.tokens:,} tokens); build "
+                "again with that file among the inputs to finish it first, or with --leave-unfinished to leave it")
+        out.append(s.folder)
+    return out

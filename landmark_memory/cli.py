@@ -1,7 +1,8 @@
 """The ``landmark-memory`` command: build, inspect, query and measure persistent memories.
 
     landmark-memory demo                                   # the whole story in a few minutes
-    landmark-memory build my-memory --input books/         # ingest (resumable, Ctrl-C commits)
+    landmark-memory build my-memory --input books/         # each file a document (resumable, Ctrl-C commits)
+    landmark-memory build my-memory --input books/ --workers 4   # the same, documents read on Ray
     landmark-memory info my-memory
     landmark-memory ask my-memory "Who is Mr Hyde?" --show-retrieved
     landmark-memory eval --input book.txt --eval-length 2048
@@ -15,16 +16,19 @@ message saying what to do; a build stopped by Ctrl-C (or SIGTERM) commits and ex
 (143).
 """
 
+import contextlib
 import json
 import signal
 import sys
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from .build import build, encode, read_inputs
 from .decode import decode
+from .distributed import RayReader
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .cli_args import parser
 from .index import KINDS
@@ -64,56 +68,66 @@ def read_one_text(path):
 def cmd_build(args):
     inputs = read_inputs(args.input)  # every input checked before the memory is touched
     path = Path(args.memory)
+    if args.ray_address and not args.workers:
+        raise UsageError("--ray-address needs --workers: how many workers read documents on the cluster")
     fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
-    if (path / "manifest.json").exists():
-        saved = MemoryDir(path, writable=False).read_manifest()
+    saved = MemoryDir(path, writable=False).read_manifest() if (path / "manifest.json").exists() else None
+    if saved is not None:
+        if not saved.documents:
+            raise UsageError(f"{path} reads its inputs in one context (a memory built before corpora); build now "
+                             "reads each file as its own document: build into a new memory (this one still opens "
+                             "for ask)")
         was = {**{k: getattr(saved.options, k) for k in fixed}, "block_size": saved.model.shape.block_size}
         changed = [k for k, v in {**fixed, "block_size": args.block_size}.items() if v and v != was[k]]
         if changed:
             raise UsageError(f"{path} was built with " + ", ".join(f"{k}={was[k]}" for k in changed)
                              + "; these cannot change: drop the flags or build a new memory")
-        model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
-        query = {"top_k": args.top_k} if args.top_k else {}
-        mem = LandmarkMemory.open(path, model, **query)
-        created = False
-    else:
-        model, tok = load_model(args.model, args.device, args.block_size)
-        opts = {k: v for k, v in fixed.items() if v is not None}
-        opts.setdefault("store", "lmdb")
-        mem = LandmarkMemory(model, path=path, top_k=args.top_k or 4, **opts)
-        created = True
-    try:
-        summary = build(mem, inputs, tok, commit_every=args.commit_every, progress=not args.quiet,
-                        leave_unfinished=args.leave_unfinished)
-    finally:
-        mem.close(commit=False)  # build() committed everything it fed
-    doc = {"memory": str(path), "created": created, **summary, "tokens": mem.n_tokens, "blocks": mem.n_blocks,
-           "commit": mem.commit_count}
-    lines = [f"{'created' if created else 'updated'} {path}: {mem.n_tokens:,} tokens in {mem.n_blocks:,} blocks "
-             f"(commit {mem.commit_count}); {summary['added']:,} tokens added"]
-    lines += [f"skipped (already in memory): {s}" for s in summary["skipped"]]
-    if summary["left"]:
-        lines.append(f"left unfinished: {summary['left']}")
-    if summary["interrupted"]:
-        lines.append(f"interrupted ({summary['interrupted']}): everything fed so far is committed; run the same build "
-                     "again to continue")
+    block_size = saved.model.shape.block_size if saved else args.block_size
+    model, tok = load_model(args.model, args.device, block_size)
+    reader = (RayReader(args.workers, args.ray_address, args.model, args.device, block_size, args.worker_threads)
+              if args.workers else contextlib.nullcontext())
+    with reader:  # Ray is up and every worker sees the folder before anything is written
+        if args.workers:
+            reader.check_reaches(path)
+        if saved is not None:
+            mem = LandmarkMemory.open(path, model, **({"top_k": args.top_k} if args.top_k else {}))
+        else:
+            opts = {k: v for k, v in fixed.items() if v is not None}
+            mem = LandmarkMemory(model, path=path, top_k=args.top_k or 4, documents=True, **{"store": "lmdb", **opts})
+        try:
+            summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,
+                            progress=not args.quiet, leave_unfinished=args.leave_unfinished)
+        finally:
+            mem.close(commit=False)  # build() committed everything it merged
+    doc = {"memory": str(path), "created": saved is None, **asdict(summary), "documents": len(mem.inputs),
+           "tokens": mem.n_tokens, "blocks": mem.n_blocks, "commit": mem.commit_count,
+           "workers": args.workers or 0}
+    lines = [f"{'updated' if saved else 'created'} {path}: {len(mem.inputs):,} documents, {mem.n_tokens:,} tokens in "
+             f"{mem.n_blocks:,} blocks (commit {mem.commit_count}); {summary.added:,} tokens read now in "
+             f"{summary.seconds:,.1f} s ({summary.added / max(summary.seconds, 1e-9):,.0f} tokens/s)"]
+    lines += [f"skipped (already in memory): {s}" for s in summary.skipped]
+    lines += [f"left unfinished: {s}" for s in summary.left]
+    if summary.interrupted:
+        lines.append(f"interrupted ({summary.interrupted}): every document read so far is committed; run the same "
+                     "build again to continue")
     emit(args, doc, "\n".join(lines))
-    return 128 + signal.Signals[summary["interrupted"]].value if summary["interrupted"] else 0
+    return 128 + signal.Signals[summary.interrupted].value if summary.interrupted else 0
 
 
 def cmd_info(args):
     if args.verify:
         return cmd_verify(args)
     info = describe(args.memory)
+    kind = "documents" if info["documents"] else "inputs"
     lines = [f"memory      {info['memory']} (commit {info['commit']}, {info['updated']})",
              f"tokens      {info['tokens']:,} in {info['blocks']:,} blocks of {info['block_size']} "
              f"(+{info['pending_tokens']} in the open chunk)",
              f"index       {info['index']}, store {info['store']} ({info['store_dtype']}), "
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
-             f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB",
-             f"inputs      {len(info['inputs'])}"]
-    state = lambda e: "left" if e["abandoned"] else "done" if e["done"] else "partial"  # noqa: E731
-    lines += [f"  {state(e):7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
+             f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB ({info['disk_bytes'] / max(info['tokens'], 1):,.0f} "
+             "bytes per token)",
+             f"{kind:11s} {len(info['inputs'])}"]
+    lines += [f"  {e['status']:7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
     emit(args, info, "\n".join(lines))
     return 0
 
@@ -137,7 +151,7 @@ def source_of(mem, ids, block, tok):
     ids = ids[block * bs:(block + 1) * bs]
     at = block * bs
     for e in mem.inputs:
-        if e.start <= at < e.start + e.tokens:
+        if e.start <= at < e.start + e.ingested:
             return tok.decode(ids.tolist()), e.path, at - e.start
     return tok.decode(ids.tolist()), None, at
 

@@ -79,10 +79,18 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default 4)")
     p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
-                   help="commit at least this often (default 60; each input's end commits too)")
+                   help="commit at least this often (default 60; the end of each document commits too)")
     p.add_argument("--leave-unfinished", action="store_true",
-                   help="leave an input an earlier build did not finish as it is (its tokens so far stay), "
+                   help="leave a document an earlier build did not finish as it is (what was read of it stays), "
                         "e.g. when its file has changed since")
+    p.add_argument("--workers", type=_number(int, 1, "a number of workers >= 1"), metavar="N",
+                   help="read documents in parallel on Ray with N workers (default: one after another in this "
+                        "process); without --ray-address a local Ray instance runs them")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="join a running Ray cluster: auto, or the HOST:PORT `ray start --head` printed; the memory "
+                        "folder must be on a filesystem every machine reaches")
+    p.add_argument("--worker-threads", type=positive, metavar="T",
+                   help="cores (torch, numba and FAISS threads) per worker (default: the cores shared out)")
 
     p = sub.add_parser("info", parents=[common], help="what a memory holds")
     p.add_argument("memory")

@@ -1,12 +1,24 @@
 """The ``landmark-memory`` command's entry point. Ctrl-C while torch and the rest are still
 being imported ends the command with one line and exit status 130 once the imports are done:
-a KeyboardInterrupt raised inside native import code could abort the process instead."""
+a KeyboardInterrupt raised inside native import code could abort the process instead.
 
+``build`` runs for hours, often beside other jobs: its OpenMP threads (torch, numba, FAISS)
+wait passively at the end of each parallel region (``OMP_WAIT_POLICY=PASSIVE``, unless set)
+instead of spinning on cores that another process needs. Two builds sharing a machine then
+keep most of their speed (experiments/results/corpus.md). It must be set before the OpenMP
+runtime loads, so here, before anything imports torch.
+"""
+
+import os
 import signal
 import sys
 
+PASSIVE_COMMANDS = ("build",)
+
 
 def main() -> int:
+    if sys.argv[1:2] and sys.argv[1] in PASSIVE_COMMANDS:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     stopped = []
     previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
     try:
@@ -20,3 +32,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("landmark-memory: interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.build import encode
+from landmark_memory.build import encode_document
 from landmark_memory.cli import main
 from landmark_memory.data import SAMPLE_DIR
 
@@ -47,8 +47,9 @@ def dir_digest(path):
 
 
 def n_tokens(*files):
+    """Tokens of ``files`` as documents of the bundled model (blocks of 50) hold them."""
     tok = load_tokenizer()
-    return sum(len(encode(tok, Path(f).read_text())) for f in files)
+    return sum(len(encode_document(tok, Path(f).read_text(), 50)) for f in files)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,8 @@ def built(texts, tmp_path_factory):
 def test_build_then_info_reports_every_token(built, texts, capsys):
     info = run_json(capsys, "info", str(built))
     assert info["tokens"] == n_tokens(texts / "a.txt")
-    assert info["blocks"] == info["tokens"] // 100 * 2 and info["index"] == "flat" and info["store"] == "lmdb"
-    assert info["commit"] >= 1 and info["inputs"][0]["done"] and info["inputs"][0]["path"].endswith("a.txt")
+    assert info["blocks"] == info["tokens"] // 50 and info["index"] == "flat" and info["store"] == "lmdb"
+    assert info["commit"] >= 1 and info["inputs"][0]["status"] == "done" and info["inputs"][0]["path"].endswith("a.txt")
 
 
 def test_building_again_skips_finished_inputs_and_appends_new_ones(built, texts, capsys, tmp_path):
@@ -229,18 +230,17 @@ def test_kill_during_build_never_loses_or_duplicates_committed_tokens(tmp_path, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     info = run_json(capsys, "info", str(mem))
-    assert 0 <= info["tokens"] < total, "the build should have been killed before it finished"
-    if info["inputs"]:
-        assert info["inputs"][0]["ingested"] == info["tokens"]
+    read = info["inputs"][0]["ingested"] if info["inputs"] else 0
+    assert info["tokens"] == 0 and 0 <= read < total, "the build should have been killed before it finished"
     doc = run_json(capsys, "build", str(mem), "--input", str(book))
-    assert doc["added"] == total - info["tokens"]
+    assert doc["added"] == total - read
     final = run_json(capsys, "info", str(mem))
-    assert final["tokens"] == total and final["inputs"][0]["done"]
+    assert final["tokens"] == total and final["inputs"][0]["status"] == "done"
     model = LandmarkGPT.from_pretrained()
     opened = LandmarkMemory.open(mem, model, readonly=True)
-    ids = encode(load_tokenizer(), book.read_text())
-    np.testing.assert_array_equal(opened.tokens(), ids[:opened.n_blocks * 50])  # in order, none twice
-    np.testing.assert_array_equal(opened.pending_ids[0].numpy(), ids[opened.n_blocks * 50:])
+    ids = encode_document(load_tokenizer(), book.read_text(), 50)
+    np.testing.assert_array_equal(opened.tokens(), ids)  # in order, none twice
+    assert opened.pending_count == 0
     opened.close()
 
 
@@ -257,7 +257,7 @@ def test_ctrl_c_commits_what_is_done_and_a_rerun_finishes(tmp_path, capsys):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    info = run_json(capsys, "info", str(mem))
-    assert 0 < info["tokens"] < n_tokens(book), "an hourly commit interval means only Ctrl-C committed these"
+    read = run_json(capsys, "info", str(mem))["inputs"][0]["ingested"]
+    assert 0 < read < n_tokens(book), "an hourly commit interval means only Ctrl-C committed these"
     doc = run_json(capsys, "build", str(mem), "--input", str(book))
-    assert doc["added"] + info["tokens"] == n_tokens(book)
+    assert doc["added"] + read == n_tokens(book)

@@ -3,6 +3,7 @@ disk, signals, damaged files, edited inputs, bad option values, and a kill at ev
 and sync of a build. Each failure is one line on stderr and exit status 2; the memory stays
 at its last commit and nothing outside its folder is written."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load, save
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.build import encode
+from landmark_memory.build import LocalReader, build as build_corpus, encode_document, read_document, read_inputs
 from landmark_memory.cli import main
 from landmark_memory.data import SAMPLE_DIR
 from landmark_memory.storage import LmdbStore
@@ -62,6 +63,12 @@ def built(tmp_path, book, store="lmdb"):
     return mem
 
 
+def document(mem):
+    """The folder of a corpus's one document."""
+    (folder,) = (mem / "docs").iterdir()
+    return folder
+
+
 # ---- 1. symbolic links -------------------------------------------------------------------
 def test_a_linked_writer_lock_is_refused_and_its_target_untouched(tmp_path, book, capsys):
     victim = tmp_path / "victim.txt"
@@ -72,7 +79,7 @@ def test_a_linked_writer_lock_is_refused_and_its_target_untouched(tmp_path, book
     assert victim.read_text() == "precious"
 
 
-@pytest.mark.parametrize("name", ["tokens.bin", "landmarks.bin", "store"])
+@pytest.mark.parametrize("name", ["tokens.bin", "landmarks.bin", "docs"])
 def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, capsys, name):
     mem = built(tmp_path, book)
     victim = tmp_path / "victim"
@@ -99,9 +106,19 @@ def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, 
     refused(capsys, ["info", str(mem)], "no memory file")
 
 
+@pytest.mark.parametrize("folder", ["../..", "docs/../../elsewhere", "/tmp"])
+def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, folder):
+    mem = built(tmp_path, book)
+    doc = json.loads((mem / "manifest.json").read_text())
+    doc["inputs"][0]["document"] = folder
+    (mem / "manifest.json").write_text(json.dumps(doc))
+    refused(capsys, ["ask", str(mem), "The", "--quiet"], "no document")
+
+
 # ---- 2. corruption -----------------------------------------------------------------------
 def corrupt_blocks(mem, store, blocks):
     rng = np.random.default_rng(0)
+    mem = document(mem)
     if store == "mmap":
         f = mem / "store" / "mmap" / "s0_l1.blocks"
         data = bytearray(f.read_bytes())
@@ -188,11 +205,11 @@ def small_disk(tmp_path):
 def test_a_full_disk_is_one_line_and_the_memory_stays_at_its_last_commit(small_disk, book, capsys, store):
     mem = small_disk / "mem"
     err = refused(capsys, ["build", str(mem), "--input", str(book), "--chunk-size", "50", "--store", store,
-                           "--commit-every", "0", "--quiet"], "no space left")
-    assert "last commit" in err
-    if (mem / "manifest.json").exists():
-        opened = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True)
-        ids = encode(load_tokenizer(), book.read_text())
+                           "--commit-every", "0", "--quiet"], "last commit")
+    assert "no space left" in err or "disk may be full" in err, err
+    if (mem / "manifest.json").exists() and (mem / "docs").is_dir():  # the document, at its last commit
+        opened = LandmarkMemory.open(document(mem), LandmarkGPT.from_pretrained(), readonly=True)
+        ids = encode_document(load_tokenizer(), book.read_text(), 50)
         np.testing.assert_array_equal(opened.tokens(), ids[:opened.n_blocks * 50])
         opened.close()
 
@@ -233,7 +250,7 @@ def test_sigterm_commits_what_is_done_like_ctrl_c(tmp_path, capsys):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     main(["info", str(mem), "--json"])
-    assert json.loads(capsys.readouterr().out)["tokens"] > 0  # an hourly interval: only the signal committed
+    assert json.loads(capsys.readouterr().out)["inputs"][0]["ingested"] > 0  # hourly commits: the signal's
 
 
 def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, book):
@@ -270,8 +287,12 @@ def rewrite_state(mem, change):
 ])
 def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words):
     text = tmp_path / "t.txt"
-    text.write_text(BOOK.read_text()[:3030])  # ends mid-chunk: the state holds a pending chunk
+    text.write_text(BOOK.read_text()[:3030])
     mem = built(tmp_path, text)
+    if damage == "pending_misshaped":  # a memory read in one context, stopped mid-chunk
+        mem = tmp_path / "m"
+        with LandmarkMemory(LandmarkGPT.from_pretrained(), store="lmdb", path=mem, chunk_size=50) as m:
+            m.forward(torch.from_numpy(encode_document(load_tokenizer(), text.read_text(), 50)[None, :120]).long())
     if damage == "index_missing":
         rewrite_state(mem, lambda t: t.pop("index.0.0.0"))
     elif damage == "index_garbled":
@@ -283,7 +304,7 @@ def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words)
         del doc["model" if damage == "manifest_without_model" else "files"]
         (mem / "manifest.json").write_text(json.dumps(doc))
     else:
-        data = mem / "store" / "lmdb" / "data.mdb"
+        data = document(mem) / "store" / "lmdb" / "data.mdb"
         if damage == "store_missing":
             data.unlink()
         else:
@@ -299,21 +320,22 @@ def test_an_edited_unfinished_input_says_what_to_do_and_can_be_left(tmp_path, ca
     text = tmp_path / "x.txt"
     text.write_text(BOOK.read_text()[:4000])
     model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
-    mem = LandmarkMemory(model, store="lmdb", path=tmp_path / "m", chunk_size=50)
-    ids = encode(tok, text.read_text())
-    entry = mem.add_input(text, hashlib.sha256(text.read_text().encode()).hexdigest(), len(ids))
-    mem.forward(torch.tensor([ids[:120]]))
-    entry.ingested = 120
-    mem.close()  # a build stopped after 120 tokens
-    with open(text, "a") as f:
+
+    class StopAfterOneChunk(LocalReader):
+        def run(self, jobs, stop, bar):
+            yield from (read_document(job, self.model, stop=lambda: True) for job in jobs)
+
+    with LandmarkMemory(model, store="lmdb", path=tmp_path / "m", chunk_size=50, documents=True) as mem:
+        build_corpus(mem, read_inputs([text]), tok, reader=StopAfterOneChunk(model), progress=False)
+    with open(text, "a") as f:  # a build stopped after one chunk, then its file edited
         f.write("\nOne more line.\n")
     refused(capsys, ["build", str(tmp_path / "m"), "--input", str(text), "--quiet"], "has changed", "--leave-unfinished")
     assert main(["build", str(tmp_path / "m"), "--input", str(text), "--leave-unfinished", "--quiet", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["left"] == str(text.resolve()) and doc["added"] == len(encode(tok, text.read_text()))
+    assert doc["left"] == [str(text.resolve())] and doc["added"] == len(encode_document(tok, text.read_text(), 50))
     main(["info", str(tmp_path / "m"), "--json"])
     inputs = json.loads(capsys.readouterr().out)["inputs"]
-    assert [(e["abandoned"], e["ingested"]) for e in inputs] == [(True, 120), (False, doc["added"])]
+    assert [(e["status"], e["ingested"]) for e in inputs] == [("left", 50), ("done", doc["added"])]
 
 
 # ---- 9. permissions and option values -----------------------------------------------------------
@@ -366,7 +388,7 @@ KILLER = textwrap.dedent("""
 def test_a_kill_at_any_rename_or_sync_leaves_a_memory_that_finishes_exactly(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text(BOOK.read_text()[:2500])
-    ids = encode(load_tokenizer(), text.read_text())
+    ids = encode_document(load_tokenizer(), text.read_text(), 50)
 
     def run(at, mem):
         argv = ["build", str(mem), "--input", str(text), "--chunk-size", "50", "--commit-every", "0", "--quiet"]
@@ -383,6 +405,44 @@ def test_a_kill_at_any_rename_or_sync_leaves_a_memory_that_finishes_exactly(tmp_
         capsys.readouterr()
         opened = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True)
         assert opened.n_tokens == len(ids), f"kill at call {at}"
-        np.testing.assert_array_equal(opened.tokens(), ids[:opened.n_blocks * 50])
+        np.testing.assert_array_equal(opened.tokens(), ids)
         opened.close()
         assert main(["info", str(mem), "--verify"]) == 0, capsys.readouterr().out
+
+
+# ---- LMDB failing at its commit (a full tmpfs gives EIO there, which the full-disk test may not reach) ----
+def test_an_lmdb_commit_that_fails_is_one_line_and_the_build_finishes_after(tmp_path, book, capsys, monkeypatch):
+    original, writes = LmdbStore._put, [0]
+
+    class FailingCommit:  # the environment, its third write transaction failing as it commits
+        def __init__(self, env):
+            self.env = env
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        @contextlib.contextmanager
+        def begin(self, write=False, **kw):
+            with self.env.begin(write=write, **kw) as txn:
+                yield txn
+                writes[0] += write
+                if write and writes[0] == 3:
+                    txn.abort()
+                    raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+    def put(self, items):
+        env, self.env = self.env, FailingCommit(self.env)
+        try:
+            return original(self, items)
+        finally:
+            self.env = env
+
+    monkeypatch.setattr(LmdbStore, "_put", put)
+    mem = tmp_path / "m"
+    refused(capsys, ["build", str(mem), "--input", str(book), "--chunk-size", "50", "--commit-every", "0", "--quiet"],
+            "Input/output error", "disk may be full", "last commit")
+    monkeypatch.setattr(LmdbStore, "_put", original)
+    assert build(mem, book) == 0
+    final = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True)
+    np.testing.assert_array_equal(final.tokens(), encode_document(load_tokenizer(), book.read_text(), 50))
+    final.close()

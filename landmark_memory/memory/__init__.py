@@ -6,7 +6,9 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache
     manifest.py   the manifest's typed records and the row files' byte layout
     directory.py  the files of a saved memory and the commit protocol
-    engine.py     LandmarkMemory: forward, step, generate, commit, open, close
+    saved.py      SavedMemory, the saving half of LandmarkMemory: commit, open, close
+    engine.py     LandmarkMemory: forward, step, generate, end_document
+    corpus.py     a corpus: documents read apart, merged into one memory; their states
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
     inspect.py    a saved memory read without its model: describe (info) and verify
 """

@@ -7,6 +7,7 @@ dense and FAISS's sequential ids are the block numbers. Keys are kept without Ro
 """
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ import torch
 from ..index import LandmarkIndex
 from ..rope import RotaryEmbedding
 from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
+from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors
 from .manifest import LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout
 from .options import MemoryOptions
@@ -27,6 +29,8 @@ class BlockMemory:
     shape : ModelShape, the model's layer count, key/value heads, head dim and block size.
     options : MemoryOptions, resolved (index kind and options, store kind and dtype, chunk size).
     store_path : Path, optional, the folder of an on-disk store (a saved memory's ``store/``).
+    shards : list of Shard, optional, a corpus: its documents' blocks, read-only from their own
+        stores, whose folders ``shard_path(name)`` gives, instead of a store of its own.
     readonly : bool, new blocks stay in this process (an overlay over the saved store).
     device, dtype : where and in what the model computes; landmarks and cached blocks live there.
     rope : RotaryEmbedding of the model (cached blocks are kept rotated by their row offset).
@@ -34,7 +38,8 @@ class BlockMemory:
     """
 
     def __init__(self, shape: ModelShape, options: MemoryOptions, *, store_path: Path | None, readonly: bool,
-                 device: torch.device, dtype: torch.dtype, rope: RotaryEmbedding, cache_bytes: int):
+                 device: torch.device, dtype: torch.dtype, rope: RotaryEmbedding, cache_bytes: int,
+                 shards: list[Shard] | None = None, shard_path: Callable[[str], Path] | None = None):
         self.shape, self.options, self.device, self.dtype = shape, options, device, dtype
         self.where = "this memory" if store_path is None else str(Path(store_path).parent)  # for messages
         self.L = shape.block_size + 1
@@ -42,11 +47,12 @@ class BlockMemory:
         self.n_blocks = 0  # blocks per stream
         self.landmarks = [None] * shape.n_layer  # per layer (B, H_kv, >= n_blocks, D), grown by doubling
         self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
-        self.chunk_ids: list[np.ndarray] = []  # int32 (B, chunk_size) token ids of each chunk in memory
+        self.chunk_ids: list[np.ndarray] = []  # int32 (B, n * block_size) token ids of each addition (chunk, document)
         try:
             with disk_errors(f"the block store of {self.where}"):
-                store = open_store(options.store, shape.block_entry, store_path, options.store_dtype,
-                                   readonly=readonly, checksums=options.block_checksums)
+                store = (self._documents(shards, shard_path) if shards is not None else
+                         open_store(options.store, shape.block_entry, store_path, options.store_dtype,
+                                    readonly=readonly, checksums=options.block_checksums))
         except StoreDamagedError as e:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         self.store = OverlayStore(store) if readonly else store
@@ -56,6 +62,17 @@ class BlockMemory:
         # next cycle collection, which matters when many large memories come and go)
         self.cache = HotCache(self.store, device, dtype, cache_bytes,
                               prepare=lambda kv: torch.stack([rope(kv[:, 0], offsets), kv[:, 1]], 1))
+
+    def _documents(self, shards: list[Shard], shard_path: Callable[[str], Path]) -> ShardedStore:
+        o, shape = self.options, self.shape
+
+        def open_shard(name):
+            with disk_errors(f"the block store of {name}"):
+                return open_store(o.store, shape.block_entry, shard_path(name), o.store_dtype, readonly=True,
+                                  checksums=o.block_checksums)
+
+        fds = 2 if o.store == "lmdb" else shape.n_layer  # an environment and its lock file; a map per layer
+        return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums, open_shard, open_budget(fds))
 
     def start(self, streams: int) -> None:
         """Fix the number of streams and create their empty indexes."""
@@ -75,17 +92,28 @@ class BlockMemory:
         landmark rows included, and its normal token ids (B, n * block_size)."""
         B, L, bs, nb = self.streams, self.L, self.shape.block_size, self.n_blocks
         n_new = ids.shape[1] // bs
-        items = {}
+        items, landmarks = {}, []
         for layer, (k, v) in enumerate(kv):
             H, D = k.shape[1], k.shape[-1]
             blocks = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D)  # (B, 2, H, n_new, L, D)
             for b in range(B):
                 for c in range(n_new):
                     items[(b, layer, nb + c)] = blocks[b, :, :, c]
-            lm = k.view(B, H, n_new, L, D)[:, :, :, bs]  # (B, H, n_new, D)
+            landmarks.append(k.view(B, H, n_new, L, D)[:, :, :, bs])  # (B, H, n_new, D)
+        with disk_errors(f"the block store of {self.where}"):
+            self.store.put(items)
+        self.add_blocks(landmarks, ids)
+
+    def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray) -> None:
+        """Add blocks whose keys and values the store holds already: per layer their landmark
+        keys (B, H_kv, n, D), and their normal token ids (B, n * block_size)."""
+        B, nb = self.streams, self.n_blocks
+        n_new = ids.shape[1] // self.shape.block_size
+        for layer, lm in enumerate(landmarks):
+            H, D = lm.shape[1], lm.shape[-1]
             buf = self.landmarks[layer]
             if buf is None or buf.shape[2] < nb + n_new:  # grow by doubling: appends stay O(1)
-                grown = lm.new_empty((B, H, max(2 * nb, nb + n_new), D))
+                grown = lm.new_empty((B, H, max(2 * nb, nb + n_new), D), device=self.device, dtype=self.dtype)
                 if buf is not None:
                     grown[:, :, :nb] = buf[:, :, :nb]
                 self.landmarks[layer] = buf = grown
@@ -94,9 +122,7 @@ class BlockMemory:
             for b in range(B):
                 for h in range(H):
                     self.indexes[b][layer][h].add(xb[b, h])
-        with disk_errors(f"the block store of {self.where}"):
-            self.store.put(items)
-        self.chunk_ids.append(ids.to("cpu", torch.int32).numpy())
+        self.chunk_ids.append(ids.to("cpu", torch.int32).numpy() if torch.is_tensor(ids) else ids.astype(np.int32))
         self.n_blocks += n_new
 
     # ---- reading --------------------------------------------------------------------------
@@ -183,10 +209,16 @@ class BlockMemory:
     def rows_since(self, layout: RowLayout, first: int) -> dict[str, bytes]:
         """``{file: bytes}``, the rows of blocks ``[first, n_blocks)`` for ``tokens.bin`` and
         ``landmarks.bin``."""
-        nb, chunk = self.n_blocks, self.options.chunk_size
+        nb, bs = self.n_blocks, self.shape.block_size
         if nb <= first:
             return {TOKENS: b"", LANDMARKS: b""}
-        ids = np.concatenate(self.chunk_ids[first * self.shape.block_size // chunk:], 1)  # (B, (nb - first) * bs)
+        tail, n = [], nb  # the id arrays added since block ``first`` (commits fall between additions)
+        for ids in reversed(self.chunk_ids):
+            if n <= first:
+                break
+            tail.append(ids)
+            n -= ids.shape[1] // bs
+        ids = np.concatenate(tail[::-1], 1)  # (B, (nb - first) * bs)
         return {TOKENS: layout.encode_tokens(ids),
                 LANDMARKS: layout.encode_landmarks([t[:, :, first:nb] for t in self.landmarks])}
 

@@ -38,6 +38,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
+from ..storage import StoreWriteError
 from .manifest import Manifest, MemoryFileError, StateFile
 
 MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
@@ -71,6 +72,9 @@ def disk_errors(what: str):
     except LinkError as e:
         raise MemoryFileError(f"{e.strerror}: a memory writes only its own files, never through a link; "
                               "remove the link (or choose another folder)") from None
+    except StoreWriteError as e:
+        raise MemoryFileError(f"{e.strerror}: the disk may be full or failing; free some space (or check the "
+                              "device) and run again: the memory stays at its last commit") from None
     except OSError as e:
         if e.errno in DISK_FULL:
             raise MemoryFileError(f"no space left on the device while writing {what}; free some space and run "
@@ -162,11 +166,26 @@ class MemoryDir:
     def store_path(self) -> Path:
         """The block store's folder, refused when it (or what is in it) is a symbolic link."""
         store = self.path / STORE
-        for p in [store, *(store.glob("*")), *(store.glob("*/*"))]:
-            if p.is_symlink():
-                raise MemoryFileError(f"{p} is a symbolic link: a memory writes only its own files; remove the link "
-                                      "(or restore the memory from a backup)")
+        links = [str(store)] if store.is_symlink() else []
+        if not links and store.is_dir():  # os.scandir: a corpus opens one document store per read
+            for e in os.scandir(store):
+                if e.is_symlink():
+                    links.append(e.path)
+                elif e.is_dir():
+                    links += [f.path for f in os.scandir(e.path) if f.is_symlink()]
+        if links:
+            raise MemoryFileError(f"{links[0]} is a symbolic link: a memory writes only its own files; remove the "
+                                  "link (or restore the memory from a backup)")
         return store
+
+    def document(self, folder: str, writable: bool = False) -> "MemoryDir":
+        """A corpus's document ``folder`` (``manifest.DOCUMENT_FOLDER``), itself a memory
+        directory; refused when it or ``docs/`` is a symbolic link."""
+        for p in (self.path / folder).parent, self.path / folder:
+            if p.is_symlink():
+                raise MemoryFileError(f"{p} is a symbolic link: a memory reads and writes only its own files; remove "
+                                      "the link (or restore the memory from a backup)")
+        return MemoryDir(self.path / folder, writable=writable)
 
     # ---- manifest -----------------------------------------------------------------------
     def read_manifest(self) -> Manifest:

@@ -8,10 +8,11 @@ chunk's blocks enter memory when the chunk is complete.
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start), and the
 tokens since the last boundary stay local: feeding a text in one call, in pieces, or one token
-at a time (decoding) gives the same result.
+at a time (decoding) gives the same result. A document's end (``end_document``) closes its
+chunk early; chunks after it count from there. ``SavedMemory`` (saved.py) is the other half:
+commit, open, close.
 """
 
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,18 +25,18 @@ from ..kinds import backbone_for
 from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 from ..rope import RotaryEmbedding, rotation_dtype
 from ..storage import DTYPE_NAMES
-from .blocks import BlockMemory
-from .directory import MemoryDir, model_fingerprint
-from .manifest import LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, ModelRecord, ModelShape
+from .directory import MemoryDir
+from .manifest import LANDMARKS, TOKENS, InputRecord, Manifest, ModelShape
 from .options import MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy
+from .saved import SavedMemory
 
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
 
 
-class LandmarkMemory:
+class LandmarkMemory(SavedMemory):
     """A landmark model with a memory of past blocks.
 
     Parameters
@@ -61,6 +62,8 @@ class LandmarkMemory:
         share is below this retrieves nothing, and a layer-head whose queries in a step are
         all below it searches no index and fetches no block. 0 = always retrieve.
     backend : str, attention backend ("auto": Triton on CUDA, dense PyTorch elsewhere).
+    documents : bool, a saved corpus: its blocks are documents read apart and merged in
+        (``memory/corpus.py``), read from their own stores; it takes no text of its own.
 
     Attributes
     ----------
@@ -74,16 +77,19 @@ class LandmarkMemory:
                  path: str | Path | None = None, top_k: int = 4, chunk_size: int | None = None,
                  retrieval: str = "per_token_head", position_mapping: str = "stingy", max_blocks: int | None = None,
                  store_dtype: str | None = None, cache_bytes: int = 256 << 20, index_options: dict | None = None,
-                 cmt_cutoff: float = 0.0, backend: str = "auto"):
+                 cmt_cutoff: float = 0.0, backend: str = "auto", documents: bool = False):
         options = MemoryOptions(index=index, index_options=dict(index_options or {}), store=store,
                                 store_dtype=store_dtype, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
                                 position_mapping=position_mapping, max_blocks=max_blocks, cmt_cutoff=cmt_cutoff)
         self._setup(model, options, cache_bytes, backend)
-        self.dir = None
+        self.dir, self.documents = None, documents
+        if documents and path is None:
+            raise ValueError("a corpus of documents is a saved memory: pass a path")
         if path is not None:
             if store == "memory":
                 raise ValueError("a memory saved at a path keeps its blocks on disk: pass store='lmdb' or 'mmap'")
-            self.dir = MemoryDir.create(path, Manifest(model=self._model_record(), options=self.options))
+            self.dir = MemoryDir.create(path, Manifest(model=self.model_record(), options=self.options,
+                                                       documents=documents))
         self.blocks = self._new_blocks(readonly=False)
 
     def _setup(self, model, options, cache_bytes, backend):
@@ -108,12 +114,7 @@ class LandmarkMemory:
         self.inputs: list[InputRecord] = []
         self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
         self._rows_crc = {TOKENS: 0, LANDMARKS: 0}  # CRC-32 of the committed rows of each row file
-        self._fingerprint, self._closed = None, False
-
-    def _new_blocks(self, readonly):
-        return BlockMemory(self.shape, self.options, store_path=self.dir.store_path() if self.dir else None,
-                           readonly=readonly, device=self.device, dtype=self.dtype, rope=self.rope,
-                           cache_bytes=self.cache_bytes)
+        self._fingerprint, self._closed, self.documents = None, False, False
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
@@ -206,6 +207,16 @@ class LandmarkMemory:
         """int32 (n_blocks * block_size,) the normal token ids of every block in memory."""
         return self.blocks.tokens(stream)
 
+    def end_document(self) -> None:
+        """Put the open chunk's blocks into memory now, unfinished as the chunk is: a document
+        ends here and nothing follows it. Its tokens must fill whole blocks."""
+        if self.pending_count % self.shape.block_size:
+            raise ValueError(f"a document ends on a block boundary: {self.pending_count} tokens of the open chunk "
+                             f"are not a multiple of the block size {self.shape.block_size}")
+        if self.pending_count:
+            self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)
+            self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
+
     def add_input(self, path: Path, sha256: str, tokens: int) -> InputRecord:
         """Record a text file whose ``tokens`` tokens are about to be fed from here on; the
         record's ``ingested`` count is the caller's to advance, and commits keep it."""
@@ -213,122 +224,6 @@ class LandmarkMemory:
                             ingested=0, start=self.n_tokens)
         self.inputs.append(entry)
         return entry
-
-    # ---- persistence --------------------------------------------------------------------
-    def commit(self) -> int:
-        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
-        protocol"); returns the commit number. A process killed at any instant leaves the
-        memory at its last commit."""
-        if self.dir is None:
-            raise ValueError("this memory has no directory: create it with a path (and store='lmdb' or 'mmap') "
-                             "to save it")
-        if self.readonly:
-            raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
-        manifest = self._manifest()
-        if self.streams is not None:
-            layout, first = manifest.rows, self._committed_blocks
-            for name, data in self.blocks.rows_since(layout, first).items():
-                self.dir.write_rows(name, first * layout.sizes[name], data)
-                manifest.rows_crc[name] = zlib.crc32(data, self._rows_crc[name])
-            state = self.blocks.index_state()
-            if self.pending_count:
-                state["pending_ids"] = self.pending_ids.cpu()
-                for layer, (k, _, v) in enumerate(self.pending_kv):
-                    state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
-            manifest.state = self.dir.write_state(self.commit_count + 1, state)
-        manifest.commit = self.commit_count + 1
-        self.dir.write_manifest(manifest)
-        self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
-        self.dir.drop_old_states(manifest.state.name if manifest.state else None)
-        return self.commit_count
-
-    @classmethod
-    def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
-             backend: str = "auto", **options) -> "LandmarkMemory":
-        """A saved memory, at its last commit, ready to continue as if it had never stopped.
-
-        Parameters
-        ----------
-        path : str or Path, the memory directory.
-        model : the model the memory was built with (checked by fingerprint).
-        readonly : bool, read without the writer lock (any number of readers); text fed
-            afterwards stays in this process and is never saved.
-        options : query-time settings to change: top_k, retrieval, position_mapping,
-            max_blocks, cmt_cutoff, nprobe, ef_search. The rest was fixed when the memory was built.
-        """
-        fingerprint = model_fingerprint(model)
-        d, mem = MemoryDir(path, writable=not readonly), None
-        try:
-            manifest, state = d.read_commit()
-            saved = manifest.model
-            if saved.fingerprint != fingerprint:
-                raise MemoryFileError(
-                    f"the memory {path} was built with another model (config {saved.config}, fingerprint "
-                    f"{saved.fingerprint[:12]}); open it with that model")
-            mem = cls.__new__(cls)
-            mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
-            mem.dir, mem.readonly, mem._fingerprint = d, readonly, fingerprint
-            mem.blocks = mem._new_blocks(readonly)
-            mem._load(manifest, state)
-        except BaseException:
-            if mem is not None and hasattr(mem, "blocks"):
-                mem.blocks.close()
-            d.close()
-            raise
-        return mem
-
-    def _load(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
-        self.commit_count, self.inputs = manifest.commit, manifest.inputs
-        if manifest.streams is None:
-            return
-        rows = self.dir.read_block_rows(manifest)
-        self._rows_crc = {name: zlib.crc32(data) for name, data in rows.items()}
-        self.blocks.load(manifest.rows, manifest.blocks, rows, state, self.dir.path)
-        self._committed_blocks = manifest.blocks
-        tokens = self.blocks.tokens()
-        if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
-            raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
-                                  "memory is damaged: restore it from a backup or rebuild it")
-        expected = manifest.pending_shapes()
-        wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
-        if wrong:
-            raise MemoryFileError(f"the state file of {self.dir.path} lacks or misshapes {', '.join(wrong[:3])}; the "
-                                  "memory is damaged: restore it from a backup or rebuild it")
-        if expected:
-            self.pending_ids = state["pending_ids"].to(self.device)
-            pos = self._base() + torch.arange(expected["pending.0.k"][2], device=self.device)
-            self.pending_kv = []
-            for layer in range(self.shape.n_layer):
-                k, v = (state[f"pending.{layer}.{n}"].to(self.device, self.dtype) for n in "kv")
-                self.pending_kv.append((k, self.rope(k, pos), v))
-
-    def _model_record(self) -> ModelRecord:
-        if self._fingerprint is None:
-            self._fingerprint = model_fingerprint(self.model)
-        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype])
-
-    def _manifest(self) -> Manifest:
-        return Manifest(model=self._model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,
-                        tokens=self.n_tokens, pending_tokens=self.pending_count, inputs=self.inputs,
-                        commit=self.commit_count, rows_crc=dict(self._rows_crc))
-
-    def close(self, commit: bool = True) -> None:
-        """Release the store and the writer lock; a writable saved memory commits first
-        (``commit=False`` drops what was fed since the last commit)."""
-        if self._closed:
-            return
-        if commit and self.dir is not None and not self.readonly:
-            self.commit()
-        self._closed = True
-        self.blocks.close()
-        if self.dir is not None:
-            self.dir.close()
-
-    def __enter__(self) -> "LandmarkMemory":
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.close(commit=exc_type is None)
 
     # ---- one step: new tokens after the pending ones, within one chunk -------------------
     def _step(self, new, logits):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..index import LandmarkIndex
 from ..storage import StoreDamagedError, open_store
+from .corpus import document_states
 from .directory import MemoryDir
 from .manifest import Manifest, MemoryFileError
 
@@ -18,13 +19,21 @@ def describe(path: str | Path) -> dict:
     d.read_block_rows(m)  # present, long enough and (format 3 on) matching their CRC-32
     disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     o = m.options
+    if m.documents:
+        starts = {e.document: e.start for e in m.inputs}
+        inputs = [{"path": s.path, "tokens": s.tokens, "ingested": s.read, "start": starts.get(s.folder),
+                   "sha256": s.sha256, "status": s.status, "document": s.folder, **({"problem": s.problem} if
+                                                                                      s.problem else {})}
+                  for s in document_states(d, m.inputs)]
+    else:
+        inputs = [{"path": e.path, "tokens": e.tokens, "ingested": e.ingested, "start": e.start, "sha256": e.sha256,
+                   "status": "left" if e.abandoned else "done" if e.done else "partial"} for e in m.inputs]
     return {"memory": str(path), "tokens": m.tokens, "blocks": m.blocks, "pending_tokens": m.pending_tokens,
             "streams": m.streams, "index": o.index, "store": o.store, "store_dtype": o.store_dtype,
             "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
             "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
-            "inputs": [{"path": e.path, "tokens": e.tokens, "ingested": e.ingested, "start": e.start,
-                        "sha256": e.sha256, "done": e.done, "abandoned": e.abandoned} for e in m.inputs]}
+            "documents": m.documents, "inputs": inputs}
 
 
 @dataclass
@@ -52,15 +61,45 @@ def verify(path: str | Path) -> VerifyReport:
     except MemoryFileError as e:
         report.problems.append(str(e))
         return report
-    if manifest.streams is None:
-        return report  # nothing fed yet
-    try:
-        d.read_block_rows(manifest)
-    except MemoryFileError as e:
-        report.problems.append(str(e))
-    _check_state(manifest, state, report)
-    _check_store(d, manifest, report)
+    rows = None
+    if manifest.streams is not None:  # else nothing fed yet
+        try:
+            rows = d.read_block_rows(manifest)
+        except MemoryFileError as e:
+            report.problems.append(str(e))
+        _check_state(manifest, state, report)
+    if manifest.documents:
+        _check_documents(d, manifest, rows, report)
+    elif manifest.streams is not None:
+        _check_store(d, manifest, report)
     return report
+
+
+def _check_documents(d: MemoryDir, m: Manifest, rows: dict | None, report: VerifyReport) -> None:
+    """Every document of a corpus verified as the memory it is, and the corpus's rows of each
+    merged one equal to the document's own."""
+    bs, sizes = m.model.shape.block_size, m.rows.sizes
+    merged = {e.document: e for e in m.inputs}
+    for s in document_states(d, m.inputs):
+        where = f"document {s.folder} ({s.name or 'unnamed'})"
+        if s.problem:
+            report.problems.append(f"{where}: {s.problem}")
+            continue
+        sub = verify(d.path / s.folder)
+        report.problems += [f"{where}: {p}" for p in sub.problems]
+        e = merged.get(s.folder)
+        first = e.start // bs if e else 0
+        report.damaged_blocks += [(b, layer, first + block) for b, layer, block in sub.damaged_blocks]
+        report.blocks_checked += sub.blocks_checked
+        report.indexes_checked += sub.indexes_checked
+        if e is None or rows is None or sub.problems:
+            continue
+        doc = d.document(s.folder)
+        own = doc.read_block_rows(doc.read_manifest())
+        n = e.ingested // bs
+        for name, size in sizes.items():
+            if rows[name][first * size:(first + n) * size] != own[name][:n * size]:
+                report.problems.append(f"{where}: the corpus's {name} rows differ from the document's own")
 
 
 def _check_state(m: Manifest, state: dict, report: VerifyReport) -> None:

@@ -7,6 +7,7 @@ landmark keys of every layer and key/value head (streams, n_layer, n_kv_head, he
 the model's dtype.
 """
 
+import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -17,8 +18,15 @@ from ..storage import DTYPES
 from .options import MemoryOptions
 
 FORMAT = "landmark-memory/memory"
-FORMAT_VERSION = 3  # 2: the manifest's model has a shape (grouped-query attention); 3: checksums
+# 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents
+FORMAT_VERSION = 4
 TOKENS, LANDMARKS = "tokens.bin", "landmarks.bin"
+DOCUMENT_FOLDER = re.compile(r"docs/[0-9a-f]{16}")  # a corpus's documents, named by their content's sha256
+
+
+def document_folder(sha256: str) -> str:
+    """Where a corpus keeps the document whose text has this sha256, relative to the memory."""
+    return f"docs/{sha256[:16]}"
 
 
 class MemoryFileError(ValueError):
@@ -53,7 +61,9 @@ class ModelRecord:
 @dataclass
 class InputRecord:
     """A text file ingested by ``build``: where its tokens start in the memory and how many of
-    them are in it (``ingested`` advances as the build goes)."""
+    them are in it (``ingested`` advances as the build goes). In a corpus (``Manifest.documents``)
+    each is a document read apart in its own ``document`` folder, and ``ingested`` counts the
+    tokens of its blocks in the corpus."""
 
     path: str
     name: str
@@ -62,6 +72,7 @@ class InputRecord:
     ingested: int
     start: int
     abandoned: bool = False  # left unfinished on purpose (its file changed mid-build)
+    document: str | None = None  # a corpus's document folder (``document_folder``); None: read in this context
 
     @property
     def done(self) -> bool:
@@ -91,6 +102,7 @@ class Manifest:
     state: StateFile | None = None  # None until the first tokens are committed
     rows_crc: dict[str, int] | None = None  # CRC-32 of the committed rows per row file (format 3 on)
     updated: str = ""
+    documents: bool = False  # a corpus (format 4): inputs are documents, their blocks in their own stores
 
     @property
     def rows(self) -> "RowLayout":
@@ -115,7 +127,7 @@ class Manifest:
                 "model": asdict(self.model), "options": self.options.to_dict(),
                 "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
                 "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
-                "commit": self.commit, "files": {**({"state": asdict(self.state)} if self.state else {}),
+                "documents": self.documents, "commit": self.commit, "files": {**({"state": asdict(self.state)} if self.state else {}),
                                                  **({"rows_crc32": self.rows_crc} if self.rows_crc else {})},
                 "updated": self.updated}
 
@@ -135,15 +147,21 @@ class Manifest:
             shape = model.get("shape") if version >= 2 else {  # format 1: LandmarkGPT, one key/value head per head
                 "n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"], "head_dim": cfg["n_embd"] // cfg["n_head"],
                 "block_size": cfg["block_size"]}
-            return cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"]),
-                       options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
-                       tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
-                       inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
-                       state=StateFile(**files["state"]) if "state" in files else None,
-                       rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""))
+            m = cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"]),
+                    options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
+                    tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
+                    inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
+                    state=StateFile(**files["state"]) if "state" in files else None,
+                    rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""),
+                    documents=bool(doc.get("documents", False)))
         except (KeyError, TypeError, AttributeError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
+        outside = [e.document for e in m.inputs if e.document is not None and not DOCUMENT_FOLDER.fullmatch(e.document)]
+        if outside or any(e.document is None for e in m.inputs if m.documents):
+            raise MemoryFileError(f"{where} names a document folder {outside[0] if outside else None!r} that is no "
+                                  "document of the memory; the memory is damaged: restore it from a backup or rebuild it")
+        return m
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,18 @@ class StoreDamagedError(ValueError):
 class CorruptBlockError(StoreDamagedError):
     """A stored block whose bytes fail their checksum (or have the wrong length)."""
 
-    def __init__(self, key):
-        super().__init__(f"block {key[2]} of layer {key[1]} (stream {key[0]}) is corrupted")
+    def __init__(self, key, where=""):
+        super().__init__(f"block {key[2]} of layer {key[1]} (stream {key[0]}){where} is corrupted")
         self.key = key
 
 
 class DiskFullError(OSError):
     """The device ran out of space while the store was writing."""
+
+
+class StoreWriteError(OSError):
+    """A store's write failed for another reason the device gave (LMDB aborts the whole
+    transaction: nothing of it was written)."""
 
 
 class BlockStore:
@@ -144,18 +149,19 @@ class LmdbStore(BlockStore):
     def _put(self, items):
         import lmdb
 
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for k, b in items.items():
-                        txn.put(self._key(k), b)
-                return
-            except lmdb.MapFullError:  # the whole transaction was aborted: grow and redo it
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
-            except lmdb.Error as e:
-                if "No space left" in str(e) or "Disk quota" in str(e):
-                    raise DiskFullError(errno.ENOSPC, str(e)) from None
-                raise
+        try:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        for k, b in items.items():
+                            txn.put(self._key(k), b)
+                    return
+                except lmdb.MapFullError:  # the whole transaction was aborted: grow and redo it
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        except lmdb.Error as e:  # at a put, at the commit (a full tmpfs gives EIO there) or growing the map
+            if "No space left" in str(e) or "Disk quota" in str(e):
+                raise DiskFullError(errno.ENOSPC, str(e)) from None
+            raise StoreWriteError(errno.EIO, f"writing the LMDB store {self.key} failed ({e})") from None
 
     def _get(self, keys):
         import lmdb

@@ -1,0 +1,109 @@
+"""A corpus: documents read apart, one memory that searches them all.
+
+Each document is a memory of its own in ``docs/<sha256[:16]>/`` (``manifest.document_folder``),
+read from its own first token and seeing only its own blocks while it is read, by one writer
+(a process, or a Ray worker: ``build.py``). The corpus is a memory whose manifest says
+``documents``: its row files and its FAISS index per (layer, key/value head) cover every merged
+document's blocks, one after another in merge order, and its block store is theirs
+(``storage.sharded.ShardedStore``): a query searches one index however many documents there
+are, and reads each retrieved block from its document's store.
+
+The build's driver is the corpus's one writer: it merges a document once its reading is done
+(``merge_document``) and commits the corpus as any memory commits.
+"""
+
+from dataclasses import dataclass
+
+from ..storage.sharded import Shard
+from .directory import MANIFEST, MemoryDir
+from .engine import LandmarkMemory
+from .manifest import DOCUMENT_FOLDER, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError
+
+
+def document_manifest(corpus: MemoryDir, folder: str) -> Manifest | None:
+    """The last commit of the document in ``folder``, checked; None while it has none."""
+    d = corpus.document(folder)
+    if not (d.path / MANIFEST).is_file():
+        return None
+    m = d.read_manifest()
+    if m.documents or len(m.inputs) > 1 or (m.streams or 1) != 1:
+        raise MemoryFileError(f"{d.path} is not a document of the corpus {corpus.path}; the memory is damaged: "
+                              "restore it from a backup or rebuild it")
+    return m
+
+
+def finished(m: Manifest) -> bool:
+    """Whether the document whose last commit is ``m`` was read to its end (its open chunk
+    then goes into blocks, so none is left)."""
+    return bool(m.inputs) and m.inputs[0].done and not m.pending_tokens
+
+
+def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
+    """Append the committed blocks of the document in ``folder`` to the corpus ``mem`` (open
+    for writing with its model): token and landmark rows, landmark keys into every index, and
+    the document's store as the next shard of the corpus's. A document not read to its end is
+    merged as far as it was committed and marked abandoned. ``mem.commit()`` makes it durable."""
+    d = mem.dir.document(folder)
+    m = document_manifest(mem.dir, folder)
+    if m is None or not m.inputs:
+        raise MemoryFileError(f"{d.path} holds no document yet: build it again to read it")
+    if m.model.fingerprint != mem.model_record().fingerprint:
+        raise MemoryFileError(f"the document {d.path} was read by another model than its corpus {mem.dir.path}; "
+                              "remove that folder and build again to read it anew")
+    fixed = ("store", "store_dtype", "chunk_size", "block_checksums")
+    if any(getattr(m.options, k) != getattr(mem.options, k) for k in fixed):
+        raise MemoryFileError(f"the document {d.path} was read with other store or chunk options than its corpus; "
+                              "remove that folder and build again to read it anew")
+    entry, bs = m.inputs[0], mem.shape.block_size
+    rows = d.read_block_rows(m)
+    layout = m.rows
+    ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(layout.streams, -1)  # (1, n * bs)
+    if mem.streams is None:
+        mem.blocks.start(1)
+    start = mem.n_blocks
+    if m.blocks:
+        mem.blocks.add_blocks(layout.decode_landmarks(rows[LANDMARKS], mem.device), ids)
+    mem.blocks.store.add(Shard(start, m.blocks, folder))
+    record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
+                         ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder)
+    mem.inputs.append(record)
+    return record
+
+
+@dataclass
+class DocumentState:
+    """A document as ``info`` shows it: ``status`` is "done" (in the corpus), "left" (abandoned:
+    what was read of it is in the corpus), "read" (read to its end, merged at the build's next
+    corpus commit), "partial" (reading stopped or under way) or "damaged" (``problem`` says why)."""
+
+    folder: str
+    path: str
+    name: str
+    sha256: str
+    tokens: int
+    read: int
+    status: str
+    problem: str = ""
+
+
+def document_states(corpus: MemoryDir, merged: list[InputRecord]) -> list[DocumentState]:
+    """Every document of a corpus: the ``merged`` ones (its manifest's inputs) in corpus order,
+    then those under ``docs/`` not merged yet (their own last commits say how far they are)."""
+    out = [DocumentState(e.document, e.path, e.name, e.sha256, e.tokens, e.ingested, "left" if e.abandoned else "done")
+           for e in merged]
+    merged = {e.document for e in merged}
+    docs = corpus.path / "docs"
+    for f in sorted(docs.iterdir()) if docs.is_dir() and not docs.is_symlink() else []:
+        folder = f"docs/{f.name}"
+        if folder in merged or not DOCUMENT_FOLDER.fullmatch(folder):
+            continue
+        try:
+            m = document_manifest(corpus, folder)
+        except MemoryFileError as e:
+            out.append(DocumentState(folder, "", "", "", 0, 0, "damaged", str(e)))
+            continue
+        if m is not None and m.inputs:
+            e = m.inputs[0]
+            out.append(DocumentState(folder, e.path, e.name, e.sha256, e.tokens, e.ingested,
+                                     "read" if finished(m) else "partial"))
+    return out

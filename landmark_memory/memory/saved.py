@@ -1,0 +1,149 @@
+"""A memory saved in a directory: commit, open, close (docs/DESIGN.md, "Persistence").
+
+``LandmarkMemory`` (engine.py) reads and computes; this part of it writes its commits and
+restores them. A corpus (``documents``) keeps no blocks of its own: its blocks are its
+documents', read from their stores (``memory/corpus.py`` merges them).
+"""
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..storage import DTYPE_NAMES
+from ..storage.sharded import Shard
+from .blocks import BlockMemory
+from .directory import MemoryDir, model_fingerprint
+from .manifest import TOKENS, InputRecord, Manifest, MemoryFileError, ModelRecord
+
+
+class SavedMemory:
+    """The saving half of ``LandmarkMemory``: everything here needs the attributes that
+    ``LandmarkMemory._setup`` makes."""
+
+    def _new_blocks(self, readonly: bool, inputs: list[InputRecord] = ()) -> BlockMemory:
+        """The memory's blocks; a corpus reads those of ``inputs``, its documents, from their stores."""
+        bs, shards = self.shape.block_size, None
+        if self.documents:  # their stores open, and are checked, when first read
+            shards = [Shard(e.start // bs, e.ingested // bs, e.document) for e in inputs]
+        return BlockMemory(self.shape, self.options, store_path=None if self.dir is None or self.documents else
+                           self.dir.store_path(), readonly=readonly, device=self.device, dtype=self.dtype,
+                           rope=self.rope, cache_bytes=self.cache_bytes, shards=shards,
+                           shard_path=lambda name: self.dir.document(name).store_path())
+
+    # ---- persistence --------------------------------------------------------------------
+    def commit(self) -> int:
+        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
+        protocol"); returns the commit number. A process killed at any instant leaves the
+        memory at its last commit."""
+        if self.dir is None:
+            raise ValueError("this memory has no directory: create it with a path (and store='lmdb' or 'mmap') "
+                             "to save it")
+        if self.readonly:
+            raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
+        manifest = self._manifest()
+        if self.streams is not None:
+            layout, first = manifest.rows, self._committed_blocks
+            for name, data in self.blocks.rows_since(layout, first).items():
+                self.dir.write_rows(name, first * layout.sizes[name], data)
+                manifest.rows_crc[name] = zlib.crc32(data, self._rows_crc[name])
+            state = self.blocks.index_state()
+            if self.pending_count:
+                state["pending_ids"] = self.pending_ids.cpu()
+                for layer, (k, _, v) in enumerate(self.pending_kv):
+                    state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
+            manifest.state = self.dir.write_state(self.commit_count + 1, state)
+        manifest.commit = self.commit_count + 1
+        self.dir.write_manifest(manifest)
+        self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
+        self.dir.drop_old_states(manifest.state.name if manifest.state else None)
+        return self.commit_count
+
+    @classmethod
+    def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
+             backend: str = "auto", **options) -> "LandmarkMemory":
+        """A saved memory, at its last commit, ready to continue as if it had never stopped.
+
+        Parameters
+        ----------
+        path : str or Path, the memory directory.
+        model : the model the memory was built with (checked by fingerprint).
+        readonly : bool, read without the writer lock (any number of readers); text fed
+            afterwards stays in this process and is never saved.
+        options : query-time settings to change: top_k, retrieval, position_mapping,
+            max_blocks, cmt_cutoff, nprobe, ef_search. The rest was fixed when the memory was built.
+        """
+        fingerprint = model_fingerprint(model)
+        d, mem = MemoryDir(path, writable=not readonly), None
+        try:
+            manifest, state = d.read_commit()
+            saved = manifest.model
+            if saved.fingerprint != fingerprint:
+                raise MemoryFileError(
+                    f"the memory {path} was built with another model (config {saved.config}, fingerprint "
+                    f"{saved.fingerprint[:12]}); open it with that model")
+            mem = cls.__new__(cls)
+            mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
+            mem.dir, mem.readonly, mem._fingerprint, mem.documents = d, readonly, fingerprint, manifest.documents
+            mem.blocks = mem._new_blocks(readonly, manifest.inputs)
+            mem._load(manifest, state)
+        except BaseException:
+            if mem is not None and hasattr(mem, "blocks"):
+                mem.blocks.close()
+            d.close()
+            raise
+        return mem
+
+    def _load(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
+        self.commit_count, self.inputs = manifest.commit, manifest.inputs
+        if manifest.streams is None:
+            return
+        rows = self.dir.read_block_rows(manifest)
+        self._rows_crc = {name: zlib.crc32(data) for name, data in rows.items()}
+        self.blocks.load(manifest.rows, manifest.blocks, rows, state, self.dir.path)
+        self._committed_blocks = manifest.blocks
+        tokens = self.blocks.tokens()
+        if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
+            raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
+                                  "memory is damaged: restore it from a backup or rebuild it")
+        expected = manifest.pending_shapes()
+        wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
+        if wrong:
+            raise MemoryFileError(f"the state file of {self.dir.path} lacks or misshapes {', '.join(wrong[:3])}; the "
+                                  "memory is damaged: restore it from a backup or rebuild it")
+        if expected:
+            self.pending_ids = state["pending_ids"].to(self.device)
+            pos = self._base() + torch.arange(expected["pending.0.k"][2], device=self.device)
+            self.pending_kv = []
+            for layer in range(self.shape.n_layer):
+                k, v = (state[f"pending.{layer}.{n}"].to(self.device, self.dtype) for n in "kv")
+                self.pending_kv.append((k, self.rope(k, pos), v))
+
+    def model_record(self) -> ModelRecord:
+        """The model this memory was built with, as its manifest records it (fingerprint first)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype])
+
+    def _manifest(self) -> Manifest:
+        return Manifest(model=self.model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,
+                        tokens=self.n_tokens, pending_tokens=self.pending_count, inputs=self.inputs,
+                        commit=self.commit_count, rows_crc=dict(self._rows_crc), documents=self.documents)
+
+    def close(self, commit: bool = True) -> None:
+        """Release the store and the writer lock; a writable saved memory commits first
+        (``commit=False`` drops what was fed since the last commit)."""
+        if self._closed:
+            return
+        if commit and self.dir is not None and not self.readonly:
+            self.commit()
+        self._closed = True
+        self.blocks.close()
+        if self.dir is not None:
+            self.dir.close()
+
+    def __enter__(self) -> "LandmarkMemory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(commit=exc_type is None)

@@ -1,0 +1,108 @@
+"""One read-only block store over many: the blocks of a corpus memory, each document's in its
+own store.
+
+Shard ``i`` holds global blocks ``[start_i, start_i + blocks_i)`` as its own blocks ``0 ..
+blocks_i - 1``; shards are consecutive. A shard's store opens when a block of it is first read
+(opening a corpus costs nothing per document), and at most ``max_open`` stay open, the least
+recently used closed first: as many as the process's file descriptors allow (its soft limit is
+raised to the hard one), since a corpus of thousands of documents would otherwise hold
+thousands of LMDB environments or memory maps at once.
+"""
+
+import bisect
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from . import BlockStore, CorruptBlockError
+
+RESERVED_FDS = 512  # descriptors left for everything else the process opens
+FD_CEILING = 1 << 16  # the soft limit is raised at most this far
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A document's blocks: ``blocks`` of them from global block ``start``, in the store that
+    ``open_shard(name)`` opens."""
+
+    start: int
+    blocks: int
+    name: str
+
+
+def open_budget(fds_per_store: int) -> int:
+    """How many stores of ``fds_per_store`` file descriptors each may be open at once, after
+    raising this process's soft limit on descriptors towards its hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else FD_CEILING, FD_CEILING)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    soft = FD_CEILING if soft == resource.RLIM_INFINITY else soft
+    return max(8, (soft - RESERVED_FDS) // fds_per_store)
+
+
+class ShardedStore(BlockStore):
+    """Read-only union of ``shards`` (``Shard``, consecutive from block 0); ``open_shard(name)``
+    opens a shard's own store read-only, at most ``max_open`` at once; ``add`` appends a shard."""
+
+    def __init__(self, shape: tuple[int, ...], shards: list[Shard], dtype: str, checksums: bool,
+                 open_shard: Callable[[str], BlockStore], max_open: int = 64):
+        super().__init__(shape, dtype, checksums)
+        self.open_shard, self.max_open = open_shard, max_open
+        self.shards: list[Shard] = []
+        self._starts: list[int] = []
+        self._open: OrderedDict[int, BlockStore] = OrderedDict()  # shard number -> its store, least recent first
+        for s in shards:
+            self.add(s)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.shards[-1].start + self.shards[-1].blocks if self.shards else 0
+
+    def add(self, shard: Shard) -> None:
+        """Append ``shard``; it must start where the last one ends."""
+        if shard.start != self.n_blocks:
+            raise ValueError(f"shard at block {shard.start} does not follow the store's {self.n_blocks} blocks")
+        self.shards.append(shard)
+        self._starts.append(shard.start)
+
+    def _store(self, i: int) -> BlockStore:
+        store = self._open.get(i)
+        if store is None:
+            if len(self._open) >= self.max_open:
+                self._open.popitem(last=False)[1].close()
+            store = self._open[i] = self.open_shard(self.shards[i].name)
+        self._open.move_to_end(i)
+        return store
+
+    def put(self, items):
+        raise PermissionError("a corpus memory keeps its blocks in its documents' stores: add text as documents "
+                              "(`landmark-memory build`), or open the memory read-only to read on after it")
+
+    def get(self, keys):
+        keys = list(keys)
+        by_shard: dict[int, list[int]] = {}
+        for n, (s, layer, b) in enumerate(keys):
+            if not 0 <= b < self.n_blocks:
+                raise KeyError(f"block {(s, layer, b)} missing in the store")
+            by_shard.setdefault(bisect.bisect_right(self._starts, b) - 1, []).append(n)
+        out = [None] * len(keys)
+        for i, ns in by_shard.items():
+            start = self.shards[i].start
+            try:
+                got = self._store(i).get([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
+            except CorruptBlockError as e:  # name the block as the corpus numbers it, and where it lies
+                s, layer, b = e.key
+                raise CorruptBlockError((s, layer, b + start), f" (block {b} of {self.shards[i].name})") from None
+            for n, t in zip(ns, got):
+                out[n] = t
+        return out
+
+    def close(self):
+        while self._open:
+            self._open.popitem()[1].close()

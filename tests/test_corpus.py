@@ -1,0 +1,191 @@
+"""Corpora: documents read apart, merged in the inputs' order, one index and one sharded store
+over all of them (in this process; tests/test_ray_build.py runs the same on Ray)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
+from landmark_memory.build import LocalReader, build, encode_document, read_document, read_inputs
+from landmark_memory.cli import main
+from landmark_memory.storage import CorruptBlockError, open_store
+from landmark_memory.storage.sharded import Shard, ShardedStore
+
+SHAPE = (2, 3, 6, 8)  # (k/v, H, block_size + 1, D)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LandmarkGPT.from_pretrained()
+
+
+def corpus(model, path, files, reader=None, **build_options):
+    """Build ``files`` into the corpus at ``path`` (created, or continued)."""
+    mem = (LandmarkMemory.open(path, model) if (path / "manifest.json").exists() else
+           LandmarkMemory(model, path=path, store="lmdb", chunk_size=100, documents=True))
+    with mem:
+        summary = build(mem, read_inputs(files), load_tokenizer(), reader=reader, progress=False, **build_options)
+    return summary
+
+
+def files_of(path):
+    """The corpus's own files and every stored block, as bytes."""
+    out = {name: (path / name).read_bytes() for name in ("tokens.bin", "landmarks.bin")}
+    mem = LandmarkMemory.open(path, LandmarkGPT.from_pretrained(), readonly=True)
+    keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(mem.n_blocks)]
+    out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.blocks.store.get(keys))
+    out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.blocks.all_indexes())
+    mem.close()
+    return out
+
+
+class Reversed(LocalReader):
+    """Every document read, then the results handed back last first."""
+
+    def run(self, jobs, stop, bar):
+        yield from reversed(list(super().run(jobs, stop, bar)))
+
+
+def test_documents_merge_in_the_inputs_order_whatever_order_they_finish(model, documents, tmp_path):
+    files = sorted(documents.glob("*.txt"))
+    corpus(model, tmp_path / "in-order", files)
+    corpus(model, tmp_path / "reversed", files, reader=Reversed(model))
+    assert files_of(tmp_path / "in-order") == files_of(tmp_path / "reversed")
+
+
+def test_a_document_sees_only_its_own_blocks(model, documents, tmp_path):
+    files = sorted(documents.glob("*.txt"))
+    corpus(model, tmp_path / "all", files)
+    corpus(model, tmp_path / "last", files[-1:])
+    everything, alone = files_of(tmp_path / "all"), files_of(tmp_path / "last")
+    for name in ("tokens.bin", "landmarks.bin"):  # the last document's rows end the corpus's, unchanged
+        assert everything[name].endswith(alone[name])
+    tok = load_tokenizer()
+    ids = np.concatenate([encode_document(tok, f.read_text(), 50) for f in files])
+    np.testing.assert_array_equal(np.frombuffer(everything["tokens.bin"], np.int32), ids)  # every token once
+
+
+def test_one_index_per_layer_and_head_holds_every_documents_landmarks(model, documents, tmp_path):
+    corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
+    mem = LandmarkMemory.open(tmp_path / "m", model, readonly=True)
+    for layer in range(mem.shape.n_layer):
+        keys = mem.blocks.landmark_keys(layer, slice(None))[0]  # (H_kv, n_blocks, D)
+        for h in range(mem.shape.n_kv_head):
+            ix = mem.blocks.index(0, layer, h)
+            assert ix.ntotal == mem.n_blocks == len(mem.tokens()) // 50
+            np.testing.assert_array_equal(ix.index.reconstruct_n(0, ix.ntotal), keys[h].float().numpy())
+    assert [e.start for e in mem.inputs] == [0, mem.inputs[0].ingested, mem.inputs[0].ingested + mem.inputs[1].ingested]
+    mem.close()
+
+
+def test_a_reader_of_the_corpus_retrieves_blocks_of_every_document(model, documents, tmp_path):
+    corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
+    mem = LandmarkMemory.open(tmp_path / "m", model, readonly=True, top_k=64)
+    out = mem.forward(torch.tensor([load_tokenizer().encode("Alice and the captain and Holmes").ids]))
+    used = torch.unique(torch.cat([r.flatten() for r in out.retrieved]))
+    bounds = [e.start // 50 for e in mem.inputs]
+    assert all(((used >= lo) & (used < lo + e.ingested // 50)).any() for lo, e in zip(bounds, mem.inputs))
+    mem.close()
+
+
+def test_a_corpus_takes_no_text_of_its_own(model, documents, tmp_path):
+    corpus(model, tmp_path / "m", sorted(documents.glob("*.txt"))[:1])
+    mem = LandmarkMemory.open(tmp_path / "m", model)
+    with pytest.raises(PermissionError, match="read-only"):
+        mem.forward(torch.zeros((1, 100), dtype=torch.long))
+    mem.close(commit=False)
+
+
+class StopAfterOneChunk(LocalReader):
+    def run(self, jobs, stop, bar):
+        yield from (read_document(job, self.model, stop=lambda: True) for job in jobs)
+
+
+def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is_left(model, documents, tmp_path, capsys):
+    files = sorted(documents.glob("*.txt"))
+    corpus(model, tmp_path / "m", files[:1])
+    corpus(model, tmp_path / "m", files, reader=StopAfterOneChunk(model))
+    assert main(["info", str(tmp_path / "m"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [(e["status"], e["ingested"]) for e in info["inputs"]] == [("done", info["tokens"]), ("partial", 100),
+                                                                       ("partial", 100)]
+    again = corpus(model, tmp_path / "m", files)
+    tok = load_tokenizer()
+    assert again.skipped == [str(files[0])] and again.merged == 2
+    assert again.added == sum(len(encode_document(tok, f.read_text(), 50)) - 100 for f in files[1:])
+    corpus(model, tmp_path / "in-one-go", files)
+    assert files_of(tmp_path / "m") == files_of(tmp_path / "in-one-go")
+    assert main(["info", str(tmp_path / "m"), "--verify"]) == 0
+
+
+def test_verify_names_the_damaged_document(model, documents, tmp_path, capsys):
+    corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
+    doc = sorted((tmp_path / "m" / "docs").iterdir())[1]
+    rows = doc / "landmarks.bin"
+    data = bytearray(rows.read_bytes())
+    data[12] ^= 0x40
+    rows.write_bytes(bytes(data))
+    assert main(["info", str(tmp_path / "m"), "--verify", "--json"]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert any(p.startswith(f"document docs/{doc.name}") and "landmarks.bin" in p for p in report["problems"])
+
+
+def test_a_memory_read_in_one_context_still_opens_but_takes_no_documents(model, documents, tmp_path, capsys):
+    with LandmarkMemory(model, store="lmdb", path=tmp_path / "old", chunk_size=100) as mem:
+        mem.forward(torch.from_numpy(encode_document(load_tokenizer(), (documents / "a.txt").read_text(), 50)[None]).long())
+    assert main(["build", str(tmp_path / "old"), "--input", str(documents / "b.txt"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "one context" in err and "new memory" in err
+    assert main(["ask", str(tmp_path / "old"), "The", "--max-new-tokens", "2", "--quiet"]) == 0
+
+
+# ---- the sharded store ------------------------------------------------------------------------
+def test_a_sharded_store_reads_each_block_from_its_shard(tmp_path):
+    rng = torch.Generator().manual_seed(0)
+    sizes, shards, blocks = [3, 1, 4, 2, 5], [], {}
+    start = 0
+    for i, n in enumerate(sizes):
+        store = open_store("lmdb", SHAPE, tmp_path / f"s{i}", "float32", checksums=True)
+        own = {(0, layer, b): torch.randn(SHAPE, generator=rng) for layer in range(2) for b in range(n)}
+        store.put(own)
+        store.close()
+        blocks.update({(0, layer, start + b): t for (_, layer, b), t in own.items()})
+        shards.append(Shard(start, n, f"s{i}"))
+        start += n
+    opened = []
+
+    def open_shard(name):
+        opened.append(name)
+        return open_store("lmdb", SHAPE, tmp_path / name, "float32", readonly=True, checksums=True)
+
+    union = ShardedStore(SHAPE, shards[:2], "float32", True, open_shard, max_open=2)
+    assert opened == []  # nothing opens before it is read
+    for s in shards[2:]:
+        union.add(s)
+    keys = list(blocks)
+    order = torch.randperm(len(keys), generator=rng).tolist()
+    for k, t in zip([keys[i] for i in order], union.get([keys[i] for i in order])):
+        assert torch.equal(t, blocks[k])
+    assert len(union._open) == 2 and set(opened) == {s.name for s in shards}  # the least recent closed
+    with pytest.raises(KeyError):
+        union.get([(0, 0, start)])
+    union.close()
+
+
+def test_a_corrupted_block_of_a_shard_is_named_as_the_union_numbers_it(tmp_path):
+    for i in range(2):
+        store = open_store("mmap", SHAPE, tmp_path / f"s{i}", "float32", checksums=True)
+        store.put({(0, 0, b): torch.randn(SHAPE) for b in range(3)})
+        store.close()
+    f = tmp_path / "s1" / "mmap" / "s0_l0.blocks"
+    data = bytearray(f.read_bytes())
+    data[SHAPE[0] * 200 + 9] ^= 1  # block 0 of the second shard: block 3 of the union
+    f.write_bytes(bytes(data))
+    union = ShardedStore(SHAPE, [Shard(0, 3, "s0"), Shard(3, 3, "s1")], "float32", True,
+                         lambda name: open_store("mmap", SHAPE, tmp_path / name, "float32", readonly=True, checksums=True))
+    with pytest.raises(CorruptBlockError, match=r"block 3 of layer 0 \(stream 0\) \(block 0 of s1\)") as e:
+        union.get([(0, 0, 3)])
+    assert e.value.key == (0, 0, 3)
+    union.close()

@@ -1,0 +1,112 @@
+"""Corpora read on Ray: as many workers as wanted give the same memory as one, a worker killed
+mid-document is retried from its last commit, and bad Ray settings are one line and exit 2.
+Ray starts locally here (seconds) and is always shut down."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from landmark_memory import load_tokenizer
+from landmark_memory.build import encode_document
+from landmark_memory.cli import main
+from landmark_memory.data import SAMPLE_DIR
+from test_corpus import files_of
+
+CLI = [sys.executable, "-m", "landmark_memory.cli"]
+
+
+@pytest.fixture
+def own_ray():
+    """A Ray instance of 2 CPUs started here, which the command joins (a program's own Ray is kept)."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def build_argv(mem, inputs, *extra):
+    return ["build", str(mem), "--input", str(inputs), "--chunk-size", "100", "--quiet", *extra]
+
+
+def ask(capsys, mem):
+    assert main(["ask", str(mem), "What did the captain say?", "--max-new-tokens", "6", "--passages", "4",
+                 "--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_two_workers_build_bit_for_bit_what_one_worker_and_this_process_build(documents, tmp_path, capsys):
+    assert not ray.is_initialized()
+    # its own local Ray, started and shut down by the command
+    two = subprocess.run(CLI + build_argv(tmp_path / "two", documents, "--workers", "2", "--worker-threads", "1", "--json"),
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr
+    assert json.loads(two.stdout)["workers"] == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker: the same arithmetic
+    try:
+        assert main(build_argv(tmp_path / "here", documents)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert main(build_argv(tmp_path / "one", documents, "--workers", "1", "--worker-threads", "1")) == 0  # Ray here
+    capsys.readouterr()
+    assert files_of(tmp_path / "two") == files_of(tmp_path / "one") == files_of(tmp_path / "here")
+    answers = [ask(capsys, tmp_path / m) for m in ("two", "one")]
+    assert answers[0]["text"] == answers[1]["text"] and answers[0]["retrieved"] == answers[1]["retrieved"]
+    assert {p["source"] for p in answers[0]["retrieved"]} <= {str(f) for f in documents.glob("*.txt")}
+
+
+def test_a_worker_killed_mid_document_is_retried_from_its_last_commit(own_ray, tmp_path, capsys):
+    book = tmp_path / "book.txt"
+    book.write_text((SAMPLE_DIR / "train" / "treasure_island_excerpt.txt").read_text())
+    mem = tmp_path / "m"
+    rc = []
+    build = threading.Thread(target=lambda: rc.append(main(build_argv(mem, book, "--workers", "1", "--worker-threads",
+                                                                      "1", "--commit-every", "0"))))
+    build.start()
+    deadline, killed = time.time() + 300, None
+    while killed is None and build.is_alive() and time.time() < deadline:
+        for doc in (mem / "docs").glob("*") if (mem / "docs").is_dir() else []:
+            try:
+                read = json.loads((doc / "manifest.json").read_text())["inputs"][0]["ingested"]
+                pid = int((doc / "writer.lock").read_text().split()[1])
+            except (OSError, ValueError, IndexError, KeyError):
+                continue
+            if read > 0:
+                os.kill(pid, signal.SIGKILL)
+                killed = read
+        time.sleep(0.02)
+    build.join(timeout=300)
+    assert killed is not None, "the document should have been killed while it was read"
+    assert rc == [0]
+    total = len(encode_document(load_tokenizer(), book.read_text(), 50))
+    assert killed < total
+    assert main(["info", str(mem), "--verify"]) == 0
+    capsys.readouterr()
+    assert main(build_argv(tmp_path / "clean", book)) == 0
+    assert files_of(mem) == files_of(tmp_path / "clean")  # every token once, each block as a clean build has it
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--workers", "2", "--ray-address", "127.0.0.1:9"], ["cannot reach a Ray cluster", "ray start --head"]),
+    (["--workers", "2", "--ray-address", "nowhere"], ["HOST:PORT"]),
+    (["--ray-address", "auto"], ["needs --workers"]),
+    (["--workers", str(len(os.sched_getaffinity(0)) + 1)], ["cores"]),
+])
+def test_bad_ray_settings_are_one_line_and_write_nothing(documents, tmp_path, capsys, argv, words):
+    assert main(build_argv(tmp_path / "m", documents, *argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "m").exists() and not ray.is_initialized()
+
+
+def test_zero_workers_is_refused_by_the_command_line(documents, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(build_argv(tmp_path / "m", documents, "--workers", "0"))
+    assert e.value.code == 2 and "is not a number of workers" in capsys.readouterr().err

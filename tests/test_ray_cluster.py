@@ -1,0 +1,70 @@
+"""A build joining a running Ray cluster of two nodes (on this machine), one node lost while
+its worker reads a document: the build finishes with every token once and verifies."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from landmark_memory.cli import main
+from landmark_memory.data import SAMPLE_DIR
+from test_corpus import files_of
+
+
+@pytest.fixture
+def cluster():
+    """A head node of 2 CPUs and a worker node of 1, which notice a lost node within seconds."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, "_system_config": {
+        "health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 2}})
+    node = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c, node
+    ray.shutdown()
+    c.shutdown()
+
+
+def parent(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_node_lost_mid_build_costs_nothing_but_time(cluster, tmp_path, capsys):
+    c, node = cluster
+    for name in ("treasure_island_excerpt.txt", "sherlock_holmes_excerpt.txt"):
+        (tmp_path / name).write_text((SAMPLE_DIR / "train" / name).read_text())
+    mem, rc = tmp_path / "m", []
+    argv = ["build", str(mem), "--input", str(tmp_path), "--chunk-size", "100", "--commit-every", "0", "--quiet"]
+    build = threading.Thread(target=lambda: rc.append(main(argv + ["--workers", "2", "--worker-threads", "1",
+                                                                   "--ray-address", c.address])))
+    build.start()
+    raylet = node.all_processes["raylet"][0].process.pid
+    deadline, lost = time.time() + 300, False
+    while not lost and build.is_alive() and time.time() < deadline:  # the worker node's document, under way
+        for doc in (mem / "docs").glob("*") if (mem / "docs").is_dir() else []:
+            try:
+                read = json.loads((doc / "manifest.json").read_text())["inputs"][0]["ingested"]
+                pid = int((doc / "writer.lock").read_text().split()[1])
+                on_node = parent(pid) == raylet
+            except (OSError, ValueError, IndexError, KeyError):
+                continue
+            if on_node and read > 0:
+                c.remove_node(node, allow_graceful=False)
+                lost = True
+                break
+        time.sleep(0.02)
+    build.join(timeout=300)
+    assert lost, "a worker on the second node should have been reading when it was lost"
+    assert rc == [0]
+    assert main(["info", str(mem), "--verify"]) == 0
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv[:1] + [str(tmp_path / "clean")] + argv[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert files_of(mem) == files_of(tmp_path / "clean")  # every token once
