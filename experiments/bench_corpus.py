@@ -132,20 +132,37 @@ def documents(counts: list[int], n_tokens: int, work: Path) -> list[dict]:
 
 
 def paper_estimate(rows: dict[str, list[dict]]) -> list[str]:
-    """What a corpus of 1B tokens needs, from this run's rates and the memory's sizes."""
+    """What a corpus of 1B tokens needs, from this run's reading rates and the memory's sizes."""
     n = 1e9
     out = ["## On paper: a corpus of 1B tokens", "",
-           "| model | store (float32) | landmark rows + flat index | core-hours to read | hours on 64 cores |",
-           "|---|---|---|---|---|"]
+           "| model | blocks | block store, float32 | landmark rows on disk | index RAM: flat or IVF-Flat | "
+           "index RAM: IVF-PQ, 32-byte codes | core-hours to read | hours, 64 one-core workers |",
+           "|---|---|---|---|---|---|---|---|"]
     shapes = {"bundled": (4, 4, 32, 50), "smollm2": (30, 3, 64, 63)}  # layers, kv heads, head dim, block size
     for name, r in rows.items():
         layers, heads, dim, bs = shapes[name]
-        store = n / bs * layers * 2 * heads * (bs + 1) * dim * 4  # keys and values of every block and layer
-        landmarks = n / bs * layers * heads * dim * 4  # one key per block, layer and key/value head
+        blocks = n / bs
+        store = blocks * layers * (2 * heads * (bs + 1) * dim * 4 + 4)  # keys, values and a CRC-32 per layer
+        keys = blocks * layers * heads  # one landmark key per block, layer and key/value head
         rate = next(x["rate"] for x in r if x["config"].startswith("Ray, 1 worker"))
         core_hours = n / rate / 3600
-        out.append(f"| {name} | {store / 2**40:,.1f} TiB | {landmarks / 2**30:,.0f} GiB on disk, as much in "
-                   f"memory | {core_hours:,.0f} | {core_hours / 64:,.0f} |")
+        out.append(f"| {name} | {blocks / 1e6:,.1f}M | {store / 2**40:,.1f} TiB | {keys * dim * 4 / 2**30:,.0f} GiB | "
+                   f"{keys * dim * 4 / 2**30:,.0f} GiB | {keys * 32 / 2**30:,.0f} GiB | {core_hours:,.0f} | "
+                   f"{core_hours / 64:,.0f} |")
+    out += ["", "- Reading: each document is read by one worker, so the hours divide by the workers until the "
+            "documents run out (a book is some 100K tokens: 10,000 of them in 1B tokens); the rate is this run's "
+            "`Ray, 1 worker x 1 core`, on this machine's cores.",
+            "- Disk: the block store is the bulk (keys and values of every layer); int8 storage (the compact-memory "
+            "issue) would take it about 4x down. The corpus's rows (tokens, landmark keys) are under 1% of it; each "
+            "document keeps its own copy of its rows and its own index in its last state file besides.",
+            "- Index memory: a flat index holds every landmark key (as the rows on disk), and scanning "
+            f"{n / 63 / 1e6:,.1f}M keys (SmolLM2) per layer-head per query is far too slow: `ivf` visits "
+            "`nprobe` of its 4 x sqrt(n) lists (some 16K keys a search) with the same memory, and IVF-PQ codes of "
+            "32 bytes a key would fit the SmolLM2 corpus's indexes in one machine's RAM (our `ivfpq` kind also "
+            "keeps an exact copy to re-rank: as much as flat).",
+            "- The driver: merging a document costs appending its rows and keys, nothing like reading it; but each "
+            "corpus commit writes every index in its state file, so at this size corpus commits must be rare "
+            "(`--commit-every` of an hour or more), or the indexes kept in files of their own."]
     return out
 
 

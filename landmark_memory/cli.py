@@ -28,7 +28,7 @@ import torch
 
 from .build import build, encode, read_inputs
 from .decode import decode
-from .distributed import RayReader
+from .distributed import RayReader, WorkerError
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .cli_args import parser
 from .index import KINDS
@@ -273,7 +273,8 @@ def cmd_train(argv):
 
 COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "eval": cmd_eval, "compare": cmd_compare,
             "passkey": cmd_passkey, "demo": cmd_demo}
-ERRORS = (ValueError, OSError)  # bad input, damaged memories (MemoryFileError), files that cannot be read or written
+ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (MemoryFileError), files that cannot be
+# read or written, a worker dying again and again
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ put beside the memory, before anything is written.
 import os
 import secrets
 import socket
+import sys
 from pathlib import Path
 
 from .build import DocumentJob, DocumentResult, read_document
@@ -25,6 +26,10 @@ from .memory import MemoryDir
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # as the build command (entry.py): no spinning on shared cores
 RESTARTS = 3  # a worker (and the document it was reading) is restarted this many times, then the build fails
+
+
+class WorkerError(RuntimeError):
+    """A worker died more often than Ray restarts it."""
 
 
 def available_cores() -> int:
@@ -94,6 +99,10 @@ class RayReader:
         self._started, self.actors = False, []
 
     def __enter__(self) -> "RayReader":
+        if self.address is not None and "ray" not in sys.modules:  # (a program that imported Ray set it up)
+            # Ray 2.52+ clusters authenticate their members with a token (~/.ray/auth_token), which
+            # a driver joining by HOST:PORT sends only in token mode, read when Ray is imported
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
         try:
             import ray
         except ImportError:
@@ -156,12 +165,13 @@ class RayReader:
     def run(self, jobs, stop, bar):
         import ray
 
-        todo, running, shown = list(jobs), {}, {}  # ref -> (actor, job); folder -> its tokens the bar counts
+        todo, running = list(jobs), {}  # ref -> (actor, job)
+        shown, first = {}, {}  # per document folder: tokens the bar counts, tokens committed when it started
         idle, cancelled = list(self.actors), False
         while todo or running:
             while idle and todo and not cancelled:
                 actor, job = idle.pop(0), todo.pop(0)
-                shown[job.folder] = _committed(job.folder)
+                shown[job.folder] = first[job.folder] = _committed(job.folder)
                 running[actor.read.remote(job)] = (actor, job)
             if stop() and not cancelled:  # the documents under way commit and return
                 for ref in running:
@@ -172,13 +182,13 @@ class RayReader:
                 actor, job = running.pop(ref)
                 try:
                     result = ray.get(ref)
-                except ray.exceptions.TaskCancelledError:
-                    continue
+                except ray.exceptions.TaskCancelledError:  # stopped: what it read is what it committed
+                    result = DocumentResult(job.folder, _committed(job.folder) - first[job.folder], False)
                 except ray.exceptions.RayTaskError as e:  # the document's own error, as this process would give it
                     raise e.cause if isinstance(e.cause, (ValueError, OSError)) else e from None
                 except ray.exceptions.RayActorError as e:
-                    raise RuntimeError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
-                                       "committed is kept: run the build again") from None
+                    raise WorkerError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
+                                      "committed is kept: run the build again") from None
                 idle.append(actor)
                 bar.update(_committed(job.folder) - shown.pop(job.folder))
                 yield result

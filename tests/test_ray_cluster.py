@@ -2,6 +2,10 @@
 its worker reads a document: the build finishes with every token once and verifies."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -57,7 +61,7 @@ def test_a_node_lost_mid_build_costs_nothing_but_time(cluster, tmp_path, capsys)
                 break
         time.sleep(0.02)
     build.join(timeout=300)
-    assert lost, "a worker on the second node should have been reading when it was lost"
+    assert lost, f"a worker on the second node should have been reading when it was lost (build: {rc})"
     assert rc == [0]
     assert main(["info", str(mem), "--verify"]) == 0
     capsys.readouterr()
@@ -68,3 +72,27 @@ def test_a_node_lost_mid_build_costs_nothing_but_time(cluster, tmp_path, capsys)
     finally:
         torch.set_num_threads(threads)
     assert files_of(mem) == files_of(tmp_path / "clean")  # every token once
+
+
+def test_a_memory_folder_the_workers_cannot_see_is_refused_before_anything_is_written(tmp_path):
+    """The cluster's processes run in a mount namespace where the memory's folder is another,
+    empty filesystem: like a folder on the driver's own disk, out of the workers' reach."""
+    hidden = tmp_path / "shared"
+    hidden.mkdir()
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    head = [ray_bin, "start", "--head", "--port", "6391", "--num-cpus", "1", "--include-dashboard", "false",
+            "--disable-usage-stats"]
+    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             f"mount -t tmpfs tmpfs {hidden} && exec {' '.join(head)}"], capture_output=True).returncode:
+        pytest.skip("cannot start a Ray head in a mount namespace of its own here")
+    try:
+        (tmp_path / "doc.txt").write_text("A short document.")
+        run = subprocess.run([sys.executable, "-m", "landmark_memory.entry", "build", str(hidden / "mem"), "--input",
+                              str(tmp_path / "doc.txt"), "--workers", "1", "--ray-address", "127.0.0.1:6391"],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run([ray_bin, "stop"], capture_output=True)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("(a shared disk mounted at the same path on every machine)")
+    assert "cannot see" in run.stderr and list(hidden.iterdir()) == []
