@@ -24,15 +24,16 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from _common import ROOT, machine, plt
-from landmark_memory.build import encode
+from landmark_memory.answer import ask
+from landmark_memory.build import build, encode, read_inputs
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.decode import decode
 from landmark_memory.evaluate import parse_lengths, passkey_accuracy, perplexity
@@ -186,17 +187,18 @@ def part_ppl(args, tok, books):
 
 def part_ask(args, tok, books):
     name, path, ids = books[0]
-    mem = Path(args.out) / f"memory-{name}"
-    cli = [sys.executable, "-m", "landmark_memory.cli"]
+    mem_path = Path(args.out) / f"memory-{name}"
+    model, tok = load_model(smollm2.LANDMARK)
     t0 = time.time()
-    subprocess.run([*cli, "build", str(mem), "--input", str(path), "--model", smollm2.LANDMARK, "--quiet"], check=True)
+    mem = (LandmarkMemory.open(mem_path, model) if (mem_path / "manifest.json").exists() else
+           LandmarkMemory(model, path=mem_path, store="lmdb", documents=True))
+    with mem:  # as `landmark-memory build` builds it
+        build(mem, read_inputs([path]), tok, progress=not args.quiet)
     built = time.time() - t0
-    run = subprocess.run([*cli, "ask", str(mem), args.question, "--model", smollm2.LANDMARK, "--show-retrieved",
-                          "--passages", "3", "--max-new-tokens", "64", "--json"], check=True, capture_output=True,
-                         text=True)
-    asked = json.loads(run.stdout)
-    for p in asked["retrieved"]:
-        p["source"] = Path(p["source"]).name
+    with LandmarkMemory.open(mem_path, model, readonly=True) as mem:
+        answer = ask(mem, tok, args.question, max_new_tokens=64, passages=3)
+    asked = {"prompt": args.question, "chat": answer.chat, "text": answer.text, "memory_tokens": answer.memory_tokens,
+             "retrieved": [{**asdict(p), "source": Path(p.source).name if p.source else None} for p in answer.passages]}
     return {"book": name, "book_tokens": len(ids), "build_seconds": built, "ask_seconds": time.time() - t0 - built,
             **asked}
 

@@ -14,11 +14,12 @@ _HOMES = {
     "landmark_attention_inference": "kernels", "LandmarkMemory": "memory", "MemoryOutput": "memory",
     "LandmarkGPT": "model", "RotaryEmbedding": "rope", "insert_landmarks": "layout", "landmark_mask": "layout",
     "lm_targets": "layout", "normal_positions": "layout", "strip_landmarks": "layout", "LANDMARK_TOKEN": "tokenizer",
-    "load_tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer", "ask": "answer", "Answer": "answer", "Passage": "answer",
 }
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
+    from .answer import Answer, Passage, ask
     from .config import LandmarkConfig
     from .infini import InfiniState
     from .kernels import landmark_attention, landmark_attention_inference

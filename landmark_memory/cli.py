@@ -20,14 +20,12 @@ import contextlib
 import json
 import signal
 import sys
-from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 
+from .answer import ask
 from .build import build, encode, read_inputs
-from .decode import decode
 from .distributed import RayReader, WorkerError
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .cli_args import parser
@@ -144,56 +142,20 @@ def cmd_verify(args):
     return 0 if report.ok else 2
 
 
-def source_of(mem, ids, block, tok):
-    """(passage text, source path, token offset in that source) of a memory block; ``ids``
-    are the memory's tokens."""
-    bs = mem.shape.block_size
-    ids = ids[block * bs:(block + 1) * bs]
-    at = block * bs
-    for e in mem.inputs:
-        if e.start <= at < e.start + e.ingested:
-            return tok.decode(ids.tolist()), e.path, at - e.start
-    return tok.decode(ids.tolist()), None, at
-
-
 def cmd_ask(args):
     saved = MemoryDir(args.memory, writable=False).read_manifest()
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
-    mem = LandmarkMemory.open(args.memory, model, readonly=True, **query)
-    n_saved = mem.n_blocks  # blocks the prompt adds are not passages of the memory
-    chat = None if args.raw else getattr(tok, "chat_prompt", lambda q: None)(args.prompt)
-    ids = tok.encode(chat or args.prompt).ids
-    if not args.prompt.strip():
-        raise UsageError("the prompt is empty")
-    uses = Counter()
-
-    def feed(nxt):  # (1, T) -> (1, vocab), counting the blocks the last position read
-        out = mem.forward(nxt.to(mem.device), logits="last")
-        for r in out.retrieved:  # (1, H, T, k)
-            uses.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_saved)
-        return out.logits[:, -1]
-
-    logits = feed(torch.tensor([ids]))
-    stop = tok.end_of_turn_id if chat else None
-    new = decode(logits, feed, args.max_new_tokens, temperature=args.temperature,
-                 generator=torch.Generator().manual_seed(args.seed), stop_id=stop)[0].tolist()
-    if new:  # the last new token reads the memory too: its lookups count with the others'
-        feed(torch.tensor([new[-1:]]))
-    mem.close()
-    total = sum(uses.values()) or 1
-    passages, memory_ids = [], mem.tokens()
-    for block, n in uses.most_common(args.passages):
-        text, src, offset = source_of(mem, memory_ids, block, tok)
-        passages.append({"block": block, "share": n / total, "source": src, "token_offset": offset, "text": text})
-    text = tok.decode(new[:-1] if stop is not None and new and new[-1] == stop else new)
-    doc = {"prompt": args.prompt, "chat": chat is not None, "text": text, "retrieved": passages,
-           "memory_tokens": mem.n_tokens}
-    lines = [f"Q: {args.prompt}\nA: {text.strip()}" if chat else args.prompt + text]
+    with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
+        answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     seed=args.seed, raw=args.raw, passages=args.passages)
+    doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
+           "retrieved": [asdict(p) for p in answer.passages], "memory_tokens": answer.memory_tokens}
+    lines = [f"Q: {args.prompt}\nA: {answer.text.strip()}" if answer.chat else args.prompt + answer.text]
     if args.show_retrieved:
-        for p in passages:
-            lines.append(f"\n--- retrieved block {p['block']} ({100 * p['share']:.0f}% of lookups), "
-                         f"{p['source']} at token {p['token_offset']:,}:\n{p['text'].strip()}")
+        for p in answer.passages:
+            lines.append(f"\n--- retrieved block {p.block} ({100 * p.share:.0f}% of lookups), "
+                         f"{p.source} at token {p.token_offset:,}:\n{p.text.strip()}")
     emit(args, doc, "\n".join(lines))
     return 0
 

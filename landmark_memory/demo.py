@@ -2,7 +2,7 @@
 
 1. plant a pass key at a random place in the bundled sample book and build a saved memory
    over it (progress shown);
-2. reopen the memory in a fresh process and ask for the pass key, showing the passage the
+2. close the memory, reopen it from disk and ask for the pass key, showing the passage the
    answer read;
 3. read the book again with exact and approximate landmark indexes and print the
    perplexity, recall and search latency of each.
@@ -13,18 +13,18 @@ import json
 import random
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from .answer import ask
 from .build import build, encode, read_inputs
 from .data import SAMPLE_DIR, read_text, strip_gutenberg
 from .evaluate import compare_indexes
 from .kinds import load_model
 from .memory import LandmarkMemory
-from .model import BUNDLED_MODEL, LandmarkGPT
+from .model import LandmarkGPT
 from .passkey import MAX_KEY, QUESTION, fact, first_int
 
 SAMPLE_BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"
@@ -80,14 +80,10 @@ def run_demo(args: argparse.Namespace) -> int:
             build(mem, read_inputs([book]), tok, progress=not args.quiet)
         say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
 
-        say(f"2. Reopening it in a fresh process and asking:{QUESTION}")
-        cmd = [sys.executable, "-m", "landmark_memory.cli", "ask", str(mem_path), QUESTION, "--raw",
-               "--max-new-tokens", "8", "--passages", str(PASSAGES), "--json", "--model", str(args.model or BUNDLED_MODEL),
-               "--device", args.device]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise RuntimeError(f"the ask process failed:\n{run.stderr}")
-        asked = json.loads(run.stdout)
+        say(f"2. Reopening it from disk and asking:{QUESTION}")
+        with LandmarkMemory.open(mem_path, model, readonly=True) as mem:
+            asked = ask(mem, tok, QUESTION, raw=True, max_new_tokens=8, passages=PASSAGES).to_json()
+        asked["retrieved"] = asked.pop("passages")
         answer = first_int(asked["text"])
         top = asked["retrieved"][0] if asked["retrieved"] else None
         say(f"   answer:{asked['text']!r} -> {answer} ({'correct' if answer == key else f'wrong, the key is {key}'})")

@@ -69,9 +69,9 @@ class BlockMemory:
         def open_shard(name):
             with disk_errors(f"the block store of {name}"):
                 return open_store(o.store, shape.block_entry, shard_path(name), o.store_dtype, readonly=True,
-                                  checksums=o.block_checksums)
+                                  checksums=o.block_checksums, sealed=True)
 
-        fds = 2 if o.store == "lmdb" else shape.n_layer  # an environment and its lock file; a map per layer
+        fds = 1 if o.store == "lmdb" else shape.n_layer  # a sealed environment; a map per layer
         return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums, open_shard, open_budget(fds))
 
     def start(self, streams: int) -> None:

@@ -182,7 +182,7 @@ class MemoryDir:
         """A corpus's document ``folder`` (``manifest.DOCUMENT_FOLDER``), itself a memory
         directory; refused when it or ``docs/`` is a symbolic link."""
         for p in (self.path / folder).parent, self.path / folder:
-            if p.is_symlink():
+            if os.path.islink(p):
                 raise MemoryFileError(f"{p} is a symbolic link: a memory reads and writes only its own files; remove "
                                       "the link (or restore the memory from a backup)")
         return MemoryDir(self.path / folder, writable=writable)

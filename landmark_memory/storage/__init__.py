@@ -117,7 +117,7 @@ class LmdbStore(BlockStore):
     """LMDB environment at ``path``; the map grows by doubling when full, and a reader follows
     a map that a writer grew. Stores of one path in one process share the environment."""
 
-    def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False, checksums=False):
+    def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False, checksums=False, sealed=False):
         import lmdb
 
         super().__init__(shape, dtype, checksums)
@@ -129,9 +129,10 @@ class LmdbStore(BlockStore):
             if readonly and not (Path(path) / "data.mdb").is_file():
                 raise StoreDamagedError(f"the LMDB store {path} is missing its data.mdb")
             try:
-                # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only media
+                # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
+                # media or where no writer will come (``sealed``: a corpus's merged documents)
                 env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
-                                lock=not readonly or os.access(path, os.W_OK))
+                                lock=not readonly or (not sealed and os.access(path, os.W_OK)))
             except lmdb.Error as e:
                 if "No space left" in str(e):
                     raise DiskFullError(errno.ENOSPC, str(e)) from None
@@ -265,17 +266,19 @@ class OverlayStore(BlockStore):
 
 
 def open_store(kind: str, shape: tuple[int, ...], path: str | Path | None = None, dtype: str = "float16",
-               readonly: bool = False, checksums: bool = False) -> BlockStore:
+               readonly: bool = False, checksums: bool = False, sealed: bool = False) -> BlockStore:
     """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path``, may be
-    opened ``readonly`` and keep a CRC-32 per block with ``checksums``."""
+    opened ``readonly`` (``sealed``: no writer will ever come, so LMDB takes no reader lock)
+    and keep a CRC-32 per block with ``checksums``."""
     if kind not in STORES:
         raise ValueError(f"unknown store {kind!r}; choose one of {STORES}")
     if kind == "memory":
         return MemoryStore(shape, dtype)
     if path is None:
         raise ValueError(f"store {kind!r} keeps blocks on disk: pass a path")
-    return (LmdbStore if kind == "lmdb" else MmapStore)(shape, Path(path) / kind, dtype, readonly=readonly,
-                                                        checksums=checksums)
+    if kind == "lmdb":
+        return LmdbStore(shape, Path(path) / kind, dtype, readonly=readonly, checksums=checksums, sealed=sealed)
+    return MmapStore(shape, Path(path) / kind, dtype, readonly=readonly, checksums=checksums)
 
 
 class HotCache:

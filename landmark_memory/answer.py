@@ -1,0 +1,103 @@
+"""Asking a memory a question: the answer, and the passages it read.
+
+``ask`` feeds a question after everything the memory holds (through the model's chat template
+where it has one) and generates the answer, counting which memory blocks the answer's tokens
+retrieved: the passages of the answer, most read first, each named by its document and token
+offset (the paper's interpretability claim). The memory reads the question and the answer
+too, as any text fed to it; open it afresh (``LandmarkMemory.open(path, model,
+readonly=True)``) for an answer that no earlier question sees.
+"""
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .decode import decode
+from .memory import LandmarkMemory
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A memory block an answer read: its ``text``, its ``source`` (the document's file, None
+    where the memory does not know it), the ``token_offset`` of its first token in that
+    source, and its ``share`` of the answer's lookups."""
+
+    block: int
+    source: str | None
+    token_offset: int
+    text: str
+    share: float
+
+
+@dataclass(frozen=True)
+class Answer:
+    """``text``: the answer (without the end-of-turn token); ``tokens``: its token ids;
+    ``chat``: whether the question went through the chat template; ``passages``: most read
+    first; ``memory_tokens``: the tokens the memory held before the question."""
+
+    question: str
+    text: str
+    tokens: list[int]
+    chat: bool
+    passages: list[Passage] = field(default_factory=list)
+    memory_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def passage(mem: LandmarkMemory, ids, block: int, tokenizer, share: float) -> Passage:
+    """The block ``block`` of the memory as a ``Passage``; ``ids`` are the memory's tokens."""
+    bs = mem.shape.block_size
+    at, text = block * bs, tokenizer.decode(ids[block * bs:(block + 1) * bs].tolist())
+    for e in mem.inputs:
+        if e.start <= at < e.start + e.ingested:
+            return Passage(block, e.path, at - e.start, text, share)
+    return Passage(block, None, at, text, share)
+
+
+def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
+        seed: int = 0, raw: bool = False, passages: int = 3,
+        on_token: Callable[[int], None] | None = None) -> Answer:
+    """Answer ``question`` from the memory ``mem`` read by its model (``tokenizer`` its own).
+
+    Parameters
+    ----------
+    raw : bool, continue the question as written; by default a chat model (a tokenizer with
+        ``chat_prompt``) gets it as a user turn, and its answer ends at its end-of-turn token.
+    passages : int, how many of the passages read to report.
+    on_token : called with each new token id of the answer as it is generated (streaming; not
+        with the end-of-turn token).
+    """
+    if not question.strip():
+        raise ValueError("the question is empty")
+    if max_new_tokens < 0 or passages < 0:
+        raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")
+    n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
+    chat = None if raw else getattr(tokenizer, "chat_prompt", lambda q: None)(question)
+    uses = Counter()
+
+    def feed(nxt):  # (1, T) -> (1, vocab), counting the blocks the last position read
+        out = mem.forward(nxt.to(mem.device), logits="last")
+        for r in out.retrieved:  # (1, H, T, k)
+            uses.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_saved)
+        return out.logits[:, -1]
+
+    stop = tokenizer.end_of_turn_id if chat else None
+
+    def step(nxt):
+        if on_token is not None and int(nxt[0, -1]) != stop:
+            on_token(int(nxt[0, -1]))
+        return feed(nxt)
+
+    logits = feed(torch.tensor([tokenizer.encode(chat or question).ids]))
+    new = decode(logits, step, max_new_tokens, temperature=temperature,
+                 generator=torch.Generator().manual_seed(seed), stop_id=stop)[0].tolist()
+    if new:  # the last new token reads the memory too: its lookups count with the others'
+        step(torch.tensor([new[-1:]]))
+    total, ids = sum(uses.values()) or 1, mem.tokens()
+    read = [passage(mem, ids, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
+    answer = new[:-1] if stop is not None and new and new[-1] == stop else new
+    return Answer(question, tokenizer.decode(answer), answer, chat is not None, read, n_tokens)
