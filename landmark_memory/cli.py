@@ -160,6 +160,20 @@ def cmd_ask(args):
     return 0
 
 
+def cmd_serve(args):
+    from .serve import ServeConfig, serve
+
+    saved = MemoryDir(args.memory, writable=False).read_manifest()
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    LandmarkMemory.open(args.memory, model, readonly=True).close()  # the right model, a readable memory
+    cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), args.api_key, args.parallel,
+                      args.max_tokens, args.max_body)
+    print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",
+          file=sys.stderr)
+    serve(cfg, model, tok, args.host, args.port)
+    return 0
+
+
 def cmd_eval(args):
     inp = read_one_text(args.input)
     model, tok = load_model(args.model, args.device)
@@ -233,8 +247,8 @@ def cmd_train(argv):
     return 0
 
 
-COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "eval": cmd_eval, "compare": cmd_compare,
-            "passkey": cmd_passkey, "demo": cmd_demo}
+COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "serve": cmd_serve, "eval": cmd_eval,
+            "compare": cmd_compare, "passkey": cmd_passkey, "demo": cmd_demo}
 ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (MemoryFileError), files that cannot be
 # read or written, a worker dying again and again
 

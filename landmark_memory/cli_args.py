@@ -112,6 +112,16 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
                         "template and its answer ends at its end-of-turn token")
 
+    p = sub.add_parser("serve", help="serve a memory over HTTP: an OpenAI-compatible API and a page")
+    p.add_argument("memory")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=positive, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--parallel", type=positive, default=2, help="answers computed at once; more wait (default 2)")
+    p.add_argument("--max-tokens", type=positive, default=512, help="the most new tokens a request may ask (default 512)")
+    p.add_argument("--max-body", type=positive, default=1 << 20, help="the largest request body in bytes (default 1 MiB)")
+
     p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
     p.add_argument("--input", required=True, metavar="FILE")
     add_model_args(p)
