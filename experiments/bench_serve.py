@@ -134,6 +134,16 @@ def main():
         lat = [t for t, _ in r["load"]]
         body.append(f"| {r['model']} | {len(lat)} | {r['failures']} | {percentile(lat, 0.5):.2f} s | "
                     f"{percentile(lat, 0.95):.2f} s | {sum(n for _, n in r['load']) / r['wall']:.1f} |")
+    body += ["", "## The page", "",
+             "![the page at / after asking a SmolLM2 memory of two documents](serve_page.png)", "",
+             "The page in headless Chromium (Debian's package), made with `landmark-memory build shotmem --input "
+             "DOCS --model smollm2-landmark --workers 2` (DOCS: Up from Slavery's first 3,000 tokens and 3,000 "
+             "tokens from its chapter VII, two documents), `landmark-memory serve shotmem --model smollm2-landmark` "
+             "and `python experiments/screenshot_page.py \"http://127.0.0.1:8000/?q=Where was the author born?\" "
+             "serve_page.png --wait 25`. The answer is streamed in as it is generated; the strips mark, per "
+             "document, where the passages it read lie; below them the passages, most read first. The answer is "
+             "wrong (Booker T. Washington was born in Virginia): retrieval from real text is the open issue of "
+             "this model, not of the page."]
     write_result("serve", "Serving a memory: the OpenAI-compatible server against the library", body, args.results,
                  started)
 

@@ -1,20 +1,5 @@
-"""The ``landmark-memory`` command: build, inspect, query and measure persistent memories.
-
-    landmark-memory demo                                   # the whole story in a few minutes
-    landmark-memory build my-memory --input books/         # each file a document (resumable, Ctrl-C commits)
-    landmark-memory build my-memory --input books/ --workers 4   # the same, documents read on Ray
-    landmark-memory info my-memory
-    landmark-memory ask my-memory "Who is Mr Hyde?" --show-retrieved
-    landmark-memory eval --input book.txt --eval-length 2048
-    landmark-memory compare --input book.txt --index flat,hnsw,ivf,ivfpq --plot compare.png
-    landmark-memory passkey --lengths 1k,4k,16k --trials 20 --plot passkey.png
-    landmark-memory train --preset tiny                    # experiments/train.py's options
-
-Every command takes ``--help``; ``--json`` prints one JSON document on stdout (progress bars
-go to stderr). ``--model`` defaults to the bundled model. Errors exit with status 2 and a
-message saying what to do; a build stopped by Ctrl-C (or SIGTERM) commits and exits with 130
-(143).
-"""
+"""The ``landmark-memory`` command: each sub-command's work (``cli_args.py`` holds the command
+line, ``entry.py`` the entry point that parses it before the heavy imports)."""
 
 import contextlib
 import json
@@ -30,9 +15,10 @@ from .distributed import RayReader, WorkerError
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from .cli_args import parser
 from .index import KINDS
-from .kinds import backbone_for, is_landmark, load_model, reading_mode
+from .kinds import backbone_for, is_landmark, load_model, model_name, reading_mode
 from .memory import LandmarkMemory, MemoryDir, default_chunk_size
 from .memory.inspect import describe, verify
+from .memory.saved import wrong_model
 from .model import BUNDLED_MODEL
 
 
@@ -63,13 +49,24 @@ def read_one_text(path):
 
 
 # ---- commands ---------------------------------------------------------------------------
+def saved_model(args):
+    """The manifest of the memory ``args.memory`` (None where there is none yet), refused in one
+    line, before any model loads, when it records another model than ``--model``."""
+    if not (Path(args.memory) / "manifest.json").exists():
+        return None
+    saved = MemoryDir(args.memory, writable=False).read_manifest()
+    if saved.model.name and saved.model.name != model_name(args.model):
+        raise UsageError(wrong_model(args.memory, saved.model, model_name(args.model)))
+    return saved
+
+
 def cmd_build(args):
     inputs = read_inputs(args.input)  # every input checked before the memory is touched
     path = Path(args.memory)
     if args.ray_address and not args.workers:
         raise UsageError("--ray-address needs --workers: how many workers read documents on the cluster")
     fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
-    saved = MemoryDir(path, writable=False).read_manifest() if (path / "manifest.json").exists() else None
+    saved = saved_model(args)
     if saved is not None:
         if not saved.documents:
             raise UsageError(f"{path} reads its inputs in one context (a memory built before corpora); build now "
@@ -143,7 +140,7 @@ def cmd_verify(args):
 
 
 def cmd_ask(args):
-    saved = MemoryDir(args.memory, writable=False).read_manifest()
+    saved = saved_model(args) or MemoryDir(args.memory, writable=False).read_manifest()
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
     with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
@@ -163,7 +160,7 @@ def cmd_ask(args):
 def cmd_serve(args):
     from .serve import ServeConfig, serve
 
-    saved = MemoryDir(args.memory, writable=False).read_manifest()
+    saved = saved_model(args) or MemoryDir(args.memory, writable=False).read_manifest()
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     LandmarkMemory.open(args.memory, model, readonly=True).close()  # the right model, a readable memory
     cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), args.api_key, args.parallel,
@@ -243,7 +240,7 @@ def cmd_demo(args):
 def cmd_train(argv):
     from .train import main as train_main
 
-    train_main(argv)
+    train_main(argv, prog="landmark-memory train")
     return 0
 
 
@@ -257,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
         return cmd_train(argv[1:])
-    args = parser(__doc__).parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except ERRORS as e:

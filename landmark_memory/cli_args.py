@@ -1,12 +1,11 @@
 """The ``landmark-memory`` command's arguments: every sub-command, its options and their
-checks (a value out of range is refused by argparse with exit status 2)."""
+checks (a value out of range is refused by argparse with exit status 2). Nothing here imports
+torch or FAISS: the entry point parses the command line before the heavy imports, so ``--help``
+and a wrong option answer at once."""
 
 import argparse
 
-from .index import KINDS
-from .kinds import NAMED_MODELS
-from .memory import MAPPINGS, RETRIEVALS
-from .storage import DTYPES
+from .names import INDEX_KINDS, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
 
 
 def _number(kind, low, what):
@@ -39,7 +38,7 @@ CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 
 def add_retrieval_args(p, index_default="flat", top_k_default=4):
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
     p.add_argument("--top-k", type=positive, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
-    p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(KINDS)} (default {index_default})")
+    p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
@@ -56,7 +55,26 @@ def add_index_tuning(p, train_size=None):
     p.add_argument("--ef-search", type=positive, help="HNSW search breadth (default 128)")
 
 
-def parser(description: str) -> argparse.ArgumentParser:
+DESCRIPTION = """The landmark-memory command: build, inspect, query, serve and measure persistent memories.
+
+    landmark-memory demo                                   # the whole story in a few minutes
+    landmark-memory build my-memory --input books/         # each file a document (resumable, Ctrl-C commits)
+    landmark-memory build my-memory --input books/ --workers 4   # the same, documents read on Ray
+    landmark-memory info my-memory
+    landmark-memory ask my-memory "Who is Mr Hyde?" --show-retrieved
+    landmark-memory eval --input book.txt --eval-length 2048
+    landmark-memory compare --input book.txt --index flat,hnsw,ivf,ivfpq --plot compare.png
+    landmark-memory passkey --lengths 1k,4k,16k --trials 20 --plot passkey.png
+    landmark-memory train --preset tiny                    # experiments/train.py's options
+
+Every command takes ``--help``; ``--json`` prints one JSON document on stdout (progress bars
+go to stderr). ``--model`` defaults to the bundled model. Errors exit with status 2 and a
+message saying what to do; a build stopped by Ctrl-C (or SIGTERM) commits and exits with 130
+(143).
+"""
+
+
+def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     """The command line of every sub-command; ``args.command`` names the one given."""
     ap = argparse.ArgumentParser(prog="landmark-memory", description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,9 +90,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("memory", help="memory directory (created if absent, extended if present)")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=".txt files or folders of them")
     add_model_args(p)
-    p.add_argument("--index", choices=KINDS, help="landmark index of a new memory (default flat)")
+    p.add_argument("--index", choices=INDEX_KINDS, help="landmark index of a new memory (default flat)")
     p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
-    p.add_argument("--store-dtype", choices=sorted(DTYPES), help="stored key/value dtype (default: the model's)")
+    p.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help="stored key/value dtype (default: the model's)")
     p.add_argument("--block-size", type=positive, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default 4)")
@@ -123,7 +141,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=positive, default=1 << 20, help="the largest request body in bytes (default 1 MiB)")
 
     p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
-    p.add_argument("--input", required=True, metavar="FILE")
+    p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")
     add_model_args(p)
     p.add_argument("--eval-length", type=positive, default=2048, help="tokens per segment (default 2048)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
@@ -133,15 +151,15 @@ def parser(description: str) -> argparse.ArgumentParser:
     add_index_tuning(p)
 
     p = sub.add_parser("compare", parents=[common], help="exact vs approximate retrieval: perplexity, recall, latency")
-    p.add_argument("--input", required=True, metavar="FILE")
+    p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")
     add_model_args(p)
     p.add_argument("--index", default="flat,hnsw,ivf,ivfpq", help="index kinds, comma-separated (default all CPU kinds)")
     p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
     p.add_argument("--top-k", type=positive, default=4, help="blocks retrieved per query (default 4)")
-    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head")
-    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy")
+    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
+    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     add_index_tuning(p, train_size=1024)
     p.add_argument("--plot", metavar="FILE.png", help="bar charts of the table")
 

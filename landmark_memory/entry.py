@@ -19,6 +19,10 @@ PASSIVE_COMMANDS = ("build",)
 def main() -> int:
     if sys.argv[1:2] and sys.argv[1] in PASSIVE_COMMANDS:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if sys.argv[1:2] != ["train"]:  # --help and a wrong option answer here, before torch and FAISS load
+        from .cli_args import parser
+
+        parser().parse_args(sys.argv[1:])
     stopped = []
     previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
     try:

@@ -17,6 +17,7 @@ import torch
 
 from .backbone import Backbone, GPTBackbone
 from .model import BUNDLED_MODEL, LandmarkGPT
+from .names import NAMED_MODELS
 from .tokenizer import load_tokenizer
 
 
@@ -107,9 +108,6 @@ def hf_config(path: str | Path) -> dict | None:
     return doc if isinstance(doc, dict) and "model_type" in doc else None
 
 
-NAMED_MODELS = {"smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",
-                "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
-
 
 def _hf_ready(model, tokenizer, name, device: str, block_size: int | None):
     """A loaded Hugging Face model in eval mode on ``device`` with its ``TextTokenizer``, once
@@ -123,12 +121,21 @@ def _hf_ready(model, tokenizer, name, device: str, block_size: int | None):
     return model.to(device).eval(), TextTokenizer(tokenizer)
 
 
+def model_name(path: str | Path | None) -> str:
+    """A model as memories record it: "bundled", a name of ``NAMED_MODELS``, or a folder's
+    absolute path."""
+    if path is None:
+        return "bundled"
+    return str(path) if str(path) in NAMED_MODELS and not Path(path).exists() else str(Path(path).resolve())
+
+
 def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None):
     """``(model, tokenizer)`` from ``path``: a LandmarkGPT directory (default: the bundled
     model) with the shipped tokenizer, a Hugging Face model directory (converted or plain)
     with its own tokenizer (a ``hf.TextTokenizer``), or a name of ``NAMED_MODELS``
-    (``hf/smollm2.py``), in eval mode on ``device`` ("auto": cuda when available). ``block_size`` must match a landmark model's own, except that a
-    LandmarkGPT may be read with another (its trained blocks may suit it less)."""
+    (``hf/smollm2.py``), in eval mode on ``device`` ("auto": cuda when available), tagged
+    with its ``model_name`` as ``landmark_name``. ``block_size`` must match a landmark model's
+    own, except that a LandmarkGPT may be read with another (its trained blocks may suit it less)."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     config = hf_config(path) if path else None
     named = path in NAMED_MODELS and not Path(path).exists()
@@ -145,10 +152,12 @@ def load_model(path: str | Path | None = None, device: str = "auto", block_size:
         else:
             load = from_pretrained if config.get("landmark_block_size") else AutoModelForCausalLM.from_pretrained
             model, tok = load(path), AutoTokenizer.from_pretrained(path)
-        return _hf_ready(model, tok, path, dev, block_size)
-    model = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev)
-    if block_size and block_size != model.config.block_size:
-        if model.config.attention != "landmark":
-            raise ValueError("--block-size applies to landmark models only")
-        model.config.block_size = block_size  # shared by every layer
-    return model.eval(), load_tokenizer()
+        model, tok = _hf_ready(model, tok, path, dev, block_size)
+    else:
+        model, tok = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev).eval(), load_tokenizer()
+        if block_size and block_size != model.config.block_size:
+            if model.config.attention != "landmark":
+                raise ValueError("--block-size applies to landmark models only")
+            model.config.block_size = block_size  # shared by every layer
+    model.landmark_name = model_name(path)  # what a memory built with it records
+    return model, tok

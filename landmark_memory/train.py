@@ -13,9 +13,11 @@ validation loss), ``optimizer.safetensors`` + ``trainer_state.json`` for ``--res
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,40 +45,40 @@ class TrainConfig:
     copy_rate: float = 0.25  # share of those windows that are copy drills instead (data.PasskeyMix)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
-    attention: str = "landmark"
-    block_size: int = 50
+    attention: str = "landmark"  # landmark, full (the baseline) or infini (Infini-attention)
+    block_size: int = 50  # normal tokens per block; a landmark closes each
     segment_size: int = 128  # attention="infini": tokens per segment
     infini_update: str = "linear+delta"  # attention="infini": memory update rule
     cmt: bool = False  # a Context Miss Token that learns when retrieval is needed (paper appendix D)
     p_cmt: float = 0.5  # with --cmt: chance that a landmark is CMT-controlled in a training window
     p_jump: int = 1  # positions jump by a random 1..p_jump after each landmark (appendix E); 1 = off
-    n_layer: int = 12
-    n_head: int = 8
-    n_embd: int = 1024
-    ffn_hidden: int = 4096
-    dropout: float = 0.0
+    n_layer: int = 12  # transformer layers
+    n_head: int = 8  # attention heads per layer
+    n_embd: int = 1024  # model width
+    ffn_hidden: int = 4096  # hidden width of each MLP
+    dropout: float = 0.0  # dropout probability in training
     init_from: str = ""  # start from this saved model (with --hf-model: an earlier stage's adapter or model); "" = random init
     hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model (or "smollm2") with landmarks instead (paper 4.2)
     lora_rank: int = 0  # with --hf-model: train LoRA adapters of this rank and the landmark embedding; 0 = all weights
     lora_alpha: int = 0  # LoRA scale numerator; 0 = twice the rank
     # optimisation (paper defaults)
     batch_size: int = 8  # per process, per micro-step
-    grad_accum: int = 1
-    max_iters: int = 240_000
-    lr: float = 2e-3
-    min_lr: float = 4e-4
-    warmup_frac: float = 0.02
-    weight_decay: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
+    grad_accum: int = 1  # micro-steps per optimizer step
+    max_iters: int = 240_000  # optimizer steps
+    lr: float = 2e-3  # peak learning rate, after warmup
+    min_lr: float = 4e-4  # learning rate at the end of the cosine decay
+    warmup_frac: float = 0.02  # share of the steps warming up linearly
+    weight_decay: float = 1e-3  # AdamW weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # 0 = off
     # bookkeeping
-    eval_interval: int = 1000
-    eval_iters: int = 20
+    eval_interval: int = 1000  # steps between validation runs (and saves)
+    eval_iters: int = 20  # validation batches per run
     out_dir: str = ""  # "" = out/<preset>
-    resume: bool = False
-    seed: int = 1337
-    device: str = "auto"
+    resume: bool = False  # continue the run saved in --out-dir, exactly where it stopped
+    seed: int = 1337  # initialisation and data order
+    device: str = "auto"  # cpu, cuda, cuda:1 ...; auto = cuda when available
     dtype: str = "auto"  # auto = bfloat16 autocast on GPUs that support it, else float32
     sample_tokens: int = 0  # print a sample of this many tokens at the end
 
@@ -345,21 +347,30 @@ class Trainer:
         return self.tok.decode(out[0].tolist())
 
 
-def parse_args(argv=None):
+def field_help() -> dict[str, str]:
+    """Each TrainConfig field's comment where it is defined: the help text of its option."""
+    lines = inspect.getsource(TrainConfig).splitlines()
+    return {m[1]: m[2] for m in (re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line) for line in lines) if m}
+
+
+def parse_args(argv=None, prog="train.py"):
     """TrainConfig from the command line: ``--preset`` first, then any field as ``--field-name``."""
-    ap = argparse.ArgumentParser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="starting values (default: tiny)")
+    helps = field_help()
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flag, what = "--" + f.name.replace("_", "-"), helps.get(f.name, "").replace("%", "%%")  # argparse formats it
+        default = PRESETS["tiny"].get(f.name, f.default)
+        what += f" (default {default!r} with --preset tiny)" if what else ""
         if f.type is bool or isinstance(f.default, bool):
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
         else:
-            ap.add_argument(flag, type=type(f.default), default=None, metavar=f.name.upper())
+            ap.add_argument(flag, type=type(f.default), default=None, metavar=f.name.upper(), help=what)
     args = ap.parse_args(argv)
     values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k != "preset"}}
     return TrainConfig(**values), args.preset
 
 
-def main(argv=None):
-    cfg, preset = parse_args(argv)
+def main(argv=None, prog="train.py"):
+    cfg, preset = parse_args(argv, prog)
     return Trainer(cfg, preset).run()

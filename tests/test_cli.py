@@ -133,11 +133,17 @@ def test_demo_runs_end_to_end_on_a_short_book(texts, capsys, tmp_path):
     assert (tmp_path / "d" / "memory" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("command", ["build", "info", "ask", "eval", "compare", "passkey", "demo", "train"])
-def test_every_command_has_help(command, capsys):
+@pytest.mark.parametrize("command", ["build", "info", "ask", "serve", "eval", "compare", "passkey", "demo", "train"])
+def test_every_command_and_option_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
-    assert e.value.code == 0 and "usage" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: landmark-memory {command}")
+    options = out[out.index("options:"):].splitlines()[1:]
+    bare = [line for line, after in zip(options, options[1:] + [""])  # an option line with nothing after it
+            if line.startswith("  -") and len([x for x in line.strip().split("  ") if x]) < 2
+            and not after.startswith(" " * 20)]
+    assert not bare, bare
 
 
 # ---- bad input: a clear message, a non-zero exit, the memory untouched -------------------
@@ -176,6 +182,25 @@ def test_a_memory_refuses_another_model(built, tmp_path, capsys):
         assert main([*argv, "--model", str(tmp_path / "other"), "--quiet"]) == 2
         assert "another model" in capsys.readouterr().err
     assert dir_digest(built) == before
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["build", "m", "--input", "x", "--workers", "0"]])
+def test_help_and_wrong_options_answer_before_torch_or_faiss_load(argv):
+    probe = ("import sys; from landmark_memory import entry; sys.argv = ['landmark-memory', *sys.argv[1:]]\n"
+             "try:\n    entry.main()\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('LOADED', 'torch' in sys.modules or 'faiss' in sys.modules, code, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+    assert run.stderr.strip().splitlines()[-1] == f"LOADED False {2 if '--workers' in argv else 0}", run.stderr
+
+
+def test_a_wrong_model_is_named_in_one_line_before_it_loads(built, capsys):
+    for argv in (["ask", str(built), "Hello"], ["build", str(built), "--input", str(BOOK), "--block-size", "63"]):
+        t0 = time.time()
+        assert main([*argv, "--model", "smollm2-landmark", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and time.time() - t0 < 5, err  # SmolLM2 was never loaded
+        assert "built with another model, bundled" in err and "--model smollm2-landmark" in err
+        assert err.endswith("pass --model bundled")
 
 
 @pytest.mark.parametrize("damage", ["manifest", "state"])

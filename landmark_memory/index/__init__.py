@@ -21,7 +21,9 @@ import time
 import faiss
 import numpy as np
 
-KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")
+from ..names import INDEX_KINDS
+
+KINDS = INDEX_KINDS
 RETRAIN_GROWTH = 4
 
 

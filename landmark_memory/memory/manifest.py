@@ -56,6 +56,8 @@ class ModelRecord:
     config: dict
     shape: ModelShape
     dtype: str
+    name: str = ""  # as the user named it (``kinds.model_name``): "bundled", a named model, a folder
+
 
 
 @dataclass
@@ -147,7 +149,8 @@ class Manifest:
             shape = model.get("shape") if version >= 2 else {  # format 1: LandmarkGPT, one key/value head per head
                 "n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"], "head_dim": cfg["n_embd"] // cfg["n_head"],
                 "block_size": cfg["block_size"]}
-            m = cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"]),
+            m = cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"],
+                                      model.get("name", "")),
                     options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
                     tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
                     inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],

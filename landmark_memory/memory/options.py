@@ -9,10 +9,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..index import LandmarkIndex
-from ..storage import STORES
+from ..names import MAPPINGS, RETRIEVALS, STORES
 
-RETRIEVALS = ("per_token_head", "per_head", "per_token")
-MAPPINGS = ("stingy", "exact")
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
 SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
 CHUNK_TOKENS = 250  # the paper's l_local: chunks default to the multiple of the block size nearest this

@@ -17,6 +17,14 @@ from .directory import MemoryDir, model_fingerprint
 from .manifest import TOKENS, InputRecord, Manifest, MemoryFileError, ModelRecord
 
 
+def wrong_model(path, saved: ModelRecord, given: str) -> str:
+    """One line: which model built the memory at ``path``, which was given, what to pass."""
+    built = f"{saved.name} (weights {saved.fingerprint[:12]})" if saved.name else f"weights {saved.fingerprint[:12]}"
+    mine = f"--model {given}" if given else "the model given"
+    fix = f"pass --model {saved.name}" if saved.name else "open it with the model that built it"
+    return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"
+
+
 class SavedMemory:
     """The saving half of ``LandmarkMemory``: everything here needs the attributes that
     ``LandmarkMemory._setup`` makes."""
@@ -79,9 +87,7 @@ class SavedMemory:
             manifest, state = d.read_commit()
             saved = manifest.model
             if saved.fingerprint != fingerprint:
-                raise MemoryFileError(
-                    f"the memory {path} was built with another model (config {saved.config}, fingerprint "
-                    f"{saved.fingerprint[:12]}); open it with that model")
+                raise MemoryFileError(wrong_model(path, saved, getattr(model, "landmark_name", "")))
             mem = cls.__new__(cls)
             mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
             mem.dir, mem.readonly, mem._fingerprint, mem.documents = d, readonly, fingerprint, manifest.documents
@@ -123,7 +129,8 @@ class SavedMemory:
         """The model this memory was built with, as its manifest records it (fingerprint first)."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
-        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype])
+        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype],
+                           getattr(self.model, "landmark_name", ""))
 
     def _manifest(self) -> Manifest:
         return Manifest(model=self.model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,

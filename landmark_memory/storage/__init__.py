@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from ..fileio import open_nofollow
+from ..names import STORE_DTYPES, STORES
 
-STORES = ("memory", "lmdb", "mmap")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+DTYPES = {name: getattr(torch, name) for name in STORE_DTYPES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

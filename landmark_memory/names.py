@@ -1,0 +1,12 @@
+"""The names the command line offers, importable without torch or FAISS (so that ``--help``
+and a wrong option answer at once): index kinds, stores and their dtypes, retrieval modes,
+position mappings, and the named models. Each is owned here and used by the module that
+implements it."""
+
+INDEX_KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
+STORES = ("memory", "lmdb", "mmap")  # storage/__init__.py
+STORE_DTYPES = ("float32", "float16", "bfloat16")
+RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2
+MAPPINGS = ("stingy", "exact")  # paper 3.2.1
+NAMED_MODELS = {"smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",  # hf/smollm2.py
+                "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
