@@ -166,8 +166,8 @@ class MemoryDir:
     def store_path(self) -> Path:
         """The block store's folder, refused when it (or what is in it) is a symbolic link."""
         store = self.path / STORE
-        links = [str(store)] if store.is_symlink() else []
-        if not links and store.is_dir():  # os.scandir: a corpus opens one document store per read
+        links = [str(store)] if os.path.islink(store) else []
+        if not links and os.path.isdir(store):  # os.scandir: a corpus opens a document's store per first read
             for e in os.scandir(store):
                 if e.is_symlink():
                     links.append(e.path)

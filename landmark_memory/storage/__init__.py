@@ -127,7 +127,7 @@ class LmdbStore(BlockStore):
         self.key = os.path.realpath(path)
         shared = _LMDB_ENVS.get(self.key)
         if shared is None:
-            if readonly and not (Path(path) / "data.mdb").is_file():
+            if readonly and not os.path.isfile(os.path.join(path, "data.mdb")):
                 raise StoreDamagedError(f"the LMDB store {path} is missing its data.mdb")
             try:
                 # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
