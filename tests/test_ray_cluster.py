@@ -4,6 +4,7 @@ its worker reads a document: the build finishes with every token once and verifi
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -80,7 +81,10 @@ def test_a_memory_folder_the_workers_cannot_see_is_refused_before_anything_is_wr
     hidden = tmp_path / "shared"
     hidden.mkdir()
     ray_bin = str(Path(sys.executable).with_name("ray"))
-    head = [ray_bin, "start", "--head", "--port", "6391", "--num-cpus", "1", "--include-dashboard", "false",
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = [ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard", "false",
             "--disable-usage-stats"]
     if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
             ["unshare", "-m", "--propagation", "private", "sh", "-c",
@@ -89,7 +93,7 @@ def test_a_memory_folder_the_workers_cannot_see_is_refused_before_anything_is_wr
     try:
         (tmp_path / "doc.txt").write_text("A short document.")
         run = subprocess.run([sys.executable, "-m", "landmark_memory.entry", "build", str(hidden / "mem"), "--input",
-                              str(tmp_path / "doc.txt"), "--workers", "1", "--ray-address", "127.0.0.1:6391"],
+                              str(tmp_path / "doc.txt"), "--workers", "1", "--ray-address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=300)
     finally:
         subprocess.run([ray_bin, "stop"], capture_output=True)
