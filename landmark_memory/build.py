@@ -203,7 +203,8 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
     for folder in queue:  # read to their end, or left as they are
         m = document_manifest(mem.dir, folder)
         ready.add(folder)
-        summary.left += [] if finished(m) else [m.inputs[0].path]
+        if not finished(m):
+            summary.left.append(m.inputs[0].path)
     for sha, inp in given.items():
         folder = document_folder(sha)
         queue.append(folder)
