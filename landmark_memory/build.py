@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from .data import list_text_files, read_text, strip_gutenberg
 from .memory import LandmarkMemory, MemoryFileError
-from .memory.corpus import document_manifest, document_states, finished, merge_document
+from .memory.corpus import committed_tokens, document_manifest, document_states, finished, merge_document
 from .memory.manifest import document_folder
 from .memory.options import MemoryOptions
 from .tokenizer import EOS_TOKEN
@@ -199,7 +199,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             given[inp.sha256] = inp
     root = mem.dir.path.resolve()  # workers elsewhere (Ray) find documents by absolute paths
     queue = _unmerged_documents(mem, given, leave_unfinished)  # folders still to merge, read ones first
-    jobs, ready = [], set()
+    jobs, ready, read_before = [], set(), 0
     for folder in queue:  # read to their end, or left as they are
         m = document_manifest(mem.dir, folder)
         ready.add(folder)
@@ -212,6 +212,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
         if m is not None and finished(m):  # read by an earlier build: never read again
             ready.add(folder)
         else:
+            read_before += committed_tokens(m)
             jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha,
                                     encode_document(tokenizer, inp.text, bs), mem.options, commit_every))
     started = last_commit = time.monotonic()
@@ -225,7 +226,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             mem.commit()
             last_commit = time.monotonic()
 
-    with _StopOnSignal() as stop, tqdm(total=sum(len(j.ids) for j in jobs), initial=sum(_read(mem, j) for j in jobs),
+    with _StopOnSignal() as stop, tqdm(total=sum(len(j.ids) for j in jobs), initial=read_before,
                                        unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                                        desc=f"{len(jobs)} documents") as bar:
         merge_ready()
@@ -239,12 +240,6 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             summary.interrupted = signal.Signals(stop.signum).name
     summary.seconds = time.monotonic() - started
     return summary
-
-
-def _read(mem: LandmarkMemory, job: DocumentJob) -> int:
-    """Tokens of ``job`` its document's last commit holds."""
-    m = document_manifest(mem.dir, document_folder(job.sha256))
-    return m.inputs[0].ingested if m is not None and m.inputs else 0
 
 
 def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_unfinished: bool) -> list[str]:

@@ -49,10 +49,11 @@ def read_one_text(path):
 
 
 # ---- commands ---------------------------------------------------------------------------
-def saved_model(args):
-    """The manifest of the memory ``args.memory`` (None where there is none yet), refused in one
-    line, before any model loads, when it records another model than ``--model``."""
-    if not (Path(args.memory) / "manifest.json").exists():
+def saved_model(args, required=True):
+    """The manifest of the memory ``args.memory`` (unless ``required``, None where there is none
+    yet), refused in one line, before any model loads, when it records another model than
+    ``--model``."""
+    if not required and not (Path(args.memory) / "manifest.json").exists():
         return None
     saved = MemoryDir(args.memory, writable=False).read_manifest()
     if saved.model.name and saved.model.name != model_name(args.model):
@@ -66,7 +67,7 @@ def cmd_build(args):
     if args.ray_address and not args.workers:
         raise UsageError("--ray-address needs --workers: how many workers read documents on the cluster")
     fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
-    saved = saved_model(args)
+    saved = saved_model(args, required=False)
     if saved is not None:
         if not saved.documents:
             raise UsageError(f"{path} reads its inputs in one context (a memory built before corpora); build now "
@@ -140,7 +141,7 @@ def cmd_verify(args):
 
 
 def cmd_ask(args):
-    saved = saved_model(args) or MemoryDir(args.memory, writable=False).read_manifest()
+    saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
     with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
@@ -160,7 +161,7 @@ def cmd_ask(args):
 def cmd_serve(args):
     from .serve import ServeConfig, serve
 
-    saved = saved_model(args) or MemoryDir(args.memory, writable=False).read_manifest()
+    saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     LandmarkMemory.open(args.memory, model, readonly=True).close()  # the right model, a readable memory
     cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), args.api_key, args.parallel,

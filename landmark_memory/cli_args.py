@@ -38,7 +38,8 @@ CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 
 def add_retrieval_args(p, index_default="flat", top_k_default=4):
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
     p.add_argument("--top-k", type=positive, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
-    p.add_argument("--index", default=index_default, help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
+    p.add_argument("--index", default=index_default,
+                   help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
@@ -137,8 +138,10 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--port", type=positive, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
     p.add_argument("--parallel", type=positive, default=2, help="answers computed at once; more wait (default 2)")
-    p.add_argument("--max-tokens", type=positive, default=512, help="the most new tokens a request may ask (default 512)")
-    p.add_argument("--max-body", type=positive, default=1 << 20, help="the largest request body in bytes (default 1 MiB)")
+    p.add_argument("--max-tokens", type=positive, default=512,
+                   help="the most new tokens a request may ask (default 512)")
+    p.add_argument("--max-body", type=positive, default=1 << 20,
+                   help="the largest request body in bytes (default 1 MiB)")
 
     p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
     p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")

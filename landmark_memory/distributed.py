@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .build import DocumentJob, DocumentResult, read_document
 from .memory import MemoryDir
+from .memory.corpus import committed_tokens
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # as the build command (entry.py): no spinning on shared cores
@@ -116,8 +117,8 @@ class RayReader:
                     raise ValueError(f"--workers {self.workers} on a machine with {cores} cores: give at most {cores} "
                                      "(one core each), or join a cluster with --ray-address")
                 self.threads = self.threads or cores // self.workers
-                ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False, log_to_driver=False,
-                         logging_level="ERROR")
+                ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False,
+                         log_to_driver=False, logging_level="ERROR")
             else:
                 check_address(self.address)
                 try:
@@ -209,9 +210,9 @@ class RayReader:
 
 
 def _committed(folder: Path) -> int:
-    """Tokens of the document in ``folder`` its last commit holds (0 before its first)."""
+    """Tokens of the document in ``folder`` its last commit holds (0 before its first, or while
+    its manifest is being replaced)."""
     try:
-        m = MemoryDir(folder, writable=False).read_manifest()
+        return committed_tokens(MemoryDir(folder, writable=False).read_manifest())
     except (OSError, ValueError):
         return 0
-    return m.inputs[0].ingested if m.inputs else 0

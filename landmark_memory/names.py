@@ -8,5 +8,6 @@ STORES = ("memory", "lmdb", "mmap")  # storage/__init__.py
 STORE_DTYPES = ("float32", "float16", "bfloat16")
 RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2
 MAPPINGS = ("stingy", "exact")  # paper 3.2.1
-NAMED_MODELS = {"smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",  # hf/smollm2.py
-                "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
+NAMED_MODELS = {  # hf/smollm2.py
+    "smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",
+    "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}

@@ -133,8 +133,8 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     async def malformed(request, exc):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return APIError(400, f"malformed request: {first.get('msg', 'invalid body')}" + (f" at {where}" if where else ""),
-                        "invalid_request").response()
+        message = f"malformed request: {first.get('msg', 'invalid body')}" + (f" at {where}" if where else "")
+        return APIError(400, message, "invalid_request").response()
 
     @app.exception_handler(APIError)
     async def api_error(request, exc):

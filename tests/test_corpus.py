@@ -169,6 +169,7 @@ def test_a_sharded_store_reads_each_block_from_its_shard(tmp_path):
     for k, t in zip([keys[i] for i in order], union.get([keys[i] for i in order])):
         assert torch.equal(t, blocks[k])
     assert len(union._open) == 2 and set(opened) == {s.name for s in shards}  # the least recent closed
+    assert union.opens == len(opened) and union.open_seconds > 0
     with pytest.raises(KeyError):
         union.get([(0, 0, start)])
     union.close()

@@ -32,6 +32,11 @@ def document_manifest(corpus: MemoryDir, folder: str) -> Manifest | None:
     return m
 
 
+def committed_tokens(m: Manifest | None) -> int:
+    """Tokens of a document its last commit ``m`` holds (0 before its first)."""
+    return m.inputs[0].ingested if m is not None and m.inputs else 0
+
+
 def finished(m: Manifest) -> bool:
     """Whether the document whose last commit is ``m`` was read to its end (its open chunk
     then goes into blocks, so none is left)."""

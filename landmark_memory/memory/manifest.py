@@ -129,8 +129,9 @@ class Manifest:
                 "model": asdict(self.model), "options": self.options.to_dict(),
                 "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
                 "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
-                "documents": self.documents, "commit": self.commit, "files": {**({"state": asdict(self.state)} if self.state else {}),
-                                                 **({"rows_crc32": self.rows_crc} if self.rows_crc else {})},
+                "documents": self.documents, "commit": self.commit,
+                "files": {**({"state": asdict(self.state)} if self.state else {}),
+                          **({"rows_crc32": self.rows_crc} if self.rows_crc else {})},
                 "updated": self.updated}
 
     @classmethod
@@ -163,7 +164,8 @@ class Manifest:
         outside = [e.document for e in m.inputs if e.document is not None and not DOCUMENT_FOLDER.fullmatch(e.document)]
         if outside or any(e.document is None for e in m.inputs if m.documents):
             raise MemoryFileError(f"{where} names a document folder {outside[0] if outside else None!r} that is no "
-                                  "document of the memory; the memory is damaged: restore it from a backup or rebuild it")
+                                  "document of the memory; the memory is damaged: restore it from a backup or "
+                                  "rebuild it")
         return m
 
 

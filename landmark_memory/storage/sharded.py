@@ -11,6 +11,7 @@ thousands of LMDB environments or memory maps at once.
 
 import bisect
 import resource
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -54,6 +55,7 @@ class ShardedStore(BlockStore):
                  open_shard: Callable[[str], BlockStore], max_open: int = 64):
         super().__init__(shape, dtype, checksums)
         self.open_shard, self.max_open = open_shard, max_open
+        self.opens, self.open_seconds = 0, 0.0  # shard stores opened, and the time it took
         self.shards: list[Shard] = []
         self._starts: list[int] = []
         self._open: OrderedDict[int, BlockStore] = OrderedDict()  # shard number -> its store, least recent first
@@ -76,7 +78,9 @@ class ShardedStore(BlockStore):
         if store is None:
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()
+            t0 = time.perf_counter()
             store = self._open[i] = self.open_shard(self.shards[i].name)
+            self.opens, self.open_seconds = self.opens + 1, self.open_seconds + time.perf_counter() - t0
         self._open.move_to_end(i)
         return store
 
