@@ -124,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--chunk-size", type=int, default=None, help="default the memory's (about 250)")
+    ap.add_argument("--store-dtype", default="", help="stored key/value dtypes, comma-separated, each its own rows "
+                                                      "(default: the model's)")
     args = ap.parse_args(argv)
     contexts = sorted(map(int, args.contexts.split(",")))
     model, tok, cached = models(args)
@@ -140,9 +142,10 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|")
     for n in contexts:
         print(f"| {n} | full attention + KV cache | {full[n][0]:.2f} | 1.00x | {full[n][1] / MiB:.1f} | - | - |")
-    for kind in args.indexes.split(","):
-        mem = LandmarkMemory(model, index=kind, top_k=args.top_k, chunk_size=args.chunk_size,
+    for kind, dtype in [(k, d) for k in args.indexes.split(",") for d in args.store_dtype.split(",")]:
+        mem = LandmarkMemory(model, index=kind, top_k=args.top_k, chunk_size=args.chunk_size, store_dtype=dtype or None,
                              cache_bytes=args.cache_mib * MiB, index_options={"train_size": args.train_size})
+        method = f"landmark, {kind}" + (f", {dtype} store" if dtype else "")
         fed = 0
         for n in contexts:
             t0 = time.perf_counter()
@@ -158,7 +161,7 @@ def main(argv=None):
             fed += args.steps
             usage = mem.memory_usage()
             fast, store = usage["fast"], usage["store"]
-            print(f"| {n} | landmark, {kind} | {ms:.2f} | {full[n][0] / ms:.2f}x | {fast / MiB:.1f} | "
+            print(f"| {n} | {method} | {ms:.2f} | {full[n][0] / ms:.2f}x | {fast / MiB:.1f} | "
                   f"{store / MiB:.1f} | {rate:,.0f} |", flush=True)
         mem.close()
 

@@ -127,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=512, help="in-sequence window (default 512)")
     ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq")
     ap.add_argument("--stores", default="memory,lmdb")
+    ap.add_argument("--store-dtype", default="", help="stored key/value dtypes, comma-separated, each its own rows "
+                                                      "(default: the model's)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--train-size", type=int, default=1024, help="landmarks before IVF indexes train (default 1024)")
     ap.add_argument("--piece", type=int, default=0,
@@ -157,16 +159,19 @@ def main(argv=None):
           f"({bare:,.0f} without its output head)")
     print("| index | store | tokens/s | vs forward | overhead | overhead vs forward without head |")
     print("|---|---|---|---|---|---|")
-    rows = [(kind, store) for kind in args.indexes.split(",") for store in args.stores.split(",")]
+    rows = [(kind, store, dtype) for kind in args.indexes.split(",") for store in args.stores.split(",")
+            for dtype in args.store_dtype.split(",")]
     # warm up as the forward was: a process's first chunk and decoding step load compiled code
     warm, k = LandmarkMemory(model, **options), min(2 * args.piece, ids.shape[1] - 1)
     warm.forward(ids[:, :k], logits="none")
     warm.step(ids[:, k])
     warm.close()
-    for i, (kind, store) in enumerate(rows):
+    for i, (kind, store, dtype) in enumerate(rows):
         profile = Profile(type(backbone_for(model))) if args.profile and i == 0 else None
         t0 = time.perf_counter()
-        rate = read_through_memory(model, ids, args.piece, index=kind, store=store, **options)
+        rate = read_through_memory(model, ids, args.piece, index=kind, store=store, store_dtype=dtype or None,
+                                   **options)
+        store = f"{store} ({dtype})" if dtype else store
         if profile is not None:
             total, parts = time.perf_counter() - t0, dict(profile.seconds)
             profile.close()

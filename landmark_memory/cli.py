@@ -36,7 +36,8 @@ def memory_options(args, model):
     """LandmarkMemory options from the command line (the chunk size resolved for ``model``)."""
     chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
     opts = {"top_k": args.top_k, "chunk_size": chunk, "index": args.index, "retrieval": args.retrieval,
-            "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None)}
+            "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None),
+            "store_dtype": args.store_dtype}
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
     return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options}
 

@@ -45,6 +45,12 @@ def add_retrieval_args(p, index_default="flat", top_k_default=4):
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
 
 
+def add_store_dtype(p, saved=False):
+    p.add_argument("--store-dtype", choices=STORE_DTYPES,
+                   help="stored key/value dtype; int8: a quarter of float32's bytes, scales per block, head and "
+                        "key channel or value row (default: " + ("int8" if saved else "the model's, in memory") + ")")
+
+
 CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT share is below this retrieves "
             "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
 
@@ -93,7 +99,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--index", choices=INDEX_KINDS, help="landmark index of a new memory (default flat)")
     p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
-    p.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help="stored key/value dtype (default: the model's)")
+    add_store_dtype(p, saved=True)
     p.add_argument("--block-size", type=positive, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default 4)")
@@ -151,6 +157,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--full-attention", action="store_true",
                    help="each segment in one forward, no memory (the model's own attention)")
     add_retrieval_args(p)
+    add_store_dtype(p)
     add_index_tuning(p)
 
     p = sub.add_parser("compare", parents=[common], help="exact vs approximate retrieval: perplexity, recall, latency")
@@ -163,6 +170,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=positive, default=4, help="blocks retrieved per query (default 4)")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
+    add_store_dtype(p)
     add_index_tuning(p, train_size=1024)
     p.add_argument("--plot", metavar="FILE.png", help="bar charts of the table")
 
@@ -174,6 +182,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--full-attention", action="store_true", help="whole prompt in one forward, no memory")
     p.add_argument("--plot", metavar="FILE.png", help="accuracy vs length")
     add_retrieval_args(p)
+    add_store_dtype(p)
     add_index_tuning(p)
 
     p = sub.add_parser("demo", parents=[common], help="build, save, reopen and query a memory over the sample book")

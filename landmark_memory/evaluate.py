@@ -138,29 +138,34 @@ def compare_indexes(model: torch.nn.Module, ids, kinds: list[str], eval_length: 
     return rows
 
 
+@torch.no_grad()
+def greedy_continuation(model: torch.nn.Module, ids: list[int], max_new_tokens: int,
+                        memory: dict | None = None) -> list[int]:
+    """The greedy continuation of the prompt ``ids``: through a fresh memory (``memory``:
+    ``LandmarkMemory`` options) or, with ``memory=None``, as the model reads on its own (an
+    Infini-attention model streamed, a plain Hugging Face model with its KV cache, any other
+    re-reading the whole context for each new token)."""
+    idx = torch.tensor([ids], device=next(model.parameters()).device)
+    if is_infini(model):  # streamed: the state carries the context
+        state = InfiniState()
+        new = decode(model(idx, state=state)[:, -1], lambda nxt: model(nxt, state=state)[:, -1], max_new_tokens)
+    elif memory is None and is_plain_hf(model):  # its own KV cache, as generate() would use
+        new = decode(*kv_cache_decoder(model, idx), max_new_tokens)
+    elif memory is None:  # no cache: the whole context is re-read for each new token
+        new = decode_rereading(lambda x: in_sequence_logits(model, x), idx, max_new_tokens)
+    else:
+        with LandmarkMemory(model, **memory) as mem:
+            new = mem.generate(idx, max_new_tokens)
+    return new[0].tolist()
+
+
 def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], trials: int, seed: int,
                      memory: dict | None = None, max_new_tokens: int = 8, progress: bool = True) -> list[dict]:
     """The passkey test (``passkey.run_passkey``) with greedy decoding, through a fresh memory
     per prompt (``memory``: ``LandmarkMemory`` options) or, with ``memory=None``, in sequence."""
-    device = next(model.parameters()).device
-
-    def generate(ids):
-        idx = torch.tensor([ids], device=device)
-        if is_infini(model):  # streamed: the state carries the context
-            state = InfiniState()
-            new = decode(model(idx, state=state)[:, -1], lambda nxt: model(nxt, state=state)[:, -1], max_new_tokens)
-        elif memory is None and is_plain_hf(model):  # its own KV cache, as generate() would use
-            new = decode(*kv_cache_decoder(model, idx), max_new_tokens)
-        elif memory is None:  # no cache: the whole context is re-read for each new token
-            new = decode_rereading(lambda x: in_sequence_logits(model, x), idx, max_new_tokens)
-        else:
-            mem = LandmarkMemory(model, **memory)
-            new = mem.generate(idx, max_new_tokens)
-            mem.close()
-        return tokenizer.decode(new[0].tolist())
-
     bar = tqdm(total=len(lengths) * trials, desc="passkey", unit="trial", disable=not progress, dynamic_ncols=True)
     try:
-        return run_passkey(generate, tokenizer, lengths, trials, seed, progress=bar)
+        return run_passkey(lambda ids: tokenizer.decode(greedy_continuation(model, ids, max_new_tokens, memory)),
+                           tokenizer, lengths, trials, seed, progress=bar)
     finally:
         bar.close()

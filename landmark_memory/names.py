@@ -5,7 +5,7 @@ implements it."""
 
 INDEX_KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
 STORES = ("memory", "lmdb", "mmap")  # storage/__init__.py
-STORE_DTYPES = ("float32", "float16", "bfloat16")
+STORE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # storage/__init__.py, quant.py
 RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2
 MAPPINGS = ("stingy", "exact")  # paper 3.2.1
 NAMED_MODELS = {  # hf/smollm2.py

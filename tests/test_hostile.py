@@ -26,7 +26,7 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.build import LocalReader, build as build_corpus, encode_document, read_document, read_inputs
 from landmark_memory.cli import main
 from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.storage import LmdbStore
+from landmark_memory.storage import LmdbStore, stored_nbytes
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
 CLI = [sys.executable, "-m", "landmark_memory.cli"]
@@ -117,23 +117,28 @@ def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, bo
 
 # ---- 2. corruption -----------------------------------------------------------------------
 def corrupt_blocks(mem, store, blocks):
+    """Overwrite 64 bytes inside layer 1's record of each of ``blocks`` (the default int8 store:
+    LMDB keeps a block's layers in one value)."""
     rng = np.random.default_rng(0)
     mem = document(mem)
+    m = json.loads((mem / "manifest.json").read_text())
+    shape = m["model"]["shape"]
+    record = stored_nbytes((2, shape["n_kv_head"], shape["block_size"] + 1, shape["head_dim"]),
+                           m["options"]["store_dtype"]) + 4  # + CRC-32
     if store == "mmap":
         f = mem / "store" / "mmap" / "s0_l1.blocks"
         data = bytearray(f.read_bytes())
-        shape = json.loads((mem / "manifest.json").read_text())["model"]["shape"]
-        record = 2 * shape["n_kv_head"] * (shape["block_size"] + 1) * shape["head_dim"] * 4 + 4  # float32 + CRC-32
         for b in blocks:
             data[b * record + 100:b * record + 164] = rng.bytes(64)
         f.write_bytes(bytes(data))
     else:
+        assert m["options"]["store_dtype"] == "int8"
         env = lmdb.open(str(mem / "store" / "lmdb"))
         with env.begin(write=True) as txn:
             for b in blocks:
-                key = struct.pack(">III", 0, 1, b)
+                key = struct.pack(">II", 0, b)
                 value = bytearray(txn.get(key))
-                value[100:164] = rng.bytes(64)
+                value[record + 100:record + 164] = rng.bytes(64)
                 txn.put(key, bytes(value))
         env.close()
 

@@ -35,10 +35,27 @@ def test_retrieve_all_equals_in_sequence_forward(model, text, chunk_size):
 def test_retrieve_all_equivalence_through_disk_stores(model, text, store, tmp_path):
     with torch.no_grad():
         full = model(text)
-    mem = retrieve_all(model, chunk_size=10, store=store, path=tmp_path, cache_bytes=0)  # every block from disk
+    mem = retrieve_all(model, chunk_size=10, store=store, path=tmp_path, cache_bytes=0,  # every block from disk
+                       store_dtype="float32")  # exact: a saved memory's default, int8, is not
     torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
     assert mem.blocks.cache.misses > 0 and mem.blocks.cache.hits == 0
     mem.close()
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 256 << 20])  # every block a one-off pool from disk, or the arena
+def test_an_int8_store_reads_as_the_reference_reads_its_dequantized_blocks_close_to_in_sequence(model, text, tmp_path,
+                                                                                               cache_bytes):
+    with torch.no_grad():
+        full = model(text)
+    outs = {}
+    for backend in ("auto", "reference"):
+        with retrieve_all(model, chunk_size=10, store="lmdb", path=tmp_path / backend, store_dtype="int8",
+                          cache_bytes=cache_bytes, backend=backend) as mem:
+            outs[backend] = mem.forward(text).logits
+            assert mem.blocks.cache.arena is None if cache_bytes == 0 else mem.blocks.cache.arena.dtype == torch.int8
+    torch.testing.assert_close(outs["auto"], outs["reference"], rtol=1e-5, atol=1e-5)
+    err = (outs["auto"] - full).abs().max() / full.abs().max()
+    assert 0 < err < 0.02  # int8 blocks are not the float ones, but close
 
 
 @pytest.mark.parametrize("mapping", ["stingy", "exact"])

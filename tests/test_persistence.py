@@ -30,9 +30,11 @@ def dir_digest(path):
             for f in sorted(path.rglob("*")) if f.is_file() and f.name != "lock.mdb"}
 
 
-@pytest.mark.parametrize("store,index", [("lmdb", "flat"), ("mmap", "ivf"), ("lmdb", "ivfpq")])
-def test_save_reopen_continue_equals_never_stopping(model, text, tmp_path, store, index):
-    opts = dict(index=index, top_k=2, chunk_size=10, index_options={"train_size": 16})
+@pytest.mark.parametrize("store,index,dtype", [("lmdb", "flat", "float32"), ("mmap", "ivf", "float32"),
+                                               ("lmdb", "ivfpq", "float32"), ("lmdb", "flat", "int8"),
+                                               ("mmap", "flat", "int8")])
+def test_save_reopen_continue_equals_never_stopping(model, text, tmp_path, store, index, dtype):
+    opts = dict(index=index, top_k=2, chunk_size=10, index_options={"train_size": 16}, store_dtype=dtype)
     cut = 57  # mid-chunk: the open chunk's keys and values must survive too
     whole = LandmarkMemory(model, **opts)  # the same pieces, never stopped
     expected = torch.cat([whole.forward(text[:, :cut]).logits, whole.forward(text[:, cut:]).logits], 1)

@@ -3,6 +3,7 @@
 import torch
 
 from ..layout import check_block_size
+from ..quant import dequantize_kv
 from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
@@ -70,8 +71,8 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *,
                                  pool_k: torch.Tensor, pool_v: torch.Tensor, block_table: torch.Tensor,
                                  block_pos: torch.Tensor, rope_base: float = 10000.0, scale: float | None = None,
-                                 cmt_k: torch.Tensor | None = None, backend: str = "auto",
-                                 check: bool = True) -> torch.Tensor:
+                                 cmt_k: torch.Tensor | None = None, pool_scale: torch.Tensor | None = None,
+                                 backend: str = "auto", check: bool = True) -> torch.Tensor:
     """Attention of a chunk of queries over its local keys and retrieved memory blocks.
 
     The local keys ``k``, ``v`` start at a block boundary and follow the in-sequence rules of
@@ -95,7 +96,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     k, v : Tensor (B, H, T_k, D), local keys (rotated) and values, T_k >= T_q.
     block_size : int, normal tokens per block.
     pool_k, pool_v : Tensor (n_pool, H_kv, block_size + 1, D), retrieved blocks, landmark last;
-        keys rotated by row offset; H_kv divides H.
+        keys rotated by row offset; H_kv divides H. In q's dtype, or int8 with ``pool_scale``.
     block_table : int Tensor (B, H, T_q, K), pool indices; -1 marks an empty slot.
     block_pos : int Tensor (B, H, T_q, K), start position of each listed block.
     rope_base : float, RoPE base of the model.
@@ -104,6 +105,11 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         (appendix D). With it every retrieved landmark is CMT-controlled and every local one
         free; a query whose slots are all empty gives up the CMT's share, which is exactly what
         skipping its retrieval means (``cmt_share`` says how large that share is).
+    pool_scale : float32 Tensor (n_pool, H_kv, D + block_size + 1), optional, with int8 pools
+        (an int8 store's blocks as the hot cache holds them, ``quant.py``): per block and head
+        the keys' channel scales, then the values' row scales. Every backend reads the int8
+        rows in place and folds the scales into the query and the weights; the reference
+        dequantizes the pool first.
     backend : {"auto", "reference", "dense", "triton", "numba"}, as for ``landmark_attention``; the
         Triton path is inference only (no autograd). ``"numba"``: one compiled loop nest per query
         on the CPU (numba_decode.py), float32 or float64, no autograd; ``"auto"`` takes it for
@@ -120,14 +126,14 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """
     Tq = q.shape[2]
     if check:
-        _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, backend)
+        _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend)
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
         block_table, block_pos = block_table[..., :0], block_pos[..., :0]
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from .triton_landmark import landmark_inference_triton
 
         return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
-                                         cmt_k)
+                                         cmt_k, pool_scale)
     compiled = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
         torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, pool_k, pool_v, cmt_k)))
     if backend == "numba" and not compiled:
@@ -137,15 +143,17 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         from .numba_decode import landmark_inference_numba
 
         return landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
-                                        cmt_k)
+                                        cmt_k, pool_scale)
     if backend == "reference":
+        if pool_scale is not None:
+            pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)
         return landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base,
                                             scale, cmt_k)
     retrieved = None
     if backend == "auto" and compiled:
         from .numba_slots import retrieved_compiled as retrieved
     return landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
-                                    cmt_k, retrieved)
+                                    cmt_k, retrieved, pool_scale)
 
 
 def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Tensor,
@@ -173,7 +181,7 @@ def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Te
     return torch.sigmoid(s_cmt - lse)
 
 
-def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, backend):
+def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend):
     _check_common(q, k, v, block_size, backend)
     B, H, Tq, D = q.shape
     if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < Tq:
@@ -183,8 +191,13 @@ def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos
         if t.dim() != 4 or t.shape[2:] != (L, D) or H % max(t.shape[1], 1) or t.shape != pool_k.shape:
             raise ValueError(f"{name} must be (n_pool, H_kv, block_size + 1={L}, D={D}) with H_kv dividing H={H}, "
                              f"pool_k and pool_v alike; got {tuple(t.shape)}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device})")
+        if t.dtype != (q.dtype if pool_scale is None else torch.int8) or t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}) in q's dtype ({q.dtype}), or int8 with "
+                             f"pool_scale; got {t.dtype} on {t.device}")
+    if pool_scale is not None and (tuple(pool_scale.shape) != (*pool_k.shape[:2], D + L) or
+                                   pool_scale.dtype != torch.float32 or pool_scale.device != q.device):
+        raise ValueError(f"pool_scale must be float32 (n_pool, H_kv, D + block_size + 1) = "
+                         f"{(*pool_k.shape[:2], D + L)} on q's device, got {pool_scale.dtype} {tuple(pool_scale.shape)}")
     for name, t in (("block_table", block_table), ("block_pos", block_pos)):
         if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
             raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={Tq}, K), got "

@@ -137,13 +137,14 @@ def local_group_logsumexp(s, block_size):
 
 
 def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
-                             scale=None, cmt_k=None, retrieved=None):
+                             scale=None, cmt_k=None, retrieved=None, pool_scale=None):
     """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``.
 
     A retrieved block behaves as a complete earlier block in sequence, so retrieved and local
     blocks are weighed by one grouped softmax. ``retrieved``: what computes the retrieved
     slots' scores and reads their values, ``_retrieved`` (PyTorch, with autograd) by default
-    or ``numba_slots.retrieved_compiled``."""
+    or ``numba_slots.retrieved_compiled``; an int8 pool (with ``pool_scale``) is read by either
+    block by block, each block dequantized as it is read."""
     B, H, T_q, D = q.shape
     K = block_table.shape[-1]
     q = q * (D ** -0.5 if scale is None else scale)  # scaled once, not every score
@@ -151,7 +152,8 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     own, own_keys, earlier = _local_layout(k.shape[-2], T_q, block_size, q.device)
     parts = [s]
     if K:
-        s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope_base)  # (B, H, Tq, K, L)
+        s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope_base,
+                                                       pool_scale)  # (B, H, Tq, K, L)
         parts.insert(0, s_ret)
         earlier = torch.cat([block_table >= 0, earlier.expand(B, H, -1, -1)], -1)  # empty slots are not seen
     s_cmt = controlled = None
@@ -163,10 +165,11 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     return out + read_values(w[0]) if K else out
 
 
-def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base):
+def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, pool_scale=None):
     """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
     function that turns the weights of their normal tokens (B, H, Tq, K, block_size) into the
-    output (B, H, Tq, D). ``q`` comes scaled.
+    output (B, H, Tq, D). ``q`` comes scaled; an int8 pool's blocks are dequantized as they
+    are read (``pool_scale`` (n_pool, H_kv, D + L)), never the whole pool.
 
     Copying each slot's block (L, D) out of the pool is what bounds this kernel on CPUs, and a
     chunk's queries share most of their blocks.
@@ -181,8 +184,15 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base):
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k), pool_rows(pool_v)  # (rows, L, D)
     rope = rotary(D, float(rope_base))
 
-    def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head(s) bh_
-        return rows_.index_select(0, (e * step + (bh_ % H) // (H // H_kv)).flatten())
+    scale_rows = None if pool_scale is None else pool_scale.reshape(-1, D + L)  # entry e, head g at row e * H_kv + g
+
+    def rows(rows_, step, bh_, e):  # the (L, D) rows of pool entry e for flat query head(s) bh_, in q's dtype
+        g = (bh_ % H) // (H // H_kv)
+        out = rows_.index_select(0, (e * step + g).flatten())  # (N, L, D)
+        if scale_rows is None:
+            return out
+        s = scale_rows.index_select(0, (e * H_kv + g).flatten())  # (N, D + L)
+        return (out * (s[:, None, :D] if rows_ is rows_k else s[:, D:, None])).to(q.dtype)
 
     if T_q < GATHER_BELOW:
         bh_all = torch.arange(B * H, device=q.device).view(B, H, 1, 1)

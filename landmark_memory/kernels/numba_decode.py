@@ -7,8 +7,9 @@ a token of the query's own block keeps s, and everything else is -inf; a retriev
 earlier block. The dense path builds that from some sixty small tensor operations per call,
 and with one or two queries per head their dispatch, not the arithmetic, is what a decoding
 step costs on a CPU. Here one compiled loop nest per query does it all in one call: each
-retrieved block's rows are read in place from the pool (no gathered copy), the query is rotated
-to the block's position on the fly, and scores, gates, softmax and output never leave a scratch
+retrieved block's rows are read in place from the pool (no gathered copy; an int8 block's
+scales fold into the query and the weights), the query is rotated to the block's position on
+the fly, and scores, gates, softmax and output never leave a scratch
 row. Loops are serial: a step's work is far too small to pay for threads.
 
 float32 and float64 only, no autograd (``kernels.landmark_attention_inference`` sends other
@@ -56,10 +57,11 @@ def _logsumexp(x):
 
 
 @njit(fastmath=_FAST)
-def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq, block_size, scale, cmt_k, out):
+def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq, block_size, scale, cmt_k, ps, out):
     """q (B, H, Tq, D); k, v (B, H, Tk, D); the pool's (L, D) rows (R, L, D), entry e and head
     g at row ``e * step + g`` (dense.pool_rows), H_kv pool heads; table, pos (B, H, Tq, K);
-    inv_freq (D/2,) float64; cmt_k (B, H, 1, D) or (B, H, 0, D) without a CMT; out
+    inv_freq (D/2,) float64; cmt_k (B, H, 1, D) or (B, H, 0, D) without a CMT; ps the scales
+    of an int8 pool (n_pool, H_kv, D + L), or (0, H_kv, D + L) for a float pool; out
     (B, H, Tq, D), written. Every array C-contiguous, so inner loops vectorise."""
     B, H, Tq, D = q.shape
     Tk, K, L, half = k.shape[2], table.shape[3], block_size + 1, D // 2
@@ -85,6 +87,9 @@ def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq,
                         cs, sn = math.cos(p * inv_freq[d]), -math.sin(p * inv_freq[d])
                         qb[d] = x[d] * cs - x[d + half] * sn
                         qb[d + half] = x[d + half] * cs + x[d] * sn
+                    if ps.shape[0]:  # int8 keys: their channel scales fold into the query
+                        for d in range(D):
+                            qb[d] *= ps[e, h // G, d]
                     for r in range(L):
                         eff[c0 + r] = _dot(qb, rows_k[e * step_k + h // G, r]) * scale
                     s_lm = eff[c0 + block_size]
@@ -125,7 +130,7 @@ def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq,
                     for r in range(block_size):
                         w = math.exp(eff[j * L + r] - m)
                         z += w
-                        _axpy(w, rows_v[e * step_v + h // G, r], acc)
+                        _axpy(w * ps[e, h // G, D + r] if ps.shape[0] else w, rows_v[e * step_v + h // G, r], acc)
                 for c in range(i + 1):
                     w = math.exp(eff[n_ret + c] - m)
                     if w > 0.0:
@@ -136,16 +141,18 @@ def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq,
 
 
 def landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
-                             scale=None, cmt_k=None):
+                             scale=None, cmt_k=None, pool_scale=None):
     """Local keys plus retrieved blocks, compiled; same contract as ``landmark_attention_inference``
-    (float32 or float64 CPU tensors, no autograd)."""
+    (float32 or float64 CPU tensors, no autograd; an int8 pool read in place)."""
     B, H, T_q, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     inv_freq = rotary(D, float(rope_base)).inv_freq(q.device).numpy()
     cmt = q.new_empty((B, H, 0, D)) if cmt_k is None else cmt_k
+    ps = (pool_scale if pool_scale is not None else
+          torch.empty((0, pool_k.shape[1], D + block_size + 1))).contiguous().numpy()
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k.detach()), pool_rows(pool_v.detach())
     q, k, v, table, pos, cmt = (t.detach().contiguous().numpy() for t in (q, k, v, block_table, block_pos, cmt))
     _kernel(q, k, v, rows_k.numpy(), step_k, rows_v.numpy(), step_v, pool_k.shape[1], table, pos, inv_freq,
-            block_size, float(scale), cmt, out.numpy())
+            block_size, float(scale), cmt, ps, out.numpy())
     return out

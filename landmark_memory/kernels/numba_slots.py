@@ -25,10 +25,11 @@ _FAST = {"reassoc", "contract"}
 
 
 @njit(fastmath=_FAST, parallel=True)
-def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, out):
+def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, ps, out):
     """q (N, D) the scaled queries, flat over (B, H, Tq); the pool's (L, D) rows (R, L, D),
     entry e and pool head g at row ``e * step_k + g``; table, which (N, K): pool entry (-1
-    empty) and index of its position's rotation in cos, sin (U, D/2); out (N, K, L), written:
+    empty) and index of its position's rotation in cos, sin (U, D/2); ps the scales of an int8
+    pool (n_pool, H_kv, D + L), or (0, H_kv, D + L) for a float pool; out (N, K, L), written:
     the rotated query against each row, 0 for an empty slot."""
     N, K = table.shape
     D, L = q.shape[1], out.shape[2]
@@ -45,6 +46,9 @@ def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, out):
             for d in range(half):  # RoPE back to the block's start, rotate-half layout
                 qb[d] = x[d] * c[d] - x[d + half] * s[d]
                 qb[d + half] = x[d + half] * c[d] + x[d] * s[d]
+            if ps.shape[0]:  # int8 keys: their channel scales fold into the query
+                for d in range(D):
+                    qb[d] *= ps[e, g, d]
             rows = rows_k[e * step_k + g]
             for r in range(L):
                 acc = qb[0] * rows[r, 0]
@@ -54,9 +58,9 @@ def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, out):
 
 
 @njit(fastmath=_FAST, parallel=True)
-def _values(w, rows_v, step_v, H, G, Tq, table, out):
-    """w (N, K, block_size) weights of each slot's normal rows; out (N, D), written: the
-    weighted sum of those rows' values over every filled slot."""
+def _values(w, rows_v, step_v, H, G, Tq, table, ps, out):
+    """w (N, K, block_size) weights of each slot's normal rows; ps as for ``_scores``; out
+    (N, D), written: the weighted sum of those rows' values over every filled slot."""
     N, K = table.shape
     bs, D = w.shape[2], out.shape[1]
     for n in prange(N):
@@ -68,30 +72,31 @@ def _values(w, rows_v, step_v, H, G, Tq, table, out):
                 continue
             rows = rows_v[e * step_v + g]
             for r in range(bs):
-                a = w[n, j, r]
+                a = w[n, j, r] * ps[e, g, D + r] if ps.shape[0] else w[n, j, r]
                 for d in range(D):
                     acc[d] += a * rows[r, d]
         out[n, :] = acc
 
 
-def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope_base):
+def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope_base, pool_scale=None):
     """``dense._retrieved`` compiled: scores (B, H, Tq, K, L) of every (query, slot) against its
     block (``q`` comes scaled), and the function that turns the weights of their normal rows
-    (B, H, Tq, K, block_size) into the output (B, H, Tq, D)."""
+    (B, H, Tq, K, block_size) into the output (B, H, Tq, D). An int8 pool is read in place."""
     B, H, T_q, D = q.shape
     K, H_kv, L = block_table.shape[-1], pool_k.shape[1], pool_k.shape[2]
+    ps = (pool_scale if pool_scale is not None else torch.empty((0, H_kv, D + L))).contiguous().numpy()
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k.detach()), pool_rows(pool_v.detach())
     table = block_table.reshape(-1, K).contiguous().numpy()
     at, which = torch.unique(block_pos.reshape(-1, K), return_inverse=True)  # a chunk's slots share a few positions
     cos, sin = rotary(D, float(rope_base)).cos_sin(at, dtype=rotation_dtype(q.dtype))  # (U, D/2) each
     s = q.new_empty((B * H * T_q, K, L))
     _scores(q.detach().reshape(-1, D).contiguous().numpy(), rows_k.numpy(), step_k, H, H // H_kv, T_q, table,
-            which.numpy(), cos.numpy(), (-sin).numpy(), s.numpy())
+            which.numpy(), cos.numpy(), (-sin).numpy(), ps, s.numpy())
 
     def read_values(w):
         out = q.new_empty((B * H * T_q, D))
         _values(w.detach().reshape(B * H * T_q, K, -1).contiguous().numpy(), rows_v.numpy(), step_v, H, H // H_kv,
-                T_q, table, out.numpy())
+                T_q, table, ps, out.numpy())
         return out.view(B, H, T_q, D)
 
     return s.view(B, H, T_q, K, L), read_values

@@ -204,13 +204,15 @@ def _fwd_kernel(Q, K, V, O, LSE, S_CMT, CTRL, CMT_STATS, O_CTRL, T_q, T_k, H, n_
 
 
 @triton.jit
-def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, S_CMT, OUT, T_q, H, GROUP, N_SLOTS, K_STRIDE,
-                      V_STRIDE, scale, BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      HAS_CMT: tl.constexpr):
+def _retrieved_kernel(Q, PK, PV, PS, TABLE, COS, SIN, O_LOC, LSE_LOC, S_CMT, OUT, T_q, H, GROUP, N_SLOTS, K_STRIDE,
+                      V_STRIDE, PS_STRIDE, scale, BS: tl.constexpr, LP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HAS_CMT: tl.constexpr, QUANT: tl.constexpr):
     """One query of one head over its retrieved blocks, merged with its local result.
 
     Pool keys are rotated by their offset inside the block; the query is rotated back by the
     block's start position P (COS/SIN of -P), since RoPE scores depend only on differences.
+    An int8 pool (QUANT) is read as it is: its keys' channel scales (PS, per block and head,
+    then the values' row scales) multiply the rotated query, its value scales the weights.
     With a Context Miss Token the retrieved blocks together carry exp(s_cmt) instead of the
     sum of their landmarks' exp-scores (equations 5-6), and nothing when no slot is live."""
     r, bh = tl.program_id(0), tl.program_id(1)
@@ -233,6 +235,10 @@ def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, S_CMT, OUT, T_
         sn = tl.load(SIN + entry * HALF + i)
         qr1, qr2 = q1 * c - q2 * sn, q2 * c + q1 * sn
         slot_idx = tl.maximum(idx, 0).to(tl.int64)
+        if QUANT:
+            scales = PS + slot_idx * PS_STRIDE + h * (HEAD_DIM + BS + 1)
+            qr1 = qr1 * tl.load(scales + i, mask=live, other=0.0)
+            qr2 = qr2 * tl.load(scales + HALF + i, mask=live, other=0.0)
         off = h * (BS + 1) * HEAD_DIM + t[:, None] * HEAD_DIM + i[None, :]  # (LP, HALF) inside a block
         rows_ok = (t < BS + 1)[:, None] & live
         k1 = tl.load(PK + slot_idx * K_STRIDE + off, mask=rows_ok, other=0.0).to(tl.float32)
@@ -249,8 +255,11 @@ def _retrieved_kernel(Q, PK, PV, TABLE, COS, SIN, O_LOC, LSE_LOC, S_CMT, OUT, T_
         l = l * alpha + tl.sum(p, axis=0)
         v1 = tl.load(PV + slot_idx * V_STRIDE + off, mask=rows_ok, other=0.0).to(tl.float32)
         v2 = tl.load(PV + slot_idx * V_STRIDE + off + HALF, mask=rows_ok, other=0.0).to(tl.float32)
-        acc1 = acc1 * alpha + tl.sum(p[:, None] * v1, axis=0)
-        acc2 = acc2 * alpha + tl.sum(p[:, None] * v2, axis=0)
+        pv = p
+        if QUANT:
+            pv = p * tl.load(scales + HEAD_DIM + t, mask=(t < BS + 1) & live, other=0.0)
+        acc1 = acc1 * alpha + tl.sum(pv[:, None] * v1, axis=0)
+        acc2 = acc2 * alpha + tl.sum(pv[:, None] * v2, axis=0)
         m = m_new
     # merge with the local part: both are pieces of one softmax over effective scores
     lse = tl.load(LSE_LOC + row)
@@ -393,7 +402,7 @@ def landmark_attention_triton(q, k, v, block_size, scale=None, cmt_k=None, cmt_b
 
 @torch.no_grad()
 def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
-                              scale=None, cmt_k=None):
+                              scale=None, cmt_k=None, pool_scale=None):
     """Chunk attention over local keys and retrieved blocks; same contract as
     ``landmark_attention_inference``. Inference only: no autograd."""
     from ..rope import rotary
@@ -414,8 +423,10 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
         return (o_loc if s_cmt is None else o_loc * torch.sigmoid(lse - s_cmt)[..., None]).to(q.dtype)
     cos, sin = rotary(D, float(rope_base)).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
     out = _empty_like(q)
-    _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, block_table.to(torch.int32).contiguous(), cos, sin, o_loc, lse,
-                                   lse if s_cmt is None else s_cmt, out, Tq, H, H // pool_k.shape[1], n_slots,
-                                   pool_k.stride(0), pool_v.stride(0), scale, BS=block_size, LP=LP, HEAD_DIM=D,
-                                   HAS_CMT=s_cmt is not None)
+    ps = lse if pool_scale is None else pool_scale.contiguous()  # lse: a placeholder the kernel never reads
+    _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, ps, block_table.to(torch.int32).contiguous(), cos, sin, o_loc,
+                                   lse, lse if s_cmt is None else s_cmt, out, Tq, H, H // pool_k.shape[1], n_slots,
+                                   pool_k.stride(0), pool_v.stride(0), 0 if pool_scale is None else ps[0].numel(), scale,
+                                   BS=block_size, LP=LP, HEAD_DIM=D, HAS_CMT=s_cmt is not None,
+                                   QUANT=pool_scale is not None)
     return out

@@ -57,11 +57,16 @@ class BlockMemory:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         self.store = OverlayStore(store) if readonly else store
         offsets = torch.arange(self.L, device=device)
-        # cached blocks are pool-ready: keys rotated by their offset inside the block (the
-        # function holds no reference to self: a closed memory is freed at once, not at the
-        # next cycle collection, which matters when many large memories come and go)
-        self.cache = HotCache(self.store, device, dtype, cache_bytes,
-                              prepare=lambda kv: torch.stack([rope(kv[:, 0], offsets), kv[:, 1]], 1))
+
+        def pool_ready(kv):  # (n, 2, H, L, D) keys rotated by their offset inside the block
+            return torch.stack([rope(kv[:, 0], offsets.to(kv.device)), kv[:, 1]], 1)
+
+        # blocks in the pool are pool-ready: an int8 store keeps them so (quantized after the
+        # rotation, so the hot cache holds them as stored), a float store's are rotated when
+        # fetched (the functions hold no reference to self: a closed memory is freed at once,
+        # not at the next cycle collection, which matters when many large memories come and go)
+        self.pool_ready = pool_ready if self.store.quantized else None
+        self.cache = HotCache(self.store, device, dtype, cache_bytes, prepare=None if self.store.quantized else pool_ready)
 
     def _documents(self, shards: list[Shard], shard_path: Callable[[str], Path]) -> ShardedStore:
         o, shape = self.options, self.shape
@@ -95,10 +100,12 @@ class BlockMemory:
         items, landmarks = {}, []
         for layer, (k, v) in enumerate(kv):
             H, D = k.shape[1], k.shape[-1]
-            blocks = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D)  # (B, 2, H, n_new, L, D)
+            blocks = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D).transpose(2, 3)  # (B, 2, n_new, H, L, D)
+            if self.pool_ready is not None:
+                blocks = self.pool_ready(blocks.transpose(1, 2).flatten(0, 1)).view(B, n_new, 2, H, L, D).transpose(1, 2)
             for b in range(B):
                 for c in range(n_new):
-                    items[(b, layer, nb + c)] = blocks[b, :, :, c]
+                    items[(b, layer, nb + c)] = blocks[b, :, c]
             landmarks.append(k.view(B, H, n_new, L, D)[:, :, :, bs])  # (B, H, n_new, D)
         with disk_errors(f"the block store of {self.where}"):
             self.store.put(items)
@@ -163,10 +170,12 @@ class BlockMemory:
                     D[b, heads][sel], I[b, heads][sel] = self.indexes[b][layer][g].search(xq[b, heads][sel], k, lo, hi)
         return D, I, skipped
 
-    def pool(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pool(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor | None]:
         """The chosen blocks ``ids`` (B, H, T_q, K) of ``layer`` made resident in the hot-cache
-        arena: ``(block_table, pool_k, pool_v)``, the table (B, H, T_q, K) of arena slots (-1
-        empty) and the arena's keys and values (n, H_kv, L, D), keys rotated by row offset."""
+        arena: ``(block_table, pool_k, pool_v, pool_scale)``, the table (B, H, T_q, K) of arena
+        slots (-1 empty), the arena's keys and values (n, H_kv, L, D), keys rotated by row
+        offset, and for an int8 store their scales (n, H_kv, D + L) (else None)."""
         B, nb = ids.shape[0], self.n_blocks
         ids_np = ids.cpu().numpy()  # a few hundred ids at most: bookkeeping on the host, in numpy
         valid = ids_np >= 0
@@ -176,14 +185,14 @@ class BlockMemory:
         if len(uniq) == 0:
             empty = torch.zeros((0, self.shape.n_kv_head, self.L, self.shape.head_dim), device=self.device,
                                 dtype=self.dtype)
-            return torch.from_numpy(table).to(self.device), empty, empty
+            return torch.from_numpy(table).to(self.device), empty, empty, None
         try:
-            pool, slots = self.cache.pool([(u // (nb + 1), layer, u % (nb + 1)) for u in uniq.tolist()])
+            pool, scales, slots = self.cache.pool([(u // (nb + 1), layer, u % (nb + 1)) for u in uniq.tolist()])
         except StoreDamagedError as e:
             raise MemoryFileError(f"{e} in the block store of {self.where}; the memory is damaged: restore it from a "
                                   "backup or rebuild it (`landmark-memory info --verify` lists every damaged block)")
         table[valid] = slots[inverse]
-        return torch.from_numpy(table).to(self.device), pool[:, 0], pool[:, 1]
+        return torch.from_numpy(table).to(self.device), pool[:, 0], pool[:, 1], scales
 
     def tokens(self, stream: int = 0) -> np.ndarray:
         """int32 (n_blocks * block_size,) the normal token ids of every block."""

@@ -55,7 +55,8 @@ class LandmarkMemory(SavedMemory):
         true positions (for models trained with positional jumps) and scores every landmark
         exactly by brute force.
     max_blocks : int, optional, only the newest ``max_blocks`` blocks can be retrieved.
-    store_dtype : str, optional, float32 / float16 / bfloat16; default the model's dtype.
+    store_dtype : str, optional, float32 / float16 / bfloat16 / int8 (``quant.py``: a quarter of
+        float32's bytes); default int8 for a saved memory (lmdb, mmap), the model's dtype in memory.
     cache_bytes : int, hot-block cache budget on the model's device.
     index_options : dict, optional, passed to ``LandmarkIndex`` (train_size, nprobe, ef_search).
     cmt_cutoff : float, models with a Context Miss Token only (appendix D): a query whose CMT
@@ -251,10 +252,10 @@ class LandmarkMemory(SavedMemory):
                 if self.options.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
                     skip = cmt_share(qr, local_k, bs, cmt_k) < self.options.cmt_cutoff  # (B, H, Tq)
             ids_used, block_pos = self._retrieve(layer, q, qr, at_search, skip)
-            table, pool_k, pool_v = self.blocks.pool(layer, ids_used)
+            table, pool_k, pool_v, pool_scale = self.blocks.pool(layer, ids_used)
             y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
                                              block_pos=block_pos, rope_base=bb.rope_base, cmt_k=cmt_k,
-                                             backend=self.backend, check=False)
+                                             pool_scale=pool_scale, backend=self.backend, check=False)
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal])
         h = h[:, normal]  # (B, n, C)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..layout import landmarked_length
-from ..storage import DTYPES
+from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
 
 FORMAT = "landmark-memory/memory"
@@ -122,7 +122,7 @@ class Manifest:
     @property
     def block_bytes(self) -> int:
         """Stored bytes of one block of one stream, all layers."""
-        return self.model.shape.n_layer * int(np.prod(self.model.shape.block_entry)) * DTYPES[self.options.store_dtype].itemsize
+        return self.model.shape.n_layer * stored_nbytes(self.model.shape.block_entry, self.options.store_dtype)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "format_version": FORMAT_VERSION,

@@ -14,6 +14,10 @@ from ..names import MAPPINGS, RETRIEVALS, STORES
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
 SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
 CHUNK_TOKENS = 250  # the paper's l_local: chunks default to the multiple of the block size nearest this
+# a saved memory's blocks (lmdb, mmap): int8 costs both models 27-30% of float32's disk for at most
+# 0.03% perplexity and the same passkey answers (experiments/results/storage.md); the in-process
+# store keeps the model's dtype, so that evaluations are exact unless asked otherwise
+SAVED_STORE_DTYPE = "int8"
 
 
 def default_chunk_size(block_size: int) -> int:
@@ -64,7 +68,8 @@ class MemoryOptions:
         if cutoff > 0 and not has_cmt:
             raise ValueError("cmt_cutoff needs a model trained with a Context Miss Token (config cmt=True)")
         LandmarkIndex(self.index, head_dim, **self.index_options)  # fail now on a bad kind or option
-        return replace(self, chunk_size=chunk_size, store_dtype=self.store_dtype or dtype_name, cmt_cutoff=float(cutoff))
+        store_dtype = self.store_dtype or (dtype_name if self.store == "memory" else SAVED_STORE_DTYPE)
+        return replace(self, chunk_size=chunk_size, store_dtype=store_dtype, cmt_cutoff=float(cutoff))
 
     def with_query(self, **changes: Any) -> "MemoryOptions":
         """These options with query-time settings changed (``QUERY_OPTIONS`` and

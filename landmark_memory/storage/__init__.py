@@ -8,9 +8,12 @@ all heads, a (2, H, block_size + 1, D) tensor (landmark row last). Backends:
   transaction, so a chunk's blocks land together or not at all;
 - ``mmap``: one memory-mapped file per (stream, layer), grown by doubling.
 
-Stored dtype is float32, float16 or bfloat16 (``dtype``); tensors come back in that dtype.
-With ``checksums`` every on-disk record ends with the CRC-32 of its bytes, checked on every
-read: a damaged block raises ``CorruptBlockError`` instead of turning into wrong keys.
+Stored dtype is float32, float16, bfloat16 or int8 (``dtype``). An int8 store keeps each block
+quantized with its scales (``quant.py``); ``read`` gives blocks in their stored form (what the
+hot cache holds and the kernels read), ``get`` as floats (int8 dequantized to float32). With
+``checksums`` every on-disk record ends with the CRC-32 of its bytes (the scales included),
+checked on every read: a damaged block raises ``CorruptBlockError`` instead of turning into
+wrong keys.
 """
 
 import errno
@@ -26,10 +29,22 @@ import torch
 
 from ..fileio import open_nofollow
 from ..names import STORE_DTYPES, STORES
+from ..quant import dequantize, quantize, scale_shape
 
 
 DTYPES = {name: getattr(torch, name) for name in STORE_DTYPES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SCALE_DTYPE = torch.float16  # an int8 store's scales on disk
+
+
+def stored_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes one block entry of ``shape`` (2, H, L, D) takes in a store of ``dtype`` (scales
+    included, checksum not)."""
+    scales = int(np.prod(scale_shape(shape))) * SCALE_DTYPE.itemsize if dtype == "int8" else 0
+    return int(np.prod(shape)) * DTYPES[dtype].itemsize + scales
+
+
+Stored = tuple[torch.Tensor, torch.Tensor | None]  # one block as stored: data (2, H, L, D), int8 scales (H, D + L)
 
 
 class StoreDamagedError(ValueError):
@@ -54,57 +69,87 @@ class StoreWriteError(OSError):
 
 
 class BlockStore:
-    """Common checks and (de)serialisation; subclasses keep bytes."""
+    """Common checks and (de)serialisation; subclasses keep bytes (``_put``, ``_get``) or
+    stored blocks (``_blocks``)."""
 
     def __init__(self, shape, dtype="float16", checksums=False):
         if dtype not in DTYPES:
             raise ValueError(f"store dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.shape, self.dtype, self.checksums = tuple(shape), DTYPES[dtype], checksums
-        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize  # one block's keys and values
+        self.quantized = dtype == "int8"
+        self.data_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.nbytes = stored_nbytes(self.shape, dtype)  # one block's keys and values (and scales)
         self.record_bytes = self.nbytes + (4 if checksums else 0)  # as stored
 
-    def _checked(self, t):
-        if tuple(t.shape) != self.shape:
-            raise ValueError(f"block tensor must be {self.shape} (2, H, block_size + 1, D), got {tuple(t.shape)}")
-        return t.detach().to("cpu", self.dtype).contiguous()
+    def _stored(self, items: dict) -> dict[tuple[int, int, int], Stored]:
+        """``{key: (data, scales)}``: each block (2, H, L, D) in its stored form, all quantized at once."""
+        if not items:
+            return {}
+        t = torch.stack([t.detach() for t in items.values()]).to("cpu")  # (n, 2, H, L, D)
+        if t.shape[1:] != self.shape:
+            raise ValueError(f"block tensor must be {self.shape} (2, H, block_size + 1, D), got {tuple(t.shape[1:])}")
+        data, scales = quantize(t) if self.quantized else (t.to(self.dtype), None)
+        return {key: (data[i], None if scales is None else scales[i]) for i, key in enumerate(items)}
 
-    def _encode(self, t):
-        data = self._checked(t).view(torch.uint8).numpy().tobytes()
+    def _encode(self, stored):
+        data, scales = stored
+        data = data.contiguous().view(torch.uint8).numpy().tobytes()
+        if scales is not None:
+            data += scales.contiguous().view(torch.uint8).numpy().tobytes()
         return data + zlib.crc32(data).to_bytes(4, "little") if self.checksums else data
 
-    def _decode(self, key, b):
+    def _decode(self, key, b) -> Stored:
         if b is None:
             raise KeyError(f"block {key} missing in the store")
         if len(b) != self.record_bytes or (self.checksums and zlib.crc32(b[:self.nbytes]).to_bytes(4, "little")
                                            != bytes(b[self.nbytes:])):
             raise CorruptBlockError(key)
-        return torch.frombuffer(bytearray(b[:self.nbytes]), dtype=self.dtype).view(self.shape)
+        b = bytearray(b[:self.nbytes])
+        data = torch.frombuffer(b, dtype=self.dtype, count=self.data_bytes // self.dtype.itemsize).view(self.shape)
+        if not self.quantized:
+            return data, None
+        return data, torch.frombuffer(b, dtype=SCALE_DTYPE, offset=self.data_bytes).view(scale_shape(self.shape))
 
     def put(self, items: dict[tuple[int, int, int], torch.Tensor]) -> None:
         """Write ``{(stream, layer, block): tensor (2, H, L, D)}`` in one transaction."""
-        self._put({key: self._encode(t) for key, t in items.items()})
+        self._put({key: self._encode(s) for key, s in self._stored(items).items()})
+
+    def _blocks(self, keys: list[tuple[int, int, int]]) -> list[Stored]:
+        return [self._decode(k, b) for k, b in zip(keys, self._get(keys))]
+
+    def read(self, keys: list[tuple[int, int, int]]) -> Stored:
+        """Blocks ``[(stream, layer, block), ...]`` in one transaction, as stored: ``(data,
+        scales)``, data (n, 2, H, L, D) in the store dtype and, for an int8 store, float32 scales
+        (n, H, D + L) (else None). Raises ``KeyError`` for a missing block and
+        ``CorruptBlockError`` for a damaged one."""
+        blocks = self._blocks(list(keys))
+        data = torch.stack([d for d, _ in blocks])
+        return data, torch.stack([s for _, s in blocks]).float() if self.quantized else None
 
     def get(self, keys: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Read blocks ``[(stream, layer, block), ...]`` in one transaction; a list of tensors.
-        Raises ``KeyError`` for a missing block and ``CorruptBlockError`` for a damaged one."""
+        """Blocks ``[(stream, layer, block), ...]`` in one transaction: a list of tensors (2, H,
+        L, D) in the store dtype (an int8 store's dequantized to float32)."""
         keys = list(keys)
-        return [self._decode(k, b) for k, b in zip(keys, self._get(keys))]
+        if not keys:
+            return []
+        data, scales = self.read(keys)
+        return list(dequantize(data, scales) if self.quantized else data)
 
     def close(self):
         pass
 
 
 class MemoryStore(BlockStore):
-    """Tensors in a dict: no serialisation (returned tensors are shared: treat them as read-only)."""
+    """Blocks in a dict, in their stored form: no serialisation."""
 
     def __init__(self, shape, dtype="float16"):
         super().__init__(shape, dtype)
-        self._data = {}
+        self._data: dict[tuple[int, int, int], Stored] = {}
 
     def put(self, items):
-        self._data.update({key: self._checked(t).clone() for key, t in items.items()})
+        self._data.update(self._stored(items))
 
-    def get(self, keys):
+    def _blocks(self, keys):
         missing = [k for k in keys if k not in self._data]
         if missing:
             raise KeyError(f"blocks {missing[:3]} missing in the store")
@@ -116,7 +161,13 @@ _LMDB_ENVS = {}  # real path -> [environment, users]: LMDB allows one environmen
 
 class LmdbStore(BlockStore):
     """LMDB environment at ``path``; the map grows by doubling when full, and a reader follows
-    a map that a writer grew. Stores of one path in one process share the environment."""
+    a map that a writer grew. Stores of one path in one process share the environment.
+
+    A float store keeps one record per (stream, layer, block). An int8 store keeps one per
+    (stream, block), its layers' records one after another (a block's layers are written
+    together, layers 0..n-1): LMDB gives a large value whole 4 KiB pages, which would add up
+    to 16% to a record of some 25 KiB (SmolLM2's) and well under 1% to all layers at once;
+    a read copies out only its layer's bytes."""
 
     def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False, checksums=False, sealed=False):
         import lmdb
@@ -144,19 +195,33 @@ class LmdbStore(BlockStore):
         shared[1] += 1
         self.env = shared[0]
 
-    @staticmethod
-    def _key(k):
-        return struct.pack(">III", *k)
+    def _key(self, k):
+        return struct.pack(">II", k[0], k[2]) if self.quantized else struct.pack(">III", *k)
+
+    def _records(self, items):
+        """``{lmdb key: value}`` of ``{(stream, layer, block): record}``."""
+        if not self.quantized:
+            return {self._key(k): b for k, b in items.items()}
+        blocks: dict[tuple[int, int], dict[int, bytes]] = {}
+        for (s, layer, b), rec in items.items():
+            blocks.setdefault((s, b), {})[layer] = rec
+        for (s, b), layers in blocks.items():
+            if sorted(layers) != list(range(len(layers))):
+                raise ValueError(f"an int8 LMDB store writes every layer of a block together (layers 0..n-1); got "
+                                 f"layers {sorted(layers)} of block {b} (stream {s})")
+        return {struct.pack(">II", s, b): b"".join(layers[i] for i in range(len(layers)))
+                for (s, b), layers in blocks.items()}
 
     def _put(self, items):
         import lmdb
 
+        records = self._records(items)
         try:
             while True:
                 try:
                     with self.env.begin(write=True) as txn:
-                        for k, b in items.items():
-                            txn.put(self._key(k), b)
+                        for k, b in records.items():
+                            txn.put(k, b)
                     return
                 except lmdb.MapFullError:  # the whole transaction was aborted: grow and redo it
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
@@ -168,9 +233,17 @@ class LmdbStore(BlockStore):
     def _get(self, keys):
         import lmdb
 
+        n = self.record_bytes
         try:
-            with self.env.begin(buffers=False) as txn:
-                return [txn.get(self._key(k)) for k in keys]
+            with self.env.begin(buffers=self.quantized) as txn:
+                if not self.quantized:
+                    return [txn.get(self._key(k)) for k in keys]
+                out = []
+                for k in keys:  # the layer's bytes of the block's record (a length that is no record's is damage)
+                    rec = txn.get(self._key(k))
+                    missing = rec is None or (len(rec) % n == 0 and len(rec) < (k[1] + 1) * n)
+                    out.append(None if missing else bytes(rec[k[1] * n:(k[1] + 1) * n]))
+                return out
         except lmdb.MapResizedError:  # a writer grew the map past ours: adopt its size, read again
             self.env.set_mapsize(0)
             return self._get(keys)
@@ -256,10 +329,9 @@ class OverlayStore(BlockStore):
     def put(self, items):
         self.new.put(items)
 
-    def get(self, keys):
-        keys = list(keys)
+    def _blocks(self, keys):
         mine = [k in self.new._data for k in keys]
-        old = iter(self.base.get([k for k, m in zip(keys, mine) if not m]))
+        old = iter(self.base._blocks([k for k, m in zip(keys, mine) if not m]))
         return [self.new._data[k] if m else next(old) for k, m in zip(keys, mine)]
 
     def close(self):
@@ -288,18 +360,26 @@ class HotCache:
     The arena (n_slots, *block shape) is the block pool the attention kernels read through a
     block table (like paged attention): ``pool(keys)`` makes every requested block resident and
     returns the arena with each key's slot, so resident blocks are never copied again. Misses
-    are read from the store in one call (on a GPU through pinned host memory) and kept as
-    ``prepare(blocks)`` in the compute ``dtype`` (work done once per fetch on a batch (n, *shape)
-    of blocks, e.g. RoPE by offset inside the block). A request larger than the arena gets a
+    are read from the store in one call (on a GPU through pinned host memory). Blocks of a
+    float store are kept as ``prepare(blocks)`` in the compute ``dtype`` (work done once per
+    fetch on a batch (n, *shape) of blocks, e.g. RoPE by offset inside the block); blocks of
+    an int8 store are kept as stored, int8 beside a float32 arena of their scales (a quarter
+    of float32's bytes, so the same budget holds about four times as many), and their
+    preparation was done before they were stored. A request larger than the arena gets a
     one-off pool."""
 
     def __init__(self, store: BlockStore, device: torch.device | str, dtype: torch.dtype, budget_bytes: int = 256 << 20,
                  prepare: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        if store.quantized and prepare is not None:
+            raise ValueError("an int8 store's blocks are held as stored: prepare them before they are stored")
         self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
+        self.arena_dtype = store.dtype if store.quantized else dtype
         self.prepare = prepare or (lambda t: t)
-        self.block_bytes = int(np.prod(store.shape)) * dtype.itemsize
+        self.scale_shape = scale_shape(store.shape) if store.quantized else None
+        self.block_bytes = int(np.prod(store.shape)) * self.arena_dtype.itemsize + (
+            int(np.prod(self.scale_shape)) * 4 if store.quantized else 0)
         self.capacity = budget_bytes // self.block_bytes
-        self.arena = None  # allocated on first use
+        self.arena = self.scales = None  # allocated on first use
         self._slots = OrderedDict()  # key -> arena slot, least recently used first
         self.hits = self.misses = 0
 
@@ -309,27 +389,33 @@ class HotCache:
         return len(self._slots) * self.block_bytes
 
     def _fetch(self, keys):
-        """The blocks of ``keys`` read in one store call and prepared in one batch, (n, *shape)."""
-        t = torch.stack(self.store.get(keys))
+        """The blocks of ``keys`` read in one store call and prepared in one batch: (n, *shape)
+        and, for an int8 store, their scales (n, H, D + L) (else None)."""
+        data, scales = self.store.read(keys)
         if self.device.type == "cuda":
-            t = t.pin_memory()
-        return self.prepare(t.to(self.device, non_blocking=True).to(self.dtype))
+            data, scales = data.pin_memory(), None if scales is None else scales.pin_memory()
+        data = data.to(self.device, non_blocking=True)
+        if scales is not None:
+            return data, scales.to(self.device, non_blocking=True)
+        return self.prepare(data.to(self.dtype)), None
 
-    def pool(self, keys: list[tuple[int, int, int]]) -> tuple[torch.Tensor, np.ndarray]:
-        """``(pool, slots)``: a tensor (n, *shape) holding the blocks and int64 (len(keys),)
-        positions of each key in it (host bookkeeping, so a numpy array). Valid until the next
-        call."""
+    def pool(self, keys: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+        """``(pool, scales, slots)``: a tensor (n, *shape) holding the blocks, for an int8
+        store their float32 scales (n, H, D + L) (else None), and int64 (len(keys),) positions
+        of each key in them (host bookkeeping, so a numpy array). Valid until the next call."""
         resident = self._slots
         wanted = list(dict.fromkeys(keys))
         missing = [k for k in wanted if k not in resident]
         self.hits += len(wanted) - len(missing)
         self.misses += len(missing)
         if len(wanted) > self.capacity:  # cannot all be resident at once
-            pool = self._fetch(wanted)
+            pool, scales = self._fetch(wanted)
             pos = {k: i for i, k in enumerate(wanted)}
-            return pool, np.array([pos[k] for k in keys], np.int64)
+            return pool, scales, np.array([pos[k] for k in keys], np.int64)
         if self.arena is None:
-            self.arena = torch.empty((self.capacity, *self.store.shape), device=self.device, dtype=self.dtype)
+            self.arena = torch.empty((self.capacity, *self.store.shape), device=self.device, dtype=self.arena_dtype)
+            if self.scale_shape is not None:
+                self.scales = torch.empty((self.capacity, *self.scale_shape), device=self.device)
         for k in wanted:
             if k in resident:
                 resident.move_to_end(k)
@@ -339,10 +425,17 @@ class HotCache:
                 slot = len(resident) if len(resident) < self.capacity else resident.popitem(last=False)[1]
                 resident[k] = slot
                 slots.append(slot)
-            self.arena[torch.tensor(slots, device=self.device)] = self._fetch(missing)
-        return self.arena, np.array([resident[k] for k in keys], np.int64)
+            at = torch.tensor(slots, device=self.device)
+            data, scales = self._fetch(missing)
+            self.arena[at] = data
+            if scales is not None:
+                self.scales[at] = scales
+        return self.arena, self.scales, np.array([resident[k] for k in keys], np.int64)
 
     def get(self, keys):
-        """The blocks themselves, a list of tensors (views into the pool)."""
-        pool, slots = self.pool(keys)
-        return [pool[i] for i in slots.tolist()]
+        """The blocks themselves, a list of tensors (2, H, L, D) in the compute dtype (an int8
+        store's dequantized)."""
+        pool, scales, slots = self.pool(keys)
+        at = torch.from_numpy(slots).to(self.device)
+        blocks = pool[at] if scales is None else dequantize(pool[at], scales[at]).to(self.dtype)
+        return list(blocks)

@@ -88,8 +88,7 @@ class ShardedStore(BlockStore):
         raise PermissionError("a corpus memory keeps its blocks in its documents' stores: add text as documents "
                               "(`landmark-memory build`), or open the memory read-only to read on after it")
 
-    def get(self, keys):
-        keys = list(keys)
+    def _blocks(self, keys):
         by_shard: dict[int, list[int]] = {}
         for n, (s, layer, b) in enumerate(keys):
             if not 0 <= b < self.n_blocks:
@@ -99,7 +98,7 @@ class ShardedStore(BlockStore):
         for i, ns in by_shard.items():
             start = self.shards[i].start
             try:
-                got = self._store(i).get([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
+                got = self._store(i)._blocks([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
             except CorruptBlockError as e:  # name the block as the corpus numbers it, and where it lies
                 s, layer, b = e.key
                 raise CorruptBlockError((s, layer, b + start), f" (block {b} of {self.shards[i].name})") from None
