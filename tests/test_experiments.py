@@ -61,6 +61,33 @@ def test_ingest_benchmark_reports_overhead_profile_and_growth(capsys):
     assert "| ivf | " in capsys.readouterr().out
 
 
+def test_storage_benchmark_writes_a_row_per_dtype_against_float32(tmp_path):
+    script("bench_storage").main(["--models", "bundled", "--dtypes", "float32,int8", "--lengths", "300,600",
+                                  "--build-tokens", "500", "--steps", "2", "--repeats", "1", "--trials", "1",
+                                  "--passkey-length", "300", "--out", str(tmp_path / "storage.md"), "--quiet"])
+    md = (tmp_path / "storage.md").read_text()
+    assert "| float32 | " in md and "| 100.0% |" in md and "(1 answers as float32's)" in md
+    int8 = next(line for line in md.splitlines() if line.startswith("| int8 | "))
+    assert float(int8.split(" | ")[2].rstrip("%")) < 40  # a third of float32's disk or less
+
+
+def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():
+    import random
+
+    from landmark_memory import load_tokenizer
+
+    ruler, tok = script("exp_ruler"), load_tokenizer()
+    book = tok.encode(" The quiet river ran past the mill." * 400).ids
+    for task in ruler.TASKS:
+        ids, want = ruler.prompt(tok, book, 1000, task, random.Random(task))
+        text = tok.decode(ids)
+        assert len(ids) == 1000 and want and all(w in text for w in want if task != "qa")
+        assert ruler.score(" ".join(want), want) == 1.0 and ruler.score("nothing", want) == 0.0
+    ids, names = ruler.prompt(tok, book, 1000, "vartrack", random.Random(1))
+    text = tok.decode(ids)
+    assert all(text.index(f"VAR {a} ") < text.index(f"VAR {b} = VAR {a}.") for a, b in zip(names, names[1:]))
+
+
 def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 

@@ -1,0 +1,215 @@
+"""A RULER-style suite over held-out books: SmolLM2 with landmarks reading through memory
+against the base model in its own context.
+
+    python experiments/exp_ruler.py --books BOOKS                                  # 4K-32K, 20 trials
+    python experiments/exp_ruler.py --books BOOKS --lengths 4k,8k --trials 5       # a first pass
+    python experiments/exp_ruler.py --books BOOKS --report                         # ruler.md from what ran
+
+The tasks of RULER (Hsieh et al., 2024), their haystack consecutive text of a book the
+fine-tuning never saw (a random held-out book and offset per trial), the needles at random
+depths, the prompt ending with an answer prefix that both models continue greedily:
+- ``single``: one needle, "One of the special magic numbers for KEY is: VALUE.";
+- ``multikey``: four needles of different keys, one asked (the others are distractors);
+- ``multivalue``: four needles of one key, every value asked;
+- ``multiquery``: four needles of different keys, every one asked;
+- ``vartrack``: a chain "VAR A = VALUE.", "VAR B = VAR A.", ... of five variables spread
+  through the text, asked which variables hold VALUE;
+- ``qa``: one fact in a plain sentence among the book's, asked as a question.
+A trial scores the share of the asked values (variables, the fact's words) found in the
+answer; a cell is the mean over its trials, with the count shown. Keys are seven-digit numbers
+as in RULER. Every trial is kept in ``--state`` (JSON) as soon as it is done, so a stopped run
+goes on where it stopped, and more trials can be added later; ``--report`` writes ruler.md
+and its plot from the state.
+"""
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from _common import RESULTS, plt, write_result
+from landmark_memory.build import encode
+from landmark_memory.data import list_text_files, read_text, split_books
+from landmark_memory.evaluate import greedy_continuation, parse_lengths
+
+TASKS = ("single", "multikey", "multivalue", "multiquery", "vartrack", "qa")
+MODELS = {"landmark + memory": "smollm2-landmark", "base in context": "smollm2"}
+BASE_MAX = 8192  # the base model's window
+WORDS = ("amber", "brisk", "cedar", "dusky", "ember", "frost", "gleam", "hazel", "ivory", "jolly", "keen", "lunar",
+         "maple", "noble", "olive", "pearl", "quiet", "raven", "silver", "tulip", "umber", "velvet", "willow", "zephyr")
+NOUNS = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket", "kettle",
+         "lantern", "meadow", "needle", "orchard", "pillow", "quarry", "ribbon", "saddle", "timber", "valley", "wagon")
+FACTS = [("The innkeeper's daughter was called Rosalie Fontaine.", "What was the innkeeper's daughter called?",
+          ["Rosalie"]),
+         ("The old clock in the church tower had stopped at a quarter past four.",
+          "At what time had the church tower clock stopped?", ["quarter past four"]),
+         ("Every Sunday the miller sold eleven sacks of flour to the baker.",
+          "How many sacks of flour did the miller sell to the baker every Sunday?", ["eleven"]),
+         ("The notary kept his savings in a blue tin box under the stairs.",
+          "Where did the notary keep his savings?", ["tin box"]),
+         ("The captain's parrot was named Admiral Biscuit.", "What was the captain's parrot named?", ["Biscuit"]),
+         ("The lighthouse keeper painted his door bright orange every spring.",
+          "What colour did the lighthouse keeper paint his door?", ["orange"])]
+INTRO = "Some special magic numbers are hidden within the following text. Make sure to memorize it. " \
+        "I will quiz you about the numbers afterwards.\n"
+MAX_NEW = {"single": 12, "multikey": 12, "multivalue": 48, "multiquery": 48, "vartrack": 32, "qa": 16}
+
+
+def number(rng):
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def key(rng, taken=()):
+    while True:
+        k = f"{rng.choice(WORDS)}-{rng.choice(NOUNS)}"
+        if k not in taken:
+            return k
+
+
+def needle(k, v):
+    return f" One of the special magic numbers for {k} is: {v}."
+
+
+def task(name, rng):
+    """(needles, question with its answer prefix, the strings a right answer holds, intro)."""
+    if name in ("single", "multikey", "multiquery"):
+        keys = [key(rng)]
+        while len(keys) < (1 if name == "single" else 4):
+            keys.append(key(rng, keys))
+        values = [number(rng) for _ in keys]
+        if name == "multiquery":
+            asked = ", ".join(keys[:-1]) + f" and {keys[-1]}"
+            return ([needle(k, v) for k, v in zip(keys, values)],
+                    f"\nWhat are all the special magic numbers for {asked} mentioned in the provided text? The "
+                    f"special magic numbers for {asked} mentioned in the provided text are", values, INTRO)
+        return ([needle(k, v) for k, v in zip(keys, values)],
+                f"\nWhat is the special magic number for {keys[0]} mentioned in the provided text? The special magic "
+                f"number for {keys[0]} mentioned in the provided text is", values[:1], INTRO)
+    if name == "multivalue":
+        k, values = key(rng), [number(rng) for _ in range(4)]
+        return ([needle(k, v) for v in values],
+                f"\nWhat are all the special magic numbers for {k} mentioned in the provided text? The special magic "
+                f"numbers for {k} mentioned in the provided text are", values, INTRO)
+    if name == "vartrack":
+        names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(5)]
+        v = number(rng)
+        chain = [f" VAR {names[0]} = {v}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        return (chain, f"\nQuestion: Find all variables that are assigned the value {v} in the text above. Answer: "
+                       f"According to the chain(s) of variable assignment in the text above, 5 variables are assigned "
+                       f"the value {v}, they are:", names,
+                "Memorize and track the chain(s) of variable assignment hidden in the following text.\n")
+    sentence, question, words = FACTS[rng.randrange(len(FACTS))]
+    return [" " + sentence], f"\nAnswer the question from the text above. Question: {question} Answer:", words, \
+        "Read the following text and answer the question after it.\n"
+
+
+def prompt(tok, book_ids, length, name, rng):
+    """(prompt ids of exactly ``length`` tokens, the strings a right answer holds)."""
+    needles, question, want, intro = task(name, rng)
+    head, tail = tok.encode(intro).ids, tok.encode(question).ids
+    pieces = [tok.encode(n).ids for n in needles]
+    n_hay = length - len(head) - len(tail) - sum(map(len, pieces))
+    start = rng.randrange(0, len(book_ids) - n_hay)
+    hay = list(book_ids[start:start + n_hay])
+    cuts = sorted(rng.randint(0, n_hay) for _ in pieces)
+    if name != "vartrack":  # a chain keeps its order: each link comes after the one it names
+        rng.shuffle(pieces)
+    out, last = list(head), 0
+    for cut, piece in zip(cuts, pieces):
+        out += hay[last:cut] + piece
+        last = cut
+    return out + hay[last:] + tail, want
+
+
+def score(text, want):
+    return sum(w.lower() in text.lower() for w in want) / len(want)
+
+
+def run(args):
+    from landmark_memory.kinds import load_model
+
+    state_path = Path(args.state)
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    lengths = parse_lengths(args.lengths)
+    _, val = split_books(list_text_files([args.books]))
+    for label, name in MODELS.items():
+        todo = [(n, t) for n in lengths for t in TASKS if label != "base in context" or n <= BASE_MAX]
+        if all(len(state.get(f"{label}|{t}|{n}", [])) >= args.trials for n, t in todo):
+            continue
+        model, tok = load_model(name, "cpu")
+        books = [(f.stem, encode(tok, read_text(f))) for f in val]
+        memory = {} if label == "landmark + memory" else None
+        for n, t in todo:
+            cell = state.setdefault(f"{label}|{t}|{n}", [])
+            while len(cell) < args.trials:
+                i = len(cell)
+                rng = random.Random(f"{args.seed}|{t}|{n}|{i}")  # the same prompts for both models
+                book, ids = books[i % len(books)]
+                ids_prompt, want = prompt(tok, ids, n, t, rng)
+                t0 = time.perf_counter()
+                text = tok.decode(greedy_continuation(model, ids_prompt, MAX_NEW[t], memory))
+                cell.append({"book": book, "score": score(text, want), "want": want, "answer": text,
+                             "seconds": round(time.perf_counter() - t0, 1)})
+                state_path.write_text(json.dumps(state, indent=1))
+                print(f"{label} {t} @{n} trial {i}: {cell[-1]['score']:.2f} {text.strip()[:60]!r}", flush=True)
+        del model
+
+
+def report(args):
+    state = json.loads(Path(args.state).read_text())
+    lengths = sorted({int(k.split("|")[2]) for k in state})
+    body = ["Each cell: the mean score (share of the asked values found in the greedy answer) and the trials run. "
+            "Haystacks are consecutive text of the held-out books; both models read the same prompts.", "",
+            "| model | task | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+            "|---|---|" + "---|" * len(lengths)]
+    means = {}
+    for label in MODELS:
+        for t in TASKS:
+            cells = []
+            for n in lengths:
+                got = state.get(f"{label}|{t}|{n}", [])
+                if got:
+                    means[label, t, n] = float(np.mean([g["score"] for g in got]))
+                    cells.append(f"{means[label, t, n]:.0%} ({len(got)})")
+                else:
+                    cells.append("-")
+            body.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, len(TASKS), figsize=(3 * len(TASKS), 3), sharey=True)
+    for ax, t in zip(axes, TASKS):
+        for label in MODELS:
+            xs = [n for n in lengths if (label, t, n) in means]
+            ax.plot(xs, [means[label, t, n] for n in xs], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(t)
+        ax.set_xlabel("tokens")
+    axes[0].set_ylabel("score")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(args.results) / "ruler.png", dpi=110)
+    body += ["", "![RULER-style scores by length](ruler.png)", ""]
+    write_result("ruler", "A RULER-style suite over held-out books", body, results=args.results)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--books", help="the book corpus (held-out books chosen as training chose them)")
+    ap.add_argument("--lengths", default="4k,8k,16k,32k")
+    ap.add_argument("--trials", type=int, default=20, help="trials per cell (default 20)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state", default=str(RESULTS / "ruler.json"), help="every trial run (JSON; resumed)")
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--report", action="store_true", help="write ruler.md and ruler.png from the state only")
+    args = ap.parse_args(argv)
+    if not args.report:
+        if not args.books:
+            ap.error("--books is needed to run trials")
+        run(args)
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
