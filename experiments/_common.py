@@ -28,6 +28,22 @@ LANDMARK_MODEL, FULL_MODEL, INFINI_MODEL = "out/exp-landmark", "out/exp-full", "
 BASE_MODEL, CMT_MODEL, JUMP_MODEL = "out/exp9-base", "out/exp9-cmt", "out/exp9-jump"
 
 
+# facts planted in book text, each with its question and the words a right answer holds
+# (exp_diagnose.py, exp_ruler.py)
+PLANTED_FACTS = [
+    ("The innkeeper's daughter was called Rosalie Fontaine.", "What was the innkeeper's daughter called?",
+     ["Rosalie"]),
+    ("The old clock in the church tower had stopped at a quarter past four.",
+     "At what time had the church tower clock stopped?", ["quarter past four"]),
+    ("Every Sunday the miller sold eleven sacks of flour to the baker.",
+     "How many sacks of flour did the miller sell to the baker every Sunday?", ["eleven"]),
+    ("The notary kept his savings in a blue tin box under the stairs.", "Where did the notary keep his savings?",
+     ["tin box"]),
+    ("The captain's parrot was named Admiral Biscuit.", "What was the captain's parrot named?", ["Biscuit"]),
+    ("The lighthouse keeper painted his door bright orange every spring.",
+     "What colour did the lighthouse keeper paint his door?", ["orange"])]
+
+
 def parser(doc):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus the models were trained on (held-out books "

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from _common import book_tokens, write_result
 from landmark_memory.data import SAMPLE_DIR

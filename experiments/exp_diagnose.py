@@ -32,32 +32,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import write_result
+from _common import PLANTED_FACTS, write_result
+from exp_smollm2 import held_out
 from landmark_memory.answer import ask
-from landmark_memory.build import encode
-from landmark_memory.data import list_text_files, read_text, split_books
+from landmark_memory.data import read_text
 from landmark_memory.kinds import in_sequence_logits, load_model
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, answer, fact, first_int
 
 CONFIGS = [(4, "stingy"), (8, "stingy"), (16, "stingy"), (4, "exact"), (8, "exact"), (16, "exact")]
-FACTS = [  # (sentence planted, question, the words a right answer holds)
-    ("The innkeeper's daughter was called Rosalie Fontaine.", "What was the innkeeper's daughter called?",
-     "Rosalie"),
-    ("The old clock in the church tower had stopped at a quarter past four.",
-     "At what time had the church tower clock stopped?", "quarter past four"),
-    ("Every Sunday the miller sold eleven sacks of flour to the baker.",
-     "How many sacks of flour did the miller sell to the baker every Sunday?", "eleven"),
-    ("The notary kept his savings in a blue tin box under the stairs.", "Where did the notary keep his savings?",
-     "tin box"),
-]
+FACTS = PLANTED_FACTS[:4]  # (sentence planted, question, the words a right answer holds)
 DEPTHS = (0.2, 0.45, 0.65, 0.85)
-
-
-def held_out(books, tok):
-    """[(name, token ids)] of the books the fine-tuning held out (its default split)."""
-    _, val = split_books(list_text_files([books]))
-    return [(f.stem, f, encode(tok, read_text(f))) for f in val]
 
 
 def book_filler(ids, start):
@@ -203,7 +188,7 @@ def part_questions(args, model, tok, books):
             edge = sum(p.share for p in got.passages if p.block == 0 or p.block >= n_blocks - 3)
             sets.append(set(top))
             rows.append((question, got.text.strip().replace("|", "/").replace("\n", " ")[:70],
-                         expect.lower() in got.text.lower(), fact_blocks, rank, edge, layers))
+                         all(w.lower() in got.text.lower() for w in expect), fact_blocks, rank, edge, layers))
     body += ["| question | answer | right | fact's block | its rank in the top 20 | lookups on block 0 and the "
              "last 3 | layers where most heads find it |", "|---|---|---|---|---|---|---|"]
     for q, a, ok, fb, rank, edge, layers in rows:

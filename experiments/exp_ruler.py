@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, plt, write_result
+from _common import PLANTED_FACTS, RESULTS, plt, write_result
 from landmark_memory.build import encode
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -42,17 +42,6 @@ WORDS = ("amber", "brisk", "cedar", "dusky", "ember", "frost", "gleam", "hazel",
          "maple", "noble", "olive", "pearl", "quiet", "raven", "silver", "tulip", "umber", "velvet", "willow", "zephyr")
 NOUNS = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket", "kettle",
          "lantern", "meadow", "needle", "orchard", "pillow", "quarry", "ribbon", "saddle", "timber", "valley", "wagon")
-FACTS = [("The innkeeper's daughter was called Rosalie Fontaine.", "What was the innkeeper's daughter called?",
-          ["Rosalie"]),
-         ("The old clock in the church tower had stopped at a quarter past four.",
-          "At what time had the church tower clock stopped?", ["quarter past four"]),
-         ("Every Sunday the miller sold eleven sacks of flour to the baker.",
-          "How many sacks of flour did the miller sell to the baker every Sunday?", ["eleven"]),
-         ("The notary kept his savings in a blue tin box under the stairs.",
-          "Where did the notary keep his savings?", ["tin box"]),
-         ("The captain's parrot was named Admiral Biscuit.", "What was the captain's parrot named?", ["Biscuit"]),
-         ("The lighthouse keeper painted his door bright orange every spring.",
-          "What colour did the lighthouse keeper paint his door?", ["orange"])]
 INTRO = "Some special magic numbers are hidden within the following text. Make sure to memorize it. " \
         "I will quiz you about the numbers afterwards.\n"
 MAX_NEW = {"single": 12, "multikey": 12, "multivalue": 48, "multiquery": 48, "vartrack": 32, "qa": 16}
@@ -101,7 +90,7 @@ def task(name, rng):
                        f"According to the chain(s) of variable assignment in the text above, 5 variables are assigned "
                        f"the value {v}, they are:", names,
                 "Memorize and track the chain(s) of variable assignment hidden in the following text.\n")
-    sentence, question, words = FACTS[rng.randrange(len(FACTS))]
+    sentence, question, words = PLANTED_FACTS[rng.randrange(len(PLANTED_FACTS))]
     return [" " + sentence], f"\nAnswer the question from the text above. Question: {question} Answer:", words, \
         "Read the following text and answer the question after it.\n"
 
