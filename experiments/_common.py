@@ -2,6 +2,7 @@
 several books, and the results files (markdown with the exact command, machine and date)."""
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -114,6 +115,45 @@ def book_tokens(tok, n, data):
     while len(ids) < n:
         ids += ids
     return torch.tensor(ids[:n])[None]
+
+
+class Trials:
+    """Trials kept in a JSON file, each cell a list of rows, written as soon as a row is added:
+    a stopped run goes on where it stopped, and a later run with more trials extends it."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.cells = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def cell(self, key):
+        return self.cells.setdefault(key, [])
+
+    def add(self, key, row):
+        self.cell(key).append(row)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.cells, indent=1))
+        os.replace(tmp, self.path)
+
+
+def suite_main(doc, name, lengths, run, report, argv=None, extra=None):
+    """The command line of a resumable trial suite (``Trials``): runs ``run(args)`` unless
+    ``--report``, then ``report(args)``. ``extra(ap)`` adds the suite's own options."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--books", help="the book corpus (held-out books chosen as training chose them)")
+    ap.add_argument("--lengths", default=lengths)
+    ap.add_argument("--trials", type=int, default=20, help="trials per cell (default 20)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state", default=str(RESULTS / f"{name}.json"), help="every trial run (JSON; resumed)")
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--report", action="store_true", help=f"write {name}.md from the state only")
+    if extra:
+        extra(ap)
+    args = ap.parse_args(argv)
+    if not args.report:
+        if not args.books:
+            ap.error("--books is needed to run trials")
+        run(args)
+    report(args)
 
 
 def machine():

@@ -22,15 +22,13 @@ goes on where it stopped, and more trials can be added later; ``--report`` write
 and its plot from the state.
 """
 
-import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 import numpy as np
 
-from _common import PLANTED_FACTS, RESULTS, plt, write_result
+from _common import PLANTED_FACTS, Trials, plt, suite_main, write_result
 from landmark_memory.build import encode
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -120,19 +118,18 @@ def score(text, want):
 def run(args):
     from landmark_memory.kinds import load_model
 
-    state_path = Path(args.state)
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = Trials(args.state)
     lengths = parse_lengths(args.lengths)
     _, val = split_books(list_text_files([args.books]))
     for label, name in MODELS.items():
         todo = [(n, t) for n in lengths for t in TASKS if label != "base in context" or n <= BASE_MAX]
-        if all(len(state.get(f"{label}|{t}|{n}", [])) >= args.trials for n, t in todo):
+        if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
         model, tok = load_model(name, "cpu")
         books = [(f.stem, encode(tok, read_text(f))) for f in val]
         memory = {} if label == "landmark + memory" else None
         for n, t in todo:
-            cell = state.setdefault(f"{label}|{t}|{n}", [])
+            cell = state.cell(f"{label}|{t}|{n}")
             while len(cell) < args.trials:
                 i = len(cell)
                 rng = random.Random(f"{args.seed}|{t}|{n}|{i}")  # the same prompts for both models
@@ -140,15 +137,14 @@ def run(args):
                 ids_prompt, want = prompt(tok, ids, n, t, rng)
                 t0 = time.perf_counter()
                 text = tok.decode(greedy_continuation(model, ids_prompt, MAX_NEW[t], memory))
-                cell.append({"book": book, "score": score(text, want), "want": want, "answer": text,
-                             "seconds": round(time.perf_counter() - t0, 1)})
-                state_path.write_text(json.dumps(state, indent=1))
+                state.add(f"{label}|{t}|{n}", {"book": book, "score": score(text, want), "want": want, "answer": text,
+                                               "seconds": round(time.perf_counter() - t0, 1)})
                 print(f"{label} {t} @{n} trial {i}: {cell[-1]['score']:.2f} {text.strip()[:60]!r}", flush=True)
         del model
 
 
 def report(args):
-    state = json.loads(Path(args.state).read_text())
+    state = Trials(args.state).cells
     lengths = sorted({int(k.split("|")[2]) for k in state})
     body = ["Each cell: the mean score (share of the asked values found in the greedy answer) and the trials run. "
             "Haystacks are consecutive text of the held-out books; both models read the same prompts.", "",
@@ -184,20 +180,7 @@ def report(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--books", help="the book corpus (held-out books chosen as training chose them)")
-    ap.add_argument("--lengths", default="4k,8k,16k,32k")
-    ap.add_argument("--trials", type=int, default=20, help="trials per cell (default 20)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--state", default=str(RESULTS / "ruler.json"), help="every trial run (JSON; resumed)")
-    ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--report", action="store_true", help="write ruler.md and ruler.png from the state only")
-    args = ap.parse_args(argv)
-    if not args.report:
-        if not args.books:
-            ap.error("--books is needed to run trials")
-        run(args)
-    report(args)
+    suite_main(__doc__, "ruler", "4k,8k,16k,32k", run, report, argv)
 
 
 if __name__ == "__main__":

@@ -151,20 +151,21 @@ class PasskeyMix:
 
 class WindowSampler:
     """Random windows of ``seq_len`` + 1 tokens from one token array: (x, y) batches with
-    ``y`` the next token of ``x``."""
+    ``y`` the next token of ``x``. ``mix(window, rng)``, when given, may turn a window into a
+    drill in place (``PasskeyMix``, ``drills.RetrievalDrills``)."""
 
-    def __init__(self, tokens, seq_len, batch_size, seed, passkey=None):
+    def __init__(self, tokens, seq_len, batch_size, seed, mix=None):
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"only {len(tokens)} tokens of text for windows of {seq_len}: "
                              "give more text or a shorter --seq-len")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.rng, self.passkey = random.Random(seed), passkey
+        self.rng, self.mix = random.Random(seed), mix
 
     def batch(self):
         rows = []
         for _ in range(self.batch_size):
             s = self.rng.randrange(len(self.tokens) - self.seq_len - 1)
             w = self.tokens[s:s + self.seq_len + 1].astype(np.int64)
-            rows.append(self.passkey(w, self.rng) if self.passkey else w)
+            rows.append(self.mix(w, self.rng) if self.mix else w)
         b = torch.from_numpy(np.stack(rows))  # (B, T+1)
         return b[:, :-1], b[:, 1:]

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from .config import LandmarkConfig
 from .data import SAMPLE_DIR, PasskeyMix, WindowSampler, list_text_files, split_books, tokenize_books
+from .drills import RetrievalDrills
 from .fileio import atomic_write
 from .model import LandmarkGPT
 from .tokenizer import EOS_TOKEN, load_tokenizer
@@ -43,6 +44,7 @@ class TrainConfig:
     val_books: int = 0  # 0 = 5% of the books, at least one
     passkey_rate: float = 0.0  # fraction of windows with a planted passkey to retrieve
     copy_rate: float = 0.25  # share of those windows that are copy drills instead (data.PasskeyMix)
+    drill_rate: float = 0.0  # fraction of windows made retrieval drills in their own book text (drills.RetrievalDrills)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
     attention: str = "landmark"  # landmark, full (the baseline) or infini (Infini-attention)
@@ -61,6 +63,7 @@ class TrainConfig:
     hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model (or "smollm2") with landmarks instead (paper 4.2)
     lora_rank: int = 0  # with --hf-model: train LoRA adapters of this rank and the landmark embedding; 0 = all weights
     lora_alpha: int = 0  # LoRA scale numerator; 0 = twice the rank
+    grad_checkpoint: bool = False  # with --hf-model: recompute each layer in the backward pass (long windows fit in memory)
     # optimisation (paper defaults)
     batch_size: int = 8  # per process, per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -166,15 +169,17 @@ class Trainer:
             start = self.out if cfg.resume else (cfg.init_from or None)
             self.model = HFLandmarkLM.load(cfg.hf_model, cfg.block_size, lora_rank=cfg.lora_rank,
                                            lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
-                                           start_from=start).to(self.device)
+                                           start_from=start, grad_checkpoint=cfg.grad_checkpoint).to(self.device)
             self.tok = self.model.text_tokenizer()
         else:
+            if cfg.grad_checkpoint:
+                raise ValueError("--grad-checkpoint serves --hf-model fine-tuning only")
             self.tok = load_tokenizer()
         self.train_tokens, self.val_tokens = self._load_data()
-        passkey = PasskeyMix(self.tok, cfg.passkey_rate, copy_rate=cfg.copy_rate) if cfg.passkey_rate > 0 else None
-        self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, passkey)
+        mix = self._mix()
+        self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, mix)
         # the same validation windows at every evaluation, so the curve compares like with like
-        val = WindowSampler(self.val_tokens, cfg.seq_len, cfg.batch_size, seed=0, passkey=passkey)
+        val = WindowSampler(self.val_tokens, cfg.seq_len, cfg.batch_size, seed=0, mix=mix)
         self.val_batches = [val.batch() for _ in range(cfg.eval_iters)]
 
         if cfg.hf_model:
@@ -204,6 +209,15 @@ class Trainer:
     def log(self, msg):
         if self.master:
             tqdm.write(msg)
+
+    def _mix(self):
+        """What turns book windows into drills: the passkey mix or the retrieval drills (one of them)."""
+        cfg = self.cfg
+        if cfg.passkey_rate > 0 and cfg.drill_rate > 0:
+            raise ValueError("--passkey-rate and --drill-rate each pick windows of their own kind; give one of them")
+        if cfg.drill_rate > 0:
+            return RetrievalDrills(self.tok, cfg.drill_rate)
+        return PasskeyMix(self.tok, cfg.passkey_rate, copy_rate=cfg.copy_rate) if cfg.passkey_rate > 0 else None
 
     def _load_data(self):
         cfg = self.cfg

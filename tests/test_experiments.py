@@ -88,6 +88,29 @@ def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():
     assert all(text.index(f"VAR {a} ") < text.index(f"VAR {b} = VAR {a}.") for a, b in zip(names, names[1:]))
 
 
+def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_path):
+    import json
+
+    from landmark_memory import load_tokenizer
+
+    realtext, tok = script("exp_realtext"), load_tokenizer()
+    book = tok.encode(" The quiet river ran past the mill." * 100).ids
+    ids = realtext.planted(tok, book, 300, "The captain's parrot was named Admiral Biscuit.", 0.5)
+    text = tok.decode(ids)
+    assert len(ids) == 300 and "mill. The captain's parrot was named Admiral Biscuit. The quiet" in text
+    assert 0.4 < text.index("Admiral") / len(text) < 0.6
+    rows = {"a|passkey|8192": [{"right": True, "want": "1", "answer": "1"}, {"right": False, "want": "2", "answer": "7"}],
+            "b|passkey|8192": [{"right": True, "want": "1", "answer": "1"}] * 2,
+            "b|ask|16384": [{"right": False, "want": "tin box", "answer": "a safe place"}],
+            "b|ppl|2048": [{"perplexity": 28.5, "tokens": 12000}]}
+    (tmp_path / "state.json").write_text(json.dumps(rows))
+    realtext.main(["--report", "--state", str(tmp_path / "state.json"), "--results", str(tmp_path)])
+    md = (tmp_path / "realtext.md").read_text()
+    assert "| passkey | a | 1/2 | - |" in md and "| passkey | b | 2/2 | - |" in md and "| ask | b | - | 0/1 |" in md
+    assert "'7' for 2" in md and "'a safe place' for tin box" in md
+    assert "12,000 tokens: b 28.50." in md
+
+
 def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 

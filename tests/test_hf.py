@@ -304,3 +304,23 @@ def test_readme_example_runs_as_written(model_dir, tmp_path, text):
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip()
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir, tokenizer_object, text):
+    from landmark_memory.hf.train import HFLandmarkLM
+
+    idx = torch.tensor([tokenizer_object.encode(text).ids[:60]])  # (1, 60)
+    runs = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)  # the same LoRA initialisation
+        model = HFLandmarkLM.load(str(model_dir), 7, lora_rank=4, lora_alpha=8, grad_checkpoint=checkpoint).train()
+        assert model.hf.is_gradient_checkpointing == checkpoint
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        runs.append((loss, grads))
+    (loss, grads), (loss_c, grads_c) = runs
+    assert torch.isfinite(loss) and torch.allclose(loss, loss_c, rtol=1e-6)
+    assert grads.keys() == grads_c.keys() and any(g.abs().sum() > 0 for g in grads.values())
+    for name, g in grads.items():
+        assert torch.allclose(g, grads_c[name], rtol=1e-4, atol=1e-7), name

@@ -82,6 +82,17 @@ def test_resume_refuses_a_different_model(books, tmp_path):
         _trainer(books, tmp_path / "empty", "--resume")
 
 
+def test_drill_windows_train_and_leave_no_room_for_the_passkey_mix(books, tmp_path):
+    t = _trainer(books, tmp_path, "--drill-rate", "1.0", "--seq-len", "512", "--max-iters", "1")
+    t.run()
+    x, _ = t.val_batches[0]
+    assert all("?" in t.tok.decode(row.tolist()) for row in x)  # every validation window asks a question
+    with pytest.raises(ValueError, match="give one of them"):
+        _trainer(books, tmp_path / "both", "--drill-rate", "0.5", "--passkey-rate", "0.5")
+    with pytest.raises(ValueError, match="--hf-model fine-tuning only"):
+        _trainer(books, tmp_path / "gc", "--grad-checkpoint")
+
+
 def test_full_attention_baseline_trains_from_the_same_command(books, tmp_path):
     t = _trainer(books, tmp_path, "--attention", "full", "--max-iters", "2")
     t.run()

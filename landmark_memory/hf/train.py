@@ -39,12 +39,15 @@ class HFLandmarkLM(nn.Module):
         return TextTokenizer(self.tokenizer)
 
     @classmethod
-    def load(cls, path, block_size, lora_rank=0, lora_alpha=0, start_from=None):
+    def load(cls, path, block_size, lora_rank=0, lora_alpha=0, start_from=None, grad_checkpoint=False):
         """The model to fine-tune: ``path`` (a local Hugging Face folder, or ``"smollm2"``) as a
         landmark model with blocks of ``block_size`` (converted here when it is a plain one).
         With ``lora_rank`` > 0 only LoRA adapters and the landmark embedding train.
         ``start_from``: weights to start from, a checkpoint of this training or an earlier stage's
-        (under LoRA an adapter of the same rank, else a whole saved landmark model)."""
+        (under LoRA an adapter of the same rank, else a whole saved landmark model).
+        ``grad_checkpoint``: keep one layer's activations at a time, recomputing them in the
+        backward pass (the grouped softmax holds (T, T) scores per head: windows of 4K tokens
+        need this to fit in memory)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from .smollm2 import BASE, base_model_dir
@@ -66,6 +69,9 @@ class HFLandmarkLM(nn.Module):
         else:
             model = convert(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tok, block_size)
         model.config.use_cache = False
+        if grad_checkpoint:  # non-reentrant: no input needs a gradient for LoRA's to flow. (The name that
+            # 5.23 prefers, activation_checkpointing_enable, is missing from the transformers of GPU images.)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_rank and start_from is not None:
             adapter_settings(start_from)  # says so when it is not an adapter
             rank = json.loads((Path(start_from) / ADAPTER_CONFIG).read_text())["r"]

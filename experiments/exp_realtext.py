@@ -1,0 +1,165 @@
+"""SmolLM2 landmark adapters side by side on the same trials in books the fine-tuning never saw:
+a pass key in book text through memory, and `ask` answering a fact planted in a book memory.
+
+    python experiments/exp_realtext.py --books BOOKS --adapters stage4=ASSET,stage5=out/smollm2-stage5
+    python experiments/exp_realtext.py --books BOOKS --adapters ... --parts ask --lengths 8k,32k --trials 10
+    python experiments/exp_realtext.py --report                       # realtext.md from what ran
+
+``passkey``: the paper's prompt with its filler replaced by consecutive text of a held-out book
+(a random book, offset, depth and key per trial), read through a fresh memory at its defaults
+(top-k 4, stingy positions) and continued greedily; right when the first integer is the key.
+
+``ask``: consecutive text of a held-out book with one planted fact (``_common.PLANTED_FACTS``)
+after a sentence at a random depth, read into a fresh memory at its defaults; the fact's
+question asked as ``ask`` asks it (the chat template); right when the answer holds the fact's
+words.
+
+``ppl``: perplexity in sequence (no memory) over ``--ppl-tokens`` of the held-out books in 2K
+segments, for each adapter and for the base model, which it must stay within 5% of.
+
+Each adapter (``name=folder``; the shipped one is ``landmark_memory/assets/smollm2-landmark``)
+reads the same trials: they are drawn from ``--seed``, the part, the length and the trial's
+number only. Every trial is kept in ``--state`` as soon as it is done, so a run resumes and
+later runs add trials; ``--report`` writes realtext.md from the state.
+"""
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from _common import PLANTED_FACTS, Trials, books_perplexity, suite_main, write_result
+from exp_diagnose import book_filler
+from exp_smollm2 import held_out
+from landmark_memory.answer import ask
+from landmark_memory.evaluate import greedy_continuation, parse_lengths
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, first_int
+
+PARTS = ("passkey", "ask", "ppl")
+PPL_LENGTH = 2048  # the in-sequence perplexity's segments
+
+
+def passkey_trial(model, tok, books, n, rng):
+    name, _, ids = books[rng.randrange(len(books))]
+    prompts = PasskeyPrompts(tok)
+    key, depth = rng.randint(1, MAX_KEY), rng.random()
+    start = rng.randrange(0, len(ids) - n)
+    prompt = prompts.prompt(n, key, depth, book_filler(ids, start))
+    got = first_int(tok.decode(greedy_continuation(model, prompt, 8, memory={})))
+    return {"book": name, "depth": round(depth, 3), "want": str(key), "answer": str(got), "right": got == key}
+
+
+def planted(tok, ids, n, sentence, depth):
+    """``n`` tokens of book text ``ids`` with ``sentence`` after the first full stop at or past
+    ``depth`` of the way."""
+    fact = tok.encode(" " + sentence).ids
+    hay = list(ids[:n - len(fact)])
+    cut = round(depth * len(hay))
+    while cut < len(hay) and not tok.decode(hay[cut - 1:cut]).endswith("."):
+        cut += 1
+    return hay[:cut] + fact + hay[cut:]
+
+
+@torch.no_grad()
+def ask_trial(model, tok, books, n, rng):
+    name, _, ids = books[rng.randrange(len(books))]
+    sentence, question, words = PLANTED_FACTS[rng.randrange(len(PLANTED_FACTS))]
+    depth, start = rng.random(), rng.randrange(0, len(ids) - n)
+    with LandmarkMemory(model) as mem:
+        mem.forward(torch.tensor([planted(tok, ids[start:start + n], n, sentence, depth)]), logits="none")
+        got = ask(mem, tok, question, max_new_tokens=32).text.strip()
+    return {"book": name, "depth": round(depth, 3), "want": " / ".join(words), "answer": got,
+            "right": all(w.lower() in got.lower() for w in words)}
+
+
+def ppl_cell(model, books, n_tokens):
+    """In-sequence perplexity over ``n_tokens`` of the held-out books in 2K segments."""
+    ppl, count = books_perplexity(model, [(name, ids) for name, _, ids in books], PPL_LENGTH, n_tokens)
+    return {"perplexity": round(ppl, 3), "tokens": count}
+
+
+def run(args):
+    from landmark_memory.hf.smollm2 import load_base, load_landmark
+    from landmark_memory.hf.tokenizer import TextTokenizer
+
+    state, lengths = Trials(args.state), parse_lengths(args.lengths)
+    if set(args.parts.split(",")) - set(PARTS):
+        raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
+    trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
+    specs = [s.partition("=") for s in args.adapters.split(",")]
+    if any(not folder for _, _, folder in specs):
+        raise SystemExit(f"--adapters: give name=folder for each, got {args.adapters!r}")
+    loads = [(label, lambda folder=folder: load_landmark(Path(folder))) for label, _, folder in specs]
+    if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
+        loads.append(("base", load_base))
+    for label, load in loads:
+        model, hf_tok = load()
+        model, tok = model.eval(), TextTokenizer(hf_tok)
+        books = held_out(args.books, tok)
+        if "ppl" in parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}"):
+            state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens))
+        for part in (p for p in parts if p != "ppl" and label != "base"):
+            for n in lengths:
+                key = f"{label}|{part}|{n}"
+                while len(state.cell(key)) < args.trials:
+                    i = len(state.cell(key))
+                    rng = random.Random(f"{args.seed}|{part}|{n}|{i}")  # the same trial for every adapter
+                    t0 = time.perf_counter()
+                    row = trial[part](model, tok, books, n, rng)
+                    state.add(key, {**row, "seconds": round(time.perf_counter() - t0, 1)})
+                    print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
+                          f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
+        del model
+
+
+def report(args):
+    cells = Trials(args.state).cells
+    labels = list(dict.fromkeys(k.split("|")[0] for k in cells))
+    lengths = sorted({int(k.split("|")[2]) for k in cells if "|ppl|" not in k})
+    body = ["Books the fine-tuning never saw (the default split's held-out books). Each cell: right / trials; every "
+            "adapter read the same trials (drawn from the seed, the part, the length and the trial's number).", "",
+            "| part | adapter | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+            "|---|---|" + "---|" * len(lengths)]
+    for part in PARTS[:2]:
+        for label in labels:
+            row = []
+            for n in lengths:
+                got = cells.get(f"{label}|{part}|{n}", [])
+                row.append(f"{sum(g['right'] for g in got)}/{len(got)}" if got else "-")
+            if any(r != "-" for r in row):
+                body.append(f"| {part} | {label} | " + " | ".join(row) + " |")
+    key = f"|ppl|{PPL_LENGTH}"
+    ppl = {label: cells[label + key][0] for label in labels if cells.get(label + key)}
+    if ppl:
+        base = ppl.get("base", {}).get("perplexity")
+        body += ["", f"Perplexity in sequence (no memory), 2K segments of the held-out books, "
+                     f"{next(iter(ppl.values()))['tokens']:,} tokens: "
+                 + ", ".join(f"{label} {p['perplexity']:.2f}" + (f" ({p['perplexity'] / base - 1:+.1%} on base)"
+                                                                  if base and label != "base" else "")
+                             for label, p in ppl.items()) + "."]
+    body += ["", "Wrong answers (the first 60 characters):", ""]
+    for key, rows in cells.items():
+        if "|ppl|" in key:
+            continue
+        wrong = [f"{r['answer'][:60]!r} for {r['want']}" for r in rows if not r["right"]]
+        if wrong:
+            body.append(f"- {key.replace('|', ', ')}: " + "; ".join(wrong))
+    write_result("realtext", "SmolLM2 adapters on real text: book-text passkey and `ask`", body, results=args.results)
+
+
+def options(ap):
+    ap.add_argument("--adapters", default="shipped=landmark_memory/assets/smollm2-landmark",
+                    help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one)")
+    ap.add_argument("--parts", default="passkey,ask,ppl", help=f"some of {', '.join(PARTS)}")
+    ap.add_argument("--ppl-tokens", type=int, default=12288, help="tokens of the in-sequence perplexity "
+                                                                  "(shared out over the held-out books)")
+
+
+def main(argv=None):
+    suite_main(__doc__, "realtext", "8k,16k,32k", run, report, argv, extra=options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Retrieval drills in book text (drills.py): every question asks a planted fact and its answer
+copies that fact; the window keeps its length and its book text; the training words stay
+apart from the evaluation's."""
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from landmark_memory import load_tokenizer
+from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.drills import ADJECTIVES, FIRST, LAST, ROLES, THINGS, RetrievalDrills
+
+from test_experiments import script
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def book(tok):
+    text = (SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[20_000:40_000]
+    return np.asarray(tok.encode(text).ids, dtype=np.int64)
+
+
+def numbers(text):
+    return re.findall(r"\d+", text)
+
+
+def test_every_answer_copies_the_values_of_the_fact_it_asks(tok, book):
+    drills = RetrievalDrills(tok, rate=1.0)
+    seen_kinds = set()
+    for seed in range(40):
+        window = book[:1500].copy()
+        facts, asked = drills.drill(window, random.Random(seed))
+        text = tok.decode(window.tolist())
+        assert len(window) == 1500 and 1 <= len(asked) <= min(3, len(facts)) and set(map(id, asked)) <= set(map(id, facts))
+        at = [text.index(s.strip()) for f in facts for s in f.sentences]  # planted, in order within a fact
+        tail = text[max(at):]
+        for f in asked:
+            said = f.completion if f.completion.strip() in tail else f.chat
+            assert said.strip() in tail
+            assert numbers(said) == list(dict.fromkeys(n for s in f.sentences for n in numbers(s)))
+            assert f.key == "pass key" or "magic" in f.question or f.sentences == (" " + f.chat,)
+            seen_kinds.add(f.key if f.key == "pass key" else "magic" if "magic" in f.question else "village")
+    assert seen_kinds == {"pass key", "magic", "village"}
+
+
+def test_a_window_holds_distinct_keys_and_keeps_its_book_text_in_order(tok, book):
+    drills = RetrievalDrills(tok, rate=1.0, max_facts=6)
+    for seed in range(20):
+        window = book[:1200].copy()
+        facts, _ = drills.drill(window, random.Random(seed))
+        keys = [f.key for f in facts]
+        assert len(set(keys)) == len(keys) and keys.count("pass key") <= 1
+        hay = book[:200].tolist()  # the window's first book tokens come through, in order
+        kept = iter(window.tolist())
+        assert all(any(t == u for u in kept) for t in hay)
+
+
+def test_rate_picks_that_share_of_windows(tok, book):
+    drills, rng = RetrievalDrills(tok, rate=0.3), random.Random(0)
+    changed = sum(not np.array_equal(drills(book[:600].copy(), rng), book[:600]) for _ in range(200))
+    assert 40 <= changed <= 80
+    assert np.array_equal(RetrievalDrills(tok, rate=0.0)(book[:600].copy(), rng), book[:600])
+
+
+def test_bad_settings_and_short_windows_say_what_to_change(tok, book):
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        RetrievalDrills(tok, rate=1.5)
+    with pytest.raises(ValueError, match="max_questions <= max_facts"):
+        RetrievalDrills(tok, rate=1.0, max_facts=2, max_questions=3)
+    with pytest.raises(ValueError, match="too short for a retrieval drill"):
+        RetrievalDrills(tok, rate=1.0).drill(book[:20].copy(), random.Random(0))
+
+
+def test_chat_questions_are_user_turns_answered_before_the_end_of_turn(book):
+    from transformers import AutoTokenizer
+
+    from landmark_memory.hf.smollm2 import base_model_dir
+    from landmark_memory.hf.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(AutoTokenizer.from_pretrained(base_model_dir()))
+    ids = np.asarray(tok.encode((SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[20_000:30_000]).ids)
+    window = ids[:1500].astype(np.int64)
+    _, asked = RetrievalDrills(tok, rate=1.0, chat_share=1.0).drill(window, random.Random(1))
+    text = tok.decode(window.tolist())
+    for f in asked:
+        assert f"<|im_start|>user\n{f.question}<|im_end|>\n<|im_start|>assistant\n{f.chat}<|im_end|>" in text
+    assert text.endswith("<|im_end|>")
+
+
+def test_training_words_never_name_what_the_evaluations_ask():
+    ruler, common = script("exp_ruler"), script("_common")
+    assert not set(ADJECTIVES) & set(ruler.WORDS) and not set(THINGS) & set(ruler.NOUNS)
+    evaluated = " ".join(s + " " + q for s, q, _ in common.PLANTED_FACTS).lower()
+    assert not [w for w in ROLES + FIRST + LAST if re.search(rf"\b{w.lower()}\b", evaluated)]
