@@ -126,10 +126,11 @@ class Trials:
         self.cells = json.loads(self.path.read_text()) if self.path.exists() else {}
 
     def cell(self, key):
-        return self.cells.setdefault(key, [])
+        """The rows of ``key`` so far (a cell not run yet has none, and is not created)."""
+        return self.cells.get(key, [])
 
     def add(self, key, row):
-        self.cell(key).append(row)
+        self.cells.setdefault(key, []).append(row)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.cells, indent=1))
         os.replace(tmp, self.path)

@@ -129,17 +129,18 @@ def run(args):
         books = [(f.stem, encode(tok, read_text(f))) for f in val]
         memory = {} if label == "landmark + memory" else None
         for n, t in todo:
-            cell = state.cell(f"{label}|{t}|{n}")
-            while len(cell) < args.trials:
-                i = len(cell)
+            key = f"{label}|{t}|{n}"
+            while len(state.cell(key)) < args.trials:
+                i = len(state.cell(key))
                 rng = random.Random(f"{args.seed}|{t}|{n}|{i}")  # the same prompts for both models
                 book, ids = books[i % len(books)]
                 ids_prompt, want = prompt(tok, ids, n, t, rng)
                 t0 = time.perf_counter()
                 text = tok.decode(greedy_continuation(model, ids_prompt, MAX_NEW[t], memory))
-                state.add(f"{label}|{t}|{n}", {"book": book, "score": score(text, want), "want": want, "answer": text,
-                                               "seconds": round(time.perf_counter() - t0, 1)})
-                print(f"{label} {t} @{n} trial {i}: {cell[-1]['score']:.2f} {text.strip()[:60]!r}", flush=True)
+                row = {"book": book, "score": score(text, want), "want": want, "answer": text,
+                       "seconds": round(time.perf_counter() - t0, 1)}
+                state.add(key, row)
+                print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {text.strip()[:60]!r}", flush=True)
         del model
 
 

@@ -140,8 +140,8 @@ class RetrievalDrills:
         if not 1 <= max_questions <= max_facts:
             raise ValueError(f"need 1 <= max_questions <= max_facts, got {max_questions} and {max_facts}")
         self.tok, self.rate, self.max_facts, self.max_questions = tokenizer, rate, max_facts, max_questions
-        self.chat = getattr(tokenizer, "chat_prompt", lambda q: None)("?") is not None
-        self.chat_share = chat_share if self.chat else 0.0
+        chat = getattr(tokenizer, "chat_prompt", lambda q: None)("?") is not None
+        self.chat_share = chat_share if chat else 0.0
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
