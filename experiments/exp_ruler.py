@@ -3,6 +3,7 @@ against the base model in its own context.
 
     python experiments/exp_ruler.py --books BOOKS                                  # 4K-32K, 20 trials
     python experiments/exp_ruler.py --books BOOKS --lengths 4k,8k --trials 5       # a first pass
+    python experiments/exp_ruler.py --books BOOKS --adapter stage6=out/smollm2-stage6 --lengths 8k
     python experiments/exp_ruler.py --books BOOKS --report                         # ruler.md from what ran
 
 The tasks of RULER (Hsieh et al., 2024), their haystack consecutive text of a book the
@@ -19,7 +20,9 @@ A trial scores the share of the asked values (variables, the fact's words) found
 answer; a cell is the mean over its trials, with the count shown. Keys are seven-digit numbers
 as in RULER. Every trial is kept in ``--state`` (JSON) as soon as it is done, so a stopped run
 goes on where it stopped, and more trials can be added later; ``--report`` writes ruler.md
-and its plot from the state.
+and its plot from the state. The landmark model's rows are named by its adapter
+(``--adapter name=folder``, default the shipped one under the name ``shipped``), so rows of
+different adapter stages never share a cell.
 """
 
 import random
@@ -34,7 +37,7 @@ from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 
 TASKS = ("single", "multikey", "multivalue", "multiquery", "vartrack", "qa")
-MODELS = {"landmark + memory": "smollm2-landmark", "base in context": "smollm2"}
+BASE = "base in context"
 BASE_MAX = 8192  # the base model's window
 WORDS = ("amber", "brisk", "cedar", "dusky", "ember", "frost", "gleam", "hazel", "ivory", "jolly", "keen", "lunar",
          "maple", "noble", "olive", "pearl", "quiet", "raven", "silver", "tulip", "umber", "velvet", "willow", "zephyr")
@@ -115,19 +118,30 @@ def score(text, want):
     return sum(w.lower() in text.lower() for w in want) / len(want)
 
 
+def landmark_label(adapter):
+    """The rows' name for the landmark model with ``adapter`` ("name=folder")."""
+    name, _, folder = adapter.partition("=")
+    if not name or not folder:
+        raise SystemExit(f"--adapter: give name=folder, got {adapter!r}")
+    return f"landmark {name} + memory", Path(folder)
+
+
 def run(args):
-    from landmark_memory.kinds import load_model
+    from landmark_memory.hf.smollm2 import load_base, load_landmark
+    from landmark_memory.hf.tokenizer import TextTokenizer
 
     state = Trials(args.state)
     lengths = parse_lengths(args.lengths)
     _, val = split_books(list_text_files([args.books]))
-    for label, name in MODELS.items():
-        todo = [(n, t) for n in lengths for t in TASKS if label != "base in context" or n <= BASE_MAX]
+    label, folder = landmark_label(args.adapter)
+    for label, load in ((label, lambda: load_landmark(folder)), (BASE, load_base)):
+        todo = [(n, t) for n in lengths for t in TASKS if label != BASE or n <= BASE_MAX]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
-        model, tok = load_model(name, "cpu")
+        model, hf_tok = load()
+        model, tok = model.eval(), TextTokenizer(hf_tok)
         books = [(f.stem, encode(tok, read_text(f))) for f in val]
-        memory = {} if label == "landmark + memory" else None
+        memory = None if label == BASE else {}
         for n, t in todo:
             key = f"{label}|{t}|{n}"
             while len(state.cell(key)) < args.trials:
@@ -148,11 +162,12 @@ def report(args):
     state = Trials(args.state).cells
     lengths = sorted({int(k.split("|")[2]) for k in state})
     body = ["Each cell: the mean score (share of the asked values found in the greedy answer) and the trials run. "
-            "Haystacks are consecutive text of the held-out books; both models read the same prompts.", "",
+            "Haystacks are consecutive text of the held-out books; every model reads the same prompts. A landmark row "
+            "is named by its adapter (stageN: the SmolLM2 adapter after that stage of its model card).", "",
             "| model | task | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
-    means = {}
-    for label in MODELS:
+    means, labels = {}, list(dict.fromkeys(k.split("|")[0] for k in state))
+    for label in labels:
         for t in TASKS:
             cells = []
             for n in lengths:
@@ -166,22 +181,27 @@ def report(args):
     pyplot = plt()
     fig, axes = pyplot.subplots(1, len(TASKS), figsize=(3 * len(TASKS), 3), sharey=True)
     for ax, t in zip(axes, TASKS):
-        for label in MODELS:
+        for label in labels:
             xs = [n for n in lengths if (label, t, n) in means]
             ax.plot(xs, [means[label, t, n] for n in xs], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(t)
         ax.set_xlabel("tokens")
     axes[0].set_ylabel("score")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # the legend below the panels covers no point
     fig.savefig(Path(args.results) / "ruler.png", dpi=110)
     body += ["", "![RULER-style scores by length](ruler.png)", ""]
     write_result("ruler", "A RULER-style suite over held-out books", body, results=args.results)
 
 
+def options(ap):
+    ap.add_argument("--adapter", default="shipped=landmark_memory/assets/smollm2-landmark",
+                    help="name=folder of the LoRA landmark adapter (default: the shipped one, named shipped)")
+
+
 def main(argv=None):
-    suite_main(__doc__, "ruler", "4k,8k,16k,32k", run, report, argv)
+    suite_main(__doc__, "ruler", "4k,8k,16k,32k", run, report, argv, extra=options)
 
 
 if __name__ == "__main__":

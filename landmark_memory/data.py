@@ -123,49 +123,57 @@ class PasskeyMix:
         self.prompts, self.rate, self.max_prompts, self.copy_rate = PasskeyPrompts(tokenizer), rate, max_prompts, copy_rate
 
     def __call__(self, window, rng):
-        """``window`` (T+1,) int64 numpy array, modified in place when this window is picked."""
+        """``window`` (T+1,) int64 numpy array, modified in place when this window is picked;
+        returns the spans ``[start, end)`` of its answer tokens (none for copy drills)."""
         if self.rate == 0.0 or rng.random() >= self.rate:
-            return window
+            return []
         n = len(window)
         if rng.random() < self.copy_rate:
             size = rng.randint(16, max(16, min(256, n // 2)))
             start = rng.randrange(max(1, n - size))
             window[:] = np.resize(window[start:start + size].copy(), n)
-            return window
+            return []
         m = rng.randint(1, max(1, min(self.max_prompts, n // 128)))
         book = iter(window.tolist())
-        ids = []
+        ids, answers = [], []
         for i in range(m):
             size = n // m + (n % m if i == m - 1 else 0)
             key, depth = rng.randint(1, MAX_KEY), rng.random()
             ans = self.prompts.ids(answer(key))
             filler = None if rng.random() < 0.5 else (lambda k: [next(book) for _ in range(k)])
             try:
-                ids += self.prompts.prompt(size - len(ans), key, depth, filler) + ans
+                ids += self.prompts.prompt(size - len(ans), key, depth, filler)
             except ValueError:
                 raise ValueError(f"a window of {n} tokens is too short to plant a passkey; "
                                  "lower the passkey rate to 0 or lengthen the windows") from None
+            answers.append((len(ids), len(ids) + len(ans)))
+            ids += ans
         window[:] = ids
-        return window
+        return answers
 
 
 class WindowSampler:
-    """Random windows of ``seq_len`` + 1 tokens from one token array: (x, y) batches with
-    ``y`` the next token of ``x``. ``mix(window, rng)``, when given, may turn a window into a
-    drill in place (``PasskeyMix``, ``drills.RetrievalDrills``)."""
+    """Random windows of ``seq_len`` + 1 tokens from one token array: (x, y, w) batches with
+    ``y`` the next token of ``x`` and ``w`` each target's loss weight. ``mix(window, rng)``,
+    when given, may turn a window into a drill in place (``PasskeyMix``,
+    ``drills.RetrievalDrills``) and returns the spans of its answer tokens: their targets
+    weigh ``answer_weight``, every other target 1."""
 
-    def __init__(self, tokens, seq_len, batch_size, seed, mix=None):
+    def __init__(self, tokens, seq_len, batch_size, seed, mix=None, answer_weight=1.0):
+        if answer_weight <= 0:
+            raise ValueError(f"the answer weight must be positive, got {answer_weight}")
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"only {len(tokens)} tokens of text for windows of {seq_len}: "
                              "give more text or a shorter --seq-len")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.rng, self.mix = random.Random(seed), mix
+        self.rng, self.mix, self.answer_weight = random.Random(seed), mix, answer_weight
 
     def batch(self):
-        rows = []
-        for _ in range(self.batch_size):
+        rows, weights = [], np.ones((self.batch_size, self.seq_len + 1), dtype=np.float32)
+        for i in range(self.batch_size):
             s = self.rng.randrange(len(self.tokens) - self.seq_len - 1)
-            w = self.tokens[s:s + self.seq_len + 1].astype(np.int64)
-            rows.append(self.mix(w, self.rng) if self.mix else w)
+            rows.append(self.tokens[s:s + self.seq_len + 1].astype(np.int64))
+            for a, b in self.mix(rows[-1], self.rng) if self.mix else ():
+                weights[i, a:b] = self.answer_weight
         b = torch.from_numpy(np.stack(rows))  # (B, T+1)
-        return b[:, :-1], b[:, 1:]
+        return b[:, :-1], b[:, 1:], torch.from_numpy(weights[:, 1:])  # y[:, t] is window token t + 1

@@ -122,6 +122,16 @@ def village_fact(rng: random.Random) -> Fact:
     return Fact(role, (" " + s,), q, s, *_plain(q, s))
 
 
+@dataclass
+class Drill:
+    """What ``RetrievalDrills.drill`` made of a window: the ``facts`` planted (in order), those
+    ``asked`` (in order) and the window spans ``[start, end)`` of their answers' tokens."""
+
+    facts: list[Fact]
+    asked: list[Fact]
+    answers: list[tuple[int, int]]
+
+
 class RetrievalDrills:
     """Turns a ``rate`` share of training windows into retrieval drills in their own book
     text (module docstring); the window keeps its length.
@@ -160,26 +170,35 @@ class RetrievalDrills:
             out.setdefault(f.key, f)
         return list(out.values())
 
-    def asking(self, f: Fact, rng: random.Random) -> list[int]:
-        """A question about ``f`` and its answer, as token ids."""
+    def asking(self, f: Fact, rng: random.Random) -> tuple[list[int], list[int]]:
+        """A question about ``f`` and its answer, as token ids (the question's, the answer's)."""
         if rng.random() < self.chat_share:
-            return self.ids(self.tok.chat_prompt(f.question) + f.chat) + [self.tok.end_of_turn_id]
-        return self.ids(f.prompt + f.completion)
+            prompt = self.ids(self.tok.chat_prompt(f.question))
+            both = self.ids(self.tok.chat_prompt(f.question) + f.chat) + [self.tok.end_of_turn_id]
+        else:
+            prompt, both = self.ids(f.prompt), self.ids(f.prompt + f.completion)
+        cut = next((i for i, (a, b) in enumerate(zip(prompt, both)) if a != b), len(prompt))
+        return both[:cut], both[cut:]  # a token that straddles the seam belongs to the answer
 
-    def __call__(self, window: np.ndarray, rng: random.Random) -> np.ndarray:
-        """``window`` (T+1,) int64, made a drill in place when picked (``rate``)."""
+    def __call__(self, window: np.ndarray, rng: random.Random) -> list[tuple[int, int]]:
+        """``window`` (T+1,) int64, made a drill in place when picked (``rate``); returns the
+        spans ``[start, end)`` of its answer tokens (none when not picked)."""
         if self.rate > 0.0 and rng.random() < self.rate:
-            self.drill(window, rng)
-        return window
+            return self.drill(window, rng).answers
+        return []
 
-    def drill(self, window: np.ndarray, rng: random.Random) -> tuple[list[Fact], list[Fact]]:
-        """Make ``window`` (T+1,) int64 a drill in place, its first tokens the haystack; returns
-        the facts planted (in order) and those asked (in order)."""
+    def drill(self, window: np.ndarray, rng: random.Random) -> "Drill":
+        """Make ``window`` (T+1,) int64 a drill in place, its first tokens the haystack."""
         n = len(window)
         facts = self.facts(rng)
         asked = rng.sample(facts, rng.randint(1, min(self.max_questions, len(facts))))
         intro = self.ids(rng.choice(("", READ_INTRO, RULER_INTRO, PASSKEY_INTRO + "\n")))
-        tail = [t for f in asked for t in self.asking(f, rng)]
+        tail, answers = [], []
+        for f in asked:
+            question, ans = self.asking(f, rng)
+            tail += question
+            answers.append((len(tail), len(tail) + len(ans)))
+            tail += ans
         pieces = [self.ids(s) for f in facts for s in f.sentences]  # a fact's sentences keep their order
         n_hay = n - len(intro) - len(tail) - sum(map(len, pieces))
         if n_hay < 0:
@@ -191,4 +210,5 @@ class RetrievalDrills:
             out += hay[last:cut] + piece
             last = cut
         window[:] = out + hay[last:] + tail
-        return facts, asked
+        start = n - len(tail)
+        return Drill(facts, asked, [(start + a, start + b) for a, b in answers])

@@ -96,6 +96,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T), ignoring
+    ``IGNORE_INDEX``: the mean over targets, or with ``weights`` (B, T) float their weighted
+    mean (a drill's answer tokens may weigh more than its book text)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    w = (targets.flatten() != IGNORE_INDEX).float()  # (B*T,)
+    if weights is not None:
+        if weights.shape != targets.shape:
+            raise ValueError(f"weights shape {tuple(weights.shape)} must equal targets shape {tuple(targets.shape)}")
+        w = w * weights.flatten().float()
+    return (ce * w).sum() / w.sum()
+
+
 class LandmarkGPT(nn.Module):
     """Decoder-only language model over normal token ids.
 
@@ -135,9 +148,10 @@ class LandmarkGPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, state: InfiniState | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, state: InfiniState | None = None,
+                weights: torch.Tensor | None = None):
         """``state`` (Infini-attention only): an ``InfiniState`` to continue from and update;
-        None reads ``idx`` from a fresh, empty memory."""
+        None reads ``idx`` from a fresh, empty memory. ``weights``: see ``lm_loss``."""
         cfg = self.config
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
@@ -170,8 +184,7 @@ class LandmarkGPT(nn.Module):
         logits = self.lm_head(self.ln_f(h))  # (B, T, V)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return logits, loss
+        return logits, lm_loss(logits, targets, weights)
 
     def cmt_keys(self) -> list[torch.Tensor]:
         """Key (1, H, 1, D) of the Context Miss Token at each layer, rotated at its position -1.

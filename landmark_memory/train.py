@@ -45,6 +45,8 @@ class TrainConfig:
     passkey_rate: float = 0.0  # fraction of windows with a planted passkey to retrieve
     copy_rate: float = 0.25  # share of those windows that are copy drills instead (data.PasskeyMix)
     drill_rate: float = 0.0  # fraction of windows made retrieval drills in their own book text (drills.RetrievalDrills)
+    drill_chat_share: float = 0.5  # share of the drills' questions asked as chat turns (models with a chat template)
+    answer_weight: float = 1.0  # training loss weight of the drills' answer tokens against 1 for the rest (validation: 1)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
     attention: str = "landmark"  # landmark, full (the baseline) or infini (Infini-attention)
@@ -177,7 +179,8 @@ class Trainer:
             self.tok = load_tokenizer()
         self.train_tokens, self.val_tokens = self._load_data()
         mix = self._mix()
-        self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, mix)
+        self.sampler = WindowSampler(self.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed + self.rank, mix,
+                                     answer_weight=cfg.answer_weight)
         # the same validation windows at every evaluation, so the curve compares like with like
         val = WindowSampler(self.val_tokens, cfg.seq_len, cfg.batch_size, seed=0, mix=mix)
         self.val_batches = [val.batch() for _ in range(cfg.eval_iters)]
@@ -216,7 +219,7 @@ class Trainer:
         if cfg.passkey_rate > 0 and cfg.drill_rate > 0:
             raise ValueError("--passkey-rate and --drill-rate each pick windows of their own kind; give one of them")
         if cfg.drill_rate > 0:
-            return RetrievalDrills(self.tok, cfg.drill_rate)
+            return RetrievalDrills(self.tok, cfg.drill_rate, chat_share=cfg.drill_chat_share)
         return PasskeyMix(self.tok, cfg.passkey_rate, copy_rate=cfg.copy_rate) if cfg.passkey_rate > 0 else None
 
     def _load_data(self):
@@ -241,7 +244,7 @@ class Trainer:
     def evaluate(self):
         self.model.eval()
         losses = []
-        for x, y in self.val_batches:
+        for x, y, _ in self.val_batches:  # unweighted: the mean loss per token
             with self.autocast:
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             losses.append(loss.item())
@@ -256,11 +259,11 @@ class Trainer:
             g["lr"] = lr
         total = 0.0
         for micro in range(cfg.grad_accum):
-            x, y = self.sampler.batch()
+            x, y, w = self.sampler.batch()
             sync = micro == cfg.grad_accum - 1
             ctx = self.ddp_model.no_sync() if self.ddp and not sync else contextlib.nullcontext()
             with ctx, self.autocast:
-                _, loss = self.ddp_model(x.to(self.device), y.to(self.device))
+                _, loss = self.ddp_model(x.to(self.device), y.to(self.device), weights=w.to(self.device))
             with ctx:
                 (loss / cfg.grad_accum).backward()
             total += loss.item() / cfg.grad_accum

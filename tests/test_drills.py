@@ -35,7 +35,8 @@ def test_every_answer_copies_the_values_of_the_fact_it_asks(tok, book):
     seen_kinds = set()
     for seed in range(40):
         window = book[:1500].copy()
-        facts, asked = drills.drill(window, random.Random(seed))
+        d = drills.drill(window, random.Random(seed))
+        facts, asked = d.facts, d.asked
         text = tok.decode(window.tolist())
         assert len(window) == 1500 and 1 <= len(asked) <= min(3, len(facts)) and set(map(id, asked)) <= set(map(id, facts))
         at = [text.index(s.strip()) for f in facts for s in f.sentences]  # planted, in order within a fact
@@ -46,6 +47,9 @@ def test_every_answer_copies_the_values_of_the_fact_it_asks(tok, book):
             assert numbers(said) == list(dict.fromkeys(n for s in f.sentences for n in numbers(s)))
             assert f.key == "pass key" or "magic" in f.question or f.sentences == (" " + f.chat,)
             seen_kinds.add(f.key if f.key == "pass key" else "magic" if "magic" in f.question else "village")
+        spans = [tok.decode(window[a:b].tolist()).strip() for a, b in d.answers]  # each answer, nothing else
+        assert spans == [(f.completion if f.completion.strip() in tail else f.chat).strip() for f in asked]
+        assert d.answers[-1][1] == len(window)
     assert seen_kinds == {"pass key", "magic", "village"}
 
 
@@ -53,7 +57,7 @@ def test_a_window_holds_distinct_keys_and_keeps_its_book_text_in_order(tok, book
     drills = RetrievalDrills(tok, rate=1.0, max_facts=6)
     for seed in range(20):
         window = book[:1200].copy()
-        facts, _ = drills.drill(window, random.Random(seed))
+        facts = drills.drill(window, random.Random(seed)).facts
         keys = [f.key for f in facts]
         assert len(set(keys)) == len(keys) and keys.count("pass key") <= 1
         hay = book[:200].tolist()  # the window's first book tokens come through, in order
@@ -61,11 +65,16 @@ def test_a_window_holds_distinct_keys_and_keeps_its_book_text_in_order(tok, book
         assert all(any(t == u for u in kept) for t in hay)
 
 
-def test_rate_picks_that_share_of_windows(tok, book):
-    drills, rng = RetrievalDrills(tok, rate=0.3), random.Random(0)
-    changed = sum(not np.array_equal(drills(book[:600].copy(), rng), book[:600]) for _ in range(200))
+def test_rate_picks_that_share_of_windows_and_only_those_have_answers(tok, book):
+    drills, rng, changed = RetrievalDrills(tok, rate=0.3), random.Random(0), 0
+    for _ in range(200):
+        window = book[:600].copy()
+        answers = drills(window, rng)
+        assert bool(answers) != np.array_equal(window, book[:600])
+        changed += bool(answers)
     assert 40 <= changed <= 80
-    assert np.array_equal(RetrievalDrills(tok, rate=0.0)(book[:600].copy(), rng), book[:600])
+    window = book[:600].copy()
+    assert RetrievalDrills(tok, rate=0.0)(window, rng) == [] and np.array_equal(window, book[:600])
 
 
 def test_bad_settings_and_short_windows_say_what_to_change(tok, book):
@@ -86,10 +95,11 @@ def test_chat_questions_are_user_turns_answered_before_the_end_of_turn(book):
     tok = TextTokenizer(AutoTokenizer.from_pretrained(base_model_dir()))
     ids = np.asarray(tok.encode((SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[20_000:30_000]).ids)
     window = ids[:1500].astype(np.int64)
-    _, asked = RetrievalDrills(tok, rate=1.0, chat_share=1.0).drill(window, random.Random(1))
+    d = RetrievalDrills(tok, rate=1.0, chat_share=1.0).drill(window, random.Random(1))
     text = tok.decode(window.tolist())
-    for f in asked:
+    for f, (a, b) in zip(d.asked, d.answers):
         assert f"<|im_start|>user\n{f.question}<|im_end|>\n<|im_start|>assistant\n{f.chat}<|im_end|>" in text
+        assert tok.decode(window[a:b].tolist()) == f"{f.chat}<|im_end|>"  # the answer and its end of turn
     assert text.endswith("<|im_end|>")
 
 

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
@@ -69,6 +71,13 @@ def test_storage_benchmark_writes_a_row_per_dtype_against_float32(tmp_path):
     assert "| float32 | " in md and "| 100.0% |" in md and "(1 answers as float32's)" in md
     int8 = next(line for line in md.splitlines() if line.startswith("| int8 | "))
     assert float(int8.split(" | ")[2].rstrip("%")) < 40  # a third of float32's disk or less
+
+
+def test_ruler_rows_are_named_by_their_adapter():
+    ruler = script("exp_ruler")
+    assert ruler.landmark_label("stage6=out/a")[0] == "landmark stage6 + memory"
+    with pytest.raises(SystemExit, match="name=folder"):
+        ruler.landmark_label("out/a")
 
 
 def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():

@@ -79,6 +79,23 @@ def test_ignored_targets_carry_no_loss():
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[:, :6].flatten(0, 1), y[:, :6].flatten()))
 
 
+def test_weighted_loss_is_the_weighted_mean_of_per_token_losses():
+    torch.manual_seed(0)
+    model = LandmarkGPT(tiny())
+    idx, y = torch.randint(4, 64, (2, 12)), torch.randint(4, 64, (2, 12))
+    y[0, -2:] = -100
+    w = torch.rand(2, 12) * 5 + 0.1
+    logits, plain = model(idx, y)
+    _, ones = model(idx, y, weights=torch.ones(2, 12))
+    _, weighted = model(idx, y, weights=w)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none", ignore_index=-100)
+    kept = (y != -100).flatten().float()
+    torch.testing.assert_close(ones, plain)
+    torch.testing.assert_close(weighted, (ce * w.flatten() * kept).sum() / (w.flatten() * kept).sum())
+    with pytest.raises(ValueError, match="weights shape"):
+        model(idx, y, weights=torch.ones(2, 11))
+
+
 @pytest.mark.parametrize("attention", ["landmark", "full"])
 def test_a_few_training_steps_lower_the_loss(attention):
     torch.manual_seed(0)

@@ -96,11 +96,11 @@ def test_list_text_files_explains_missing_input(tmp_path):
 def test_passkey_mix_plants_fact_and_answer_without_changing_length():
     tok = load_tokenizer()
     mix = PasskeyMix(tok, rate=1.0, copy_rate=0.0)
-    w = np.full(200, 5, dtype=np.int64)
-    out = mix(w.copy(), random.Random(3))
+    out = np.full(200, 5, dtype=np.int64)
+    [(a, b)] = mix(out, random.Random(3))
     text = tok.decode(out.tolist())
     key = text.split("The pass key is ")[1].split(".")[0]
-    assert len(out) == 200
+    assert len(out) == 200 and b == 200 and tok.decode(out[a:b].tolist()).strip() == f"{key}."
     assert f"{key} is the pass key" in text and text.rstrip().endswith(f"What is the pass key? The pass key is {key}.")
 
 
@@ -109,20 +109,21 @@ def test_passkey_mix_packs_prompts_each_asking_for_its_own_key():
     mix = PasskeyMix(tok, rate=1.0, max_prompts=4, copy_rate=0.0)
     counts = set()
     for seed in range(12):
-        book = np.arange(1000, 1513, dtype=np.int64)
-        out = mix(book.copy(), random.Random(seed))
+        out = np.arange(1000, 1513, dtype=np.int64)
+        spans = mix(out, random.Random(seed))
         text = tok.decode(out.tolist())
         asked = re.findall(r"The pass key is (\d+)\. Remember it\. (\d+) is the pass key", text)
         answers = re.findall(r"What is the pass key\? The pass key is (\d+)\.", text)
         assert len(out) == 513 and [a for a, b in asked] == [b for a, b in asked] == answers
+        assert [tok.decode(out[a:b].tolist()).strip() for a, b in spans] == [f"{k}." for k in answers]
         counts.add(len(answers))
     assert counts == {1, 2, 3, 4}
 
 
 def test_copy_drills_repeat_a_stretch_of_the_window():
     mix = PasskeyMix(load_tokenizer(), rate=1.0, copy_rate=1.0)
-    book = np.arange(1000, 1513, dtype=np.int64)
-    out = mix(book.copy(), random.Random(0))
+    out = np.arange(1000, 1513, dtype=np.int64)
+    assert mix(out, random.Random(0)) == []  # every token is a copy: no answer stands out
     period = next(p for p in range(16, 257) if np.array_equal(out[p:], out[:-p]))
     assert len(out) == 513 and np.array_equal(out[:period], np.arange(out[0], out[0] + period))
 
@@ -174,6 +175,20 @@ def test_read_text_explains_what_is_wrong(tmp_path):
 
 def test_window_sampler_targets_are_inputs_shifted():
     tokens = np.arange(1000, dtype=np.uint16)
-    x, y = WindowSampler(tokens, seq_len=32, batch_size=4, seed=0).batch()
-    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    x, y, w = WindowSampler(tokens, seq_len=32, batch_size=4, seed=0).batch()
+    assert x.shape == y.shape == w.shape == (4, 32) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
+    assert torch.equal(w, torch.ones(4, 32))
+
+
+def test_window_sampler_weighs_the_targets_of_answer_tokens():
+    tokens = np.arange(1000, dtype=np.uint16)
+
+    def mix(window, rng):  # the window's tokens 5..8 and 30..33 answer
+        window[5:8] = window[30:33] = 0
+        return [(5, 8), (30, 33)]
+
+    x, y, w = WindowSampler(tokens, seq_len=32, batch_size=2, seed=0, mix=mix, answer_weight=4.0).batch()
+    assert torch.equal(w == 4.0, y == 0) and int((w == 4.0).sum()) == 2 * 6 and torch.all((w == 1.0) | (w == 4.0))
+    with pytest.raises(ValueError, match="answer weight must be positive"):
+        WindowSampler(tokens, seq_len=32, batch_size=2, seed=0, answer_weight=0.0)

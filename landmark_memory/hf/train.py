@@ -8,12 +8,10 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch.nn.functional as F
 from torch import nn
 
 from ..kinds import hf_config
-from ..model import LandmarkGPT
-from ..layout import IGNORE_INDEX
+from ..model import LandmarkGPT, lm_loss
 from .convert import convert, from_pretrained, normal_logits
 from .lora import ADAPTER_CONFIG, adapter_settings, add_lora, apply_adapter, write_settings
 from .tokenizer import TextTokenizer
@@ -24,11 +22,11 @@ class HFLandmarkLM(nn.Module):
         super().__init__()
         self.hf, self.tokenizer, self.config = model, tokenizer, model.config
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, weights=None):
         logits = normal_logits(self.hf, idx)  # (B, T, V)
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return logits, lm_loss(logits, targets, weights)
 
     generate = LandmarkGPT.generate  # it only calls self(idx)
 
