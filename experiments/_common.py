@@ -136,6 +136,17 @@ class Trials:
         os.replace(tmp, self.path)
 
 
+ADAPTER = "shipped=landmark_memory/assets/smollm2-landmark"
+
+
+def adapter_specs(text):
+    """[(name, folder)] of ``--adapters`` "name=folder,..." (LoRA landmark adapters)."""
+    specs = [s.partition("=") for s in text.split(",")]
+    if any(not name or not folder for name, _, folder in specs):
+        raise SystemExit(f"--adapters: give name=folder for each, got {text!r}")
+    return [(name, Path(folder)) for name, _, folder in specs]
+
+
 def suite_main(doc, name, lengths, run, report, argv=None, extra=None):
     """The command line of a resumable trial suite (``Trials``): runs ``run(args)`` unless
     ``--report``, then ``report(args)``. ``extra(ap)`` adds the suite's own options."""

@@ -25,11 +25,10 @@ later runs add trials; ``--report`` writes realtext.md from the state.
 
 import random
 import time
-from pathlib import Path
 
 import torch
 
-from _common import PLANTED_FACTS, Trials, books_perplexity, suite_main, write_result
+from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, suite_main, write_result
 from exp_diagnose import book_filler
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
@@ -88,10 +87,7 @@ def run(args):
     if set(args.parts.split(",")) - set(PARTS):
         raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
     trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
-    specs = [s.partition("=") for s in args.adapters.split(",")]
-    if any(not folder for _, _, folder in specs):
-        raise SystemExit(f"--adapters: give name=folder for each, got {args.adapters!r}")
-    loads = [(label, lambda folder=folder: load_landmark(Path(folder))) for label, _, folder in specs]
+    loads = [(label, lambda folder=folder: load_landmark(folder)) for label, folder in adapter_specs(args.adapters)]
     if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
         loads.append(("base", load_base))
     for label, load in loads:
@@ -150,7 +146,7 @@ def report(args):
 
 
 def options(ap):
-    ap.add_argument("--adapters", default="shipped=landmark_memory/assets/smollm2-landmark",
+    ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one)")
     ap.add_argument("--parts", default="passkey,ask,ppl", help=f"some of {', '.join(PARTS)}")
     ap.add_argument("--ppl-tokens", type=int, default=12288, help="tokens of the in-sequence perplexity "

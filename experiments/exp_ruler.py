@@ -3,7 +3,7 @@ against the base model in its own context.
 
     python experiments/exp_ruler.py --books BOOKS                                  # 4K-32K, 20 trials
     python experiments/exp_ruler.py --books BOOKS --lengths 4k,8k --trials 5       # a first pass
-    python experiments/exp_ruler.py --books BOOKS --adapter stage6=out/smollm2-stage6 --lengths 8k
+    python experiments/exp_ruler.py --books BOOKS --adapters stage6=out/smollm2-stage6,stage5=... --lengths 8k
     python experiments/exp_ruler.py --books BOOKS --report                         # ruler.md from what ran
 
 The tasks of RULER (Hsieh et al., 2024), their haystack consecutive text of a book the
@@ -21,8 +21,8 @@ answer; a cell is the mean over its trials, with the count shown. Keys are seven
 as in RULER. Every trial is kept in ``--state`` (JSON) as soon as it is done, so a stopped run
 goes on where it stopped, and more trials can be added later; ``--report`` writes ruler.md
 and its plot from the state. The landmark model's rows are named by its adapter
-(``--adapter name=folder``, default the shipped one under the name ``shipped``), so rows of
-different adapter stages never share a cell.
+(``--adapters name=folder,...``, default the shipped one under the name ``shipped``), so rows
+of different adapter stages never share a cell.
 """
 
 import random
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import PLANTED_FACTS, Trials, plt, suite_main, write_result
+from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, plt, suite_main, write_result
 from landmark_memory.build import encode
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -118,14 +118,6 @@ def score(text, want):
     return sum(w.lower() in text.lower() for w in want) / len(want)
 
 
-def landmark_label(adapter):
-    """The rows' name for the landmark model with ``adapter`` ("name=folder")."""
-    name, _, folder = adapter.partition("=")
-    if not name or not folder:
-        raise SystemExit(f"--adapter: give name=folder, got {adapter!r}")
-    return f"landmark {name} + memory", Path(folder)
-
-
 def run(args):
     from landmark_memory.hf.smollm2 import load_base, load_landmark
     from landmark_memory.hf.tokenizer import TextTokenizer
@@ -133,8 +125,9 @@ def run(args):
     state = Trials(args.state)
     lengths = parse_lengths(args.lengths)
     _, val = split_books(list_text_files([args.books]))
-    label, folder = landmark_label(args.adapter)
-    for label, load in ((label, lambda: load_landmark(folder)), (BASE, load_base)):
+    models = [(f"landmark {name} + memory", lambda folder=folder: load_landmark(folder))
+              for name, folder in adapter_specs(args.adapters)]
+    for label, load in models + [(BASE, load_base)]:
         todo = [(n, t) for n in lengths for t in TASKS if label != BASE or n <= BASE_MAX]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
@@ -196,8 +189,8 @@ def report(args):
 
 
 def options(ap):
-    ap.add_argument("--adapter", default="shipped=landmark_memory/assets/smollm2-landmark",
-                    help="name=folder of the LoRA landmark adapter (default: the shipped one, named shipped)")
+    ap.add_argument("--adapters", default=ADAPTER,
+                    help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one)")
 
 
 def main(argv=None):

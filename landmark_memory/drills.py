@@ -173,10 +173,10 @@ class RetrievalDrills:
     def asking(self, f: Fact, rng: random.Random) -> tuple[list[int], list[int]]:
         """A question about ``f`` and its answer, as token ids (the question's, the answer's)."""
         if rng.random() < self.chat_share:
-            prompt = self.ids(self.tok.chat_prompt(f.question))
-            both = self.ids(self.tok.chat_prompt(f.question) + f.chat) + [self.tok.end_of_turn_id]
+            question, said, end = self.tok.chat_prompt(f.question), f.chat, [self.tok.end_of_turn_id]
         else:
-            prompt, both = self.ids(f.prompt), self.ids(f.prompt + f.completion)
+            question, said, end = f.prompt, f.completion, []
+        prompt, both = self.ids(question), self.ids(question + said) + end
         cut = next((i for i, (a, b) in enumerate(zip(prompt, both)) if a != b), len(prompt))
         return both[:cut], both[cut:]  # a token that straddles the seam belongs to the answer
 
@@ -187,7 +187,7 @@ class RetrievalDrills:
             return self.drill(window, rng).answers
         return []
 
-    def drill(self, window: np.ndarray, rng: random.Random) -> "Drill":
+    def drill(self, window: np.ndarray, rng: random.Random) -> Drill:
         """Make ``window`` (T+1,) int64 a drill in place, its first tokens the haystack."""
         n = len(window)
         facts = self.facts(rng)

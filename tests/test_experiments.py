@@ -73,11 +73,12 @@ def test_storage_benchmark_writes_a_row_per_dtype_against_float32(tmp_path):
     assert float(int8.split(" | ")[2].rstrip("%")) < 40  # a third of float32's disk or less
 
 
-def test_ruler_rows_are_named_by_their_adapter():
-    ruler = script("exp_ruler")
-    assert ruler.landmark_label("stage6=out/a")[0] == "landmark stage6 + memory"
-    with pytest.raises(SystemExit, match="name=folder"):
-        ruler.landmark_label("out/a")
+def test_adapters_are_named_folders():
+    common = script("_common")
+    assert common.adapter_specs("stage6=out/a,stage5=b") == [("stage6", Path("out/a")), ("stage5", Path("b"))]
+    for bad in ("out/a", "stage6=out/a,=b", "a="):
+        with pytest.raises(SystemExit, match="name=folder"):
+            common.adapter_specs(bad)
 
 
 def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():
