@@ -2,6 +2,7 @@
 
     python experiments/exp_diagnose.py --books BOOKS                     # both parts
     python experiments/exp_diagnose.py --books BOOKS --parts passkey --length 8192 --trials 10
+    python experiments/exp_diagnose.py --books BOOKS --parts questions --adapters stage6=out/a,stage7=out/b
 
 ``passkey``: the paper's passkey prompt with its filler replaced by consecutive text of a held-out
 book (a random book, offset, depth and key per trial). Each trial is read four ways:
@@ -32,11 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import PLANTED_FACTS, write_result
+from _common import ADAPTER, PLANTED_FACTS, adapter_specs, write_result
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
 from landmark_memory.data import read_text
-from landmark_memory.kinds import in_sequence_logits, load_model
+from landmark_memory.kinds import in_sequence_logits
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, answer, fact, first_int
 
@@ -204,8 +205,14 @@ def part_questions(args, model, tok, books):
 def main(argv=None):
     import argparse
 
+    from landmark_memory.hf.smollm2 import load_landmark
+    from landmark_memory.hf.tokenizer import TextTokenizer
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus (held-out books chosen as training chose them)")
+    ap.add_argument("--adapters", default=ADAPTER,
+                    help="comma-separated name=folder of LoRA landmark adapters, each diagnosed in turn "
+                         "(default: the shipped one)")
     ap.add_argument("--parts", default="passkey,questions")
     ap.add_argument("--length", type=int, default=8192, help="passkey prompt length (default 8192)")
     ap.add_argument("--trials", type=int, default=10)
@@ -213,14 +220,19 @@ def main(argv=None):
     ap.add_argument("--question-tokens", type=int, default=8192, help="tokens of the novel the questions read")
     ap.add_argument("--out", default="diagnosis", help="results file name (default diagnosis)")
     args = ap.parse_args(argv)
-    started = time.time()
-    model, tok = load_model("smollm2-landmark", "cpu")
-    books = held_out(args.books, tok)
-    body = []
-    if "questions" in args.parts:
-        body += part_questions(args, model, tok, [b for b in books if "bovary" in b[0]] or books)
-    if "passkey" in args.parts:
-        body += part_passkey(args, model, tok, books)[0]
+    started, specs, body = time.time(), adapter_specs(args.adapters), []
+    for name, folder in specs:
+        model, hf_tok = load_landmark(folder)
+        model, tok = model.eval(), TextTokenizer(hf_tok)
+        books = held_out(args.books, tok)
+        part = []
+        if "questions" in args.parts:
+            part += part_questions(args, model, tok, [b for b in books if "bovary" in b[0]] or books)
+        if "passkey" in args.parts:
+            part += part_passkey(args, model, tok, books)[0]
+        if len(specs) > 1:  # each adapter's sections under its name
+            part = [f"## Adapter {name}", ""] + [("#" + line if line.startswith("## ") else line) for line in part]
+        body += part
     write_result(args.out, "Diagnosis: where SmolLM2 loses a fact in book text", body, started=started)
 
 

@@ -253,6 +253,10 @@ def _sections(md):
             sections[name] = []
         elif name is not None and not line.startswith("![passkey accuracy"):
             sections[name].append(line)
+    for lines in sections.values():  # one blank line after each, however many it was read with
+        while lines and not lines[-1].strip():
+            lines.pop()
+        lines.append("")
     return sections
 
 

@@ -15,9 +15,11 @@ as a user reads a memory:
 
 Facts come in three kinds: the paper's pass key (five digits), RULER's special magic numbers
 (seven digits; a key may hold several values, asked all at once) and sentences about people
-of a village (names, years, counts, colours, codes). Their words are drawn from lists of our
-own, apart from the words of the evaluation's planted facts and RULER keys, so that an
-evaluation never asks what training saw.
+of a village in nine shapes (``VILLAGE_SHAPES``: names, years, counts, colours, codes, places,
+times). A village fact's value comes from an open set (names made up of syllables, counts from
+2 to 99 in words, shades of colours), so that no list learnt by heart answers it: only a copy
+does. Their words are our own, apart from the words of the evaluation's planted facts and
+RULER keys, so that an evaluation never asks what training saw.
 """
 
 import random
@@ -36,15 +38,38 @@ FIRST = ("Agnes", "Bertrand", "Clara", "Dmitri", "Elsa", "Florian", "Greta", "Hu
          "Leon", "Mirela", "Nils", "Odile", "Pavel", "Quentin", "Rhea", "Soren", "Tilde", "Ulric", "Vera", "Wendel")
 LAST = ("Ashdown", "Brennick", "Castell", "Dunmore", "Everard", "Falk", "Garrow", "Holm", "Ivers", "Jessop",
         "Kettering", "Lindqvist", "Norrey", "Orme", "Pellow", "Quarles", "Rourke", "Stallard", "Thorne")
+# Made-up names and titles, so that a drill cannot be answered from a list it learnt by heart.
+HEADS = ("Ba", "Cor", "Del", "Fen", "Gal", "Hal", "Jor", "Kel", "Lun", "Mar", "Nor", "Per", "Quil", "Sel", "Tam",
+         "Vel", "Wil", "Yar", "Zan", "Bri", "Dru", "Eld", "Ith", "Orv", "Ul", "Ged", "Pim", "Tor")
+MIDS = ("a", "e", "i", "o", "an", "el", "in", "or", "ar", "u")
+TAILS = ("bert", "da", "dric", "gan", "wen", "lis", "mond", "nor", "ra", "ric", "sa", "thea", "vin", "wyn", "zel",
+         "mira", "dor", "ley", "ton", "wick", "by", "stead", "holt", "more")
+TITLES = ("Sir", "Lady", "Duke", "Baron", "Squire", "Little", "Professor", "General", "Mister", "Madam", "Count")
+PET_WORDS = ("Pepper", "Thimble", "Button", "Crumpet", "Walnut", "Pickle", "Marble", "Pudding", "Sprocket",
+             "Turnip", "Muffin", "Bramble", "Nutmeg", "Cobweb", "Kettle", "Teacup", "Pebble", "Toffee")
 ROLES = ("blacksmith", "gardener", "schoolmaster", "ferryman", "weaver", "apothecary", "shepherd", "cartographer",
-         "glassblower", "bookbinder", "stonemason", "chandler", "cooper", "tanner", "locksmith", "potter")
-KIN = ("son", "niece", "cousin", "apprentice", "landlord", "wife", "nephew", "godmother")
-ANIMALS = ("horse", "goat", "dog", "mule", "cat", "donkey")
-PLACES = ("floorboards", "hearthstone", "woodpile", "cellar steps", "old well", "rain barrel")
-COLOURS = ("crimson", "green", "yellow", "violet", "grey", "turquoise", "scarlet", "white")
-BUILDINGS = ("cottage", "workshop", "barn", "stable", "shop")
-TOWNS = ("Harwick", "Lenmouth", "Corvale", "Ostrin", "Pellbury", "Dunstray", "Marrow Cross", "Fenwold")
-COUNTS = ("three", "five", "seven", "nine", "twelve", "fifteen", "twenty", "forty")
+         "glassblower", "bookbinder", "stonemason", "chandler", "cooper", "tanner", "locksmith", "potter",
+         "saddler", "clockmaker", "fisherman", "midwife", "postmaster", "thatcher", "brewer", "cobbler")
+KIN = ("son", "niece", "cousin", "apprentice", "landlord", "wife", "nephew", "godmother", "uncle", "grandson")
+ANIMALS = ("horse", "goat", "dog", "mule", "cat", "donkey", "raven", "pony", "hound", "tortoise")
+PLACES = ("floorboards", "hearthstone", "woodpile", "cellar steps", "old well", "rain barrel", "loose brick",
+          "chimney", "pear tree", "barn door")
+COLOURS = ("crimson", "green", "yellow", "violet", "grey", "turquoise", "scarlet", "white", "black", "purple",
+           "lemon", "brown", "indigo", "silver", "olive", "pink")
+SHADES = ("", "", "pale ", "dark ", "bright ", "deep ")
+BUILDINGS = ("cottage", "workshop", "barn", "stable", "shop", "boathouse", "forge", "granary")
+HOARDS = ("silver coins", "gold rings", "glass beads", "copper pennies", "brass keys", "old letters")
+KEPT = ("letters", "medals", "wages", "maps", "spectacles", "wedding ring", "father's watch")
+MATERIALS = ("oak", "copper", "leather", "clay", "brass", "walnut", "wicker", "iron")
+CONTAINERS = ("chest", "jar", "pouch", "casket", "crate", "basket", "box", "kettle")
+GOODS = ("barrels of cider", "loaves of rye bread", "bundles of wool", "jars of honey", "baskets of apples",
+         "wheels of cheese", "bolts of linen", "crates of eggs")
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday")
+TIMEPIECES = ("pocket watch", "kitchen clock", "mantel clock", "hall clock")
+HOURS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve")  # no eleven
+ONES = ("", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+        "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 ADJECTIVES = ("azure", "bitter", "copper", "distant", "eager", "feral", "gentle", "hollow", "icy", "jagged",
               "lofty", "mellow", "narrow", "opal", "placid", "rustic", "sombre", "tawny", "vivid", "wistful")
 THINGS = ("abbey", "beacon", "bridge", "chapel", "compass", "fountain", "granary", "hammer", "lantern-post",
@@ -96,29 +121,92 @@ def magic_fact(rng: random.Random, values: int = 1) -> Fact:
     return Fact(key, sentences, q, said, prompt, f" {listed}.")
 
 
-def village_fact(rng: random.Random) -> Fact:
-    """A sentence about a person of a village (one of six shapes), its question and answer."""
-    role = rng.choice(ROLES)
-    shape = rng.randrange(6)
-    if shape == 0:
-        kin, name = rng.choice(KIN), f"{rng.choice(FIRST)} {rng.choice(LAST)}"
-        s, q = f"The {role}'s {kin} was called {name}.", f"What was the {role}'s {kin} called?"
-    elif shape == 1:
-        n, place = rng.choice(COUNTS), rng.choice(PLACES)
-        s, q = f"The {role} hid {n} silver coins under the {place}.", f"How many silver coins did the {role} hide?"
-    elif shape == 2:
-        town, year = rng.choice(TOWNS), rng.randint(1700, 1899)
-        s, q = f"The {role} was born in {town} in the year {year}.", f"In what year was the {role} born?"
-    elif shape == 3:
-        animal, name = rng.choice(ANIMALS), rng.choice(FIRST)
-        s, q = f"The {role}'s {animal} was named {name}.", f"What was the {role}'s {animal} named?"
-    elif shape == 4:
-        building, colour = rng.choice(BUILDINGS), rng.choice(COLOURS)
-        s, q = (f"The door of the {role}'s {building} was painted {colour}.",
+def made_up_name(rng: random.Random) -> str:
+    """A first name and a surname: from the lists, or made up of syllables."""
+    def word():
+        return (rng.choice(HEADS) + (rng.choice(MIDS) if rng.random() < 0.5 else "") + rng.choice(TAILS)).capitalize()
+    if rng.random() < 0.3:
+        return f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+    return f"{word()} {word()}"
+
+
+def count_words(rng: random.Random) -> str:
+    """A number from 2 to 99 in words, never eleven (a value the evaluation asks)."""
+    n = rng.choice([n for n in range(2, 100) if n != 11])
+    if n < 20:
+        return ONES[n]
+    return TENS[n // 10] + ("-" + ONES[n % 10] if n % 10 else "")
+
+
+def time_words(rng: random.Random) -> str:
+    """A time of day in words, never a quarter past (the evaluation's form)."""
+    form = rng.choice(("{} o'clock", "half past {}", "ten past {}", "twenty to {}", "five to {}"))
+    return form.format(rng.choice(HOURS))
+
+
+def _kin(rng, role):
+    kin, name = rng.choice(KIN), made_up_name(rng)
+    return f"The {role}'s {kin} was called {name}.", f"What was the {role}'s {kin} called?"
+
+
+def _hoard(rng, role):
+    n, what, place = count_words(rng), rng.choice(HOARDS), rng.choice(PLACES)
+    return f"The {role} hid {n} {what} under the {place}.", f"How many {what} did the {role} hide?"
+
+
+def _birth(rng, role):
+    town, year = rng.choice(HEADS) + rng.choice(TAILS), rng.randint(1700, 1899)
+    return f"The {role} was born in {town} in the year {year}.", f"In what year was the {role} born?"
+
+
+def _pet(rng, role):
+    animal = rng.choice(ANIMALS)
+    name = f"{rng.choice(TITLES)} {rng.choice(PET_WORDS)}" if rng.random() < 0.5 else made_up_name(rng).split()[0]
+    return f"The {role}'s {animal} was named {name}.", f"What was the {role}'s {animal} named?"
+
+
+def _paint(rng, role):
+    building, colour = rng.choice(BUILDINGS), rng.choice(SHADES) + rng.choice(COLOURS)
+    if rng.random() < 0.5:
+        return (f"The door of the {role}'s {building} was painted {colour}.",
                 f"What colour was the door of the {role}'s {building}?")
-    else:
-        code = rng.randint(1000, 999_999)
-        s, q = f"The code to the {role}'s strongbox was {code}.", f"What was the code to the {role}'s strongbox?"
+    return (f"The {role} painted the shutters of his {building} {colour} every autumn.",
+            f"What colour did the {role} paint the shutters of his {building}?")
+
+
+def _code(rng, role):
+    code = rng.randint(1000, 999_999)
+    return f"The code to the {role}'s strongbox was {code}.", f"What was the code to the {role}'s strongbox?"
+
+
+def _keep(rng, role):
+    what, where = rng.choice(KEPT), f"{rng.choice(MATERIALS)} {rng.choice(CONTAINERS)}"
+    a = "an" if where[0] in "aeiou" else "a"
+    spot = f"{rng.choice(('under', 'behind', 'beside'))} the {rng.choice(PLACES)}"
+    return f"The {role} kept his {what} in {a} {where} {spot}.", f"Where did the {role} keep his {what}?"
+
+
+def _trade(rng, role):
+    day, n, goods = rng.choice(DAYS), count_words(rng), rng.choice(GOODS)
+    buyer = rng.choice([r for r in ROLES if r != role])
+    return (f"Every {day} the {role} sold {n} {goods} to the {buyer}.",
+            f"How many {goods} did the {role} sell to the {buyer} every {day}?")
+
+
+def _stopped(rng, role):
+    piece, when = rng.choice(TIMEPIECES), time_words(rng)
+    return f"The {role}'s {piece} had stopped at {when}.", f"At what time had the {role}'s {piece} stopped?"
+
+
+VILLAGE_SHAPES = (_kin, _hoard, _birth, _pet, _paint, _code, _keep, _trade, _stopped)
+
+
+def village_fact(rng: random.Random) -> Fact:
+    """A sentence about a person of a village (one of ``VILLAGE_SHAPES``), its question and
+    answer; names, counts, colours and places are drawn from open sets, so that a right answer
+    is a copy."""
+    role = rng.choice(ROLES)
+    s, q = rng.choice(VILLAGE_SHAPES)(rng, role)
     return Fact(role, (" " + s,), q, s, *_plain(q, s))
 
 
@@ -161,9 +249,9 @@ class RetrievalDrills:
         n, out = rng.randint(1, self.max_facts), {}
         while len(out) < n:
             kind = rng.random()
-            if kind < 0.25:
+            if kind < 0.2:
                 f = passkey_fact(rng)
-            elif kind < 0.6:
+            elif kind < 0.5:
                 f = magic_fact(rng, 1 if rng.random() < 0.75 else rng.randint(2, 4))
             else:
                 f = village_fact(rng)

@@ -10,7 +10,8 @@ import pytest
 
 from landmark_memory import load_tokenizer
 from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.drills import ADJECTIVES, FIRST, LAST, ROLES, THINGS, RetrievalDrills
+from landmark_memory.drills import (ADJECTIVES, FIRST, LAST, PET_WORDS, ROLES, THINGS, TITLES, RetrievalDrills,
+                                    village_fact)
 
 from test_experiments import script
 
@@ -107,4 +108,17 @@ def test_training_words_never_name_what_the_evaluations_ask():
     ruler, common = script("exp_ruler"), script("_common")
     assert not set(ADJECTIVES) & set(ruler.WORDS) and not set(THINGS) & set(ruler.NOUNS)
     evaluated = " ".join(s + " " + q for s, q, _ in common.PLANTED_FACTS).lower()
-    assert not [w for w in ROLES + FIRST + LAST if re.search(rf"\b{w.lower()}\b", evaluated)]
+    assert not [w for w in ROLES + FIRST + LAST + TITLES + PET_WORDS if re.search(rf"\b{w.lower()}\b", evaluated)]
+    rng, wanted = random.Random(0), [w.lower() for _, _, words in common.PLANTED_FACTS for w in words]
+    said = " ".join(village_fact(rng).chat for _ in range(3000)).lower()
+    assert not [w for w in wanted if re.search(rf"\b{w}\b", said)]  # no drill answers what an evaluation asks
+
+
+def test_village_values_come_from_open_sets_so_an_answer_must_be_copied():
+    rng = random.Random(0)
+    facts = [village_fact(rng) for _ in range(2000)]
+    named = [f.chat.split(" called ")[1] for f in facts if " called " in f.chat]
+    assert len(set(named)) > 0.8 * len(named) > 100  # names hardly repeat
+    counted = [f.chat for f in facts if f.question.startswith("How many")]
+    assert len({re.search(r"(hid|sold) (\S+)", c).group(2) for c in counted}) > 50  # counts in words, 2 to 99
+    assert all(f.sentences == (" " + f.chat,) for f in facts)
