@@ -107,7 +107,8 @@ def convert(model: PreTrainedModel, tokenizer, block_size: int = 63, backend: st
     Returns
     -------
     The same model object, now an instance of a ``Landmark<Class>`` subclass whose forward
-    reads through a ``LandmarkMemoryCache`` when one is passed as ``past_key_values``.
+    reads through a ``LandmarkMemoryCache`` when one is passed as ``cache`` (``past_key_values``
+    before transformers 5.24; both names work).
     The landmark embedding (and output row, when untied) starts as the mean of the others.
     """
     check_block_size(block_size)
@@ -143,10 +144,12 @@ def _landmark_class(cls):
     if cls in _CLASSES.values():
         return cls
     if cls not in _CLASSES:
-        def forward(self, input_ids=None, *args, past_key_values=None, **kwargs):
-            if isinstance(past_key_values, MemoryBackedCache):
-                return past_key_values.forward(input_ids, *args, **kwargs)
-            return cls.forward(self, input_ids, *args, past_key_values=past_key_values, **kwargs)
+        def forward(self, input_ids=None, *args, **kwargs):
+            given = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 renamed it "cache"
+            if isinstance(given, MemoryBackedCache):
+                rest = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+                return given.forward(input_ids, *args, **rest)
+            return cls.forward(self, input_ids, *args, **kwargs)
 
         forward.__signature__ = inspect.signature(cls.forward)  # generate() reads it to pick its inputs
         forward.__doc__ = cls.forward.__doc__
