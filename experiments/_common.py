@@ -147,6 +147,16 @@ def adapter_specs(text):
     return [(name, Path(folder)) for name, _, folder in specs]
 
 
+def load_smollm2(adapter=None):
+    """``(model, tokenizer)``: SmolLM2 with the LoRA landmark adapter in the folder ``adapter``,
+    or the base model (None), in eval mode, its tokenizer a ``hf.TextTokenizer``."""
+    from landmark_memory.hf.smollm2 import load_base, load_landmark
+    from landmark_memory.hf.tokenizer import TextTokenizer
+
+    model, hf_tok = load_base() if adapter is None else load_landmark(adapter)
+    return model.eval(), TextTokenizer(hf_tok)
+
+
 def suite_main(doc, name, lengths, run, report, argv=None, extra=None):
     """The command line of a resumable trial suite (``Trials``): runs ``run(args)`` unless
     ``--report``, then ``report(args)``. ``extra(ap)`` adds the suite's own options."""

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import ADAPTER, PLANTED_FACTS, adapter_specs, write_result
+from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, write_result
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
 from landmark_memory.data import read_text
@@ -205,9 +205,6 @@ def part_questions(args, model, tok, books):
 def main(argv=None):
     import argparse
 
-    from landmark_memory.hf.smollm2 import load_landmark
-    from landmark_memory.hf.tokenizer import TextTokenizer
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus (held-out books chosen as training chose them)")
     ap.add_argument("--adapters", default=ADAPTER,
@@ -222,8 +219,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     started, specs, body = time.time(), adapter_specs(args.adapters), []
     for name, folder in specs:
-        model, hf_tok = load_landmark(folder)
-        model, tok = model.eval(), TextTokenizer(hf_tok)
+        model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
         part = []
         if "questions" in args.parts:

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, suite_main, write_result
+from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2, suite_main,
+                     write_result)
 from exp_diagnose import book_filler
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
@@ -80,19 +81,15 @@ def ppl_cell(model, books, n_tokens):
 
 
 def run(args):
-    from landmark_memory.hf.smollm2 import load_base, load_landmark
-    from landmark_memory.hf.tokenizer import TextTokenizer
-
     state, lengths = Trials(args.state), parse_lengths(args.lengths)
     if set(args.parts.split(",")) - set(PARTS):
         raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
     trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
-    loads = [(label, lambda folder=folder: load_landmark(folder)) for label, folder in adapter_specs(args.adapters)]
+    loads = adapter_specs(args.adapters)
     if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
-        loads.append(("base", load_base))
-    for label, load in loads:
-        model, hf_tok = load()
-        model, tok = model.eval(), TextTokenizer(hf_tok)
+        loads.append(("base", None))
+    for label, folder in loads:
+        model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
         if "ppl" in parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}"):
             state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, plt, suite_main, write_result
+from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, suite_main, write_result
 from landmark_memory.build import encode
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -119,20 +119,15 @@ def score(text, want):
 
 
 def run(args):
-    from landmark_memory.hf.smollm2 import load_base, load_landmark
-    from landmark_memory.hf.tokenizer import TextTokenizer
-
     state = Trials(args.state)
     lengths = parse_lengths(args.lengths)
     _, val = split_books(list_text_files([args.books]))
-    models = [(f"landmark {name} + memory", lambda folder=folder: load_landmark(folder))
-              for name, folder in adapter_specs(args.adapters)]
-    for label, load in models + [(BASE, load_base)]:
+    models = [(f"landmark {name} + memory", folder) for name, folder in adapter_specs(args.adapters)]
+    for label, folder in models + [(BASE, None)]:
         todo = [(n, t) for n in lengths for t in TASKS if label != BASE or n <= BASE_MAX]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
-        model, hf_tok = load()
-        model, tok = model.eval(), TextTokenizer(hf_tok)
+        model, tok = load_smollm2(folder)
         books = [(f.stem, encode(tok, read_text(f))) for f in val]
         memory = None if label == BASE else {}
         for n, t in todo:
