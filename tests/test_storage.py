@@ -1,3 +1,7 @@
+import threading
+import time
+
+import lmdb
 import pytest
 import torch
 
@@ -41,6 +45,38 @@ def test_lmdb_grows_its_map_when_full(tmp_path):
     store.put(blocks)
     assert torch.equal(store.get([(0, 0, 199)])[0], blocks[(0, 0, 199)])
     store.close()
+
+
+def test_threads_opening_and_closing_one_lmdb_store_at_once_share_its_environment(tmp_path, monkeypatch):
+    blocks = {(0, 0, b): torch.randn(SHAPE) for b in range(3)}
+    writer = LmdbStore(SHAPE, tmp_path, "float32")
+    writer.put(blocks)
+    writer.close()
+    real_open = lmdb.open
+
+    def slow_open(*args, **kwargs):  # a slow disk: every thread arrives while the first is still opening
+        time.sleep(0.05)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", slow_open)
+    start, errors = threading.Barrier(6), []
+
+    def read():
+        try:
+            start.wait()
+            for _ in range(3):
+                store = LmdbStore(SHAPE, tmp_path, "float32", readonly=True)
+                assert torch.equal(store.get([(0, 0, 2)])[0], blocks[(0, 0, 2)])
+                store.close()
+        except Exception as e:  # noqa: BLE001 - handed to the main thread to fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 def test_missing_block_and_bad_shapes_are_explained(tmp_path):

@@ -19,6 +19,7 @@ wrong keys.
 import errno
 import os
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -157,6 +158,7 @@ class MemoryStore(BlockStore):
 
 
 _LMDB_ENVS = {}  # real path -> [environment, users]: LMDB allows one environment per file and process
+_LMDB_ENVS_LOCK = threading.Lock()  # threads (a server's answers) open and close one path's stores at once
 
 
 class LmdbStore(BlockStore):
@@ -170,12 +172,17 @@ class LmdbStore(BlockStore):
     a read copies out only its layer's bytes."""
 
     def __init__(self, shape, path, dtype="float16", map_size=1 << 28, readonly=False, checksums=False, sealed=False):
-        import lmdb
-
         super().__init__(shape, dtype, checksums)
         if not readonly:
             Path(path).mkdir(parents=True, exist_ok=True)
         self.key = os.path.realpath(path)
+        with _LMDB_ENVS_LOCK:
+            self.env = self._share(path, map_size, readonly, sealed)
+
+    def _share(self, path, map_size, readonly, sealed):
+        """The environment of ``path``, opened by the first store of it; the caller holds the lock."""
+        import lmdb
+
         shared = _LMDB_ENVS.get(self.key)
         if shared is None:
             if readonly and not os.path.isfile(os.path.join(path, "data.mdb")):
@@ -193,7 +200,7 @@ class LmdbStore(BlockStore):
         elif not readonly and shared[0].flags()["readonly"]:
             raise ValueError(f"{path} is open read-only in this process; close its readers before writing")
         shared[1] += 1
-        self.env = shared[0]
+        return shared[0]
 
     def _key(self, k):
         return struct.pack(">II", k[0], k[2]) if self.quantized else struct.pack(">III", *k)
@@ -251,13 +258,14 @@ class LmdbStore(BlockStore):
             raise StoreDamagedError(f"the LMDB store {self.key} cannot be read ({e})") from None
 
     def close(self):
-        shared = _LMDB_ENVS.get(self.key)
-        if shared is None or shared[0] is not self.env:
-            return
-        shared[1] -= 1
-        if shared[1] == 0:
-            del _LMDB_ENVS[self.key]
-            self.env.close()
+        with _LMDB_ENVS_LOCK:
+            shared = _LMDB_ENVS.get(self.key)
+            if shared is None or shared[0] is not self.env:
+                return
+            shared[1] -= 1
+            if shared[1] == 0:
+                del _LMDB_ENVS[self.key]
+                self.env.close()
 
 
 class MmapStore(BlockStore):
