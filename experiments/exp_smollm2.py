@@ -90,11 +90,11 @@ def part_chat(args, tok, books):
         idx = torch.tensor([tok.encode(tok.chat_prompt(q)).ids])
         answers = {}
         with torch.no_grad():
-            answers["base"] = decode(*kv_cache_decoder(base, idx), args.chat_tokens, stop_id=tok.end_of_turn_id)
+            answers["base"] = decode(*kv_cache_decoder(base, idx), args.chat_tokens, stop_ids=tok.end_of_turn_ids)
             mem = LandmarkMemory(landmark, **MEMORY)  # the path `ask` takes: the prompt read through a memory
-            answers["landmark"] = mem.generate(idx, args.chat_tokens, stop_id=tok.end_of_turn_id)
+            answers["landmark"] = mem.generate(idx, args.chat_tokens, stop_ids=tok.end_of_turn_ids)
             mem.close()
-        rows.append({"prompt": q, **{k: tok.decode([t for t in v[0].tolist() if t != tok.end_of_turn_id]).strip()
+        rows.append({"prompt": q, **{k: tok.decode([t for t in v[0].tolist() if t not in tok.end_of_turn_ids]).strip()
                                      for k, v in answers.items()}})
     return {"rows": rows}
 

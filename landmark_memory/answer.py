@@ -66,10 +66,11 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
     Parameters
     ----------
     raw : bool, continue the question as written; by default a chat model (a tokenizer with
-        ``chat_prompt``) gets it as a user turn, and its answer ends at its end-of-turn token.
+        ``chat_prompt``) gets it as a user turn, and its answer ends at any of its end-of-turn
+        tokens (``end_of_turn_ids``).
     passages : int, how many of the passages read to report.
     on_token : called with each new token id of the answer as it is generated (streaming; not
-        with the end-of-turn token).
+        with an end-of-turn token).
     """
     if not question.strip():
         raise ValueError("the question is empty")
@@ -85,19 +86,19 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
             uses.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_saved)
         return out.logits[:, -1]
 
-    stop = tokenizer.end_of_turn_id if chat else None
+    stops = set(tokenizer.end_of_turn_ids) if chat else set()
 
     def step(nxt):
-        if on_token is not None and int(nxt[0, -1]) != stop:
+        if on_token is not None and int(nxt[0, -1]) not in stops:
             on_token(int(nxt[0, -1]))
         return feed(nxt)
 
     logits = feed(torch.tensor([tokenizer.encode(chat or question).ids]))
     new = decode(logits, step, max_new_tokens, temperature=temperature,
-                 generator=torch.Generator().manual_seed(seed), stop_id=stop)[0].tolist()
+                 generator=torch.Generator().manual_seed(seed), stop_ids=stops)[0].tolist()
     if new:  # the last new token reads the memory too: its lookups count with the others'
         step(torch.tensor([new[-1:]]))
     total, ids = sum(uses.values()) or 1, mem.tokens()
     read = [passage(mem, ids, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
-    answer = new[:-1] if stop is not None and new and new[-1] == stop else new
+    answer = new[:-1] if new and new[-1] in stops else new
     return Answer(question, tokenizer.decode(answer), answer, chat is not None, read, n_tokens)

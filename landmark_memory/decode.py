@@ -1,7 +1,7 @@
 """The one decoding loop: every generator in the package (a model re-reading its context, a
 memory, the CLI's ask, the passkey test) picks tokens here and feeds them back its own way."""
 
-from typing import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -23,7 +23,7 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 
 def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], max_new_tokens: int, *,
            temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None,
-           stop_id: int | None = None) -> torch.Tensor:
+           stop_ids: Collection[int] = ()) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens.
 
     Parameters
@@ -32,8 +32,8 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
     feed : callable taking the new tokens (B, 1) and returning the logits (B, vocab) after
         them; it is not called after the last token.
     temperature, top_k, generator : as for ``next_token``.
-    stop_id : int, optional; generation ends once every stream has produced this token (a
-        chat model's end of turn); the token is kept.
+    stop_ids : token ids; generation ends once every stream has produced one of them (a chat
+        model's ends of turn); that token is kept.
 
     Returns
     -------
@@ -43,10 +43,11 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     out = []
     stopped = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
     for i in range(max_new_tokens):
         out.append(next_token(logits, temperature, top_k, generator))
-        if stop_id is not None:
-            stopped |= out[-1] == stop_id
+        if len(stops):
+            stopped |= torch.isin(out[-1], stops)
             if bool(stopped.all()):
                 break
         if i + 1 < max_new_tokens:

@@ -39,6 +39,32 @@ def test_streamed_tokens_are_the_answers_tokens_in_order(corpus):
     assert seen == got.tokens
 
 
+class ChatTokenizer:
+    """The shipped tokenizer with a chat template of one line and the given end-of-turn tokens."""
+
+    def __init__(self, end_of_turn_ids):
+        self.tok, self.end_of_turn_ids = load_tokenizer(), tuple(end_of_turn_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def chat_prompt(self, question):
+        return f"Q: {question}\nA:"
+
+
+def test_a_chat_answer_ends_at_any_end_of_turn_token_and_leaves_it_out(corpus):
+    model = LandmarkGPT.from_pretrained()
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        free = ask(mem, ChatTokenizer([]), QUESTION, max_new_tokens=6)
+    assert free.chat and len(free.tokens) == 6
+    stop = free.tokens[2]  # the third token of the free answer ends it, whichever end-of-turn token it is
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        seen = []
+        got = ask(mem, ChatTokenizer([stop + 1, stop]), QUESTION, max_new_tokens=6, on_token=seen.append)
+    cut = free.tokens[:free.tokens.index(stop)]
+    assert got.tokens == cut and seen == cut and got.text == load_tokenizer().decode(cut)
+
+
 def test_a_fresh_memory_answers_the_same_question_the_same_way(corpus):
     assert answer(corpus, max_new_tokens=4) == answer(corpus, max_new_tokens=4)
 

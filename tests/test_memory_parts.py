@@ -128,8 +128,9 @@ def test_decoding_stops_once_every_stream_has_produced_the_stop_token():
         return torch.nn.functional.one_hot(nxt[:, 0] + 1, 16).float()
 
     start = torch.nn.functional.one_hot(torch.tensor([3, 5]), 16).float()
-    assert decode(start, feed, 6, stop_id=6).tolist() == [[3, 4, 5, 6], [5, 6, 7, 8]]  # stream 1 stopped at 6 first
-    assert decode(start, feed, 6, stop_id=9).shape == (2, 6)  # never produced by both in time
+    assert decode(start, feed, 6, stop_ids=[6]).tolist() == [[3, 4, 5, 6], [5, 6, 7, 8]]  # stream 1 stopped at 6 first
+    assert decode(start, feed, 6, stop_ids=[9]).shape == (2, 6)  # never produced by both in time
+    assert decode(start, feed, 6, stop_ids=[6, 4]).tolist() == [[3, 4], [5, 6]]  # either one ends a stream
 
 
 def test_sampling_keeps_to_the_top_k_tokens():

@@ -96,3 +96,6 @@ def test_the_chat_prompt_is_a_user_turn_ready_for_the_answer(landmark):
     prompt = tok.chat_prompt("Hello?")
     assert prompt.count("<|im_start|>user\nHello?<|im_end|>") == 1 and prompt.endswith("<|im_start|>assistant\n")
     assert tok.decode([tok.end_of_turn_id]) == "<|im_end|>"
+    ends = {tok.decode([t]) for t in tok.end_of_turn_ids}  # every special token: our landmark too
+    assert tok.end_of_turn_ids[0] == tok.end_of_turn_id and ends == {"<|im_end|>", "<|im_start|>", "<|endoftext|>",
+                                                                     "<|landmark|>"}

@@ -50,5 +50,12 @@ class TextTokenizer:
         """The token a chat model ends its answer with (its EOS)."""
         return self.hf.eos_token_id
 
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The tokens that end a chat answer: its EOS and every other special token (a new
+        turn's start, the end of the text), none of which is text of the answer."""
+        eos = () if self.hf.eos_token_id is None else (self.hf.eos_token_id,)
+        return eos + tuple(sorted(set(self.hf.all_special_ids) - set(eos)))
+
     def get_vocab_size(self) -> int:
         return len(self.hf)

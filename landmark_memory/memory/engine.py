@@ -13,6 +13,7 @@ chunk early; chunks after it count from there. ``SavedMemory`` (saved.py) is the
 commit, open, close.
 """
 
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -163,15 +164,15 @@ class LandmarkMemory(SavedMemory):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, stop_id: int | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, stop_ids: Collection[int] = ()) -> torch.Tensor:
         """Feed ``idx`` (B, T), then generate up to ``max_new_tokens`` (greedy when temperature
-        is 0; ``stop_id`` ends it, as in ``decode.decode``); returns the new tokens (B, n). The
+        is 0; ``stop_ids`` end it, as in ``decode.decode``); returns the new tokens (B, n). The
         memory reads the new tokens too, so a later call continues after them."""
         if idx.shape[-1] == 0:
             raise ValueError("generate needs a prompt of at least one token")
         for a in range(0, idx.shape[1], self.options.chunk_size):  # a chunk at a time: the retrieved ids of a
             last = self.forward(idx[:, a:a + self.options.chunk_size], logits="last").logits[:, -1]  # long prompt add up
-        new = decode(last, self.step, max_new_tokens, temperature=temperature, generator=generator, stop_id=stop_id)
+        new = decode(last, self.step, max_new_tokens, temperature=temperature, generator=generator, stop_ids=stop_ids)
         if new.shape[1]:
             self.step(new[:, -1])
         return new
