@@ -85,16 +85,16 @@ def _converted():
 
 def part_chat(args, tok, books):
     base, landmark = smollm2.load_base()[0].eval(), smollm2.load_landmark()[0].eval()
-    rows = []
+    rows, ends = [], tok.end_of_turn_ids
     for q in CHAT_PROMPTS:
         idx = torch.tensor([tok.encode(tok.chat_prompt(q)).ids])
         answers = {}
         with torch.no_grad():
-            answers["base"] = decode(*kv_cache_decoder(base, idx), args.chat_tokens, stop_ids=tok.end_of_turn_ids)
+            answers["base"] = decode(*kv_cache_decoder(base, idx), args.chat_tokens, stop_ids=ends)
             mem = LandmarkMemory(landmark, **MEMORY)  # the path `ask` takes: the prompt read through a memory
-            answers["landmark"] = mem.generate(idx, args.chat_tokens, stop_ids=tok.end_of_turn_ids)
+            answers["landmark"] = mem.generate(idx, args.chat_tokens, stop_ids=ends)
             mem.close()
-        rows.append({"prompt": q, **{k: tok.decode([t for t in v[0].tolist() if t not in tok.end_of_turn_ids]).strip()
+        rows.append({"prompt": q, **{k: tok.decode([t for t in v[0].tolist() if t not in ends]).strip()
                                      for k, v in answers.items()}})
     return {"rows": rows}
 
