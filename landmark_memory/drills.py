@@ -20,9 +20,16 @@ times). A village fact's value comes from an open set (names made up of syllable
 2 to 99 in words, shades of colours), so that no list learnt by heart answers it: only a copy
 does. Their words are our own, apart from the words of the evaluation's planted facts and
 RULER keys, so that an evaluation never asks what training saw.
+
+A ``quote_share`` of the drills also ask for a sentence of the window's own book text, named
+by a few of its words ("Quote the sentence of the text that contains the words ..."), and
+answer it in full. Nothing is planted for it: the question's words and the sentence are as
+open as the books, so it trains the landmarks to stand for what their block says, whatever
+that is, where the planted facts' shapes can be learnt by heart.
 """
 
 import random
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,10 +217,46 @@ def village_fact(rng: random.Random) -> Fact:
     return Fact(role, (" " + s,), q, s, *_plain(q, s))
 
 
+QUOTE_ASKS = ('Quote the sentence of the text that contains the words "{}".',
+              'Which sentence of the text has the words "{}" in it? Quote it in full.',
+              'Find the words "{}" in the text and repeat the whole sentence they are in.')
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
+
+
+def sentence_spans(tok, ids) -> list[tuple[int, int]]:
+    """Token spans ``[start, end)`` of the whole sentences of book text ``ids``: each starts with a
+    capital letter after white space that follows the end of a sentence, ends at the next such
+    start, and holds 12 to 60 tokens and at least 8 words of one paragraph (line breaks of
+    hard-wrapped text are fine), without quotation marks (its words are quoted back)."""
+    pieces = [tok.decode([int(t)]) for t in ids]
+    starts = [i for i in range(1, len(pieces))
+              if pieces[i].lstrip()[:1].isupper() and (pieces[i][:1].isspace() or pieces[i - 1][-1:].isspace())
+              and SENTENCE_END.search("".join(pieces[max(0, i - 3):i]).rstrip())]
+    spans = []
+    for a, b in zip(starts, starts[1:]):
+        text = "".join(pieces[a:b])
+        if 12 <= b - a <= 60 and len(text.split()) >= 8 and "\n\n" not in text and not set(text) & {'"', "\ufffd"}:
+            spans.append((a, b))
+    return spans
+
+
+def quote_fact(tok, ids, span: tuple[int, int], rng: random.Random) -> Fact:
+    """A question for the sentence ``ids[span[0]:span[1]]`` naming 4 to 7 of its words, answered
+    by the sentence in full. Nothing is planted (``sentences`` is empty): it is the book's."""
+    words = tok.decode([int(t) for t in ids[span[0]:span[1]]]).split()
+    sentence = " ".join(words)  # one line: hard-wrapped text has line breaks inside
+    k = rng.randint(4, min(7, len(words) - 2))
+    j = rng.randint(0, len(words) - k)
+    given = " ".join(words[j:j + k]).strip(",;:.!?'()")
+    question = rng.choice(QUOTE_ASKS).format(given)
+    return Fact("quote", (), question, sentence, *_plain(question, sentence))
+
+
 @dataclass
 class Drill:
     """What ``RetrievalDrills.drill`` made of a window: the ``facts`` planted (in order), those
-    ``asked`` (in order) and the window spans ``[start, end)`` of their answers' tokens."""
+    ``asked`` (in order; a quote question asks a sentence of the book text, no planted fact) and
+    the window spans ``[start, end)`` of their answers' tokens."""
 
     facts: list[Fact]
     asked: list[Fact]
@@ -230,14 +273,19 @@ class RetrievalDrills:
         ``chat_prompt`` (a chat model) a ``chat_share`` of the questions are chat turns.
     rate : float in [0, 1], the share of windows drilled.
     max_facts, max_questions : int, facts planted and questions asked per window (at most).
+    quote_share : float in [0, 1], the share of drills that also ask for a sentence of their own
+        book text (module docstring).
     """
 
-    def __init__(self, tokenizer, rate: float, max_facts: int = 6, max_questions: int = 3, chat_share: float = 0.5):
-        if not 0.0 <= rate <= 1.0 or not 0.0 <= chat_share <= 1.0:
-            raise ValueError(f"the drill rate and chat share must be in [0, 1], got {rate} and {chat_share}")
+    def __init__(self, tokenizer, rate: float, max_facts: int = 6, max_questions: int = 3, chat_share: float = 0.5,
+                 quote_share: float = 0.0):
+        if not all(0.0 <= x <= 1.0 for x in (rate, chat_share, quote_share)):
+            raise ValueError(f"the drill rate, chat share and quote share must be in [0, 1], "
+                             f"got {rate}, {chat_share} and {quote_share}")
         if not 1 <= max_questions <= max_facts:
             raise ValueError(f"need 1 <= max_questions <= max_facts, got {max_questions} and {max_facts}")
         self.tok, self.rate, self.max_facts, self.max_questions = tokenizer, rate, max_facts, max_questions
+        self.quote_share = quote_share
         chat = getattr(tokenizer, "chat_prompt", lambda q: None)("?") is not None
         self.chat_share = chat_share if chat else 0.0
 
@@ -281,18 +329,30 @@ class RetrievalDrills:
         facts = self.facts(rng)
         asked = rng.sample(facts, rng.randint(1, min(self.max_questions, len(facts))))
         intro = self.ids(rng.choice(("", READ_INTRO, RULER_INTRO, PASSKEY_INTRO + "\n")))
+        pieces = [self.ids(s) for f in facts for s in f.sentences]  # a fact's sentences keep their order
+        quoted = None
+        if self.quote_share > 0.0 and rng.random() < self.quote_share:
+            room = n - len(intro) - sum(map(len, pieces)) - sum(len(self.ids(f.question + f.chat)) + 60 for f in asked)
+            # the question names a few words and the answer repeats the sentence: 120 tokens and
+            # twice the sentence's length bound both, template and all
+            spans = [(a, b) for a, b in sentence_spans(self.tok, window[:max(0, room)]) if b + 2 * (b - a) + 120 <= room]
+            if spans:
+                quoted = rng.choice(spans)
+                asked.insert(rng.randint(0, len(asked)), quote_fact(self.tok, window, quoted, rng))
         tail, answers = [], []
         for f in asked:
             question, ans = self.asking(f, rng)
             tail += question
             answers.append((len(tail), len(tail) + len(ans)))
             tail += ans
-        pieces = [self.ids(s) for f in facts for s in f.sentences]  # a fact's sentences keep their order
         n_hay = n - len(intro) - len(tail) - sum(map(len, pieces))
         if n_hay < 0:
             raise ValueError(f"a window of {n} tokens is too short for a retrieval drill of {n - n_hay} tokens; "
                              "lengthen the windows (--seq-len) or set the drill rate to 0")
+        assert quoted is None or quoted[1] <= n_hay, "the quoted sentence must stay in the haystack"
         cuts = sorted(rng.randint(0, n_hay) for _ in pieces)
+        if quoted is not None:  # no fact planted inside the quoted sentence
+            cuts = [quoted[0] if quoted[0] < c < quoted[1] else c for c in cuts]
         hay, out, last = window[:n_hay].tolist(), list(intro), 0
         for cut, piece in zip(cuts, pieces):
             out += hay[last:cut] + piece

@@ -46,6 +46,7 @@ class TrainConfig:
     copy_rate: float = 0.25  # share of those windows that are copy drills instead (data.PasskeyMix)
     drill_rate: float = 0.0  # fraction of windows made retrieval drills in their own book text (drills.RetrievalDrills)
     drill_chat_share: float = 0.5  # share of the drills' questions asked as chat turns (models with a chat template)
+    drill_quote_share: float = 0.0  # share of the drills that also ask to quote a sentence of their book text
     answer_weight: float = 1.0  # training loss weight of the drills' answer tokens against 1 for the rest (validation: 1)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
@@ -219,7 +220,8 @@ class Trainer:
         if cfg.passkey_rate > 0 and cfg.drill_rate > 0:
             raise ValueError("--passkey-rate and --drill-rate each pick windows of their own kind; give one of them")
         if cfg.drill_rate > 0:
-            return RetrievalDrills(self.tok, cfg.drill_rate, chat_share=cfg.drill_chat_share)
+            return RetrievalDrills(self.tok, cfg.drill_rate, chat_share=cfg.drill_chat_share,
+                                   quote_share=cfg.drill_quote_share)
         return PasskeyMix(self.tok, cfg.passkey_rate, copy_rate=cfg.copy_rate) if cfg.passkey_rate > 0 else None
 
     def _load_data(self):

@@ -1,6 +1,6 @@
 """Retrieval drills in book text (drills.py): every question asks a planted fact and its answer
-copies that fact; the window keeps its length and its book text; the training words stay
-apart from the evaluation's."""
+copies that fact, or asks for a sentence of the book text and quotes it whole; the window keeps
+its length and its book text; the training words stay apart from the evaluation's."""
 
 import random
 import re
@@ -78,9 +78,31 @@ def test_rate_picks_that_share_of_windows_and_only_those_have_answers(tok, book)
     assert RetrievalDrills(tok, rate=0.0)(window, rng) == [] and np.array_equal(window, book[:600])
 
 
+def test_a_quote_question_names_words_of_a_book_sentence_and_its_answer_repeats_that_sentence(tok, book):
+    drills, quoted = RetrievalDrills(tok, rate=1.0, quote_share=1.0), 0
+    for seed in range(20):
+        window = book[:1500].copy()
+        d = drills.drill(window, random.Random(seed))
+        quotes = [(f, span) for f, span in zip(d.asked, d.answers) if f.key == "quote"]
+        assert len(quotes) <= 1 and all(f.key != "quote" for f in d.facts)  # asked, never planted
+        for f, (a, b) in quotes:
+            quoted += 1
+            given = re.search(r'"(.+)"', f.question).group(1)
+            assert tok.decode(window[a:b].tolist()).strip() in (f.chat, f.completion.strip()) and given in f.chat
+            first = min(a for _, (a, _) in zip(d.asked, d.answers))
+            hay = " ".join(tok.decode(window[:first].tolist()).split())  # before every question, one line
+            assert hay.count(f.chat) == 1  # the sentence stands whole in the book text, no fact planted inside
+            assert " ".join(tok.decode(book[:1500].tolist()).split()).count(f.chat) == 1  # and it is the book's own
+    assert quoted >= 15  # a short window may have no sentence to spare
+    plain = RetrievalDrills(tok, rate=1.0)  # quote_share 0: the drills of earlier stages, unchanged
+    assert all(f.key != "quote" for seed in range(20) for f in plain.drill(book[:1500].copy(), random.Random(seed)).asked)
+
+
 def test_bad_settings_and_short_windows_say_what_to_change(tok, book):
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
         RetrievalDrills(tok, rate=1.5)
+    with pytest.raises(ValueError, match="quote share must be in \\[0, 1\\], got 1.0, 0.5 and -0.1"):
+        RetrievalDrills(tok, rate=1.0, quote_share=-0.1)
     with pytest.raises(ValueError, match="max_questions <= max_facts"):
         RetrievalDrills(tok, rate=1.0, max_facts=2, max_questions=3)
     with pytest.raises(ValueError, match="too short for a retrieval drill"):
