@@ -332,9 +332,10 @@ class RetrievalDrills:
         pieces = [self.ids(s) for f in facts for s in f.sentences]  # a fact's sentences keep their order
         quoted = None
         if self.quote_share > 0.0 and rng.random() < self.quote_share:
+            # room left for the haystack, bounding each asked fact's question and answer by its
+            # words plus 60 tokens (chat template or completion prompt); the quote's own question
+            # and answer by twice the sentence plus 120
             room = n - len(intro) - sum(map(len, pieces)) - sum(len(self.ids(f.question + f.chat)) + 60 for f in asked)
-            # the question names a few words and the answer repeats the sentence: 120 tokens and
-            # twice the sentence's length bound both, template and all
             spans = [(a, b) for a, b in sentence_spans(self.tok, window[:max(0, room)]) if b + 2 * (b - a) + 120 <= room]
             if spans:
                 quoted = rng.choice(spans)
