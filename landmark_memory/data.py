@@ -4,6 +4,7 @@ and the synthetic passkey mix that teaches a small model to retrieve."""
 import os
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +102,30 @@ def tokenize_books(files, tokenizer, eos_id, desc="tokenizing"):
     return np.concatenate([np.asarray(ids, dtype=dtype) for ids in ds["ids"]])
 
 
+@dataclass(frozen=True)
+class Answer:
+    """An answer's tokens in a drill window, ``span`` ``[start, end)``, and the spans of the
+    window's text that it is read from (``sources``: a planted fact, a quoted sentence; none
+    where a mix does not mark them)."""
+
+    span: tuple[int, int]
+    sources: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class Batch:
+    """Training windows: ``x`` (B, T) int64 token ids, ``y`` (B, T) their next tokens, ``w``
+    (B, T) float32 each target's loss weight, ``answer`` (B, T) int64 ``j`` > 0 where the target
+    is a token of the row's ``j``-th answer and ``source`` (B, T) int64 ``j`` on the tokens of
+    ``x`` that answer is read from (0 elsewhere: the recall loss's targets, ``recall.py``)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    w: torch.Tensor
+    answer: torch.Tensor
+    source: torch.Tensor
+
+
 class PasskeyMix:
     """Turns a fraction of training windows into passkey prompts (``passkey.py``), each with
     its answer at the end.
@@ -124,7 +149,7 @@ class PasskeyMix:
 
     def __call__(self, window, rng):
         """``window`` (T+1,) int64 numpy array, modified in place when this window is picked;
-        returns the spans ``[start, end)`` of its answer tokens (none for copy drills)."""
+        returns its answers (``Answer``, without sources; none for copy drills)."""
         if self.rate == 0.0 or rng.random() >= self.rate:
             return []
         n = len(window)
@@ -146,18 +171,17 @@ class PasskeyMix:
             except ValueError:
                 raise ValueError(f"a window of {n} tokens is too short to plant a passkey; "
                                  "lower the passkey rate to 0 or lengthen the windows") from None
-            answers.append((len(ids), len(ids) + len(ans)))
+            answers.append(Answer((len(ids), len(ids) + len(ans))))
             ids += ans
         window[:] = ids
         return answers
 
 
 class WindowSampler:
-    """Random windows of ``seq_len`` + 1 tokens from one token array: (x, y, w) batches with
-    ``y`` the next token of ``x`` and ``w`` each target's loss weight. ``mix(window, rng)``,
-    when given, may turn a window into a drill in place (``PasskeyMix``,
-    ``drills.RetrievalDrills``) and returns the spans of its answer tokens: their targets
-    weigh ``answer_weight``, every other target 1."""
+    """Random windows of ``seq_len`` + 1 tokens from one token array, as ``Batch``es with ``y``
+    the next token of ``x``. ``mix(window, rng)``, when given, may turn a window into a drill in
+    place (``PasskeyMix``, ``drills.RetrievalDrills``) and returns its ``Answer``s: their
+    targets weigh ``answer_weight``, every other target 1."""
 
     def __init__(self, tokens, seq_len, batch_size, seed, mix=None, answer_weight=1.0):
         if answer_weight <= 0:
@@ -168,12 +192,19 @@ class WindowSampler:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.rng, self.mix, self.answer_weight = random.Random(seed), mix, answer_weight
 
-    def batch(self):
-        rows, weights = [], np.ones((self.batch_size, self.seq_len + 1), dtype=np.float32)
+    def batch(self) -> Batch:
+        shape = (self.batch_size, self.seq_len + 1)
+        rows, weights = [], np.ones(shape, dtype=np.float32)
+        answer, source = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
         for i in range(self.batch_size):
             s = self.rng.randrange(len(self.tokens) - self.seq_len - 1)
             rows.append(self.tokens[s:s + self.seq_len + 1].astype(np.int64))
-            for a, b in self.mix(rows[-1], self.rng) if self.mix else ():
-                weights[i, a:b] = self.answer_weight
+            for j, ans in enumerate(self.mix(rows[-1], self.rng) if self.mix else (), 1):
+                a, b = ans.span
+                weights[i, a:b], answer[i, a:b] = self.answer_weight, j
+                for a, b in ans.sources:
+                    source[i, a:b] = j
         b = torch.from_numpy(np.stack(rows))  # (B, T+1)
-        return b[:, :-1], b[:, 1:], torch.from_numpy(weights[:, 1:])  # y[:, t] is window token t + 1
+        # y[:, t] is window token t + 1: targets (weights, answers) drop the first token, inputs the last
+        return Batch(b[:, :-1], b[:, 1:], torch.from_numpy(weights[:, 1:]), torch.from_numpy(answer[:, 1:]),
+                     torch.from_numpy(source[:, :-1]))

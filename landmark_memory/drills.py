@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .data import Answer
 from .passkey import INTRO as PASSKEY_INTRO
 from .passkey import MAX_KEY, QUESTION, answer, fact
 
@@ -255,12 +256,14 @@ def quote_fact(tok, ids, span: tuple[int, int], rng: random.Random) -> Fact:
 @dataclass
 class Drill:
     """What ``RetrievalDrills.drill`` made of a window: the ``facts`` planted (in order), those
-    ``asked`` (in order; a quote question asks a sentence of the book text, no planted fact) and
-    the window spans ``[start, end)`` of their answers' tokens."""
+    ``asked`` (in order; a quote question asks a sentence of the book text, no planted fact), the
+    window spans ``[start, end)`` of their answers' tokens and, for each, the spans of the text
+    it is read from (``sources``: the fact's planted sentences, or the quoted sentence)."""
 
     facts: list[Fact]
     asked: list[Fact]
     answers: list[tuple[int, int]]
+    sources: list[tuple[tuple[int, int], ...]]
 
 
 class RetrievalDrills:
@@ -316,11 +319,12 @@ class RetrievalDrills:
         cut = next((i for i, (a, b) in enumerate(zip(prompt, both)) if a != b), len(prompt))
         return both[:cut], both[cut:]  # a token that straddles the seam belongs to the answer
 
-    def __call__(self, window: np.ndarray, rng: random.Random) -> list[tuple[int, int]]:
-        """``window`` (T+1,) int64, made a drill in place when picked (``rate``); returns the
-        spans ``[start, end)`` of its answer tokens (none when not picked)."""
+    def __call__(self, window: np.ndarray, rng: random.Random) -> list[Answer]:
+        """``window`` (T+1,) int64, made a drill in place when picked (``rate``); returns its
+        answers with their sources (none when not picked)."""
         if self.rate > 0.0 and rng.random() < self.rate:
-            return self.drill(window, rng).answers
+            d = self.drill(window, rng)
+            return [Answer(span, sources) for span, sources in zip(d.answers, d.sources)]
         return []
 
     def drill(self, window: np.ndarray, rng: random.Random) -> Drill:
@@ -354,10 +358,17 @@ class RetrievalDrills:
         cuts = sorted(rng.randint(0, n_hay) for _ in pieces)
         if quoted is not None:  # no fact planted inside the quoted sentence
             cuts = [quoted[0] if quoted[0] < c < quoted[1] else c for c in cuts]
-        hay, out, last = window[:n_hay].tolist(), list(intro), 0
+        hay, out, last, planted = window[:n_hay].tolist(), list(intro), 0, []
         for cut, piece in zip(cuts, pieces):
-            out += hay[last:cut] + piece
+            out += hay[last:cut]
+            planted.append((len(out), len(out) + len(piece)))
+            out += piece
             last = cut
         window[:] = out + hay[last:] + tail
+        owners = [f for f in facts for _ in f.sentences]  # the fact of each planted piece
+        sources = [tuple(span for span, g in zip(planted, owners) if g is f) for f in asked]
+        if quoted is not None:  # the pieces cut in at or before its start push it on
+            at = len(intro) + sum(len(piece) for cut, piece in zip(cuts, pieces) if cut <= quoted[0])
+            sources[next(i for i, f in enumerate(asked) if f.key == "quote")] = ((at + quoted[0], at + quoted[1]),)
         start = n - len(tail)
-        return Drill(facts, asked, [(start + a, start + b) for a, b in answers])
+        return Drill(facts, asked, [(start + a, start + b) for a, b in answers], sources)

@@ -48,6 +48,7 @@ class TrainConfig:
     drill_chat_share: float = 0.5  # share of the drills' questions asked as chat turns (models with a chat template)
     drill_quote_share: float = 0.0  # share of the drills that also ask to quote a sentence of their book text
     answer_weight: float = 1.0  # training loss weight of the drills' answer tokens against 1 for the rest (validation: 1)
+    recall_weight: float = 0.0  # with --hf-model and --drill-rate: weight of the recall loss on the landmark scores of the drills' answers (recall.py)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
     attention: str = "landmark"  # landmark, full (the baseline) or infini (Infini-attention)
@@ -219,6 +220,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.passkey_rate > 0 and cfg.drill_rate > 0:
             raise ValueError("--passkey-rate and --drill-rate each pick windows of their own kind; give one of them")
+        if cfg.recall_weight and not (cfg.hf_model and cfg.drill_rate > 0):
+            raise ValueError("--recall-weight scores the landmarks of retrieval drills' answers: "
+                             "it needs --hf-model and --drill-rate above 0")
         if cfg.drill_rate > 0:
             return RetrievalDrills(self.tok, cfg.drill_rate, chat_share=cfg.drill_chat_share,
                                    quote_share=cfg.drill_quote_share)
@@ -242,16 +246,26 @@ class Trainer:
                  f"of {len(val)}: {', '.join(f.name for f in val)}")
         return t, v
 
+    def losses(self, model, batch, weighted=True):
+        """The language-model loss of ``batch`` (its answers weighted, or every token alike) and,
+        with ``recall_weight``, the recall loss (else None)."""
+        x, y = batch.x.to(self.device), batch.y.to(self.device)
+        w = batch.w.to(self.device) if weighted else None
+        with self.autocast:
+            if not self.cfg.recall_weight:
+                return model(x, y, weights=w)[1], None
+            _, lm, recall = model(x, y, weights=w, answer=batch.answer.to(self.device),
+                                  source=batch.source.to(self.device))
+        return lm, recall
+
     @torch.no_grad()
     def evaluate(self):
+        """The mean validation loss per token (unweighted) and the mean recall loss (or None)."""
         self.model.eval()
-        losses = []
-        for x, y, _ in self.val_batches:  # unweighted: the mean loss per token
-            with self.autocast:
-                _, loss = self.model(x.to(self.device), y.to(self.device))
-            losses.append(loss.item())
+        runs = [self.losses(self.model, b, weighted=False) for b in self.val_batches]
         self.model.train()
-        return sum(losses) / len(losses)
+        lm = sum(loss.item() for loss, _ in runs) / len(runs)
+        return lm, (sum(r.item() for _, r in runs) / len(runs) if self.cfg.recall_weight else None)
 
     def train_step(self):
         """One optimiser step over ``grad_accum`` micro-batches; returns the mean loss."""
@@ -261,12 +275,12 @@ class Trainer:
             g["lr"] = lr
         total = 0.0
         for micro in range(cfg.grad_accum):
-            x, y, w = self.sampler.batch()
             sync = micro == cfg.grad_accum - 1
             ctx = self.ddp_model.no_sync() if self.ddp and not sync else contextlib.nullcontext()
-            with ctx, self.autocast:
-                _, loss = self.ddp_model(x.to(self.device), y.to(self.device), weights=w.to(self.device))
             with ctx:
+                loss, recall = self.losses(self.ddp_model, self.sampler.batch())
+                if recall is not None:
+                    loss = loss + cfg.recall_weight * recall
                 (loss / cfg.grad_accum).backward()
             total += loss.item() / cfg.grad_accum
         if cfg.grad_clip > 0:
@@ -308,7 +322,7 @@ class Trainer:
     def _eval_and_save(self, t0):
         if not self.master:
             return None
-        val = self.evaluate()
+        val, recall = self.evaluate()
         if self.first_val is None:
             self.first_val = val
         if val < self.best_val:
@@ -319,9 +333,11 @@ class Trainer:
             self.save()
         rec = {"step": self.step, "val_loss": round(val, 4), "lr": lr_at(self.step, self.cfg),
                "elapsed_s": round(time.time() - t0, 1), "world_size": self.world}
+        if recall is not None:
+            rec["val_recall"] = round(recall, 4)
         with open(self.out / LOG_NAME, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        self.log(f"step {self.step}: val loss {val:.4f}")
+        self.log(f"step {self.step}: val loss {val:.4f}" + (f", recall loss {recall:.4f}" if recall is not None else ""))
         return val
 
     def run(self):

@@ -310,12 +310,15 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir, tok
     from landmark_memory.hf.train import HFLandmarkLM
 
     idx = torch.tensor([tokenizer_object.encode(text).ids[:60]])  # (1, 60)
+    answer, source = torch.zeros(1, 59, dtype=torch.int64), torch.zeros(1, 59, dtype=torch.int64)
+    answer[0, 50:55], source[0, 10:20] = 1, 1  # the recall loss too reads the layers' inputs
     runs = []
     for checkpoint in (False, True):
         torch.manual_seed(0)  # the same LoRA initialisation
         model = HFLandmarkLM.load(str(model_dir), 7, lora_rank=4, lora_alpha=8, grad_checkpoint=checkpoint).train()
         assert model.hf.is_gradient_checkpointing == checkpoint
-        _, loss = model(idx[:, :-1], idx[:, 1:])
+        _, lm, recall = model(idx[:, :-1], idx[:, 1:], answer=answer, source=source)
+        loss = lm + recall
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         runs.append((loss, grads))
@@ -324,3 +327,20 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir, tok
     assert grads.keys() == grads_c.keys() and any(g.abs().sum() > 0 for g in grads.values())
     for name, g in grads.items():
         assert torch.allclose(g, grads_c[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_fine_tuning_with_a_recall_weight_logs_the_recall_loss_of_its_drills(model_dir, tmp_path, text):
+    from landmark_memory.train import Trainer, parse_args
+
+    data = tmp_path / "books"
+    data.mkdir()
+    for i in range(2):
+        (data / f"b{i}.txt").write_text(text[i * 20_000:(i + 1) * 20_000])
+    args = ["--hf-model", str(model_dir), "--data", str(data), "--out-dir", str(tmp_path / "ft"), "--block-size", "7",
+            "--seq-len", "1200", "--batch-size", "1", "--max-iters", "2", "--eval-interval", "2", "--eval-iters", "2",
+            "--lora-rank", "4", "--drill-rate", "1", "--recall-weight", "0.5"]
+    Trainer(parse_args(args)[0]).run()
+    log = [json.loads(line) for line in (tmp_path / "ft" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 2] and all(0 < r["val_recall"] < 10 for r in log)
+    with pytest.raises(ValueError, match="needs --hf-model and --drill-rate"):
+        Trainer(parse_args([*args[:-4], "--recall-weight", "0.5"])[0])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
-from landmark_memory.data import PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
+from landmark_memory.data import Answer, PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.evaluate import parse_lengths
 from landmark_memory.passkey import PasskeyPrompts, first_int, run_passkey
 from landmark_memory.layout import IGNORE_INDEX
@@ -97,7 +97,8 @@ def test_passkey_mix_plants_fact_and_answer_without_changing_length():
     tok = load_tokenizer()
     mix = PasskeyMix(tok, rate=1.0, copy_rate=0.0)
     out = np.full(200, 5, dtype=np.int64)
-    [(a, b)] = mix(out, random.Random(3))
+    [ans] = mix(out, random.Random(3))
+    a, b = ans.span
     text = tok.decode(out.tolist())
     key = text.split("The pass key is ")[1].split(".")[0]
     assert len(out) == 200 and b == 200 and tok.decode(out[a:b].tolist()).strip() == f"{key}."
@@ -115,7 +116,7 @@ def test_passkey_mix_packs_prompts_each_asking_for_its_own_key():
         asked = re.findall(r"The pass key is (\d+)\. Remember it\. (\d+) is the pass key", text)
         answers = re.findall(r"What is the pass key\? The pass key is (\d+)\.", text)
         assert len(out) == 513 and [a for a, b in asked] == [b for a, b in asked] == answers
-        assert [tok.decode(out[a:b].tolist()).strip() for a, b in spans] == [f"{k}." for k in answers]
+        assert [tok.decode(out[a:b].tolist()).strip() for a, b in (s.span for s in spans)] == [f"{k}." for k in answers]
         counts.add(len(answers))
     assert counts == {1, 2, 3, 4}
 
@@ -175,20 +176,26 @@ def test_read_text_explains_what_is_wrong(tmp_path):
 
 def test_window_sampler_targets_are_inputs_shifted():
     tokens = np.arange(1000, dtype=np.uint16)
-    x, y, w = WindowSampler(tokens, seq_len=32, batch_size=4, seed=0).batch()
+    batch = WindowSampler(tokens, seq_len=32, batch_size=4, seed=0).batch()
+    x, y, w = batch.x, batch.y, batch.w
     assert x.shape == y.shape == w.shape == (4, 32) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
     assert torch.equal(w, torch.ones(4, 32))
 
 
-def test_window_sampler_weighs_the_targets_of_answer_tokens():
+def test_window_sampler_weighs_the_targets_of_answer_tokens_and_marks_where_they_are_read_from():
     tokens = np.arange(1000, dtype=np.uint16)
 
-    def mix(window, rng):  # the window's tokens 5..8 and 30..33 answer
+    def mix(window, rng):  # the window's tokens 5..8 answer from 1..3, 30..33 from 10..12 and 20..21
         window[5:8] = window[30:33] = 0
-        return [(5, 8), (30, 33)]
+        return [Answer((5, 8), ((1, 3),)), Answer((30, 33), ((10, 12), (20, 21)))]
 
-    x, y, w = WindowSampler(tokens, seq_len=32, batch_size=2, seed=0, mix=mix, answer_weight=4.0).batch()
+    batch = WindowSampler(tokens, seq_len=32, batch_size=2, seed=0, mix=mix, answer_weight=4.0).batch()
+    w, y = batch.w, batch.y
     assert torch.equal(w == 4.0, y == 0) and int((w == 4.0).sum()) == 2 * 6 and torch.all((w == 1.0) | (w == 4.0))
+    answer, source = torch.zeros(32, dtype=torch.int64), torch.zeros(32, dtype=torch.int64)
+    answer[4:7], answer[29:32] = 1, 2  # aligned with the targets: y[:, t] is window token t + 1
+    source[1:3], source[10:12], source[20:21] = 1, 2, 2  # aligned with the inputs
+    assert all(torch.equal(batch.answer[r], answer) and torch.equal(batch.source[r], source) for r in range(2))
     with pytest.raises(ValueError, match="answer weight must be positive"):
         WindowSampler(tokens, seq_len=32, batch_size=2, seed=0, answer_weight=0.0)

@@ -85,9 +85,8 @@ def test_resume_refuses_a_different_model(books, tmp_path):
 def test_drill_windows_train_and_leave_no_room_for_the_passkey_mix(books, tmp_path):
     t = _trainer(books, tmp_path, "--drill-rate", "1.0", "--seq-len", "512", "--max-iters", "1", "--answer-weight", "5")
     t.run()
-    x, _, _ = t.val_batches[0]
-    assert all("?" in t.tok.decode(row.tolist()) for row in x)  # every validation window asks a question
-    _, y, w = t.sampler.batch()
+    assert all("?" in t.tok.decode(row.tolist()) for row in t.val_batches[0].x)  # every validation window asks
+    w = t.sampler.batch().w
     assert torch.all(w[:, -1] == 5.0) and torch.all((w == 1.0).sum(1) > 400)  # the answer ends the window
     with pytest.raises(ValueError, match="give one of them"):
         _trainer(books, tmp_path / "both", "--drill-rate", "0.5", "--passkey-rate", "0.5")

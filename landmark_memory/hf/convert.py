@@ -169,10 +169,13 @@ def from_pretrained(path: str | Path, **kwargs) -> PreTrainedModel:
     return _activate(model)
 
 
-def normal_logits(model: PreTrainedModel, idx: torch.Tensor) -> torch.Tensor:
+def normal_logits(model: PreTrainedModel, idx: torch.Tensor, hidden_states: bool = False):
     """Logits (B, T, vocab) at the normal positions of a converted model's in-sequence forward
-    over normal token ids ``idx`` (B, T): landmarks are inserted first."""
+    over normal token ids ``idx`` (B, T): landmarks are inserted first. With ``hidden_states``,
+    ``(logits, hidden)``: ``hidden`` holds each layer's input over the landmarked sequence, one
+    (B, T', C) tensor per layer."""
     cfg = model.config
     x = insert_landmarks(idx, cfg.landmark_block_size, cfg.landmark_token_id)
-    logits = model(input_ids=x, use_cache=False).logits  # (B, T', V)
-    return logits[:, normal_positions(idx.shape[1], cfg.landmark_block_size, idx.device)]
+    out = model(input_ids=x, use_cache=False, output_hidden_states=hidden_states)
+    logits = out.logits[:, normal_positions(idx.shape[1], cfg.landmark_block_size, idx.device)]  # (B, T, V)
+    return (logits, out.hidden_states[:-1]) if hidden_states else logits  # the last is the final norm's input

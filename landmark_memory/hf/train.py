@@ -12,6 +12,8 @@ from torch import nn
 
 from ..kinds import hf_config
 from ..model import LandmarkGPT, lm_loss
+from ..recall import recall_loss
+from .backbone import HFBackbone
 from .convert import convert, from_pretrained, normal_logits
 from .lora import ADAPTER_CONFIG, adapter_settings, add_lora, apply_adapter, write_settings
 from .tokenizer import TextTokenizer
@@ -22,11 +24,14 @@ class HFLandmarkLM(nn.Module):
         super().__init__()
         self.hf, self.tokenizer, self.config = model, tokenizer, model.config
 
-    def forward(self, idx, targets=None, weights=None):
-        logits = normal_logits(self.hf, idx)  # (B, T, V)
-        if targets is None:
-            return logits
-        return logits, lm_loss(logits, targets, weights)
+    def forward(self, idx, targets=None, weights=None, answer=None, source=None):
+        """Logits (B, T, V); with ``targets`` ``(logits, loss)``; with ``answer`` and ``source``
+        too (``data.Batch``'s) ``(logits, loss, recall)``, ``recall`` the recall loss (``recall.py``)."""
+        if answer is None:
+            logits = normal_logits(self.hf, idx)  # (B, T, V)
+            return logits if targets is None else (logits, lm_loss(logits, targets, weights))
+        logits, hidden = normal_logits(self.hf, idx, hidden_states=True)
+        return logits, lm_loss(logits, targets, weights), recall_loss(HFBackbone(self.hf), hidden, answer, source)
 
     generate = LandmarkGPT.generate  # it only calls self(idx)
 
