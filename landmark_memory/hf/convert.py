@@ -178,4 +178,4 @@ def normal_logits(model: PreTrainedModel, idx: torch.Tensor, hidden_states: bool
     x = insert_landmarks(idx, cfg.landmark_block_size, cfg.landmark_token_id)
     out = model(input_ids=x, use_cache=False, output_hidden_states=hidden_states)
     logits = out.logits[:, normal_positions(idx.shape[1], cfg.landmark_block_size, idx.device)]  # (B, T, V)
-    return (logits, out.hidden_states[:-1]) if hidden_states else logits  # the last is the final norm's input
+    return (logits, out.hidden_states[:-1]) if hidden_states else logits  # n_layer + 1: the last is no layer's input
