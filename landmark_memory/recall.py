@@ -25,6 +25,7 @@ import math
 import torch
 
 from .backbone import Backbone
+from .layout import landmark_mask, landmarked_length, normal_positions
 from .rope import rotary
 
 
@@ -78,8 +79,9 @@ def recall_loss(backbone: Backbone, hidden: list[torch.Tensor], answer: torch.Te
     if not len(rows):
         return hidden[0].new_zeros(())
     rope = rotary(D, backbone.rope_base)
-    q_pos = tokens + tokens // bs  # (N,) in the landmarked sequence
-    lm_pos = torch.arange(want.shape[1], device=q_pos.device) * (bs + 1) + bs  # (nb,) each block's landmark
+    T = answer.shape[1]
+    q_pos = normal_positions(T, bs, answer.device)[tokens]  # (N,) in the landmarked sequence
+    lm_pos = landmark_mask(landmarked_length(T, bs), bs, answer.device).nonzero().squeeze(1)  # (nb,)
     G = H // backbone.n_kv_head
     total = hidden[0].new_zeros(())
     for layer, h in enumerate(hidden):
