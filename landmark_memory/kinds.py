@@ -10,6 +10,7 @@ The Hugging Face side is imported only when a Hugging Face model is at hand: imp
 transformers takes seconds, and a LandmarkGPT needs none of it.
 """
 
+import inspect
 import json
 from pathlib import Path
 
@@ -53,9 +54,11 @@ def kv_cache_decoder(model: torch.nn.Module, idx: torch.Tensor):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    # transformers 5.24 renamed the forward's past_key_values to cache (the old name goes in 5.40)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def feed(nxt):  # (B, 1) -> (B, vocab)
-        return model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=nxt, use_cache=True, **{name: cache}).logits[:, -1]
 
     return feed(idx), feed
 

@@ -224,6 +224,21 @@ def test_decode_benchmark_sets_memory_against_the_plain_models_dynamic_cache(mod
         bench.main(["--model", str(model_dir), "--contexts", "100"])
 
 
+@torch.no_grad()
+def test_a_plain_models_kv_cache_decoding_equals_rereading_its_context(tokenizer_object, text, recwarn):
+    from landmark_memory.decode import decode, decode_rereading
+    from landmark_memory.kinds import kv_cache_decoder
+
+    _, tok = tiny(tokenizer_object)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    idx = ids_of(tok, text, 40)
+    got = decode(*kv_cache_decoder(plain, idx), 12)
+    assert torch.equal(got, decode_rereading(lambda x: plain(input_ids=x).logits, idx, 12))
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]  # the cache by the name the model takes
+
+
 def cli(*args, cwd=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "landmark_memory.cli", *map(str, args)], capture_output=True, text=True,
