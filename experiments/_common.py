@@ -118,12 +118,15 @@ def book_tokens(tok, n, data):
 
 
 class Trials:
-    """Trials kept in a JSON file, each cell a list of rows, written as soon as a row is added:
-    a stopped run goes on where it stopped, and a later run with more trials extends it."""
+    """Trials kept in a JSON file: each cell a list of rows, and every command that added rows.
+    It is written as soon as a row is added: a stopped run goes on where it stopped, a later run
+    with more trials extends it, and a report names every command its table came from.
+    ``command``: this run's (``command_line``), recorded with its first row."""
 
-    def __init__(self, path):
-        self.path = Path(path)
-        self.cells = json.loads(self.path.read_text()) if self.path.exists() else {}
+    def __init__(self, path, command=None):
+        self.path, self.command = Path(path), command
+        state = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.commands, self.cells = state.get("commands", []), state.get("cells", {})
 
     def cell(self, key):
         """The rows of ``key`` so far (a cell not run yet has none, and is not created)."""
@@ -131,8 +134,10 @@ class Trials:
 
     def add(self, key, row):
         self.cells.setdefault(key, []).append(row)
+        if self.command and self.command not in self.commands:
+            self.commands.append(self.command)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.cells, indent=1))
+        tmp.write_text(json.dumps({"commands": self.commands, "cells": self.cells}, indent=1))
         os.replace(tmp, self.path)
 
 
@@ -171,6 +176,7 @@ def suite_main(doc, name, lengths, run, report, argv=None, extra=None):
     if extra:
         extra(ap)
     args = ap.parse_args(argv)
+    args.command = command_line(argv)
     if not args.report:
         if not args.books:
             ap.error("--books is needed to run trials")
@@ -184,15 +190,35 @@ def machine():
     return f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}"
 
 
-def write_result(name, title, body, results=RESULTS, started=None, argv=None):
+def command_line(argv=None, script=None):
+    """This process's command as the results record it: ``python <script> <arguments>``, the
+    value of ``--books`` written ``$BOOKS`` and every path inside the repository (a ``name=folder``
+    item's folder too) relative to its root, so a run from any folder records the same line.
+    ``argv``, ``script``: the arguments and the script (default this process's)."""
+    args = [str(Path(script or sys.argv[0]).resolve()), *(sys.argv[1:] if argv is None else argv)]
+    return " ".join(["python"] + ["$BOOKS" if i and args[i - 1] == "--books"
+                                  else shlex.quote(",".join(map(_from_root, a.split(",")))) for i, a in enumerate(args)])
+
+
+def _from_root(item):
+    name, eq, path = item.rpartition("=")
+    where = Path(path).resolve()
+    return name + eq + os.path.relpath(where, ROOT) if Path(path).exists() and where.is_relative_to(ROOT) else item
+
+
+def write_result(name, title, body, results=RESULTS, started=None, argv=None, commands=None):
     """experiments/results/<name>.md: title, the exact command (``argv``, default this
-    process's), machine, date and run time, then ``body``."""
-    argv = [os.path.relpath(sys.argv[0], ROOT), *(sys.argv[1:] if argv is None else argv)]
-    argv = ["$BOOKS" if i and argv[i - 1] == "--books" else a for i, a in enumerate(argv)]
-    cmd = "python " + " ".join(a if a == "$BOOKS" else shlex.quote(a) for a in argv)
+    process's; or ``commands``, every command that added to a resumable state), machine, date
+    and run time, then ``body``."""
+    commands = commands or [command_line(argv)]
+    books = " (BOOKS: the project's 53 Gutenberg books)"
+    if len(commands) == 1:
+        head = [f"# {title}", "", f"- command: `{commands[0]}`{books}"]
+    else:
+        head = [f"# {title}", "", f"- commands, each adding trials to what the tables read{books}:",
+                *(f"  - `{c}`" for c in commands)]
     minutes = f", {(time.time() - started) / 60:.1f} min" if started else ""
-    head = [f"# {title}", "", f"- command: `{cmd}` (BOOKS: the project's 53 Gutenberg books)", f"- machine: {machine()}",
-            f"- date: {time.strftime('%Y-%m-%d')}{minutes}", ""]
+    head += [f"- machine: {machine()}", f"- date: {time.strftime('%Y-%m-%d')}{minutes}", ""]
     path = Path(results) / f"{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(head + body) + "\n")

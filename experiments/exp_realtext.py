@@ -81,7 +81,7 @@ def ppl_cell(model, books, n_tokens):
 
 
 def run(args):
-    state, lengths = Trials(args.state), parse_lengths(args.lengths)
+    state, lengths = Trials(args.state, args.command), parse_lengths(args.lengths)
     if set(args.parts.split(",")) - set(PARTS):
         raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
     trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
@@ -108,7 +108,8 @@ def run(args):
 
 
 def report(args):
-    cells = Trials(args.state).cells
+    state = Trials(args.state)
+    cells = state.cells
     labels = list(dict.fromkeys(k.split("|")[0] for k in cells))
     lengths = sorted({int(k.split("|")[2]) for k in cells if "|ppl|" not in k})
     body = ["Books the fine-tuning never saw (the default split's held-out books). Each cell: right / trials; every "
@@ -139,7 +140,8 @@ def report(args):
         wrong = [f"{r['answer'][:60]!r} for {r['want']}" for r in rows if not r["right"]]
         if wrong:
             body.append(f"- {key.replace('|', ', ')}: " + "; ".join(wrong))
-    write_result("realtext", "SmolLM2 adapters on real text: book-text passkey and `ask`", body, results=args.results)
+    write_result("realtext", "SmolLM2 adapters on real text: book-text passkey and `ask`", body, results=args.results,
+                 commands=state.commands)
 
 
 def options(ap):

@@ -119,7 +119,7 @@ def score(text, want):
 
 
 def run(args):
-    state = Trials(args.state)
+    state = Trials(args.state, args.command)
     lengths = parse_lengths(args.lengths)
     _, val = split_books(list_text_files([args.books]))
     models = [(f"landmark {name} + memory", folder) for name, folder in adapter_specs(args.adapters)]
@@ -147,7 +147,8 @@ def run(args):
 
 
 def report(args):
-    state = Trials(args.state).cells
+    trials = Trials(args.state)
+    state = trials.cells
     lengths = sorted({int(k.split("|")[2]) for k in state})
     body = ["Each cell: the mean score (share of the asked values found in the greedy answer) and the trials run. "
             "Haystacks are consecutive text of the held-out books; every model reads the same prompts. A landmark row "
@@ -180,7 +181,8 @@ def report(args):
     fig.tight_layout(rect=(0, 0.1, 1, 1))  # the legend below the panels covers no point
     fig.savefig(Path(args.results) / "ruler.png", dpi=110)
     body += ["", "![RULER-style scores by length](ruler.png)", ""]
-    write_result("ruler", "A RULER-style suite over held-out books", body, results=args.results)
+    write_result("ruler", "A RULER-style suite over held-out books", body, results=args.results,
+                 commands=trials.commands)
 
 
 def options(ap):

@@ -23,15 +23,13 @@ import hashlib
 import json
 import math
 import os
-import shlex
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from _common import ROOT, machine, plt
+from _common import ROOT, command_line, machine, plt
 from landmark_memory.answer import ask
 from landmark_memory.build import build, encode, read_inputs
 from landmark_memory.data import list_text_files, read_text, split_books
@@ -399,9 +397,7 @@ def main(argv=None):
             t0 = time.time()
             with torch.no_grad():
                 doc = RUN[part](args, tok, books)
-            cmd = ["python", "experiments/exp_smollm2.py", *(sys.argv[1:] if argv is None else argv)]
-            cmd = ["$BOOKS" if i and cmd[i - 1] == "--books" else a for i, a in enumerate(cmd)]
-            doc.update(command=" ".join(a if a == "$BOOKS" else shlex.quote(a) for a in cmd), machine=machine(),
+            doc.update(command=command_line(argv, __file__), machine=machine(),
                        date=time.strftime("%Y-%m-%d"), seconds=time.time() - t0, adapter=adapter_id())
             (Path(args.out) / f"{part}.json").write_text(json.dumps(doc, indent=1))
             print(f"{part}: done in {doc['seconds'] / 60:.1f} min", flush=True)

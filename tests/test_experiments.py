@@ -81,6 +81,28 @@ def test_adapters_are_named_folders():
             common.adapter_specs(bad)
 
 
+def test_command_lines_name_repository_paths_from_its_root_wherever_they_ran(tmp_path, monkeypatch):
+    common = script("_common")
+    monkeypatch.chdir(EXPERIMENTS)
+    monkeypatch.setattr(sys, "argv", ["exp_realtext.py"])
+    line = common.command_line(["--books", str(tmp_path), "--adapters", "a=../landmark_memory/assets/tiny,b=elsewhere",
+                                "--state", "results/realtext.json", "--note", "two words"])
+    assert line == ("python experiments/exp_realtext.py --books $BOOKS --adapters a=landmark_memory/assets/tiny,"
+                    "b=elsewhere --state experiments/results/realtext.json --note 'two words'")
+
+
+def test_a_suite_report_names_every_command_that_added_trials(tmp_path):
+    common = script("_common")
+    common.Trials(tmp_path / "s.json", "python one").add("a|x|1", {"score": 1.0})
+    second = common.Trials(tmp_path / "s.json", "python two")  # a later run resumes the state
+    second.add("a|x|1", {"score": 0.0})
+    second.add("a|x|2", {"score": 0.0})
+    again = common.Trials(tmp_path / "s.json")
+    assert again.commands == ["python one", "python two"] and len(again.cell("a|x|1")) == 2
+    md = common.write_result("t", "T", ["body"], tmp_path, commands=again.commands).read_text()
+    assert "  - `python one`\n  - `python two`\n" in md
+
+
 def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():
     import random
 
@@ -113,12 +135,14 @@ def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_p
             "b|passkey|8192": [{"right": True, "want": "1", "answer": "1"}] * 2,
             "b|ask|16384": [{"right": False, "want": "tin box", "answer": "a safe place"}],
             "b|ppl|2048": [{"perplexity": 28.5, "tokens": 12000}]}
-    (tmp_path / "state.json").write_text(json.dumps(rows))
+    (tmp_path / "state.json").write_text(json.dumps({"commands": ["python experiments/exp_realtext.py --trials 2"],
+                                                     "cells": rows}))
     realtext.main(["--report", "--state", str(tmp_path / "state.json"), "--results", str(tmp_path)])
     md = (tmp_path / "realtext.md").read_text()
     assert "| passkey | a | 1/2 | - |" in md and "| passkey | b | 2/2 | - |" in md and "| ask | b | - | 0/1 |" in md
     assert "'7' for 2" in md and "'a safe place' for tin box" in md
     assert "12,000 tokens: b 28.50." in md
+    assert "- command: `python experiments/exp_realtext.py --trials 2`" in md
 
 
 def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
