@@ -126,6 +126,9 @@ class Trials:
     def __init__(self, path, command=None):
         self.path, self.command = Path(path), command
         state = json.loads(self.path.read_text()) if self.path.exists() else {}
+        if state and "cells" not in state:  # adding to it would overwrite its trials
+            raise SystemExit(f"{self.path}: trials without the commands that ran them (written before they were "
+                             'recorded); make it {"commands": [], "cells": <what it holds>} to go on with it')
         self.commands, self.cells = state.get("commands", []), state.get("cells", {})
 
     def cell(self, key):
