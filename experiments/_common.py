@@ -215,11 +215,9 @@ def write_result(name, title, body, results=RESULTS, started=None, argv=None, co
     and run time, then ``body``."""
     commands = commands or [command_line(argv)]
     books = " (BOOKS: the project's 53 Gutenberg books)"
-    if len(commands) == 1:
-        head = [f"# {title}", "", f"- command: `{commands[0]}`{books}"]
-    else:
-        head = [f"# {title}", "", f"- commands, each adding trials to what the tables read{books}:",
-                *(f"  - `{c}`" for c in commands)]
+    head = [f"# {title}", ""] + ([f"- command: `{commands[0]}`{books}"] if len(commands) == 1 else
+                                 [f"- commands, each adding trials to what the tables read{books}:",
+                                  *(f"  - `{c}`" for c in commands)])
     minutes = f", {(time.time() - started) / 60:.1f} min" if started else ""
     head += [f"- machine: {machine()}", f"- date: {time.strftime('%Y-%m-%d')}{minutes}", ""]
     path = Path(results) / f"{name}.md"

@@ -101,6 +101,10 @@ def test_a_suite_report_names_every_command_that_added_trials(tmp_path):
     assert again.commands == ["python one", "python two"] and len(again.cell("a|x|1")) == 2
     md = common.write_result("t", "T", ["body"], tmp_path, commands=again.commands).read_text()
     assert "  - `python one`\n  - `python two`\n" in md
+
+
+def test_a_trial_state_without_commands_is_refused_not_overwritten(tmp_path):
+    common = script("_common")
     (tmp_path / "old.json").write_text(json.dumps({"a|x|1": [{"score": 1.0}]}))
     with pytest.raises(SystemExit, match="without the commands"):
         common.Trials(tmp_path / "old.json")
