@@ -3,9 +3,10 @@
     python experiments/exp_diagnose.py --books BOOKS                     # both parts
     python experiments/exp_diagnose.py --books BOOKS --parts passkey --length 8192 --trials 10
     python experiments/exp_diagnose.py --books BOOKS --parts questions --adapters stage6=out/a,stage7=out/b
+    python experiments/exp_diagnose.py --books BOOKS --parts ruler,ask --length 4096 --trials 10 --out diagnosis_ruler
 
 ``passkey``: the paper's passkey prompt with its filler replaced by consecutive text of a held-out
-book (a random book, offset, depth and key per trial). Each trial is read four ways:
+book (a random book, offset, depth and key per trial). Each trial is read seven ways:
 - in sequence: the whole prompt in one forward of the landmark model, every block in its
   grouped softmax, no memory;
 - through memory: the prompt up to its question read into a memory (the defaults: top-k 4,
@@ -15,6 +16,14 @@ right exactly when greedy decoding is right. For the question's last token and t
 tokens, the share of (layer, head) lookups whose top-k held a block of the key's sentence says
 whether the memory found it. So a trial that is right in sequence and wrong through memory
 lost the key in retrieval; wrong in sequence, in the model.
+
+``ruler``: the same seven readings of the first ``--trials`` trials of the RULER-style suite's
+single needle (``exp_ruler.py``, the same prompts): a seven-digit value for a word-pair key.
+
+``ask``: the first ``--trials`` trials of ``exp_realtext.py``'s ``ask`` cell (the same memories
+and questions), each answer with the rank of the fact's block among the blocks it read: a
+wrong answer whose fact's block was read most lost the fact in the copy, one whose block was
+hardly read lost it in retrieval.
 
 ``questions``: four facts in plain sentences planted in the first ``--question-tokens`` tokens of
 a held-out novel, each asked as ``ask`` asks it (chat template). For each question: the answer;
@@ -34,6 +43,8 @@ import numpy as np
 import torch
 
 from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, write_result
+from exp_realtext import ask_case, book_filler, is_right, trial_rng
+from exp_ruler import trial_prompt
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
 from landmark_memory.data import read_text
@@ -44,19 +55,7 @@ from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, answer, fact, first
 CONFIGS = [(4, "stingy"), (8, "stingy"), (16, "stingy"), (4, "exact"), (8, "exact"), (16, "exact")]
 FACTS = PLANTED_FACTS[:4]  # (sentence planted, question, the words a right answer holds)
 DEPTHS = (0.2, 0.45, 0.65, 0.85)
-
-
-def book_filler(ids, start):
-    """``filler(n)`` for ``PasskeyPrompts.prompt``: consecutive book tokens from ``start``, each
-    call going on where the last one stopped."""
-    at = [start]
-
-    def filler(n):
-        out = ids[at[0]:at[0] + n]
-        at[0] += n
-        return list(out)
-
-    return filler
+FOUND = 0.10  # a share of lookups holding the key's sentence above chance (4 of 128 blocks at 8K: 3%)
 
 
 def greedy_answer(logits, tok):
@@ -75,29 +74,20 @@ def key_hits(retrieved, positions, blocks):
 
 
 @torch.no_grad()
-def passkey_trial(model, tok, prompts, book, rng, length, folder):
-    name, _, ids = book
-    key, depth = rng.randint(1, MAX_KEY), rng.random()
-    n_key = len(prompts.ids(fact(key)))
-    n_fill = length - len(prompts.intro) - n_key - len(prompts.question)
-    start = rng.randrange(0, len(ids) - n_fill)
-    prompt = prompts.prompt(length, key, depth, book_filler(ids, start))
-    fact_at = len(prompts.intro) + round(depth * n_fill)
-    ans = tok.encode(answer(key)).ids
-    seq = torch.tensor([prompt + ans])
-    n_p, q0 = len(prompt), len(prompt) - len(prompts.question)
-    row = {"book": name, "key": key, "depth": round(depth, 3)}
-    t0 = time.perf_counter()
+def read_ways(model, tok, ids, q0, ans, key_blocks, folder):
+    """The answer ``ans`` (token ids) to the prompt ``ids`` read in sequence and through memory at
+    each of ``CONFIGS`` (the memory holds ``ids[:q0]``, the question and answer read from it):
+    {way: the greedy answer's first integer, way + " hits": the share of lookups of the
+    question's last token and the answer's tokens that held one of ``key_blocks``, way + "
+    layers": that share per layer}."""
+    seq, n_p = torch.tensor([ids + ans]), len(ids)
     logits = in_sequence_logits(model, seq[:, :-1])[0, n_p - 1:]  # the answer's positions
-    row["in sequence"] = greedy_answer(logits, tok)
-    row["in sequence s"] = time.perf_counter() - t0
+    row = {"in sequence": greedy_answer(logits, tok)}
     mem = LandmarkMemory(model, path=folder, store="lmdb")
-    bs = mem.shape.block_size
-    key_blocks = list(range(fact_at // bs, (fact_at + n_key - 1) // bs + 1))  # the sentence's blocks
     mem.forward(seq[:, :q0], logits="none")
     mem.commit()
     mem.close()
-    asked = list(range(n_p - 1 - q0, seq.shape[1] - 1 - q0))  # the question's last token and the answer's
+    asked = list(range(n_p - 1 - q0, seq.shape[1] - 1 - q0))
     for k, mapping in CONFIGS:
         with LandmarkMemory.open(folder, model, readonly=True, top_k=k, position_mapping=mapping) as m:
             out = m.forward(seq[:, q0:-1])
@@ -106,39 +96,144 @@ def passkey_trial(model, tok, prompts, book, rng, length, folder):
     return row
 
 
-def part_passkey(args, model, tok, books):
-    prompts, rng, rows = PasskeyPrompts(tok), random.Random(args.seed), []
-    with tempfile.TemporaryDirectory() as tmp:
-        for t in range(args.trials):
-            rows.append(passkey_trial(model, tok, prompts, books[t % len(books)], rng, args.length, Path(tmp) / str(t)))
-            r = rows[-1]
-            print(f"trial {t}: key {r['key']} at {r['depth']:.2f} of {r['book']}: in sequence {r['in sequence']}, "
-                  + ", ".join(f"k{k} {m} {r[f'k{k} {m}']} ({r[f'k{k} {m} hits']:.0%})" for k, m in CONFIGS), flush=True)
-    right = {c: sum(r[c] == r["key"] for r in rows) for c in ["in sequence"] + [f"k{k} {m}" for k, m in CONFIGS]}
-    body = [f"## Book-text passkey at {args.length:,} tokens", "",
-            f"{args.trials} trials (seed {args.seed}): a held-out book, a random offset, depth and key each. The memory "
-            "read the prompt up to its question with its defaults (top-k 4, stingy); the columns change how the "
-            "question and the answer read it. A cell is the answer (teacher-forced greedy) and the share of (layer, "
-            "head) lookups of the question's last token and the answer's tokens whose top-k held the key's sentence.",
+def spanned_blocks(start, end, bs):
+    """The memory blocks that hold tokens [start, end)."""
+    return list(range(start // bs, (end - 1) // bs + 1))
+
+
+def passkey_trial(model, tok, prompts, book, rng, length, folder):
+    name, _, ids = book
+    key, depth = rng.randint(1, MAX_KEY), rng.random()
+    n_key = len(prompts.ids(fact(key)))
+    n_fill = length - len(prompts.intro) - n_key - len(prompts.question)
+    start = rng.randrange(0, len(ids) - n_fill)
+    prompt = prompts.prompt(length, key, depth, book_filler(ids, start))
+    fact_at = len(prompts.intro) + round(depth * n_fill)
+    blocks = spanned_blocks(fact_at, fact_at + n_key, model.config.landmark_block_size)
+    row = read_ways(model, tok, prompt, len(prompt) - len(prompts.question), tok.encode(answer(key)).ids, blocks,
+                    folder)
+    return {"book": name, "key": key, "depth": round(depth, 3), **row}
+
+
+def ruler_trial(model, tok, books, i, length, seed, folder):
+    """Trial ``i`` of the RULER-style suite's single needle (``exp_ruler``: the same prompt)."""
+    name, p = trial_prompt(tok, books, length, "single", i, seed)
+    (start, end), value = p.needles[0], p.want[0]
+    blocks = spanned_blocks(start, end, model.config.landmark_block_size)
+    row = read_ways(model, tok, p.ids, p.question_at, tok.encode(f" {value}.").ids, blocks, folder)
+    return {"book": name, "key": int(value), "depth": round(start / p.question_at, 3), **row}
+
+
+WAYS = ["in sequence"] + [f"k{k} {m}" for k, m in CONFIGS]
+
+
+def trials_table(rows, title, what):
+    """The markdown section of read-ways trials ``rows`` (each with book, key and depth)."""
+    right = {c: sum(r[c] == r["key"] for r in rows) for c in WAYS}
+    body = [title, "", what + " The memory read the prompt up to its question with its defaults (top-k 4, stingy); "
+            "the columns change how the question and the answer read it. A cell is the answer (teacher-forced "
+            "greedy) and the share of (layer, head) lookups of the question's last token and the answer's tokens "
+            "whose top-k held the key's sentence.",
             "", "| book | depth | key | in sequence | " + " | ".join(f"top-{k} {m}" for k, m in CONFIGS) + " |",
             "|---|---|---|---|" + "---|" * len(CONFIGS)]
     for r in rows:
         cells = [f"{'**' if r[c] != r['key'] else ''}{r[c]}{'**' if r[c] != r['key'] else ''} ({r[c + ' hits']:.0%})"
-                 for c in (f"k{k} {m}" for k, m in CONFIGS)]
+                 for c in WAYS[1:]]
         mark = "" if r["in sequence"] == r["key"] else "**"
         body.append(f"| {r['book'][:24]} | {r['depth']:.2f} | {r['key']} | {mark}{r['in sequence']}{mark} | "
                     + " | ".join(cells) + " |")
-    body.append(f"| right | | | {right['in sequence']}/{len(rows)} | "
-                + " | ".join(f"{right[f'k{k} {m}']}/{len(rows)}" for k, m in CONFIGS) + " |")
+    body.append("| right | | | " + " | ".join(f"{right[c]}/{len(rows)}" for c in WAYS) + " |")
     lost_in_memory = sum(r["in sequence"] == r["key"] and r["k4 stingy"] != r["key"] for r in rows)
     lost_in_model = sum(r["in sequence"] != r["key"] for r in rows)
+    missed = [r for r in rows if r["k4 stingy"] != r["key"]]
+    found = sum(r["k4 stingy hits"] > FOUND for r in missed)
     mean_layers = np.mean([r["k16 exact layers"] for r in rows], 0)
-    body += ["", f"- Wrong in sequence (the model loses the key with every block in view): {lost_in_model} of "
-                 f"{len(rows)}.",
-             f"- Right in sequence, wrong through memory at the defaults (retrieval loses it): {lost_in_memory}.",
-             "- Share of lookups holding the key's sentence, top-16 exact, by layer (0 first): "
-             + ", ".join(f"{x:.0%}" for x in mean_layers), ""]
-    return body, rows
+    return body + [
+        "", f"- Wrong in sequence (the model loses the key with every block in view): {lost_in_model} of {len(rows)}.",
+        f"- Right in sequence, wrong through memory at the defaults (the memory's reading loses it): {lost_in_memory}.",
+        f"- Wrong through memory at the defaults: {len(missed)}; of those, the key's sentence was in more than "
+        f"{FOUND:.0%} of the lookups (found, then miscopied) in {found}, and at most that (not found) in "
+        f"{len(missed) - found}.",
+        "- Share of lookups holding the key's sentence, top-16 exact, by layer (0 first): "
+        + ", ".join(f"{x:.0%}" for x in mean_layers), ""]
+
+
+def run_trials(args, trial):
+    """``args.trials`` rows of ``trial(t, folder)``, each printed as it is done."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in range(args.trials):
+            r = trial(t, Path(tmp) / str(t))
+            rows.append(r)
+            print(f"trial {t}: key {r['key']} at {r['depth']:.2f} of {r['book']}: in sequence {r['in sequence']}, "
+                  + ", ".join(f"{c} {r[c]} ({r[c + ' hits']:.0%})" for c in WAYS[1:]), flush=True)
+    return rows
+
+
+def part_passkey(args, model, tok, books):
+    prompts, rng = PasskeyPrompts(tok), random.Random(args.seed)
+    rows = run_trials(args, lambda t, folder: passkey_trial(model, tok, prompts, books[t % len(books)], rng,
+                                                            args.length, folder))
+    return trials_table(rows, f"## Book-text passkey at {args.length:,} tokens",
+                        f"{args.trials} trials (seed {args.seed}): a held-out book, a random offset, depth and key "
+                        "each.")
+
+
+def part_ruler(args, model, tok, books):
+    rows = run_trials(args, lambda t, folder: ruler_trial(model, tok, books, t, args.length, args.seed, folder))
+    return trials_table(rows, f"## RULER's single needle at {args.length:,} tokens",
+                        f"The first {args.trials} trials of `exp_ruler.py`'s single-needle cell at this length (seed "
+                        f"{args.seed}, the same prompts): a seven-digit value for a word-pair key, in held-out book "
+                        "text.")
+
+
+@torch.no_grad()
+def ask_row(model, tok, case):
+    """``exp_realtext``'s ``ask`` trial ``case`` with every block the answer read, ranked."""
+    blocks = spanned_blocks(*case.fact, model.config.landmark_block_size)
+    with LandmarkMemory(model) as mem:
+        mem.forward(torch.tensor([case.ids]), logits="none")
+        n_blocks = mem.n_blocks
+        got = ask(mem, tok, case.question, max_new_tokens=32, passages=n_blocks)
+    read = [p.block for p in got.passages]
+    return {"book": case.book, "depth": case.depth, "question": case.question, "answer": got.text.strip(),
+            "right": is_right(got.text, case.words), "blocks": blocks,
+            "rank": next((i + 1 for i, b in enumerate(read) if b in blocks), None),
+            "share": sum(p.share for p in got.passages if p.block in blocks),
+            "edge": sum(p.share for p in got.passages if p.block == 0 or p.block >= n_blocks - 3)}
+
+
+def part_ask(args, model, tok, books):
+    rows = []
+    for t in range(args.trials):
+        rows.append(ask_row(model, tok, ask_case(tok, books, args.length, trial_rng(args.seed, "ask", args.length, t))))
+        r = rows[-1]
+        print(f"trial {t}: {r['question']} {r['answer'][:50]!r} right {r['right']}, fact's block rank {r['rank']} "
+              f"({r['share']:.1%} of the lookups), first and last blocks {r['edge']:.0%}", flush=True)
+    body = [f"## `ask` over {args.length:,} tokens of book text", "",
+            f"The first {args.trials} trials of `exp_realtext.py`'s `ask` cell at this length (seed {args.seed}, the "
+            "same memories and questions): one fact planted after a sentence of a held-out book, asked as `ask` "
+            "asks it. The blocks the answer read are ranked by their share of its lookups (every layer and head, "
+            "the question's last token and each answer token, top-k 4).", "",
+            "| book | depth | question | answer | right | fact's block | its rank | its share of the lookups | "
+            "block 0 and the last 3 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        answer = r["answer"].replace("|", "/").replace("\n", " ")[:60]
+        body.append(f"| {r['book'][:24]} | {r['depth']:.2f} | {r['question']} | {answer} | "
+                    f"{'yes' if r['right'] else 'no'} | {r['blocks']} | {r['rank'] or '-'} | {r['share']:.1%} | "
+                    f"{r['edge']:.0%} |")
+    wrong = [r for r in rows if not r["right"]]
+    top = [sum(r["rank"] is not None and r["rank"] <= k for r in wrong) for k in (4, 20)]
+    n_blocks = args.length // model.config.landmark_block_size
+    body += ["", f"- Right: {len(rows) - len(wrong)} of {len(rows)}.",
+             f"- Of the {len(wrong)} wrong answers, the fact's block was among the 4 blocks the answer read most in "
+             f"{top[0]}, among the 20 in {top[1]}, and further down or never read in {len(wrong) - top[1]} "
+             f"(the memory holds about {n_blocks} blocks).",
+             f"- Mean share of the lookups on the fact's block: {np.mean([r['share'] for r in rows]):.1%} "
+             + (f"(the right answers: {np.mean([r['share'] for r in rows if r['right']]):.1%}, the wrong: "
+                f"{np.mean([r['share'] for r in wrong]):.1%})" if wrong and len(wrong) < len(rows) else "")
+             + f"; on block 0 and the last three: {np.mean([r['edge'] for r in rows]):.0%}.", ""]
+    return body
 
 
 def plant(text, tok, n_tokens):
@@ -210,8 +305,8 @@ def main(argv=None):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters, each diagnosed in turn "
                          "(default: the shipped one)")
-    ap.add_argument("--parts", default="passkey,questions")
-    ap.add_argument("--length", type=int, default=8192, help="passkey prompt length (default 8192)")
+    ap.add_argument("--parts", default="passkey,questions", help="some of passkey, ruler, ask, questions")
+    ap.add_argument("--length", type=int, default=8192, help="passkey and RULER prompt and ask memory length (default 8192)")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--question-tokens", type=int, default=8192, help="tokens of the novel the questions read")
@@ -225,7 +320,11 @@ def main(argv=None):
         if "questions" in args.parts:
             part += part_questions(args, model, tok, [b for b in books if "bovary" in b[0]] or books)
         if "passkey" in args.parts:
-            part += part_passkey(args, model, tok, books)[0]
+            part += part_passkey(args, model, tok, books)
+        if "ruler" in args.parts:
+            part += part_ruler(args, model, tok, books)
+        if "ask" in args.parts:
+            part += part_ask(args, model, tok, books)
         if len(specs) > 1:  # each adapter's sections under its name
             part = [f"## Adapter {name}", ""] + [("#" + line if line.startswith("## ") else line) for line in part]
         body += part

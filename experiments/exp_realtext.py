@@ -25,12 +25,12 @@ later runs add trials; ``--report`` writes realtext.md from the state.
 
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
 from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2, suite_main,
                      write_result)
-from exp_diagnose import book_filler
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -39,6 +39,24 @@ from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, first_int
 
 PARTS = ("passkey", "ask", "ppl")
 PPL_LENGTH = 2048  # the in-sequence perplexity's segments
+
+
+def trial_rng(seed, part, n, i):
+    """Trial ``i`` of ``part`` at ``n`` tokens draws from this, whichever adapter reads it."""
+    return random.Random(f"{seed}|{part}|{n}|{i}")
+
+
+def book_filler(ids, start):
+    """``filler(n)`` for ``PasskeyPrompts.prompt``: consecutive book tokens from ``start``, each
+    call going on where the last one stopped."""
+    at = [start]
+
+    def filler(n):
+        out = ids[at[0]:at[0] + n]
+        at[0] += n
+        return list(out)
+
+    return filler
 
 
 def passkey_trial(model, tok, books, n, rng):
@@ -53,25 +71,48 @@ def passkey_trial(model, tok, books, n, rng):
 
 def planted(tok, ids, n, sentence, depth):
     """``n`` tokens of book text ``ids`` with ``sentence`` after the first full stop at or past
-    ``depth`` of the way."""
+    ``depth`` of the way; (the ids, the sentence's token span [start, end))."""
     fact = tok.encode(" " + sentence).ids
     hay = list(ids[:n - len(fact)])
     cut = round(depth * len(hay))
     while cut < len(hay) and not tok.decode(hay[cut - 1:cut]).endswith("."):
         cut += 1
-    return hay[:cut] + fact + hay[cut:]
+    return hay[:cut] + fact + hay[cut:], (cut, cut + len(fact))
+
+
+@dataclass(frozen=True)
+class AskCase:
+    """An ``ask`` trial: the memory's text ``ids`` (a held-out book's, the fact planted at token
+    span ``fact``), the fact's question and the words a right answer holds."""
+
+    book: str
+    depth: float
+    ids: list[int]
+    fact: tuple[int, int]
+    question: str
+    words: list[str]
+
+
+def ask_case(tok, books, n, rng) -> AskCase:
+    name, _, ids = books[rng.randrange(len(books))]
+    sentence, question, words = PLANTED_FACTS[rng.randrange(len(PLANTED_FACTS))]
+    depth, start = rng.random(), rng.randrange(0, len(ids) - n)
+    text, span = planted(tok, ids[start:start + n], n, sentence, depth)
+    return AskCase(name, round(depth, 3), text, span, question, words)
+
+
+def is_right(answer, words):
+    return all(w.lower() in answer.lower() for w in words)
 
 
 @torch.no_grad()
 def ask_trial(model, tok, books, n, rng):
-    name, _, ids = books[rng.randrange(len(books))]
-    sentence, question, words = PLANTED_FACTS[rng.randrange(len(PLANTED_FACTS))]
-    depth, start = rng.random(), rng.randrange(0, len(ids) - n)
+    case = ask_case(tok, books, n, rng)
     with LandmarkMemory(model) as mem:
-        mem.forward(torch.tensor([planted(tok, ids[start:start + n], n, sentence, depth)]), logits="none")
-        got = ask(mem, tok, question, max_new_tokens=32).text.strip()
-    return {"book": name, "depth": round(depth, 3), "want": " / ".join(words), "answer": got,
-            "right": all(w.lower() in got.lower() for w in words)}
+        mem.forward(torch.tensor([case.ids]), logits="none")
+        got = ask(mem, tok, case.question, max_new_tokens=32).text.strip()
+    return {"book": case.book, "depth": case.depth, "want": " / ".join(case.words), "answer": got,
+            "right": is_right(got, case.words)}
 
 
 def ppl_cell(model, books, n_tokens):
@@ -98,9 +139,8 @@ def run(args):
                 key = f"{label}|{part}|{n}"
                 while len(state.cell(key)) < args.trials:
                     i = len(state.cell(key))
-                    rng = random.Random(f"{args.seed}|{part}|{n}|{i}")  # the same trial for every adapter
                     t0 = time.perf_counter()
-                    row = trial[part](model, tok, books, n, rng)
+                    row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i))
                     state.add(key, {**row, "seconds": round(time.perf_counter() - t0, 1)})
                     print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
                           f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)

@@ -27,13 +27,13 @@ of different adapter stages never share a cell.
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, suite_main, write_result
-from landmark_memory.build import encode
-from landmark_memory.data import list_text_files, read_text, split_books
+from exp_smollm2 import held_out
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 
 TASKS = ("single", "multikey", "multivalue", "multiquery", "vartrack", "qa")
@@ -96,8 +96,20 @@ def task(name, rng):
         "Read the following text and answer the question after it.\n"
 
 
-def prompt(tok, book_ids, length, name, rng):
-    """(prompt ids of exactly ``length`` tokens, the strings a right answer holds)."""
+@dataclass(frozen=True)
+class Prompt:
+    """A trial's prompt: ``ids`` (exactly the length asked), the strings a right answer holds,
+    the token span [start, end) of each needle in ``ids`` (in the order they stand), and where
+    the question (with its answer prefix) starts."""
+
+    ids: list[int]
+    want: list[str]
+    needles: list[tuple[int, int]]
+    question_at: int
+
+
+def prompt(tok, book_ids, length, name, rng) -> Prompt:
+    """The prompt of task ``name`` over ``book_ids`` from ``rng``."""
     needles, question, want, intro = task(name, rng)
     head, tail = tok.encode(intro).ids, tok.encode(question).ids
     pieces = [tok.encode(n).ids for n in needles]
@@ -107,11 +119,22 @@ def prompt(tok, book_ids, length, name, rng):
     cuts = sorted(rng.randint(0, n_hay) for _ in pieces)
     if name != "vartrack":  # a chain keeps its order: each link comes after the one it names
         rng.shuffle(pieces)
-    out, last = list(head), 0
+    out, last, spans = list(head), 0, []
     for cut, piece in zip(cuts, pieces):
-        out += hay[last:cut] + piece
+        out += hay[last:cut]
+        spans.append((len(out), len(out) + len(piece)))
+        out += piece
         last = cut
-    return out + hay[last:] + tail, want
+    out += hay[last:]
+    return Prompt(out + tail, want, spans, len(out))
+
+
+def trial_prompt(tok, books, length, name, i, seed) -> tuple[str, Prompt]:
+    """Trial ``i`` of task ``name`` at ``length``: its book's name and its prompt, the same for
+    every model and every script that reads it (``books``: ``held_out``'s list)."""
+    rng = random.Random(f"{seed}|{name}|{length}|{i}")
+    book, _, ids = books[i % len(books)]
+    return book, prompt(tok, ids, length, name, rng)
 
 
 def score(text, want):
@@ -121,25 +144,22 @@ def score(text, want):
 def run(args):
     state = Trials(args.state, args.command)
     lengths = parse_lengths(args.lengths)
-    _, val = split_books(list_text_files([args.books]))
     models = [(f"landmark {name} + memory", folder) for name, folder in adapter_specs(args.adapters)]
     for label, folder in models + [(BASE, None)]:
         todo = [(n, t) for n in lengths for t in TASKS if label != BASE or n <= BASE_MAX]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
         model, tok = load_smollm2(folder)
-        books = [(f.stem, encode(tok, read_text(f))) for f in val]
+        books = held_out(args.books, tok)
         memory = None if label == BASE else {}
         for n, t in todo:
             key = f"{label}|{t}|{n}"
             while len(state.cell(key)) < args.trials:
                 i = len(state.cell(key))
-                rng = random.Random(f"{args.seed}|{t}|{n}|{i}")  # the same prompts for both models
-                book, ids = books[i % len(books)]
-                ids_prompt, want = prompt(tok, ids, n, t, rng)
+                book, p = trial_prompt(tok, books, n, t, i, args.seed)
                 t0 = time.perf_counter()
-                text = tok.decode(greedy_continuation(model, ids_prompt, MAX_NEW[t], memory))
-                row = {"book": book, "score": score(text, want), "want": want, "answer": text,
+                text = tok.decode(greedy_continuation(model, p.ids, MAX_NEW[t], memory))
+                row = {"book": book, "score": score(text, p.want), "want": p.want, "answer": text,
                        "seconds": round(time.perf_counter() - t0, 1)}
                 state.add(key, row)
                 print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {text.strip()[:60]!r}", flush=True)

@@ -110,7 +110,7 @@ def test_a_trial_state_without_commands_is_refused_not_overwritten(tmp_path):
         common.Trials(tmp_path / "old.json")
 
 
-def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():
+def test_ruler_prompts_have_their_length_every_needle_where_they_say_and_a_chain_in_order():
     import random
 
     from landmark_memory import load_tokenizer
@@ -118,13 +118,20 @@ def test_ruler_prompts_have_their_length_every_needle_and_a_chain_in_order():
     ruler, tok = script("exp_ruler"), load_tokenizer()
     book = tok.encode(" The quiet river ran past the mill." * 400).ids
     for task in ruler.TASKS:
-        ids, want = ruler.prompt(tok, book, 1000, task, random.Random(task))
-        text = tok.decode(ids)
-        assert len(ids) == 1000 and want and all(w in text for w in want if task != "qa")
-        assert ruler.score(" ".join(want), want) == 1.0 and ruler.score("nothing", want) == 0.0
-    ids, names = ruler.prompt(tok, book, 1000, "vartrack", random.Random(1))
-    text = tok.decode(ids)
-    assert all(text.index(f"VAR {a} ") < text.index(f"VAR {b} = VAR {a}.") for a, b in zip(names, names[1:]))
+        p = ruler.prompt(tok, book, 1000, task, random.Random(task))
+        text = tok.decode(p.ids)
+        assert len(p.ids) == 1000 and p.want and all(w in text for w in p.want if task != "qa")
+        assert ruler.score(" ".join(p.want), p.want) == 1.0 and ruler.score("nothing", p.want) == 0.0
+        needles = [tok.decode(p.ids[a:b]) for a, b in p.needles]
+        assert all(n.startswith((" One of the special magic numbers for", " VAR", " The")) for n in needles)
+        values = {n.split()[1] if task == "vartrack" else n.split(": ")[-1].rstrip(".") for n in needles}
+        assert task == "qa" or set(p.want) <= values and len(needles) == (1 if task == "single" else 4 + (
+            task == "vartrack"))
+        assert all(b <= a2 for (_, b), (a2, _) in zip(p.needles, p.needles[1:])) and p.needles[-1][1] <= p.question_at
+        assert tok.decode(p.ids[p.question_at:]).startswith(("\nWhat", "\nQuestion", "\nAnswer"))
+    p = ruler.prompt(tok, book, 1000, "vartrack", random.Random(1))
+    text = tok.decode(p.ids)
+    assert all(text.index(f"VAR {a} ") < text.index(f"VAR {b} = VAR {a}.") for a, b in zip(p.want, p.want[1:]))
 
 
 def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_path):
@@ -134,8 +141,9 @@ def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_p
 
     realtext, tok = script("exp_realtext"), load_tokenizer()
     book = tok.encode(" The quiet river ran past the mill." * 100).ids
-    ids = realtext.planted(tok, book, 300, "The captain's parrot was named Admiral Biscuit.", 0.5)
+    ids, (a, b) = realtext.planted(tok, book, 300, "The captain's parrot was named Admiral Biscuit.", 0.5)
     text = tok.decode(ids)
+    assert tok.decode(ids[a:b]) == " The captain's parrot was named Admiral Biscuit."
     assert len(ids) == 300 and "mill. The captain's parrot was named Admiral Biscuit. The quiet" in text
     assert 0.4 < text.index("Admiral") / len(text) < 0.6
     rows = {"a|passkey|8192": [{"right": True, "want": "1", "answer": "1"}, {"right": False, "want": "2", "answer": "7"}],
