@@ -196,9 +196,9 @@ def ask_row(model, tok, case):
         n_blocks = mem.n_blocks
         got = ask(mem, tok, case.question, max_new_tokens=32, passages=n_blocks)
     read = [p.block for p in got.passages]
+    rank = "local" if blocks[0] >= n_blocks else next((i + 1 for i, b in enumerate(read) if b in blocks), None)
     return {"book": case.book, "depth": case.depth, "question": case.question, "answer": got.text.strip(),
-            "right": is_right(got.text, case.words), "blocks": blocks,
-            "rank": next((i + 1 for i, b in enumerate(read) if b in blocks), None),
+            "right": is_right(got.text, case.words), "blocks": blocks, "rank": rank,
             "share": sum(p.share for p in got.passages if p.block in blocks),
             "edge": sum(p.share for p in got.passages if p.block == 0 or p.block >= n_blocks - 3)}
 
@@ -222,17 +222,24 @@ def part_ask(args, model, tok, books):
         body.append(f"| {r['book'][:24]} | {r['depth']:.2f} | {r['question']} | {answer} | "
                     f"{'yes' if r['right'] else 'no'} | {r['blocks']} | {r['rank'] or '-'} | {r['share']:.1%} | "
                     f"{r['edge']:.0%} |")
-    wrong = [r for r in rows if not r["right"]]
+    local = [r for r in rows if r["rank"] == "local"]
+    kept = [r for r in rows if r["rank"] != "local"]  # the fact in memory
+    wrong, right = [r for r in kept if not r["right"]], [r for r in kept if r["right"]]
     top = [sum(r["rank"] is not None and r["rank"] <= k for r in wrong) for k in (4, 20)]
     n_blocks = args.length // model.config.landmark_block_size
-    body += ["", f"- Right: {len(rows) - len(wrong)} of {len(rows)}.",
-             f"- Of the {len(wrong)} wrong answers, the fact's block was among the 4 blocks the answer read most in "
-             f"{top[0]}, among the 20 in {top[1]}, and further down or never read in {len(wrong) - top[1]} "
-             f"(the memory holds about {n_blocks} blocks).",
-             f"- Mean share of the lookups on the fact's block: {np.mean([r['share'] for r in rows]):.1%} "
-             + (f"(the right answers: {np.mean([r['share'] for r in rows if r['right']]):.1%}, the wrong: "
-                f"{np.mean([r['share'] for r in wrong]):.1%})" if wrong and len(wrong) < len(rows) else "")
-             + f"; on block 0 and the last three: {np.mean([r['edge'] for r in rows]):.0%}.", ""]
+
+    def mean_share(rs):
+        return f"{np.mean([r['share'] for r in rs]):.1%}" if rs else "-"
+
+    body += ["", f"- Right: {sum(r['right'] for r in rows)} of {len(rows)}. In {len(local)} of the trials "
+                 f"({sum(r['right'] for r in local)} right) the fact stood in the local window, after the memory's "
+                 "last block, where it is read without retrieval.",
+             f"- Of the {len(wrong)} wrong answers with the fact in memory, its block was among the 4 blocks the "
+             f"answer read most in {top[0]}, among the 20 in {top[1]}, and further down or never read in "
+             f"{len(wrong) - top[1]} (the memory holds about {n_blocks} blocks).",
+             f"- Mean share of the lookups on the fact's block, the fact in memory: {mean_share(right)} where the "
+             f"answer was right, {mean_share(wrong)} where it was wrong; on block 0 and the last three: "
+             f"{np.mean([r['edge'] for r in rows]):.0%}.", ""]
     return body
 
 
