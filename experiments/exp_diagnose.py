@@ -55,7 +55,13 @@ from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, answer, fact, first
 CONFIGS = [(4, "stingy"), (8, "stingy"), (16, "stingy"), (4, "exact"), (8, "exact"), (16, "exact")]
 FACTS = PLANTED_FACTS[:4]  # (sentence planted, question, the words a right answer holds)
 DEPTHS = (0.2, 0.45, 0.65, 0.85)
-FOUND = 0.10  # a share of lookups holding the key's sentence above chance (4 of 128 blocks at 8K: 3%)
+RUN = 4  # digits of the key in a row that an answer holds only by reading the key
+
+
+def read_the_key(got, key):
+    """Whether the answer ``got`` (an int or None) holds ``RUN`` digits of ``key`` in a row."""
+    a, k = str(got), str(key)
+    return got is not None and any(k[i:i + RUN] in a for i in range(len(k) - RUN + 1))
 
 
 def greedy_answer(logits, tok):
@@ -146,14 +152,14 @@ def trials_table(rows, title, what):
     lost_in_memory = sum(r["in sequence"] == r["key"] and r["k4 stingy"] != r["key"] for r in rows)
     lost_in_model = sum(r["in sequence"] != r["key"] for r in rows)
     missed = [r for r in rows if r["k4 stingy"] != r["key"]]
-    found = sum(r["k4 stingy hits"] > FOUND for r in missed)
+    read = sum(read_the_key(r["k4 stingy"], r["key"]) for r in missed)
     mean_layers = np.mean([r["k16 exact layers"] for r in rows], 0)
     return body + [
         "", f"- Wrong in sequence (the model loses the key with every block in view): {lost_in_model} of {len(rows)}.",
         f"- Right in sequence, wrong through memory at the defaults (the memory's reading loses it): {lost_in_memory}.",
-        f"- Wrong through memory at the defaults: {len(missed)}; of those, the key's sentence was in more than "
-        f"{FOUND:.0%} of the lookups (found, then miscopied) in {found}, and at most that (not found) in "
-        f"{len(missed) - found}.",
+        f"- Wrong through memory at the defaults: {len(missed)}. The answer holds {RUN} or more of the key's digits "
+        f"in a row (the key was read, then miscopied) in {read} of them, and not (the key was not read) in "
+        f"{len(missed) - read}.",
         "- Share of lookups holding the key's sentence, top-16 exact, by layer (0 first): "
         + ", ".join(f"{x:.0%}" for x in mean_layers), ""]
 

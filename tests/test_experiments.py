@@ -279,3 +279,10 @@ def test_smollm2_report_keeps_the_last_reports_sections_of_parts_not_saved_this_
     assert "| landmark + memory | 32,768 | 19.20 |" in report and "- command: `an old one`" in report
     assert "A: the new answer" in report and "the old answer" not in report
     assert report.count("## ask") == 1 and report.index("## ppl") < report.index("## ask")
+
+
+def test_a_wrong_answer_read_the_key_when_it_holds_four_of_its_digits_in_a_row():
+    diagnose = script("exp_diagnose")
+    assert diagnose.read_the_key(221540, 2215408) and diagnose.read_the_key(26301, 5630163)
+    assert not diagnose.read_the_key(2185, 2215408) and not diagnose.read_the_key(None, 2215408)
+    assert not diagnose.read_the_key(4000, 2215408)
