@@ -2,6 +2,7 @@
 several books, and the results files (markdown with the exact command, machine and date)."""
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import torch
 from landmark_memory.build import encode
 from landmark_memory.data import list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.evaluate import perplexity
+from landmark_memory.fileio import atomic_write
 from landmark_memory.memory import RetrievalStats
 from landmark_memory.model import LandmarkGPT
 from landmark_memory.tokenizer import load_tokenizer
@@ -120,11 +122,15 @@ def book_tokens(tok, n, data):
 class Trials:
     """Trials kept in a JSON file: each cell a list of rows, and every command that added rows.
     It is written as soon as a row is added: a stopped run goes on where it stopped, a later run
-    with more trials extends it, and a report names every command its table came from.
+    with more trials extends it, runs at the same time (other lengths, other models) add to it
+    side by side, and a report names every command its table came from.
     ``command``: this run's (``command_line``), recorded with its first row."""
 
     def __init__(self, path, command=None):
         self.path, self.command = Path(path), command
+        self._load()
+
+    def _load(self):
         state = json.loads(self.path.read_text()) if self.path.exists() else {}
         if state and "cells" not in state:  # adding to it would overwrite its trials
             raise SystemExit(f"{self.path}: trials without the commands that ran them (written before they were "
@@ -135,20 +141,34 @@ class Trials:
         """The rows of ``key`` so far (a cell not run yet has none, and is not created)."""
         return self.cells.get(key, [])
 
-    def add(self, key, row):
-        self.cells.setdefault(key, []).append(row)
-        if self.command and self.command not in self.commands:
-            self.commands.append(self.command)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"commands": self.commands, "cells": self.cells}, indent=1))
-        os.replace(tmp, self.path)
+    def add(self, key, row, at):
+        """Add ``row`` as trial ``at`` of cell ``key`` (``at``: the rows the cell held when this
+        run drew the trial) and write the file. The file is read again first, under a lock, so
+        that rows other runs added since are kept; a trial another run added first is not added
+        twice. Returns whether the row was added."""
+        fd = os.open(self.path.parent, os.O_RDONLY)  # the folder's lock: the file itself is replaced
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._load()
+            cell = self.cells.setdefault(key, [])
+            if len(cell) != at:
+                return False
+            cell.append(row)
+            if self.command and self.command not in self.commands:
+                self.commands.append(self.command)
+            atomic_write(self.path, json.dumps({"commands": self.commands, "cells": self.cells}, indent=1).encode())
+            return True
+        finally:
+            os.close(fd)  # releases the lock
 
 
 ADAPTER = "shipped=landmark_memory/assets/smollm2-landmark"
 
 
 def adapter_specs(text):
-    """[(name, folder)] of ``--adapters`` "name=folder,..." (LoRA landmark adapters)."""
+    """[(name, folder)] of ``--adapters`` "name=folder,..." (LoRA landmark adapters; none for "")."""
+    if not text:
+        return []
     specs = [s.partition("=") for s in text.split(",")]
     if any(not name or not folder for name, _, folder in specs):
         raise SystemExit(f"--adapters: give name=folder for each, got {text!r}")

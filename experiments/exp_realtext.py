@@ -133,7 +133,7 @@ def run(args):
         model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
         if "ppl" in parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}"):
-            state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens))
+            state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens), at=0)
         for part in (p for p in parts if p != "ppl" and label != "base"):
             for n in lengths:
                 key = f"{label}|{part}|{n}"
@@ -141,9 +141,9 @@ def run(args):
                     i = len(state.cell(key))
                     t0 = time.perf_counter()
                     row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i))
-                    state.add(key, {**row, "seconds": round(time.perf_counter() - t0, 1)})
-                    print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
-                          f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
+                    if state.add(key, {**row, "seconds": round(time.perf_counter() - t0, 1)}, at=i):
+                        print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
+                              f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
         del model
 
 

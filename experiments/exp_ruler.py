@@ -4,6 +4,7 @@ against the base model in its own context.
     python experiments/exp_ruler.py --books BOOKS                                  # 4K-32K, 20 trials
     python experiments/exp_ruler.py --books BOOKS --lengths 4k,8k --trials 5       # a first pass
     python experiments/exp_ruler.py --books BOOKS --adapters stage6=out/smollm2-stage6,stage5=... --lengths 8k
+    python experiments/exp_ruler.py --books BOOKS --adapters '' --lengths 8k       # the base model alone
     python experiments/exp_ruler.py --books BOOKS --report                         # ruler.md from what ran
 
 The tasks of RULER (Hsieh et al., 2024), their haystack consecutive text of a book the
@@ -22,7 +23,8 @@ as in RULER. Every trial is kept in ``--state`` (JSON) as soon as it is done, so
 goes on where it stopped, and more trials can be added later; ``--report`` writes ruler.md
 and its plot from the state. The landmark model's rows are named by its adapter
 (``--adapters name=folder,...``, default the shipped one under the name ``shipped``), so rows
-of different adapter stages never share a cell.
+of different adapter stages never share a cell. Runs at the same time may share one state
+(another length in one, the base model alone in another): each keeps the other's trials.
 """
 
 import random
@@ -161,8 +163,8 @@ def run(args):
                 text = tok.decode(greedy_continuation(model, p.ids, MAX_NEW[t], memory))
                 row = {"book": book, "score": score(text, p.want), "want": p.want, "answer": text,
                        "seconds": round(time.perf_counter() - t0, 1)}
-                state.add(key, row)
-                print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {text.strip()[:60]!r}", flush=True)
+                if state.add(key, row, at=i):
+                    print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {text.strip()[:60]!r}", flush=True)
         del model
 
 
@@ -207,7 +209,8 @@ def report(args):
 
 def options(ap):
     ap.add_argument("--adapters", default=ADAPTER,
-                    help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one)")
+                    help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one; '' for "
+                         "the base model alone)")
 
 
 def main(argv=None):

@@ -73,9 +73,10 @@ def test_storage_benchmark_writes_a_row_per_dtype_against_float32(tmp_path):
     assert float(int8.split(" | ")[2].rstrip("%")) < 40  # a third of float32's disk or less
 
 
-def test_adapters_are_named_folders():
+def test_adapters_are_named_folders_and_none_leaves_the_base_model_alone():
     common = script("_common")
     assert common.adapter_specs("stage6=out/a,stage5=b") == [("stage6", Path("out/a")), ("stage5", Path("b"))]
+    assert common.adapter_specs("") == []
     for bad in ("out/a", "stage6=out/a,=b", "a="):
         with pytest.raises(SystemExit, match="name=folder"):
             common.adapter_specs(bad)
@@ -93,14 +94,26 @@ def test_command_lines_name_repository_paths_from_its_root_wherever_they_ran(tmp
 
 def test_a_suite_report_names_every_command_that_added_trials(tmp_path):
     common = script("_common")
-    common.Trials(tmp_path / "s.json", "python one").add("a|x|1", {"score": 1.0})
+    common.Trials(tmp_path / "s.json", "python one").add("a|x|1", {"score": 1.0}, at=0)
     second = common.Trials(tmp_path / "s.json", "python two")  # a later run resumes the state
-    second.add("a|x|1", {"score": 0.0})
-    second.add("a|x|2", {"score": 0.0})
+    second.add("a|x|1", {"score": 0.0}, at=1)
+    second.add("a|x|2", {"score": 0.0}, at=0)
     again = common.Trials(tmp_path / "s.json")
     assert again.commands == ["python one", "python two"] and len(again.cell("a|x|1")) == 2
     md = common.write_result("t", "T", ["body"], tmp_path, commands=again.commands).read_text()
     assert "  - `python one`\n  - `python two`\n" in md
+
+
+def test_runs_at_the_same_time_keep_each_others_trials_and_never_add_one_twice(tmp_path):
+    common = script("_common")
+    one, two = common.Trials(tmp_path / "s.json", "python one"), common.Trials(tmp_path / "s.json", "python two")
+    assert one.add("a|x|4096", {"score": 1.0}, at=0)
+    assert two.add("a|x|8192", {"score": 0.5}, at=0)  # two read the file before one added to it
+    assert not two.add("a|x|4096", {"score": 0.0}, at=0)  # one ran that trial first
+    assert two.add("a|x|4096", {"score": 0.0}, at=1) and one.add("a|x|8192", {"score": 0.25}, at=1)
+    again = common.Trials(tmp_path / "s.json")
+    assert again.cells == {"a|x|4096": [{"score": 1.0}, {"score": 0.0}], "a|x|8192": [{"score": 0.5}, {"score": 0.25}]}
+    assert again.commands == ["python one", "python two"] and [p.name for p in tmp_path.iterdir()] == ["s.json"]
 
 
 def test_a_trial_state_without_commands_is_refused_not_overwritten(tmp_path):
