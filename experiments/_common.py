@@ -225,6 +225,8 @@ def command_line(argv=None, script=None):
 
 def _from_root(item):
     name, eq, path = item.rpartition("=")
+    if not path:  # an empty value (``--adapters ''``) names no folder, not the current one
+        return item
     where = Path(path).resolve()
     return name + eq + os.path.relpath(where, ROOT) if Path(path).exists() and where.is_relative_to(ROOT) else item
 
