@@ -297,7 +297,7 @@ def part_questions(args, model, tok, books):
             edge = sum(p.share for p in got.passages if p.block == 0 or p.block >= n_blocks - 3)
             sets.append(set(top))
             rows.append((question, got.text.strip().replace("|", "/").replace("\n", " ")[:70],
-                         all(w.lower() in got.text.lower() for w in expect), fact_blocks, rank, edge, layers))
+                         is_right(got.text, expect), fact_blocks, rank, edge, layers))
     body += ["| question | answer | right | fact's block | its rank in the top 20 | lookups on block 0 and the "
              "last 3 | layers where most heads find it |", "|---|---|---|---|---|---|---|"]
     for q, a, ok, fb, rank, edge, layers in rows:

@@ -102,6 +102,7 @@ def ask_case(tok, books, n, rng) -> AskCase:
 
 
 def is_right(answer, words):
+    """Whether ``answer`` holds every one of ``words`` (any case)."""
     return all(w.lower() in answer.lower() for w in words)
 
 
