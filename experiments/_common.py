@@ -141,6 +141,15 @@ class Trials:
         """The rows of ``key`` so far (a cell not run yet has none, and is not created)."""
         return self.cells.get(key, [])
 
+    def fill(self, key, n, trial):
+        """Run ``trial(i)`` (a row) for each trial ``i`` that cell ``key`` still lacks of ``n``,
+        adding each row as soon as it is done; yields ``(i, row)`` for each row added."""
+        while len(self.cell(key)) < n:
+            i = len(self.cell(key))
+            row = trial(i)
+            if self.add(key, row, at=i):
+                yield i, row
+
     def add(self, key, row, at):
         """Add ``row`` as trial ``at`` of cell ``key`` (``at``: the rows the cell held when this
         run drew the trial) and write the file. The file is read again first, under a lock, so

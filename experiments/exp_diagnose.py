@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, write_result
-from exp_realtext import ask_case, book_filler, is_right, trial_rng
+from exp_realtext import ask_case, ask_in_memory, book_filler, is_right, trial_rng
 from exp_ruler import trial_prompt
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
@@ -142,12 +142,13 @@ def trials_table(rows, title, what):
             "whose top-k held the key's sentence.",
             "", "| book | depth | key | in sequence | " + " | ".join(f"top-{k} {m}" for k, m in CONFIGS) + " |",
             "|---|---|---|---|" + "---|" * len(CONFIGS)]
+    def shown(r, c):  # a wrong answer in bold; through memory, with its share of lookups
+        mark = "" if r[c] == r["key"] else "**"
+        return f"{mark}{r[c]}{mark}" + (f" ({r[c + ' hits']:.0%})" if c != "in sequence" else "")
+
     for r in rows:
-        cells = [f"{'**' if r[c] != r['key'] else ''}{r[c]}{'**' if r[c] != r['key'] else ''} ({r[c + ' hits']:.0%})"
-                 for c in WAYS[1:]]
-        mark = "" if r["in sequence"] == r["key"] else "**"
-        body.append(f"| {r['book'][:24]} | {r['depth']:.2f} | {r['key']} | {mark}{r['in sequence']}{mark} | "
-                    + " | ".join(cells) + " |")
+        body.append(f"| {r['book'][:24]} | {r['depth']:.2f} | {r['key']} | " + " | ".join(shown(r, c) for c in WAYS)
+                    + " |")
     body.append("| right | | | " + " | ".join(f"{right[c]}/{len(rows)}" for c in WAYS) + " |")
     lost_in_memory = sum(r["in sequence"] == r["key"] and r["k4 stingy"] != r["key"] for r in rows)
     lost_in_model = sum(r["in sequence"] != r["key"] for r in rows)
@@ -193,14 +194,10 @@ def part_ruler(args, model, tok, books):
                         "text.")
 
 
-@torch.no_grad()
 def ask_row(model, tok, case):
     """``exp_realtext``'s ``ask`` trial ``case`` with every block the answer read, ranked."""
     blocks = spanned_blocks(*case.fact, model.config.landmark_block_size)
-    with LandmarkMemory(model) as mem:
-        mem.forward(torch.tensor([case.ids]), logits="none")
-        n_blocks = mem.n_blocks
-        got = ask(mem, tok, case.question, max_new_tokens=32, passages=n_blocks)
+    got, n_blocks = ask_in_memory(model, tok, case, passages=None)
     read = [p.block for p in got.passages]
     rank = "local" if blocks[0] >= n_blocks else next((i + 1 for i, b in enumerate(read) if b in blocks), None)
     return {"book": case.book, "depth": case.depth, "question": case.question, "answer": got.text.strip(),

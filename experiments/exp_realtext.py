@@ -107,11 +107,19 @@ def is_right(answer, words):
 
 
 @torch.no_grad()
-def ask_trial(model, tok, books, n, rng):
-    case = ask_case(tok, books, n, rng)
+def ask_in_memory(model, tok, case, passages=3):
+    """``case``'s question asked of a fresh memory of its text at the defaults: (the ``Answer``
+    with its ``passages`` most read, every block it read for None; the blocks the memory held
+    before the question)."""
     with LandmarkMemory(model) as mem:
         mem.forward(torch.tensor([case.ids]), logits="none")
-        got = ask(mem, tok, case.question, max_new_tokens=32).text.strip()
+        n_blocks = mem.n_blocks
+        return ask(mem, tok, case.question, max_new_tokens=32, passages=n_blocks if passages is None else passages), n_blocks
+
+
+def ask_trial(model, tok, books, n, rng):
+    case = ask_case(tok, books, n, rng)
+    got = ask_in_memory(model, tok, case)[0].text.strip()
     return {"book": case.book, "depth": case.depth, "want": " / ".join(case.words), "answer": got,
             "right": is_right(got, case.words)}
 
@@ -137,14 +145,14 @@ def run(args):
             state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens), at=0)
         for part in (p for p in parts if p != "ppl" and label != "base"):
             for n in lengths:
-                key = f"{label}|{part}|{n}"
-                while len(state.cell(key)) < args.trials:
-                    i = len(state.cell(key))
+                def timed(i):
                     t0 = time.perf_counter()
                     row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i))
-                    if state.add(key, {**row, "seconds": round(time.perf_counter() - t0, 1)}, at=i):
-                        print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
-                              f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
+                    return {**row, "seconds": round(time.perf_counter() - t0, 1)}
+
+                for i, row in state.fill(f"{label}|{part}|{n}", args.trials, timed):
+                    print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
+                          f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
         del model
 
 

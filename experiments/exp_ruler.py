@@ -154,17 +154,16 @@ def run(args):
         model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
         memory = None if label == BASE else {}
+        def trial(n, t, i):
+            book, p = trial_prompt(tok, books, n, t, i, args.seed)
+            t0 = time.perf_counter()
+            text = tok.decode(greedy_continuation(model, p.ids, MAX_NEW[t], memory))
+            return {"book": book, "score": score(text, p.want), "want": p.want, "answer": text,
+                    "seconds": round(time.perf_counter() - t0, 1)}
+
         for n, t in todo:
-            key = f"{label}|{t}|{n}"
-            while len(state.cell(key)) < args.trials:
-                i = len(state.cell(key))
-                book, p = trial_prompt(tok, books, n, t, i, args.seed)
-                t0 = time.perf_counter()
-                text = tok.decode(greedy_continuation(model, p.ids, MAX_NEW[t], memory))
-                row = {"book": book, "score": score(text, p.want), "want": p.want, "answer": text,
-                       "seconds": round(time.perf_counter() - t0, 1)}
-                if state.add(key, row, at=i):
-                    print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {text.strip()[:60]!r}", flush=True)
+            for i, row in state.fill(f"{label}|{t}|{n}", args.trials, lambda i: trial(n, t, i)):
+                print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {row['answer'].strip()[:60]!r}", flush=True)
         del model
 
 

@@ -100,6 +100,8 @@ def test_a_suite_report_names_every_command_that_added_trials(tmp_path):
     second.add("a|x|2", {"score": 0.0}, at=0)
     again = common.Trials(tmp_path / "s.json")
     assert again.commands == ["python one", "python two"] and len(again.cell("a|x|1")) == 2
+    assert list(again.fill("a|x|2", 3, lambda i: {"score": i})) == [(1, {"score": 1}), (2, {"score": 2})]
+    assert list(again.fill("a|x|2", 3, lambda i: {"score": i})) == []  # a full cell runs nothing
     md = common.write_result("t", "T", ["body"], tmp_path, commands=again.commands).read_text()
     assert "  - `python one`\n  - `python two`\n" in md
 
