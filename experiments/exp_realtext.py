@@ -7,10 +7,11 @@ a pass key in book text through memory, and `ask` answering a fact planted in a 
 
 ``passkey``: the paper's prompt with its filler replaced by consecutive text of a held-out book
 (a random book, offset, depth and key per trial), read through a fresh memory at its defaults
-(top-k 4, stingy positions) and continued greedily; right when the first integer is the key.
+(top-k 4, stingy positions; ``--top-k`` retrieves more blocks per query) and continued greedily;
+right when the first integer is the key.
 
 ``ask``: consecutive text of a held-out book with one planted fact (``_common.PLANTED_FACTS``)
-after a sentence at a random depth, read into a fresh memory at its defaults; the fact's
+after a sentence at a random depth, read into a fresh memory as the passkey's; the fact's
 question asked as ``ask`` asks it (the chat template); right when the answer holds the fact's
 words.
 
@@ -19,7 +20,8 @@ segments, for each adapter and for the base model, which it must stay within 5% 
 
 Each adapter (``name=folder``; the shipped one is ``landmark_memory/assets/smollm2-landmark``)
 reads the same trials: they are drawn from ``--seed``, the part, the length and the trial's
-number only. Every trial is kept in ``--state`` as soon as it is done, so a run resumes and
+number only; a run with ``--top-k K`` files its trials apart, under the adapter's name followed
+by ``(top-k K)``. Every trial is kept in ``--state`` as soon as it is done, so a run resumes and
 later runs add trials; ``--report`` writes realtext.md from the state.
 """
 
@@ -33,6 +35,7 @@ from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perple
                      write_result)
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
+from landmark_memory.cli_args import positive
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, first_int
@@ -59,13 +62,13 @@ def book_filler(ids, start):
     return filler
 
 
-def passkey_trial(model, tok, books, n, rng):
+def passkey_trial(model, tok, books, n, rng, memory):
     name, _, ids = books[rng.randrange(len(books))]
     prompts = PasskeyPrompts(tok)
     key, depth = rng.randint(1, MAX_KEY), rng.random()
     start = rng.randrange(0, len(ids) - n)
     prompt = prompts.prompt(n, key, depth, book_filler(ids, start))
-    got = first_int(tok.decode(greedy_continuation(model, prompt, 8, memory={})))
+    got = first_int(tok.decode(greedy_continuation(model, prompt, 8, memory=memory)))
     return {"book": name, "depth": round(depth, 3), "want": str(key), "answer": str(got), "right": got == key}
 
 
@@ -107,19 +110,19 @@ def is_right(answer, words):
 
 
 @torch.no_grad()
-def ask_in_memory(model, tok, case, passages=3):
-    """``case``'s question asked of a fresh memory of its text at the defaults: (the ``Answer``
-    with its ``passages`` most read, every block it read for None; the blocks the memory held
-    before the question)."""
-    with LandmarkMemory(model) as mem:
+def ask_in_memory(model, tok, case, passages=3, memory=None):
+    """``case``'s question asked of a fresh memory of its text (``memory``: ``LandmarkMemory``
+    options, None for the defaults): (the ``Answer`` with its ``passages`` most read, every block
+    it read for None; the blocks the memory held before the question)."""
+    with LandmarkMemory(model, **(memory or {})) as mem:
         mem.forward(torch.tensor([case.ids]), logits="none")
         n_blocks = mem.n_blocks
         return ask(mem, tok, case.question, max_new_tokens=32, passages=n_blocks if passages is None else passages), n_blocks
 
 
-def ask_trial(model, tok, books, n, rng):
+def ask_trial(model, tok, books, n, rng, memory):
     case = ask_case(tok, books, n, rng)
-    got = ask_in_memory(model, tok, case)[0].text.strip()
+    got = ask_in_memory(model, tok, case, memory=memory)[0].text.strip()
     return {"book": case.book, "depth": case.depth, "want": " / ".join(case.words), "answer": got,
             "right": is_right(got, case.words)}
 
@@ -136,22 +139,24 @@ def run(args):
         raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
     trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
     loads = adapter_specs(args.adapters)
+    memory = {} if args.top_k is None else {"top_k": args.top_k}
     if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
         loads.append(("base", None))
     for label, folder in loads:
         model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
+        shown = label if args.top_k is None else f"{label} (top-k {args.top_k})"
         if "ppl" in parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}"):
             state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens), at=0)
         for part in (p for p in parts if p != "ppl" and label != "base"):
             for n in lengths:
                 def timed(i):
                     t0 = time.perf_counter()
-                    row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i))
+                    row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i), memory)
                     return {**row, "seconds": round(time.perf_counter() - t0, 1)}
 
-                for i, row in state.fill(f"{label}|{part}|{n}", args.trials, timed):
-                    print(f"{label} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
+                for i, row in state.fill(f"{shown}|{part}|{n}", args.trials, timed):
+                    print(f"{shown} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
                           f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
         del model
 
@@ -199,6 +204,8 @@ def options(ap):
     ap.add_argument("--parts", default="passkey,ask,ppl", help=f"some of {', '.join(PARTS)}")
     ap.add_argument("--ppl-tokens", type=int, default=12288, help="tokens of the in-sequence perplexity "
                                                                   "(shared out over the held-out books)")
+    ap.add_argument("--top-k", type=positive, help="memory blocks retrieved per query by passkey and ask "
+                                              "(default: the memory's, 4)")
 
 
 def main(argv=None):

@@ -9,8 +9,9 @@ one at a time) and the report gathers whatever exists:
 - ``passkey``: the landmark model through memory at 1K-64K against the base model in context up
   to its 8K window (saved after each length: an interrupted run, started again with the same
   seed, keeps the lengths it finished);
-- ``ppl``: perplexity through memory at eval lengths 2K, 8K and 32K against the base model in
-  context at 2K and 8K, over the same tokens of a held-out book;
+- ``ppl``: perplexity through memory at eval lengths 2K, 8K and 32K (retrieving the top-k blocks
+  for each k of ``--memory-top-ks``) against the base model in context at 2K and 8K, over the same
+  tokens of a held-out book;
 - ``ask``: ``landmark-memory build`` over a whole held-out book, then ``landmark-memory ask``
   with the passages shown.
 
@@ -19,6 +20,7 @@ one at a time) and the report gathers whatever exists:
     python experiments/exp_smollm2.py --books BOOKS --report      # experiments/results/smollm2.md
 """
 
+import argparse
 import hashlib
 import json
 import math
@@ -165,9 +167,11 @@ def part_ppl(args, tok, books):
     rows = []
     landmark = load_model(smollm2.LANDMARK)[0]
     for length in parse_lengths(args.memory_lengths):
-        r = perplexity(landmark, ids, length, memory=MEMORY, progress=not args.quiet, desc=f"memory @{length}")
-        rows.append({"model": "landmark + memory", "eval_length": length, "perplexity": r["perplexity"],
-                     "tokens": r["tokens"], "seconds": r["seconds"]})
+        for k in args.memory_top_ks:
+            r = perplexity(landmark, ids, length, memory={**MEMORY, "top_k": k}, progress=not args.quiet,
+                           desc=f"memory @{length}, top-k {k}")
+            rows.append({"model": "landmark + memory", "eval_length": length, "top_k": k,
+                         "perplexity": r["perplexity"], "tokens": r["tokens"], "seconds": r["seconds"]})
     # the landmark model in sequence (no memory) at the base model's lengths: what its own
     # grouped softmax makes of the context, apart from what the memory's retrieval adds or loses
     for length in parse_lengths(args.base_eval_lengths):
@@ -181,6 +185,17 @@ def part_ppl(args, tok, books):
         rows.append({"model": "base in context", "eval_length": length, "perplexity": r["perplexity"],
                      "tokens": r["tokens"], "seconds": r["seconds"]})
     return {"book": name, "tokens": n, "rows": rows}
+
+
+def top_ks(text):
+    """``--memory-top-ks`` ("4,8,16") as ints, each at least 1."""
+    try:
+        ks = [int(k) for k in text.split(",")]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"give positive integers separated by commas, got {text!r}")
+    return ks
 
 
 def part_ask(args, tok, books):
@@ -265,13 +280,13 @@ def _plot(got, path):
         axes[0].plot([r["length"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)
     axes[0].set(xscale="log", xlabel="prompt length (tokens)", ylabel="passkey accuracy %", ylim=(-3, 103),
                 title="Passkey")
-    for label in ("landmark + memory", "landmark in sequence", "base in context"):
-        rows = [r for r in got.get("ppl", {}).get("rows", []) if r["model"] == label]
+    for label, rows in _ppl_series(got.get("ppl", {}).get("rows", [])).items():
         axes[1].plot([r["eval_length"] for r in rows], [r["perplexity"] for r in rows], marker="o", label=label)
     axes[1].set(xscale="log", xlabel="eval length (tokens)", ylabel="perplexity", title="Held-out perplexity")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:  # a report of the ppl part alone has no passkey lines
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -291,10 +306,14 @@ def _targets(got, kept):
             met = "no" if r["accuracy"] < 0.95 else "yes" if r["trials"] >= 10 else "too few trials to say (10 asked)"
             rows[TARGETS[1]] = f"{100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) | {met}"
     if "ppl" in got:
-        ppl = {(r["model"], r["eval_length"]): r["perplexity"] for r in got["ppl"]["rows"]}
-        a, b = ppl.get(("landmark + memory", 32768)), ppl.get(("base in context", 8192))
-        if a and b:
-            rows[TARGETS[2]] = f"{a:.2f} vs {b:.2f} | {'yes' if a < b else 'no'}"
+        ppl = got["ppl"]["rows"]
+        b = next((r["perplexity"] for r in ppl if r["model"] == "base in context" and r["eval_length"] == 8192), None)
+        mine = {_top_k(r): r["perplexity"] for r in ppl
+                if r["model"] == "landmark + memory" and r["eval_length"] == 32768}
+        if mine and b:
+            below = [k for k, a in mine.items() if a < b]
+            rows[TARGETS[2]] = (", ".join(f"{a:.2f} at top-k {k}" for k, a in mine.items()) + f" vs {b:.2f} | "
+                                + (f"yes, at top-k {min(below)}" if below else "no"))
     for line in kept:  # "| target | measured | met |"
         cells = line.strip("| ").split(" | ", 1)
         if cells[0] in TARGETS and cells[0] not in rows:
@@ -343,8 +362,26 @@ def _render_ppl(doc):
            "softmax, no memory: its distance to `landmark + memory` is what keeping the top-k blocks loses, its "
            "distance to the base model what the fine-tuning has not learned.", "",
            "| model | eval length | perplexity | seconds |", "|---|---|---|---|"]
-    return out + [f"| {r['model']} | {r['eval_length']:,} | {r['perplexity']:.2f} | {r['seconds']:.0f} |"
+    return out + [f"| {_ppl_label(r)} | {r['eval_length']:,} | {r['perplexity']:.2f} | {r['seconds']:.0f} |"
                   for r in doc["rows"]]
+
+
+def _top_k(row):
+    """The blocks a ppl row's memory retrieved per query (rows saved before there was a choice: 4)."""
+    return row.get("top_k", MEMORY["top_k"])
+
+
+def _ppl_label(row):
+    """A ppl row's model, with its memory's top-k when it read through one."""
+    return f"{row['model']} (top-k {_top_k(row)})" if row["model"] == "landmark + memory" else row["model"]
+
+
+def _ppl_series(rows):
+    """{label: the rows of one line of the plot}, in the order measured."""
+    series = {}
+    for r in rows:
+        series.setdefault(_ppl_label(r), []).append(r)
+    return series
 
 
 def _render_ask(doc):
@@ -363,8 +400,6 @@ RUN = {"convert": part_convert, "chat": part_chat, "passkey": part_passkey, "ppl
 
 
 def main(argv=None):
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus the adapter was fine-tuned on")
     ap.add_argument("--parts", default="", help=f"comma-separated, of {', '.join(PARTS)}")
@@ -380,6 +415,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ppl-tokens", type=int, default=32768, help="tokens of the book the ppl part reads")
     ap.add_argument("--memory-lengths", default="2k,8k,32k")
+    ap.add_argument("--memory-top-ks", type=top_ks, default=str(MEMORY["top_k"]),
+                    help=f"blocks retrieved per query by the ppl part's memory, one run each (default {MEMORY['top_k']})")
     ap.add_argument("--base-eval-lengths", default="2k,8k")
     ap.add_argument("--question", default=ASK_QUESTION)
     ap.add_argument("--quiet", action="store_true")

@@ -175,6 +175,23 @@ def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_p
     assert "- command: `python experiments/exp_realtext.py --trials 2`" in md
 
 
+def test_realtext_top_k_reaches_every_trials_memory_and_files_its_trials_apart(tmp_path, monkeypatch):
+    realtext = script("exp_realtext")
+    seen = []
+    monkeypatch.setattr(realtext, "load_smollm2", lambda folder: (None, None))
+    monkeypatch.setattr(realtext, "held_out", lambda books, tok: [])
+    for part in ("passkey", "ask"):
+        monkeypatch.setattr(realtext, f"{part}_trial", lambda model, tok, books, n, rng, memory, part=part: seen.append(
+            (part, memory)) or {"right": True, "want": "1", "answer": "1"})
+    state = tmp_path / "state.json"
+    for top_k in ([], ["--top-k", "16"]):
+        realtext.main(["--books", str(tmp_path), "--adapters", "s9=x", "--parts", "passkey,ask", "--lengths", "8k",
+                       "--trials", "1", "--state", str(state), "--results", str(tmp_path), *top_k])
+    assert seen == [("passkey", {}), ("ask", {}), ("passkey", {"top_k": 16}), ("ask", {"top_k": 16})]
+    assert sorted(json.loads(state.read_text())["cells"]) == ["s9 (top-k 16)|ask|8192", "s9 (top-k 16)|passkey|8192",
+                                                             "s9|ask|8192", "s9|passkey|8192"]
+
+
 def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 
@@ -294,6 +311,26 @@ def test_smollm2_report_keeps_the_last_reports_sections_of_parts_not_saved_this_
     assert "| landmark + memory | 32,768 | 19.20 |" in report and "- command: `an old one`" in report
     assert "A: the new answer" in report and "the old answer" not in report
     assert report.count("## ask") == 1 and report.index("## ppl") < report.index("## ask")
+
+
+def test_smollm2_ppl_target_names_every_top_k_and_the_least_that_meets_it(tmp_path):
+    exp, out = script("exp_smollm2"), tmp_path / "parts"
+    out.mkdir()
+    rows = [{"model": "landmark + memory", "eval_length": 32768, "top_k": k, "perplexity": p, "tokens": 1,
+             "seconds": 1.0} for k, p in ((4, 18.81), (8, 18.47), (16, 18.25), (12, 18.28))]
+    rows.append({"model": "base in context", "eval_length": 8192, "perplexity": 18.39, "tokens": 1, "seconds": 1.0})
+    (out / "ppl.json").write_text(json.dumps({"book": "b0", "tokens": 32768, "rows": rows, "command": "c",
+                                              "machine": "m", "date": "d", "seconds": 5.0}))
+    exp.main(["--books", str(tmp_path), "--report", "--out", str(out), "--results", str(tmp_path)])
+    report = (tmp_path / "smollm2.md").read_text()
+    assert (f"| {exp.TARGETS[2]} | 18.81 at top-k 4, 18.47 at top-k 8, 18.25 at top-k 16, 18.28 at top-k 12 "
+            "vs 18.39 | yes, at top-k 12 |") in report
+    assert "| landmark + memory (top-k 16) | 32,768 | 18.25 |" in report and "| base in context | 8,192 | 18.39 |" in report
+    rows[2]["perplexity"] = rows[3]["perplexity"] = 18.40  # none below the base model: not met
+    (out / "ppl.json").write_text(json.dumps({"book": "b0", "tokens": 32768, "rows": rows, "command": "c",
+                                              "machine": "m", "date": "d", "seconds": 5.0}))
+    exp.main(["--books", str(tmp_path), "--report", "--out", str(out), "--results", str(tmp_path)])
+    assert "vs 18.39 | no |" in (tmp_path / "smollm2.md").read_text()
 
 
 def test_a_wrong_answer_read_the_key_when_it_holds_four_of_its_digits_in_a_row():
