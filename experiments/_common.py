@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from landmark_memory.build import encode
+from landmark_memory.cli_args import positive
 from landmark_memory.data import list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.evaluate import perplexity
 from landmark_memory.fileio import atomic_write
@@ -182,6 +183,22 @@ def adapter_specs(text):
     if any(not name or not folder for name, _, folder in specs):
         raise SystemExit(f"--adapters: give name=folder for each, got {text!r}")
     return [(name, Path(folder)) for name, _, folder in specs]
+
+
+def top_k_option(ap, reads):
+    """``--top-k``: memory blocks retrieved per query by the suite's ``reads``."""
+    ap.add_argument("--top-k", type=positive, help=f"memory blocks retrieved per query by {reads} (default: the "
+                                                   "memory's, 4); its trials are filed apart")
+
+
+def top_k_memory(top_k):
+    """``LandmarkMemory`` options for ``--top-k`` (none given: the memory's defaults)."""
+    return {} if top_k is None else {"top_k": top_k}
+
+
+def top_k_label(name, top_k):
+    """Adapter ``name`` as its trials at ``--top-k`` are filed, apart from those at the defaults."""
+    return name if top_k is None else f"{name} (top-k {top_k})"
 
 
 def load_smollm2(adapter=None):

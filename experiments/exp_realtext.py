@@ -32,10 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2, suite_main,
-                     write_result)
+                     top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
-from landmark_memory.cli_args import positive
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, first_int
@@ -139,13 +138,13 @@ def run(args):
         raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
     trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
     loads = adapter_specs(args.adapters)
-    memory = {} if args.top_k is None else {"top_k": args.top_k}
+    memory = top_k_memory(args.top_k)
     if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
         loads.append(("base", None))
     for label, folder in loads:
         model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
-        shown = label if args.top_k is None else f"{label} (top-k {args.top_k})"
+        shown = top_k_label(label, args.top_k)
         if "ppl" in parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}"):
             state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens), at=0)
         for part in (p for p in parts if p != "ppl" and label != "base"):
@@ -204,8 +203,7 @@ def options(ap):
     ap.add_argument("--parts", default="passkey,ask,ppl", help=f"some of {', '.join(PARTS)}")
     ap.add_argument("--ppl-tokens", type=int, default=12288, help="tokens of the in-sequence perplexity "
                                                                   "(shared out over the held-out books)")
-    ap.add_argument("--top-k", type=positive, help="memory blocks retrieved per query by passkey and ask "
-                                              "(default: the memory's, 4)")
+    top_k_option(ap, "passkey and ask")
 
 
 def main(argv=None):

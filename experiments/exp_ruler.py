@@ -5,6 +5,7 @@ against the base model in its own context.
     python experiments/exp_ruler.py --books BOOKS --lengths 4k,8k --trials 5       # a first pass
     python experiments/exp_ruler.py --books BOOKS --adapters stage6=out/smollm2-stage6,stage5=... --lengths 8k
     python experiments/exp_ruler.py --books BOOKS --adapters '' --lengths 8k       # the base model alone
+    python experiments/exp_ruler.py --books BOOKS --lengths 16k --tasks single,qa --top-k 16
     python experiments/exp_ruler.py --books BOOKS --report                         # ruler.md from what ran
 
 The tasks of RULER (Hsieh et al., 2024), their haystack consecutive text of a book the
@@ -23,10 +24,13 @@ as in RULER. Every trial is kept in ``--state`` (JSON) as soon as it is done, so
 goes on where it stopped, and more trials can be added later; ``--report`` writes ruler.md
 and its plot from the state. The landmark model's rows are named by its adapter
 (``--adapters name=folder,...``, default the shipped one under the name ``shipped``), so rows
-of different adapter stages never share a cell. Runs at the same time may share one state
+of different adapter stages never share a cell; ``--top-k K`` has the memory retrieve K blocks per
+query and files its trials apart, under the adapter's name followed by ``(top-k K)``;
+``--tasks`` runs some of the tasks. Runs at the same time may share one state
 (another length in one, the base model alone in another): each keeps the other's trials.
 """
 
+import argparse
 import random
 import time
 from dataclasses import dataclass
@@ -34,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, suite_main, write_result
+from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, suite_main, top_k_label,
+                     top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 
@@ -146,14 +151,15 @@ def score(text, want):
 def run(args):
     state = Trials(args.state, args.command)
     lengths = parse_lengths(args.lengths)
-    models = [(f"landmark {name} + memory", folder) for name, folder in adapter_specs(args.adapters)]
+    models = [(f"landmark {top_k_label(name, args.top_k)} + memory", folder)
+              for name, folder in adapter_specs(args.adapters)]
     for label, folder in models + [(BASE, None)]:
-        todo = [(n, t) for n in lengths for t in TASKS if label != BASE or n <= BASE_MAX]
+        todo = [(n, t) for n in lengths for t in args.tasks if label != BASE or n <= BASE_MAX]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
         model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
-        memory = None if label == BASE else {}
+        memory = None if label == BASE else top_k_memory(args.top_k)
         def trial(n, t, i):
             book, p = trial_prompt(tok, books, n, t, i, args.seed)
             t0 = time.perf_counter()
@@ -187,7 +193,8 @@ def report(args):
                     cells.append(f"{means[label, t, n]:.0%} ({len(got)})")
                 else:
                     cells.append("-")
-            body.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
+            if any(c != "-" for c in cells):
+                body.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
     pyplot = plt()
     fig, axes = pyplot.subplots(1, len(TASKS), figsize=(3 * len(TASKS), 3), sharey=True)
     for ax, t in zip(axes, TASKS):
@@ -206,10 +213,20 @@ def report(args):
                  commands=trials.commands)
 
 
+def tasks(text):
+    """``--tasks``: some of ``TASKS``, comma-separated, in the order given."""
+    got = text.split(",")
+    if not text or set(got) - set(TASKS):
+        raise argparse.ArgumentTypeError(f"choose from {','.join(TASKS)}, got {text!r}")
+    return got
+
+
 def options(ap):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one; '' for "
                          "the base model alone)")
+    ap.add_argument("--tasks", type=tasks, default=list(TASKS), help=f"some of {','.join(TASKS)} (default: all)")
+    top_k_option(ap, "the landmark model")
 
 
 def main(argv=None):

@@ -192,6 +192,30 @@ def test_realtext_top_k_reaches_every_trials_memory_and_files_its_trials_apart(t
                                                              "s9|ask|8192", "s9|passkey|8192"]
 
 
+def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_path, monkeypatch):
+    ruler = script("exp_ruler")
+    seen = []
+    tok = type("Tok", (), {"decode": staticmethod(lambda ids: "1234567")})()
+    monkeypatch.setattr(ruler, "load_smollm2", lambda folder: (folder, tok))
+    monkeypatch.setattr(ruler, "held_out", lambda books, tok: [])
+    monkeypatch.setattr(ruler, "trial_prompt", lambda tok, books, n, t, i, seed: (
+        "b", ruler.Prompt([0] * n, ["1234567"], [], n)))
+    monkeypatch.setattr(ruler, "greedy_continuation", lambda model, ids, n_new, memory: seen.append(
+        (model, len(ids), memory)) or [])
+    state = tmp_path / "state.json"
+    for extra in ([], ["--top-k", "16"]):
+        ruler.main(["--books", str(tmp_path), "--adapters", "s9=x", "--tasks", "qa,single", "--lengths", "16k",
+                    "--trials", "1", "--state", str(state), "--results", str(tmp_path), *extra])
+    assert seen == [(Path("x"), 16384, {})] * 2 + [(Path("x"), 16384, {"top_k": 16})] * 2  # no base past 8K
+    assert sorted(json.loads(state.read_text())["cells"]) == [
+        "landmark s9 (top-k 16) + memory|qa|16384", "landmark s9 (top-k 16) + memory|single|16384",
+        "landmark s9 + memory|qa|16384", "landmark s9 + memory|single|16384"]
+    md = (tmp_path / "ruler.md").read_text()
+    assert "| landmark s9 (top-k 16) + memory | qa | 100% (1) |" in md and "| multikey |" not in md
+    with pytest.raises(SystemExit):
+        ruler.main(["--books", str(tmp_path), "--tasks", "single,needle", "--state", str(state)])
+
+
 def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 
