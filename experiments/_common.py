@@ -185,6 +185,19 @@ def adapter_specs(text):
     return [(name, Path(folder)) for name, _, folder in specs]
 
 
+def some_of(choices):
+    """An argparse type: a comma-separated list of some of ``choices`` (whole names, in the
+    order given), so a misspelt one fails at parsing, before any model loads."""
+
+    def parse(text):
+        got = text.split(",")
+        if not text or set(got) - set(choices):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}, got {text!r}")
+        return got
+
+    return parse
+
+
 def top_k_option(ap, reads):
     """``--top-k``: memory blocks retrieved per query by the suite's ``reads``."""
     ap.add_argument("--top-k", type=positive, help=f"memory blocks retrieved per query by {reads} (default: the "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from _common import RESULTS, plt, write_result
+from _common import RESULTS, plt, some_of, write_result
 from landmark_memory.build import build, read_inputs
 from landmark_memory.data import SAMPLE_DIR, read_text, strip_gutenberg
 from landmark_memory.kinds import load_model
@@ -171,14 +171,15 @@ def paper_estimate(rows: dict[str, list[dict]]) -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="bundled,smollm2", help="ingestion with these models (bundled, smollm2)")
-    ap.add_argument("--parts", default="ingest,documents", help="ingest, documents")
+    ap.add_argument("--parts", type=some_of(("ingest", "documents")), default=["ingest", "documents"],
+                    help="some of ingest,documents (default: both)")
     ap.add_argument("--docs", type=int, default=4, help="documents per ingestion run (default 4)")
     ap.add_argument("--tokens", default="bundled=32768,smollm2=2048", help="tokens per ingestion run, per model")
     ap.add_argument("--counts", default="1,10,100,1000", help="documents per memory in the documents part")
     ap.add_argument("--total", type=int, default=100_000, help="tokens per memory in the documents part")
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args()
-    started, parts = time.time(), args.parts.split(",")
+    started, parts = time.time(), args.parts
     Path(args.results).mkdir(parents=True, exist_ok=True)
     tokens = dict(kv.split("=") for kv in args.tokens.split(","))
     body = []

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, write_result
+from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, some_of, write_result
 from exp_realtext import ask_case, ask_in_memory, book_filler, is_right, trial_rng
 from exp_ruler import trial_prompt
 from exp_smollm2 import held_out
@@ -56,6 +56,7 @@ CONFIGS = [(4, "stingy"), (8, "stingy"), (16, "stingy"), (4, "exact"), (8, "exac
 FACTS = PLANTED_FACTS[:4]  # (sentence planted, question, the words a right answer holds)
 DEPTHS = (0.2, 0.45, 0.65, 0.85)
 RUN = 4  # digits of the key in a row that an answer holds only by reading the key
+PARTS = ("questions", "passkey", "ruler", "ask")  # in the order they run
 
 
 def read_the_key(got, key):
@@ -315,7 +316,8 @@ def main(argv=None):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters, each diagnosed in turn "
                          "(default: the shipped one)")
-    ap.add_argument("--parts", default="passkey,questions", help="some of passkey, ruler, ask, questions")
+    ap.add_argument("--parts", type=some_of(PARTS), default=["passkey", "questions"],
+                    help=f"some of {','.join(PARTS)} (default: passkey,questions)")
     ap.add_argument("--length", type=int, default=8192, help="passkey and RULER prompt and ask memory length (default 8192)")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2, suite_main,
-                     top_k_label, top_k_memory, top_k_option, write_result)
+from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2, some_of,
+                     suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -134,9 +134,7 @@ def ppl_cell(model, books, n_tokens):
 
 def run(args):
     state, lengths = Trials(args.state, args.command), parse_lengths(args.lengths)
-    if set(args.parts.split(",")) - set(PARTS):
-        raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts}")
-    trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts.split(",")
+    trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts
     loads = adapter_specs(args.adapters)
     memory = top_k_memory(args.top_k)
     if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
@@ -200,7 +198,7 @@ def report(args):
 def options(ap):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one)")
-    ap.add_argument("--parts", default="passkey,ask,ppl", help=f"some of {', '.join(PARTS)}")
+    ap.add_argument("--parts", type=some_of(PARTS), default=list(PARTS), help=f"some of {','.join(PARTS)} (default: all)")
     ap.add_argument("--ppl-tokens", type=int, default=12288, help="tokens of the in-sequence perplexity "
                                                                   "(shared out over the held-out books)")
     top_k_option(ap, "passkey and ask")

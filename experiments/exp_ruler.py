@@ -30,7 +30,6 @@ query and files its trials apart, under the adapter's name followed by ``(top-k 
 (another length in one, the base model alone in another): each keeps the other's trials.
 """
 
-import argparse
 import random
 import time
 from dataclasses import dataclass
@@ -38,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, suite_main, top_k_label,
-                     top_k_memory, top_k_option, write_result)
+from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, some_of, suite_main,
+                     top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 
@@ -213,19 +212,11 @@ def report(args):
                  commands=trials.commands)
 
 
-def tasks(text):
-    """``--tasks``: some of ``TASKS``, comma-separated, in the order given."""
-    got = text.split(",")
-    if not text or set(got) - set(TASKS):
-        raise argparse.ArgumentTypeError(f"choose from {','.join(TASKS)}, got {text!r}")
-    return got
-
-
 def options(ap):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one; '' for "
                          "the base model alone)")
-    ap.add_argument("--tasks", type=tasks, default=list(TASKS), help=f"some of {','.join(TASKS)} (default: all)")
+    ap.add_argument("--tasks", type=some_of(TASKS), default=list(TASKS), help=f"some of {','.join(TASKS)} (default: all)")
     top_k_option(ap, "the landmark model")
 
 

@@ -216,6 +216,20 @@ def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_pa
         ruler.main(["--books", str(tmp_path), "--tasks", "single,needle", "--state", str(state)])
 
 
+def test_diagnose_runs_only_the_parts_named_whole_and_refuses_unknown_ones(tmp_path, monkeypatch):
+    diagnose = script("exp_diagnose")
+    ran = []
+    monkeypatch.setattr(diagnose, "load_smollm2", lambda folder: (None, None))
+    monkeypatch.setattr(diagnose, "held_out", lambda books, tok: [])
+    monkeypatch.setattr(diagnose, "write_result", lambda *a, **kw: None)
+    for part in diagnose.PARTS:
+        monkeypatch.setattr(diagnose, f"part_{part}", lambda *a, part=part: ran.append(part) or [])
+    diagnose.main(["--books", str(tmp_path), "--adapters", "s9=x", "--parts", "passkey"])
+    assert ran == ["passkey"]  # "ask" is in "passkey" as a substring, not as a part
+    with pytest.raises(SystemExit):
+        diagnose.main(["--books", str(tmp_path), "--parts", "passkey,asks"])
+
+
 def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
     from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
 
