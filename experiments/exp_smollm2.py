@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from _common import ROOT, command_line, machine, plt
+from _common import ROOT, command_line, machine, plt, top_k_label
 from landmark_memory.answer import ask
 from landmark_memory.build import build, encode, read_inputs
+from landmark_memory.cli_args import positive
 from landmark_memory.data import list_text_files, read_text, split_books
 from landmark_memory.decode import decode
 from landmark_memory.evaluate import parse_lengths, passkey_accuracy, perplexity
@@ -189,13 +190,7 @@ def part_ppl(args, tok, books):
 
 def top_ks(text):
     """``--memory-top-ks`` ("4,8,16") as ints, each at least 1."""
-    try:
-        ks = [int(k) for k in text.split(",")]
-    except ValueError:
-        ks = []
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"give positive integers separated by commas, got {text!r}")
-    return ks
+    return [positive(k) for k in text.split(",")]
 
 
 def part_ask(args, tok, books):
@@ -373,7 +368,7 @@ def _top_k(row):
 
 def _ppl_label(row):
     """A ppl row's model, with its memory's top-k when it read through one."""
-    return f"{row['model']} (top-k {_top_k(row)})" if row["model"] == "landmark + memory" else row["model"]
+    return top_k_label(row["model"], _top_k(row)) if row["model"] == "landmark + memory" else row["model"]
 
 
 def _ppl_series(rows):
