@@ -173,6 +173,9 @@ class Trials:
 
 
 ADAPTER = "shipped=landmark_memory/assets/smollm2-landmark"
+# the suites' baseline: SmolLM2 without an adapter, reading a whole prompt in its own context,
+# which ends at its 8,192 positions (max_position_embeddings)
+BASE, BASE_WINDOW = "base in context", 8192
 
 
 def adapter_specs(text):

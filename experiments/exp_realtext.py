@@ -18,6 +18,12 @@ words.
 ``ppl``: perplexity in sequence (no memory) over ``--ppl-tokens`` of the held-out books in 2K
 segments, for each adapter and for the base model, which it must stay within 5% of.
 
+The baseline, ``base in context``: SmolLM2 without an adapter reads the same passkey and ``ask``
+trials up to 8K in its own context, the whole prompt at once: for ``ask`` the text followed by the
+same chat turn that ``ask`` feeds a memory, less the text's first tokens where the two overflow
+its 8,192 positions (about 40 tokens at 8K, so a fact planted in them, at depth 0.005 or less,
+is lost).
+
 Each adapter (``name=folder``; the shipped one is ``landmark_memory/assets/smollm2-landmark``)
 reads the same trials: they are drawn from ``--seed``, the part, the length and the trial's
 number only; a run with ``--top-k K`` files its trials apart, under the adapter's name followed
@@ -31,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2, some_of,
-                     suite_main, top_k_label, top_k_memory, top_k_option, write_result)
+from _common import (ADAPTER, BASE, BASE_WINDOW, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2,
+                     some_of, suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.answer import ask
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
@@ -41,6 +47,7 @@ from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, first_int
 
 PARTS = ("passkey", "ask", "ppl")
 PPL_LENGTH = 2048  # the in-sequence perplexity's segments
+ASK_NEW = 32  # tokens an answer may take
 
 
 def trial_rng(seed, part, n, i):
@@ -116,12 +123,27 @@ def ask_in_memory(model, tok, case, passages=3, memory=None):
     with LandmarkMemory(model, **(memory or {})) as mem:
         mem.forward(torch.tensor([case.ids]), logits="none")
         n_blocks = mem.n_blocks
-        return ask(mem, tok, case.question, max_new_tokens=32, passages=n_blocks if passages is None else passages), n_blocks
+        return ask(mem, tok, case.question, max_new_tokens=ASK_NEW,
+                   passages=n_blocks if passages is None else passages), n_blocks
+
+
+@torch.no_grad()
+def ask_in_context(model, tok, case) -> str:
+    """``case``'s answer from a model reading it whole in its own context: the tokens ``ask``
+    feeds a memory (the text, then the question as a chat turn where the model has a chat
+    template), the text's first ones dropped where they overflow the base model's window; the
+    answer ends at an end-of-turn token."""
+    chat = tok.chat_prompt(case.question)
+    ids = (case.ids + tok.encode(chat or case.question).ids)[-BASE_WINDOW:]
+    new, stops = greedy_continuation(model, ids, ASK_NEW), set(tok.end_of_turn_ids if chat else ())
+    return tok.decode(new[:next((i for i, t in enumerate(new) if t in stops), len(new))])
 
 
 def ask_trial(model, tok, books, n, rng, memory):
+    """``memory``: ``LandmarkMemory`` options, or None for the model's own context."""
     case = ask_case(tok, books, n, rng)
-    got = ask_in_memory(model, tok, case, memory=memory)[0].text.strip()
+    got = (ask_in_context(model, tok, case) if memory is None
+           else ask_in_memory(model, tok, case, memory=memory)[0].text).strip()
     return {"book": case.book, "depth": case.depth, "want": " / ".join(case.words), "answer": got,
             "right": is_right(got, case.words)}
 
@@ -134,27 +156,27 @@ def ppl_cell(model, books, n_tokens):
 
 def run(args):
     state, lengths = Trials(args.state, args.command), parse_lengths(args.lengths)
-    trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, args.parts
-    loads = adapter_specs(args.adapters)
-    memory = top_k_memory(args.top_k)
-    if "ppl" in parts and not state.cell(f"base|ppl|{PPL_LENGTH}"):
-        loads.append(("base", None))
-    for label, folder in loads:
+    trial, parts = {"passkey": passkey_trial, "ask": ask_trial}, [p for p in args.parts if p != "ppl"]
+    for label, folder in adapter_specs(args.adapters) + [("base", None)]:
+        # the base model reads each prompt in its own context, up to its window
+        shown, memory = (BASE, None) if folder is None else (top_k_label(label, args.top_k), top_k_memory(args.top_k))
+        cells = [(part, n) for part in parts for n in lengths if folder is not None or n <= BASE_WINDOW]
+        ppl = "ppl" in args.parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}")
+        if not ppl and all(len(state.cell(f"{shown}|{part}|{n}")) >= args.trials for part, n in cells):
+            continue
         model, tok = load_smollm2(folder)
         books = held_out(args.books, tok)
-        shown = top_k_label(label, args.top_k)
-        if "ppl" in parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}"):
+        if ppl:
             state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens), at=0)
-        for part in (p for p in parts if p != "ppl" and label != "base"):
-            for n in lengths:
-                def timed(i):
-                    t0 = time.perf_counter()
-                    row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i), memory)
-                    return {**row, "seconds": round(time.perf_counter() - t0, 1)}
+        for part, n in cells:
+            def timed(i):
+                t0 = time.perf_counter()
+                row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i), memory)
+                return {**row, "seconds": round(time.perf_counter() - t0, 1)}
 
-                for i, row in state.fill(f"{shown}|{part}|{n}", args.trials, timed):
-                    print(f"{shown} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
-                          f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
+            for i, row in state.fill(f"{shown}|{part}|{n}", args.trials, timed):
+                print(f"{shown} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
+                      f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
         del model
 
 
@@ -164,8 +186,10 @@ def report(args):
     labels = list(dict.fromkeys(k.split("|")[0] for k in cells))
     lengths = sorted({int(k.split("|")[2]) for k in cells if "|ppl|" not in k})
     body = ["Books the fine-tuning never saw (the default split's held-out books). Each cell: right / trials; every "
-            "adapter read the same trials (drawn from the seed, the part, the length and the trial's number).", "",
-            "| part | adapter | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+            "model read the same trials (drawn from the seed, the part, the length and the trial's number). An "
+            f"adapter reads through memory; {BASE}: SmolLM2 without one, each prompt whole in its own context (up "
+            "to its 8K window).", "",
+            "| part | model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
     for part in PARTS[:2]:
         for label in labels:

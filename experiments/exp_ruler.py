@@ -37,14 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import (ADAPTER, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, some_of, suite_main,
-                     top_k_label, top_k_memory, top_k_option, write_result)
+from _common import (ADAPTER, BASE, BASE_WINDOW, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, some_of,
+                     suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.evaluate import greedy_continuation, parse_lengths
 
 TASKS = ("single", "multikey", "multivalue", "multiquery", "vartrack", "qa")
-BASE = "base in context"
-BASE_MAX = 8192  # the base model's window
 WORDS = ("amber", "brisk", "cedar", "dusky", "ember", "frost", "gleam", "hazel", "ivory", "jolly", "keen", "lunar",
          "maple", "noble", "olive", "pearl", "quiet", "raven", "silver", "tulip", "umber", "velvet", "willow", "zephyr")
 NOUNS = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket", "kettle",
@@ -153,7 +151,7 @@ def run(args):
     models = [(f"landmark {top_k_label(name, args.top_k)} + memory", folder)
               for name, folder in adapter_specs(args.adapters)]
     for label, folder in models + [(BASE, None)]:
-        todo = [(n, t) for n in lengths for t in args.tasks if label != BASE or n <= BASE_MAX]
+        todo = [(n, t) for n in lengths for t in args.tasks if label != BASE or n <= BASE_WINDOW]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
         model, tok = load_smollm2(folder)

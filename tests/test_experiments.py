@@ -4,6 +4,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -175,21 +176,48 @@ def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_p
     assert "- command: `python experiments/exp_realtext.py --trials 2`" in md
 
 
-def test_realtext_top_k_reaches_every_trials_memory_and_files_its_trials_apart(tmp_path, monkeypatch):
+def test_realtext_top_k_reaches_every_trials_memory_and_the_base_model_reads_them_in_its_window(tmp_path,
+                                                                                                monkeypatch):
     realtext = script("exp_realtext")
     seen = []
     monkeypatch.setattr(realtext, "load_smollm2", lambda folder: (None, None))
     monkeypatch.setattr(realtext, "held_out", lambda books, tok: [])
     for part in ("passkey", "ask"):
         monkeypatch.setattr(realtext, f"{part}_trial", lambda model, tok, books, n, rng, memory, part=part: seen.append(
-            (part, memory)) or {"right": True, "want": "1", "answer": "1"})
+            (part, n, memory)) or {"right": True, "want": "1", "answer": "1"})
     state = tmp_path / "state.json"
     for top_k in ([], ["--top-k", "16"]):
-        realtext.main(["--books", str(tmp_path), "--adapters", "s9=x", "--parts", "passkey,ask", "--lengths", "8k",
+        realtext.main(["--books", str(tmp_path), "--adapters", "s9=x", "--parts", "passkey,ask", "--lengths", "8k,16k",
                        "--trials", "1", "--state", str(state), "--results", str(tmp_path), *top_k])
-    assert seen == [("passkey", {}), ("ask", {}), ("passkey", {"top_k": 16}), ("ask", {"top_k": 16})]
-    assert sorted(json.loads(state.read_text())["cells"]) == ["s9 (top-k 16)|ask|8192", "s9 (top-k 16)|passkey|8192",
-                                                             "s9|ask|8192", "s9|passkey|8192"]
+    # the base model reads the same trials once, in its own context (no memory options), none past its window
+    assert [s for s in seen if s[2] is None] == [("passkey", 8192, None), ("ask", 8192, None)]
+    assert [s for s in seen if s[2] is not None] == [(p, n, m) for m in ({}, {"top_k": 16}) for p in ("passkey", "ask")
+                                                     for n in (8192, 16384)]
+    assert len(json.loads(state.read_text())["cells"]) == 10
+    md = (tmp_path / "realtext.md").read_text()
+    assert "| ask | base in context | 1/1 | - |" in md and "| ask | s9 (top-k 16) | 1/1 | 1/1 |" in md
+
+
+def test_realtext_base_model_reads_asks_tokens_whole_within_its_window_and_stops_at_the_end_of_turn(monkeypatch):
+    realtext = script("exp_realtext")
+
+    class Tok:  # a chat model's tokenizer: every text is three ids, each its length
+        end_of_turn_ids = (0,)
+
+        def chat_prompt(self, question):
+            return f"<user>{question}"
+
+        def encode(self, text):
+            return SimpleNamespace(ids=[len(text)] * 3)
+
+        def decode(self, ids):
+            return ",".join(map(str, ids))
+
+    fed = []
+    monkeypatch.setattr(realtext, "greedy_continuation", lambda model, ids, n: fed.append(ids) or [7, 8, 0, 9])
+    case = realtext.AskCase("book", 0.5, list(range(1, 8191)), (5, 9), "Q?", ["x"])
+    assert realtext.ask_in_context(None, Tok(), case) == "7,8"
+    assert fed == [list(range(2, 8191)) + [8] * 3]  # 8,193 tokens: the text's first one dropped
 
 
 def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_path, monkeypatch):
