@@ -188,7 +188,7 @@ def report(args):
     body = ["Books the fine-tuning never saw (the default split's held-out books). Each cell: right / trials; every "
             "model read the same trials (drawn from the seed, the part, the length and the trial's number). An "
             f"adapter reads through memory; {BASE}: SmolLM2 without one, each prompt whole in its own context (up "
-            "to its 8K window).", "",
+            f"to its {BASE_WINDOW // 1024}K window).", "",
             "| part | model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
     for part in PARTS[:2]:
