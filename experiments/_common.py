@@ -2,14 +2,19 @@
 several books, and the results files (markdown with the exact command, machine and date)."""
 
 import argparse
+import contextlib
 import fcntl
 import json
 import math
 import os
 import platform
 import shlex
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -289,6 +294,33 @@ def write_result(name, title, body, results=RESULTS, started=None, argv=None, co
     path.write_text("\n".join(head + body) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
     return path
+
+
+@contextlib.contextmanager
+def serving(memory, model=None, *extra, env=None):
+    """``landmark-memory serve memory`` (``--model model``, more options ``extra``) in its own
+    process on a free loopback port, with ``env`` if given: its URL once it answers; then
+    SIGTERM."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "landmark_memory.entry", "serve", str(memory), "--port", str(port), *extra]
+    proc = subprocess.Popen(argv + (["--model", model] if model else []), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(memory).parent)  # (-m imports from its cwd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while proc.poll() is None:
+            try:
+                urllib.request.urlopen(url + "/", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.2)
+        if proc.poll() is not None:
+            raise SystemExit(f"the server on {memory} did not start:\n{proc.stderr.read()[-2000:]}")
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def plt():

@@ -12,19 +12,15 @@ OpenAI client (p50/p95 latency, tokens/s, failures).
 """
 
 import argparse
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 
-from _common import RESULTS, write_result
+from _common import RESULTS, serving, write_result
 from landmark_memory.answer import ask
 from landmark_memory.build import build, read_inputs
 from landmark_memory.data import SAMPLE_DIR, read_text, strip_gutenberg
@@ -62,20 +58,7 @@ def measure(name: str, n_tokens: int, args, work: Path) -> dict:
 
     library(QUESTIONS[0])  # warm: compiled kernels, caches
     lib = [library(q) for q in QUESTIONS]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "landmark_memory.entry", "serve", str(path), "--port", str(port),
-            "--parallel", str(args.parallel)] + (["--model", MODELS[name]] if MODELS[name] else [])
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        while proc.poll() is None:
-            try:
-                urllib.request.urlopen(url + "/", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
+    with serving(path, MODELS[name], "--parallel", str(args.parallel)) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
 
         def one(q):
@@ -100,9 +83,6 @@ def measure(name: str, n_tokens: int, args, work: Path) -> dict:
         with ThreadPoolExecutor(args.concurrency) as pool:
             load = [r for r in pool.map(guarded, [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]) if r]
         wall = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     return {"model": name, "tokens": n_tokens, "library": lib, "http": http, "load": load, "wall": wall,
             "failures": failures}
 

@@ -4,8 +4,8 @@
 where it has one) and generates the answer, counting which memory blocks the answer's tokens
 retrieved: the passages of the answer, most read first, each named by its document and token
 offset (the paper's interpretability claim). The memory reads the question and the answer
-too, as any text fed to it; open it afresh (``LandmarkMemory.open(path, model,
-readonly=True)``) for an answer that no earlier question sees.
+too, as any text fed to it; for an answer that no earlier question sees, ``rewind()`` a
+read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between questions.
 """
 
 from collections import Counter

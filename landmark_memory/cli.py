@@ -121,8 +121,8 @@ def cmd_info(args):
              f"(+{info['pending_tokens']} in the open chunk)",
              f"index       {info['index']}, store {info['store']} ({info['store_dtype']}), "
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
-             f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB ({info['disk_bytes'] / max(info['tokens'], 1):,.0f} "
-             "bytes per token)",
+             f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB" + (
+                 f" ({info['bytes_per_token']:,.0f} bytes per token read)" if info["bytes_per_token"] else ""),
              f"{kind:11s} {len(info['inputs'])}"]
     lines += [f"  {e['status']:7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
     emit(args, info, "\n".join(lines))
@@ -160,16 +160,16 @@ def cmd_ask(args):
 
 
 def cmd_serve(args):
-    from .serve import ServeConfig, serve
+    from .serve import ServeConfig, create_app, serve
 
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
-    LandmarkMemory.open(args.memory, model, readonly=True).close()  # the right model, a readable memory
     cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), args.api_key, args.parallel,
                       args.max_tokens, args.max_body)
+    app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
     print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",
           file=sys.stderr)
-    serve(cfg, model, tok, args.host, args.port)
+    serve(app, args.host, args.port)
     return 0
 
 

@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import sys
+import time
 from pathlib import Path
 
 from .build import DocumentJob, DocumentResult, read_document
@@ -64,11 +65,31 @@ class _Worker:
         except OSError:
             return False
 
-    def read(self, job: DocumentJob) -> DocumentResult:
+    def read(self, job: DocumentJob, progress=None) -> DocumentResult:
         import ray
 
         context = ray.get_runtime_context()
-        return read_document(job, self.model, stop=context.is_canceled)
+        return read_document(job, self.model, stop=context.is_canceled, on_tokens=_Reporter(progress, job.folder))
+
+
+class _Reporter:
+    """A worker's tokens read, sent to the driver's progress queue (a Ray ``Queue``) at most every
+    ``every`` seconds, so that the build's bar moves between commits."""
+
+    def __init__(self, progress, folder: Path, every: float = 1.0):
+        self.progress, self.folder, self.every = progress, str(folder), every
+        self.unsent, self.last = 0, time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        import ray
+
+        self.unsent += n
+        if self.progress is not None and time.monotonic() - self.last >= self.every:
+            try:
+                self.progress.put_nowait((self.folder, self.unsent))
+            except ray.exceptions.RayError:  # the bar is a courtesy: reading goes on without it
+                self.progress = None
+            self.unsent, self.last = 0, time.monotonic()
 
 
 def check_address(address: str) -> None:
@@ -166,37 +187,46 @@ class RayReader:
     def run(self, jobs, stop, bar):
         import ray
 
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         todo, running = list(jobs), {}  # ref -> (actor, job)
         shown, first = {}, {}  # per document folder: tokens the bar counts, tokens committed when it started
         idle, cancelled = list(self.actors), False
-        while todo or running:
-            while idle and todo and not cancelled:
-                actor, job = idle.pop(0), todo.pop(0)
-                shown[job.folder] = first[job.folder] = _committed(job.folder)
-                running[actor.read.remote(job)] = (actor, job)
-            if stop() and not cancelled:  # the documents under way commit and return
-                for ref in running:
-                    ray.cancel(ref)
-                cancelled, todo = True, []
-            done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
-            for ref in done:
-                actor, job = running.pop(ref)
-                try:
-                    result = ray.get(ref)
-                except ray.exceptions.TaskCancelledError:  # stopped: what it read is what it committed
-                    result = DocumentResult(job.folder, _committed(job.folder) - first[job.folder], False)
-                except ray.exceptions.RayTaskError as e:  # the document's own error, as this process would give it
-                    raise e.cause if isinstance(e.cause, (ValueError, OSError)) else e from None
-                except ray.exceptions.RayActorError as e:
-                    raise WorkerError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
-                                      "committed is kept: run the build again") from None
-                idle.append(actor)
-                bar.update(_committed(job.folder) - shown.pop(job.folder))
-                yield result
-            for _, job in running.values():  # the bar follows the documents under way at their commits
-                read = _committed(job.folder)
-                bar.update(read - shown[job.folder])
-                shown[job.folder] = read
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # workers' tokens read since they last said, on this machine (a worker's machine may be lost)
+        progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        try:
+            while todo or running:
+                while idle and todo and not cancelled:
+                    actor, job = idle.pop(0), todo.pop(0)
+                    shown[job.folder] = first[job.folder] = _committed(job.folder)
+                    running[actor.read.remote(job, progress)] = (actor, job)
+                if stop() and not cancelled:  # the documents under way commit and return
+                    for ref in running:
+                        ray.cancel(ref)
+                    cancelled, todo = True, []
+                for folder, n in progress.get_nowait_batch(progress.qsize()):  # the bar moves as documents are read
+                    if Path(folder) in shown:  # (a finished document's count is its commit's, below)
+                        shown[Path(folder)] += n
+                        bar.update(n)
+                done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+                for ref in done:
+                    actor, job = running.pop(ref)
+                    try:
+                        result = ray.get(ref)
+                    except ray.exceptions.TaskCancelledError:  # stopped: what it read is what it committed
+                        result = DocumentResult(job.folder, _committed(job.folder) - first[job.folder], False)
+                    except ray.exceptions.RayTaskError as e:  # the document's own error, as this process would give it
+                        raise e.cause if isinstance(e.cause, (ValueError, OSError)) else e from None
+                    except ray.exceptions.RayActorError as e:
+                        raise WorkerError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
+                                          "committed is kept: run the build again") from None
+                    idle.append(actor)
+                    bar.update(_committed(job.folder) - shown.pop(job.folder))
+                    yield result
+        finally:
+            ray.kill(progress.actor)
 
     def __exit__(self, *exc):
         import ray

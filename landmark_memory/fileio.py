@@ -49,3 +49,14 @@ def atomic_write(dest: str | Path, content: bytes | Callable[[str], None]) -> No
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def reserve(path: str | Path, nbytes: int) -> None:
+    """Grow the file ``path`` (created if need be, never through a link) to at least ``nbytes``
+    with the space reserved on the device: a full disk is ``ENOSPC`` here, never a SIGBUS when
+    a page of a map over it is written later."""
+    fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)

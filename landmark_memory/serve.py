@@ -9,17 +9,21 @@ and a page that shows which passages each answer read.
     GET  /                      the page: a question, the answer, the passages it read
 
 Every answer carries ``passages`` (document, token offset, text, share of lookups) besides
-OpenAI's fields. The model is loaded once; each request opens the memory read-only afresh, so
-answers never see each other and a build running beside the server is seen at its commits.
-At most ``parallel`` answers are computed at once, the others wait their turn. With an API key,
-every ``/v1`` request needs ``Authorization: Bearer KEY``.
+OpenAI's fields. The model is loaded once and the memory opened once per answer computed at
+once (``Readers``): each request takes an open read-only memory, which first follows the commits
+made since its last answer (a build running beside the server is seen at its commits) and
+afterwards forgets what the question fed it, so answers never see each other and equal a fresh
+open's, while the hot cache stays warm. At most ``parallel`` answers are computed at once, the
+others wait their turn. With an API key, every ``/v1`` request needs ``Authorization: Bearer KEY``.
 """
 
+import contextlib
 import json
 import queue
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -114,11 +118,73 @@ class _BodyLimit:
             await e.response()(scope, receive, send)
 
 
+class Readers:
+    """The served memory, open read-only and kept: at most ``parallel`` of them, opened as
+    answers at once need them (the first at once, so that a memory that cannot be read stops
+    the server before it starts), each used by one answer at a time."""
+
+    def __init__(self, cfg: ServeConfig, model):
+        self.cfg, self.model = cfg, model
+        self.turns = threading.Semaphore(cfg.parallel)
+        self.idle: queue.LifoQueue[LandmarkMemory] = queue.LifoQueue()  # the warmest first
+        self.idle.put(self._open())
+
+    def _open(self) -> LandmarkMemory:
+        return LandmarkMemory.open(self.cfg.memory, self.model, readonly=True, cache_bytes=self.cfg.cache_bytes)
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[LandmarkMemory]:
+        """An open memory at the memory's last commit, for one answer; afterwards it forgets
+        what the answer fed it and waits for the next."""
+        with self.turns:
+            try:
+                mem = self.idle.get_nowait()
+            except queue.Empty:
+                mem = None
+            try:
+                if mem is None:
+                    mem = self._open()
+                else:
+                    mem.refresh()
+            except MemoryFileError as e:  # rebuilt in place, damaged, or gone: open it again, or give up
+                if mem is not None:
+                    mem.close()
+                try:
+                    mem = self._open()
+                except MemoryFileError:
+                    raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
+            try:
+                yield mem
+            finally:  # an answer that failed half-way leaves nothing behind either
+                try:
+                    mem.rewind()
+                except BaseException:
+                    mem.close()
+                    raise
+                self.idle.put(mem)
+
+    def describe(self) -> dict:
+        """What ``landmark-memory info --json`` says, from the commit a kept memory holds."""
+        with self.take() as mem:
+            return describe(self.cfg.memory, mem.manifest)
+
+    def close(self) -> None:
+        while not self.idle.empty():
+            self.idle.get_nowait().close()
+
+
 def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     """The server's application (``uvicorn.run(create_app(...))``), answering from the memory
-    at ``cfg.memory`` with ``model`` (loaded once) and its ``tokenizer``."""
-    app = FastAPI(title="landmark-memory", docs_url=None, redoc_url=None, openapi_url=None)
-    turns = threading.Semaphore(cfg.parallel)
+    at ``cfg.memory`` with ``model`` (loaded once) and its ``tokenizer``; the memory is opened
+    here (a ``MemoryFileError`` if it cannot be read)."""
+    readers = Readers(cfg, model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        readers.close()
+
+    app = FastAPI(title="landmark-memory", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     page = resources.files("landmark_memory").joinpath("assets/page.html").read_text()
 
     @app.middleware("http")
@@ -152,14 +218,9 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     def answer(question: str, raw: bool, req: _Request, n: int, on_token=None) -> Answer:
         if not question.strip():
             raise APIError(400, "the question is empty", "invalid_request")
-        with turns:
-            try:
-                mem = LandmarkMemory.open(cfg.memory, model, readonly=True, cache_bytes=cfg.cache_bytes)
-            except MemoryFileError as e:
-                raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
-            with mem:
-                return ask(mem, tokenizer, question, max_new_tokens=n, temperature=req.temperature,
-                           seed=req.seed or 0, raw=raw, passages=max(0, req.passages), on_token=on_token)
+        with readers.take() as mem:
+            return ask(mem, tokenizer, question, max_new_tokens=n, temperature=req.temperature,
+                       seed=req.seed or 0, raw=raw, passages=max(0, req.passages), on_token=on_token)
 
     def respond(kind: str, question: str, raw: bool, req: _Request, n: int):
         ident, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
@@ -246,7 +307,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
 
     @app.get("/v1/memory")
     def memory():
-        return describe(cfg.memory)
+        return readers.describe()
 
     @app.get("/", response_class=HTMLResponse)
     def index():
@@ -260,9 +321,9 @@ def finish(a: Answer, n: int) -> str:
     return "length" if len(a.tokens) >= n and n > 0 else "stop"
 
 
-def serve(cfg: ServeConfig, model, tokenizer, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until SIGINT or SIGTERM (requests under way get a few seconds to finish)."""
+def serve(app, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve ``create_app``'s application until SIGINT or SIGTERM (requests under way get a
+    few seconds to finish)."""
     import uvicorn
 
-    uvicorn.run(create_app(cfg, model, tokenizer), host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

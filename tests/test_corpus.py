@@ -32,7 +32,7 @@ def corpus(model, path, files, reader=None, **build_options):
 
 def files_of(path):
     """The corpus's own files and every stored block, as bytes."""
-    out = {name: (path / name).read_bytes() for name in ("tokens.bin", "landmarks.bin")}
+    out = {f.relative_to(path).as_posix(): f.read_bytes() for f in [path / "tokens.bin", *(path / "keys").iterdir()]}
     mem = LandmarkMemory.open(path, LandmarkGPT.from_pretrained(), readonly=True)
     keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(mem.n_blocks)]
     out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.blocks.store.get(keys))
@@ -60,8 +60,8 @@ def test_a_document_sees_only_its_own_blocks(model, documents, tmp_path):
     corpus(model, tmp_path / "all", files)
     corpus(model, tmp_path / "last", files[-1:])
     everything, alone = files_of(tmp_path / "all"), files_of(tmp_path / "last")
-    for name in ("tokens.bin", "landmarks.bin"):  # the last document's rows end the corpus's, unchanged
-        assert everything[name].endswith(alone[name])
+    for name in alone:  # the last document's rows (token ids, landmark keys) end the corpus's, unchanged
+        assert name in ("blocks", "index") or everything[name].endswith(alone[name])
     tok = load_tokenizer()
     ids = np.concatenate([encode_document(tok, f.read_text(), 50) for f in files])
     np.testing.assert_array_equal(np.frombuffer(everything["tokens.bin"], np.int32), ids)  # every token once
@@ -70,12 +70,15 @@ def test_a_document_sees_only_its_own_blocks(model, documents, tmp_path):
 def test_one_index_per_layer_and_head_holds_every_documents_landmarks(model, documents, tmp_path):
     corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
     mem = LandmarkMemory.open(tmp_path / "m", model, readonly=True)
+    docs = [tmp_path / "m" / e.document for e in mem.inputs]
     for layer in range(mem.shape.n_layer):
         keys = mem.blocks.landmark_keys(layer, slice(None))[0]  # (H_kv, n_blocks, D)
         for h in range(mem.shape.n_kv_head):
             ix = mem.blocks.index(0, layer, h)
             assert ix.ntotal == mem.n_blocks == len(mem.tokens()) // 50
-            np.testing.assert_array_equal(ix.index.reconstruct_n(0, ix.ntotal), keys[h].float().numpy())
+            np.testing.assert_array_equal(ix.rows.array(), keys[h].float().numpy())  # the flat index is the keys
+            own = [np.fromfile(d / "keys" / f"s0_l{layer}_h{h}.f32", np.float32).reshape(-1, 32) for d in docs]
+            np.testing.assert_array_equal(ix.rows.array(), np.concatenate(own))  # every document's, in order
     assert [e.start for e in mem.inputs] == [0, mem.inputs[0].ingested, mem.inputs[0].ingested + mem.inputs[1].ingested]
     mem.close()
 
@@ -111,6 +114,14 @@ def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is
     info = json.loads(capsys.readouterr().out)
     assert [(e["status"], e["ingested"]) for e in info["inputs"]] == [("done", info["tokens"]), ("partial", 100),
                                                                        ("partial", 100)]
+    assert info["tokens_read"] == info["tokens"] + 200  # what is on disk: the documents under way count too
+    assert info["bytes_per_token"] == round(info["disk_bytes"] / info["tokens_read"], 1)
+    partial_only = tmp_path / "partial-only"
+    corpus(model, partial_only, files[1:2], reader=StopAfterOneChunk(model))
+    assert main(["info", str(partial_only)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("disk"))
+    per_token = int(line.split("(")[1].split()[0].replace(",", ""))  # nothing merged yet: per token read
+    assert per_token < 2 * info["bytes_per_token"], line
     again = corpus(model, tmp_path / "m", files)
     tok = load_tokenizer()
     assert again.skipped == [str(files[0])] and again.merged == 2
@@ -123,13 +134,13 @@ def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is
 def test_verify_names_the_damaged_document(model, documents, tmp_path, capsys):
     corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
     doc = sorted((tmp_path / "m" / "docs").iterdir())[1]
-    rows = doc / "landmarks.bin"
+    rows = doc / "keys" / "s0_l1_h2.f32"
     data = bytearray(rows.read_bytes())
     data[12] ^= 0x40
     rows.write_bytes(bytes(data))
     assert main(["info", str(tmp_path / "m"), "--verify", "--json"]) == 2
     report = json.loads(capsys.readouterr().out)
-    assert any(p.startswith(f"document docs/{doc.name}") and "landmarks.bin" in p for p in report["problems"])
+    assert any(p.startswith(f"document docs/{doc.name}") and "s0_l1_h2.f32" in p for p in report["problems"])
 
 
 def test_a_memory_read_in_one_context_still_opens_but_takes_no_documents(model, documents, tmp_path, capsys):

@@ -57,9 +57,10 @@ def refused(capsys, argv, *words):
     return err
 
 
-def built(tmp_path, book, store="lmdb"):
+def built(tmp_path, book, store="lmdb", index="flat"):
+    """A corpus of ``book``; an approximate ``index`` gives it a state file (a flat one has none)."""
     mem = tmp_path / f"mem-{store}"
-    assert build(mem, book, "--store", store) == 0
+    assert build(mem, book, "--store", store, "--index", index) == 0
     return mem
 
 
@@ -79,7 +80,7 @@ def test_a_linked_writer_lock_is_refused_and_its_target_untouched(tmp_path, book
     assert victim.read_text() == "precious"
 
 
-@pytest.mark.parametrize("name", ["tokens.bin", "landmarks.bin", "docs"])
+@pytest.mark.parametrize("name", ["tokens.bin", "keys", "keys/s0_l0_h0.f32", "docs"])
 def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, capsys, name):
     mem = built(tmp_path, book)
     victim = tmp_path / "victim"
@@ -99,7 +100,7 @@ def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, caps
 
 @pytest.mark.parametrize("name", ["../../state.1.safetensors", "/etc/passwd"])
 def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, capsys, name):
-    mem = built(tmp_path, book)
+    mem = built(tmp_path, book, index="hnsw")
     doc = json.loads((mem / "manifest.json").read_text())
     doc["files"]["state"]["name"] = name
     (mem / "manifest.json").write_text(json.dumps(doc))
@@ -293,7 +294,7 @@ def rewrite_state(mem, change):
 def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words):
     text = tmp_path / "t.txt"
     text.write_text(BOOK.read_text()[:3030])
-    mem = built(tmp_path, text)
+    mem = built(tmp_path, text, index="hnsw" if damage.startswith("index") else "flat")
     if damage == "pending_misshaped":  # a memory read in one context, stopped mid-chunk
         mem = tmp_path / "m"
         with LandmarkMemory(LandmarkGPT.from_pretrained(), store="lmdb", path=mem, chunk_size=50) as m:

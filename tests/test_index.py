@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from landmark_memory.index import KINDS, LandmarkIndex, gpu_available, recall_at_k
+from landmark_memory.index.rows import KeyFileError, KeyRows
 
 
 def test_flat_top_k_equals_torch_brute_force():
@@ -17,6 +18,36 @@ def test_flat_top_k_equals_torch_brute_force():
         top = (xq @ xb[lo:hi].T).topk(4)
         np.testing.assert_array_equal(I, (top.indices + lo).numpy())
         np.testing.assert_allclose(D, top.values.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("nq", [1, 19, 21, 300])  # FAISS computes few queries one by one, many as a matrix product
+def test_flat_search_over_mapped_key_rows_equals_faiss_index_flat_ip_bit_for_bit(tmp_path, nq):
+    rng = np.random.default_rng(nq)
+    xb, xq = rng.standard_normal((3000, 64)).astype(np.float32), rng.standard_normal((nq, 64)).astype(np.float32)
+    xb[100:110] = xb[100]  # ties: the same ids in the same order
+    writer = KeyRows(64, tmp_path / "keys.f32")
+    for part in np.array_split(xb, 7):  # appended in place, the file grown as it goes
+        writer.append(part)
+    writer.sync()
+    mapped = LandmarkIndex("flat", 64, rows=KeyRows(64, tmp_path / "keys.f32", writable=False, n=len(xb)))
+    reference = faiss.IndexFlatIP(64)
+    reference.add(xb)
+    for lo, hi in [(0, 3000), (95, 2990), (100, 108)]:
+        want = reference.search(xq, 5, params=faiss.SearchParameters(sel=faiss.IDSelectorRange(lo, hi)))
+        got = mapped.search(xq, 5, lo, hi)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    writer.close()
+    assert (tmp_path / "keys.f32").stat().st_size == xb.nbytes  # the room it grew into given back
+
+
+def test_a_reader_refuses_key_rows_its_file_does_not_hold(tmp_path):
+    (tmp_path / "keys.f32").write_bytes(np.zeros((10, 8), np.float32).tobytes())
+    with pytest.raises(KeyFileError, match="truncated"):
+        KeyRows(8, tmp_path / "keys.f32", writable=False, n=11)  # never mapped past the file's end
+    with pytest.raises(KeyFileError, match="missing"):
+        KeyRows(8, tmp_path / "none.f32", writable=False, n=1)
+    assert KeyRows(8, tmp_path / "keys.f32", writable=False, n=10).array().shape == (10, 8)
 
 
 def test_search_pads_with_minus_one_when_range_is_small():

@@ -97,19 +97,20 @@ def test_a_manifest_missing_an_entry_is_refused_as_damaged():
         Manifest.from_json(doc, "m")
 
 
-def test_row_layout_round_trips_tokens_and_landmarks():
+def test_row_layout_round_trips_tokens_and_reads_the_landmark_rows_of_earlier_formats():
     layout = RowLayout(streams=2, shape=ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5),
-                       dtype=torch.float32)
+                       dtype=torch.float32, legacy=True)
     ids = np.arange(2 * 15, dtype=np.int32).reshape(2, 15)  # 3 blocks per stream
     data = layout.encode_tokens(ids)
     assert len(data) == 3 * layout.sizes["tokens.bin"]
     tok = layout.decode_tokens(data)  # (n, streams, block_size)
     np.testing.assert_array_equal(tok.transpose(1, 0, 2).reshape(2, 15), ids)
     keys = [torch.randn(2, 3, 3, 4) for _ in range(2)]  # per layer (streams, H_kv, n, D)
-    data = layout.encode_landmarks(keys)
+    data = torch.stack(keys, 2).permute(3, 0, 2, 1, 4).contiguous().numpy().tobytes()  # (n, streams, layer, H, D)
     assert len(data) == 3 * layout.sizes["landmarks.bin"]
     for a, b in zip(layout.decode_landmarks(data, torch.device("cpu")), keys):
         assert torch.equal(a, b)
+    assert "landmarks.bin" not in RowLayout(2, layout.shape, torch.float32).sizes  # format 5: key files instead
 
 
 def test_greedy_decoding_feeds_each_pick_but_the_last():

@@ -110,3 +110,31 @@ def test_zero_workers_is_refused_by_the_command_line(documents, tmp_path, capsys
     with pytest.raises(SystemExit) as e:
         main(build_argv(tmp_path / "m", documents, "--workers", "0"))
     assert e.value.code == 2 and "is not a number of workers" in capsys.readouterr().err
+
+
+class Bar:
+    """A progress bar that keeps every count it showed."""
+
+    def __init__(self):
+        self.n, self.shown = 0, []
+
+    def update(self, n):
+        self.n += n
+        self.shown.append(self.n)
+
+
+def test_the_bar_follows_the_tokens_workers_read_before_any_commit(own_ray, tmp_path):
+    from landmark_memory import LandmarkGPT, LandmarkMemory
+    from landmark_memory.build import DocumentJob
+    from landmark_memory.distributed import RayReader
+
+    tok, text = load_tokenizer(), (SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[:100_000]
+    with LandmarkMemory(LandmarkGPT.from_pretrained(), path=tmp_path / "m", store="lmdb", documents=True) as mem:
+        job = DocumentJob((tmp_path / "m" / "docs" / ("0" * 16)).resolve(), str(tmp_path / "book.txt"), "0" * 64,
+                          encode_document(tok, text, 50), mem.options, commit_every=1e9)  # one commit, at its end
+        bar = Bar()
+        with RayReader(1, None, None, threads=1) as reader:  # joins the Ray started here
+            (result,) = list(reader.run([job], lambda: False, bar))
+        mem.close(commit=False)
+    assert result.done and bar.n == len(job.ids)
+    assert 0 < bar.shown[0] < len(job.ids)  # it moved while the document was read, before its only commit

@@ -1,6 +1,7 @@
 """``landmark-memory serve`` as programs reach it: the official OpenAI client, concurrent
 requests, every refusal, the page, and SIGTERM."""
 
+import contextlib
 import json
 import signal
 import socket
@@ -30,12 +31,13 @@ def corpus(documents, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(corpus):
+@contextlib.contextmanager
+def serving(memory):
+    """``landmark-memory serve`` on ``memory`` in its own process: its URL, then SIGTERM."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.entry", "serve", str(corpus), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.entry", "serve", str(memory), "--port", str(port),
                              "--api-key", KEY, "--max-tokens", "64", "--max-body", "4096"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -47,12 +49,20 @@ def server(corpus):
         except OSError:
             time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1]
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    t0 = time.time()
-    _, err = proc.communicate(timeout=30)
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=30)
     # uvicorn shuts down gracefully, then ends by the signal it was sent (-15), as a program killed by it would
     assert proc.returncode in (0, -signal.SIGTERM) and time.time() - t0 < 10 and "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def server(corpus):
+    with serving(corpus) as url:
+        yield url
 
 
 def library(corpus, question, n=6):
@@ -122,3 +132,30 @@ def test_the_page_and_the_memory_it_shows_are_served(server, corpus):
     assert r.headers["content-type"].startswith("text/html") and 'id="question"' in page and json.dumps(MODEL) in page
     status, memory = request(server, "/v1/memory")
     assert status == 200 and memory == json.loads(json.dumps(describe(corpus)))
+
+
+def test_a_server_opened_once_follows_a_build_beside_it_and_answers_as_a_fresh_open(documents, tmp_path):
+    first, more, memory = tmp_path / "first", tmp_path / "more", tmp_path / "m"
+    first.mkdir()
+    more.mkdir()
+    (first / "a.txt").write_bytes((documents / "a.txt").read_bytes())
+    (more / "b.txt").write_bytes((documents / "b.txt").read_bytes())
+    assert main(["build", str(memory), "--input", str(first), "--chunk-size", "100", "--quiet"]) == 0
+    with serving(memory) as url:
+        c = client(url)
+        for question in QUESTIONS[:2]:  # the same kept memory twice: the first answer leaves nothing behind
+            got = c.completions.create(model=MODEL, prompt=question, max_tokens=6)
+            want = library(memory, question)
+            assert got.choices[0].text == want.text and got.passages == [p.__dict__ for p in want.passages]
+        assert request(url, "/v1/memory")[1]["commit"] == 1
+        # a build commits beside the running server; its next answers read the new document too
+        assert main(["build", str(memory), "--input", str(first), str(more), "--chunk-size", "100", "--quiet"]) == 0
+        status, info = request(url, "/v1/memory")
+        assert status == 200 and info == json.loads(json.dumps(describe(memory)))
+        assert [e["path"] for e in info["inputs"]] == [str(first / "a.txt"), str(more / "b.txt")]
+        for question in QUESTIONS[2:4]:
+            got = c.completions.create(model=MODEL, prompt=question, max_tokens=6)
+            want = library(memory, question)
+            assert got.choices[0].text == want.text and got.passages == [p.__dict__ for p in want.passages]
+        assert any(p["source"] == str(more / "b.txt") for q in QUESTIONS for p in
+                   c.completions.create(model=MODEL, prompt=q, max_tokens=2, extra_body={"passages": 8}).passages)

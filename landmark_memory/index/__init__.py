@@ -1,6 +1,8 @@
 """Landmark key search by inner product, one FAISS index per (stream, layer, head).
 
-Kinds: ``flat`` (exact, IndexFlatIP), ``hnsw`` (HNSW32), ``ivf`` (IVF-Flat), ``ivfpq`` (IVF-PQ,
+Kinds: ``flat`` (exact: FAISS's brute-force inner products over the key rows where they lie,
+``rows.KeyRows``, a memory-mapped file in a saved memory; the same results, bit for bit, as an
+IndexFlatIP with an IDSelectorRange), ``hnsw`` (HNSW32), ``ivf`` (IVF-Flat), ``ivfpq`` (IVF-PQ,
 whose ``refine`` x k best candidates are re-ranked exactly by FAISS's IndexRefineFlat: PQ codes
 alone lose too much inner-product precision on landmark keys), and ``flat-gpu``, ``ivf-gpu``,
 ``ivfpq-gpu`` where faiss-gpu and a GPU are present. Ids are
@@ -22,9 +24,17 @@ import faiss
 import numpy as np
 
 from ..names import INDEX_KINDS
+from .rows import KeyRows
 
 KINDS = INDEX_KINDS
 RETRAIN_GROWTH = 4
+
+
+def derived_from_rows(kind: str) -> bool:
+    """Whether an index of ``kind`` holds nothing but its keys as they were added: an exact
+    flat index, which a saved memory rebuilds from its landmark rows instead of storing the
+    same keys twice (its commits then write no index at all)."""
+    return kind.removesuffix("-gpu") == "flat"
 
 
 def gpu_available() -> bool:
@@ -44,10 +54,11 @@ class LandmarkIndex:
     nprobe : int, IVF lists visited per query.
     ef_search : int, HNSW search breadth.
     refine : int, IVF-PQ candidates re-ranked exactly per result (0: PQ scores only).
+    rows : KeyRows, optional, ``flat`` only: the rows it searches and appends to (default its own, in memory).
     """
 
     def __init__(self, kind: str, dim: int, *, train_size: int | None = None, nprobe: int = 16, ef_search: int = 128,
-                 refine: int = 4):
+                 refine: int = 4, rows: KeyRows | None = None):
         if kind not in KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {KINDS}")
         if kind.endswith("-gpu") and not gpu_available():
@@ -65,7 +76,9 @@ class LandmarkIndex:
         self.retrains = (self.base == "ivf" or (self.base == "ivfpq" and refine > 0)) and not kind.endswith("-gpu")
         self.searches, self.search_seconds = 0, 0.0  # calls to search() and time spent in FAISS
         self._params_for = (None, None, None)  # ((lo, hi), index, search parameters) of the last search
-        self.index = self._build("HNSW32" if self.base == "hnsw" else "Flat")
+        # a CPU flat index is its rows, searched where they lie; every other kind has a FAISS index
+        self.rows = (rows if rows is not None else KeyRows(dim)) if kind == "flat" else None
+        self.index = None if kind == "flat" else self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
     def _build(self, factory):
         index = faiss.index_factory(self.dim, factory, faiss.METRIC_INNER_PRODUCT)
@@ -75,8 +88,12 @@ class LandmarkIndex:
         return index
 
     def to_bytes(self) -> np.ndarray:
-        """The index in FAISS's own serialisation, uint8 (n,)."""
-        index = faiss.index_gpu_to_cpu(self.index) if self.kind.endswith("-gpu") else self.index
+        """The index in FAISS's own serialisation, uint8 (n,) (a flat one as an IndexFlatIP)."""
+        if self.rows is not None:
+            index = faiss.IndexFlatIP(self.dim)
+            index.add(self.rows.array())
+        else:
+            index = faiss.index_gpu_to_cpu(self.index) if self.kind.endswith("-gpu") else self.index
         return faiss.serialize_index(index)
 
     @classmethod
@@ -86,6 +103,9 @@ class LandmarkIndex:
         index = faiss.deserialize_index(np.ascontiguousarray(data, dtype=np.uint8))
         if index.d != dim:
             raise ValueError(f"serialised index has dimension {index.d}, expected {dim}")
+        if ix.rows is not None:
+            ix.rows.append(index.reconstruct_n(0, index.ntotal))
+            return ix
         ix.trained = ix.trained or not isinstance(index, faiss.IndexFlat)  # IVF kinds search flat until trained
         ix.index = index
         if kind.endswith("-gpu") and ix.trained:
@@ -95,12 +115,12 @@ class LandmarkIndex:
 
     @property
     def ntotal(self) -> int:
-        return self.index.ntotal
+        return self.rows.n if self.rows is not None else self.index.ntotal
 
     @property
     def nbytes(self) -> int:
         """Bytes of the index in FAISS's serialisation (what it takes in memory, near enough)."""
-        return len(self.to_bytes())
+        return self.rows.nbytes if self.rows is not None else len(self.to_bytes())
 
     def _check(self, x, what):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -111,6 +131,9 @@ class LandmarkIndex:
     def add(self, xb: np.ndarray) -> None:
         """Append keys ``xb`` (n, dim); their ids continue from ``ntotal``."""
         xb = self._check(xb, "xb")
+        if self.rows is not None:
+            self.rows.append(xb)
+            return
         n_before = self.ntotal
         self.index.add(xb)
         if not self.trained and self.ntotal >= self.train_size:
@@ -188,7 +211,11 @@ class LandmarkIndex:
         if k <= 0 or hi <= lo:
             return np.full((len(xq), max(k, 0)), -np.inf, np.float32), np.full((len(xq), max(k, 0)), -1, np.int64)
         t0 = time.perf_counter()
-        D, I = self.index.search(xq, k, params=self._params(lo, hi))
+        if self.rows is not None:  # brute force over the range, as IndexFlatIP with an IDSelectorRange
+            D, I = faiss.knn(xq, self.rows.array()[lo:hi], k, metric=faiss.METRIC_INNER_PRODUCT)
+            I[I >= 0] += lo
+        else:
+            D, I = self.index.search(xq, k, params=self._params(lo, hi))
         self.searches += 1
         self.search_seconds += time.perf_counter() - t0
         D[I < 0] = -np.inf

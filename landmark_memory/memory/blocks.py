@@ -1,9 +1,16 @@
-"""The blocks a memory holds: per layer the landmark keys (a growing buffer and one FAISS
-index per stream and key/value head), every block's keys and values in the store behind the
-hot cache, and the token ids of every block.
+"""The blocks a memory holds: per (stream, layer, key/value head) the landmark keys (float32
+rows, ``index.rows.KeyRows``: a saved memory's in files of their own, mapped) and their index
+(a flat one searches those rows where they lie), every block's keys and values in the store
+behind the hot cache, and the token ids of every block.
 
 Block ``b`` of a stream holds normal tokens ``[b * block_size, (b + 1) * block_size)``; ids are
 dense and FAISS's sequential ids are the block numbers. Keys are kept without RoPE.
+
+A read-only memory keeps the saved blocks apart from those fed in this process: the saved ones
+(``base`` of them per stream) in ``indexes``, the later ones in an exact ``overlay`` index per
+(stream, layer, key/value head), their results merged per search. ``rewind`` drops the later
+ones in a few operations, so one open memory answers any number of questions, each as a fresh
+open would; ``extend`` adds the blocks a writer committed since (``LandmarkMemory.refresh``).
 """
 
 from pathlib import Path
@@ -12,12 +19,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..index import LandmarkIndex
+from ..index import LandmarkIndex, derived_from_rows
+from ..index.rows import KeyRows
 from ..rope import RotaryEmbedding
 from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors
-from .manifest import LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout
+from .manifest import LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout, key_file
 from .options import MemoryOptions
 
 
@@ -29,6 +37,8 @@ class BlockMemory:
     shape : ModelShape, the model's layer count, key/value heads, head dim and block size.
     options : MemoryOptions, resolved (index kind and options, store kind and dtype, chunk size).
     store_path : Path, optional, the folder of an on-disk store (a saved memory's ``store/``).
+    key_path : Path, optional, the memory folder whose key files hold the landmark keys (mapped;
+        a writer appends to them); None: they live in memory.
     shards : list of Shard, optional, a corpus: its documents' blocks, read-only from their own
         stores, whose folders ``shard_path(name)`` gives, instead of a store of its own.
     readonly : bool, new blocks stay in this process (an overlay over the saved store).
@@ -39,15 +49,22 @@ class BlockMemory:
 
     def __init__(self, shape: ModelShape, options: MemoryOptions, *, store_path: Path | None, readonly: bool,
                  device: torch.device, dtype: torch.dtype, rope: RotaryEmbedding, cache_bytes: int,
-                 shards: list[Shard] | None = None, shard_path: Callable[[str], Path] | None = None):
+                 shards: list[Shard] | None = None, shard_path: Callable[[str], Path] | None = None,
+                 key_path: Path | None = None):
         self.shape, self.options, self.device, self.dtype = shape, options, device, dtype
-        self.where = "this memory" if store_path is None else str(Path(store_path).parent)  # for messages
+        folder = key_path if key_path is not None else None if store_path is None else Path(store_path).parent
+        self.where = "this memory" if folder is None else str(folder)  # for messages
         self.L = shape.block_size + 1
         self.streams: int | None = None  # batch size, fixed by the first chunk
         self.n_blocks = 0  # blocks per stream
-        self.landmarks = [None] * shape.n_layer  # per layer (B, H_kv, >= n_blocks, D), grown by doubling
+        self.key_path, self.readonly = key_path, readonly
+        self.keys: list[list[list[KeyRows]]] = []  # [stream][layer][key/value head] (n_blocks, D) landmark keys
         self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
         self.chunk_ids: list[np.ndarray] = []  # int32 (B, n * block_size) token ids of each addition (chunk, document)
+        # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``overlay``; None: all in ``indexes``
+        self.base: int | None = 0 if readonly else None
+        self.overlay: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head], exact
+        self._base_chunks = 0  # entries of ``chunk_ids`` that hold saved blocks
         try:
             with disk_errors(f"the block store of {self.where}"):
                 store = (self._documents(shards, shard_path) if shards is not None else
@@ -55,6 +72,7 @@ class BlockMemory:
                                     readonly=readonly, checksums=options.block_checksums))
         except StoreDamagedError as e:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
+        self.shards = store if shards is not None else None  # a corpus's documents' stores
         self.store = OverlayStore(store) if readonly else store
         offsets = torch.arange(self.L, device=device)
 
@@ -79,17 +97,28 @@ class BlockMemory:
         fds = 1 if o.store == "lmdb" else shape.n_layer  # a sealed environment; a map per layer
         return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums, open_shard, open_budget(fds))
 
-    def start(self, streams: int) -> None:
-        """Fix the number of streams and create their empty indexes."""
-        self.streams = streams
-        self.indexes = [[[self._new_index() for _ in range(self.shape.n_kv_head)] for _ in range(self.shape.n_layer)]
-                        for _ in range(streams)]
+    def add_shard(self, shard: Shard) -> None:
+        """A corpus's next document: its blocks, already in its own store, follow the others'."""
+        self.shards.add(shard)
 
-    def _new_index(self, data: np.ndarray | None = None) -> LandmarkIndex:
-        o = self.options
-        if data is None:
-            return LandmarkIndex(o.index, self.shape.head_dim, **o.index_options)
-        return LandmarkIndex.from_bytes(o.index, self.shape.head_dim, data, **o.index_options)
+    def start(self, streams: int) -> None:
+        """Fix the number of streams and create their (empty) landmark keys and indexes."""
+        self.streams, D = streams, self.shape.head_dim
+        self.keys = [[[KeyRows(D, None if self.key_path is None else self.key_path / key_file(b, layer, h),
+                               writable=not self.readonly) for h in range(self.shape.n_kv_head)]
+                      for layer in range(self.shape.n_layer)] for b in range(streams)]
+        self.indexes = self._grid()
+
+    def _grid(self, overlay: bool = False) -> list[list[list[LandmarkIndex]]]:
+        """Empty indexes per [stream][layer][key/value head]: the memory's (a flat one over its
+        keys), or exact ones with rows of their own (a read-only memory's ``overlay``)."""
+        o, D = self.options, self.shape.head_dim
+        if overlay:
+            return [[[LandmarkIndex("flat", D) for _ in range(self.shape.n_kv_head)] for _ in range(self.shape.n_layer)]
+                    for _ in range(self.streams)]
+        return [[[LandmarkIndex(o.index, D, rows=self.keys[b][layer][h] if o.index == "flat" else None,
+                                **o.index_options) for h in range(self.shape.n_kv_head)]
+                 for layer in range(self.shape.n_layer)] for b in range(self.streams)]
 
     # ---- adding ---------------------------------------------------------------------------
     def add_chunk(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor) -> None:
@@ -111,31 +140,47 @@ class BlockMemory:
             self.store.put(items)
         self.add_blocks(landmarks, ids)
 
-    def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray) -> None:
+    def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *, indexed: bool = True) -> None:
         """Add blocks whose keys and values the store holds already: per layer their landmark
-        keys (B, H_kv, n, D), and their normal token ids (B, n * block_size)."""
-        B, nb = self.streams, self.n_blocks
-        n_new = ids.shape[1] // self.shape.block_size
-        for layer, lm in enumerate(landmarks):
-            H, D = lm.shape[1], lm.shape[-1]
-            buf = self.landmarks[layer]
-            if buf is None or buf.shape[2] < nb + n_new:  # grow by doubling: appends stay O(1)
-                grown = lm.new_empty((B, H, max(2 * nb, nb + n_new), D), device=self.device, dtype=self.dtype)
-                if buf is not None:
-                    grown[:, :, :nb] = buf[:, :, :nb]
-                self.landmarks[layer] = buf = grown
-            buf[:, :, nb:nb + n_new] = lm
-            xb = lm.float().cpu().numpy()
-            for b in range(B):
-                for h in range(H):
-                    self.indexes[b][layer][h].add(xb[b, h])
+        keys (B, H_kv, n, D), and their normal token ids (B, n * block_size). A read-only
+        memory's go to its overlay; ``indexed=False`` leaves the indexes to the caller."""
+        if self.base is not None and not self.overlay:
+            self.overlay = self._grid(overlay=True)
+        with self._key_errors():
+            for layer, lm in enumerate(landmarks):
+                xb = lm.float().cpu().numpy()  # (B, H, n, D)
+                for b in range(self.streams):
+                    for h in range(xb.shape[1]):
+                        if self.base is not None:  # a read-only memory's own blocks: an exact overlay
+                            self.overlay[b][layer][h].add(xb[b, h])
+                            continue
+                        ix = self.indexes[b][layer][h]
+                        if ix.rows is None:  # an index of its own kind: the keys lie beside it
+                            self.keys[b][layer][h].append(xb[b, h])
+                        if indexed or ix.rows is not None:  # (a flat index appends to the keys it searches)
+                            ix.add(xb[b, h])
+        self._add_ids(ids)
+
+    def _add_ids(self, ids: torch.Tensor | np.ndarray) -> None:
         self.chunk_ids.append(ids.to("cpu", torch.int32).numpy() if torch.is_tensor(ids) else ids.astype(np.int32))
-        self.n_blocks += n_new
+        self.n_blocks += ids.shape[1] // self.shape.block_size
+
+    def _key_errors(self):
+        return disk_errors(f"the landmark keys of {self.where}")
 
     # ---- reading --------------------------------------------------------------------------
     def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
-        """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``."""
-        return self.landmarks[layer][:, :, :self.n_blocks][:, :, blocks]
+        """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``, in the model's dtype."""
+        ids = np.arange(self.n_blocks)[blocks] if isinstance(blocks, slice) else blocks.cpu().numpy()
+        base = self.n_blocks if self.base is None else self.base
+        saved, fed = ids < base, ids >= base
+        out = np.empty((self.streams, self.shape.n_kv_head, len(ids), self.shape.head_dim), np.float32)
+        for b in range(self.streams):
+            for h in range(self.shape.n_kv_head):
+                out[b, h, saved] = self.keys[b][layer][h].array()[ids[saved]]
+                if fed.any():
+                    out[b, h, fed] = self.overlay[b][layer][h].rows.array()[ids[fed] - base]
+        return torch.from_numpy(out).to(self.device, self.dtype)
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int,
                group: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -155,7 +200,7 @@ class BlockMemory:
         """
         B, H, Tq, dim = xq.shape
         if need is None:  # every query: each key/value head's query heads in one call, no masks
-            out = [self.indexes[b][layer][g].search(xq[b, g * group:(g + 1) * group].reshape(-1, dim), k, lo, hi)
+            out = [self._search(b, layer, g, xq[b, g * group:(g + 1) * group].reshape(-1, dim), k, lo, hi)
                    for b in range(B) for g in range(H // group)]
             return (np.stack([d for d, _ in out]).reshape(B, H, Tq, k), np.stack([i for _, i in out]).reshape(B, H, Tq, k),
                     0)
@@ -167,8 +212,23 @@ class BlockMemory:
                 heads = slice(g * group, (g + 1) * group)
                 sel = need[b, heads]  # (group, T_q)
                 if sel.any():
-                    D[b, heads][sel], I[b, heads][sel] = self.indexes[b][layer][g].search(xq[b, heads][sel], k, lo, hi)
+                    D[b, heads][sel], I[b, heads][sel] = self._search(b, layer, g, xq[b, heads][sel], k, lo, hi)
         return D, I, skipped
+
+    def _search(self, b: int, layer: int, h: int, xq: np.ndarray, k: int, lo: int, hi: int):
+        """``(D, I)`` (nq, k): the top ``k`` of blocks ``[lo, hi)`` of one index, or of the saved
+        blocks and the overlay merged (the higher score first; of equal ones, the saved block)."""
+        base = self.n_blocks if self.base is None else self.base
+        D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
+        if hi <= base:
+            return D, I
+        Do, Io = self.overlay[b][layer][h].search(xq, k, max(lo, base) - base, hi - base)
+        Io = np.where(Io >= 0, Io + base, -1)
+        if lo >= base:
+            return Do, Io
+        D, I = np.concatenate([D, Do], 1), np.concatenate([I, Io], 1)
+        order = np.argsort(-D, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(D, order, 1), np.take_along_axis(I, order, 1)
 
     def pool(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                             torch.Tensor | None]:
@@ -201,7 +261,7 @@ class BlockMemory:
         return np.concatenate([c[stream] for c in self.chunk_ids])
 
     def all_indexes(self) -> list[LandmarkIndex]:
-        return [ix for stream in self.indexes for layer in stream for ix in layer]
+        return [ix for grid in (self.indexes, self.overlay) for stream in grid for layer in stream for ix in layer]
 
     def index(self, stream: int, layer: int, head: int) -> LandmarkIndex:
         """The landmark index of key/value head ``head`` of ``layer`` in ``stream``."""
@@ -210,17 +270,17 @@ class BlockMemory:
     def usage(self) -> tuple[int, int]:
         """``(fast, store)`` bytes: landmark keys, indexes and resident hot blocks; every
         block's keys and values in the store."""
-        fast = sum(t[:, :, :self.n_blocks].numel() * t.element_size() for t in self.landmarks if t is not None)
-        fast += sum(ix.nbytes for ix in self.all_indexes()) + self.cache.bytes
+        keys = [r for stream in self.keys for layer in stream for r in layer]
+        fast = sum(r.nbytes for r in keys) + self.cache.bytes
+        fast += sum(ix.nbytes for ix in self.all_indexes() if not any(ix.rows is r for r in keys))
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
 
     # ---- saving and loading ---------------------------------------------------------------
     def rows_since(self, layout: RowLayout, first: int) -> dict[str, bytes]:
-        """``{file: bytes}``, the rows of blocks ``[first, n_blocks)`` for ``tokens.bin`` and
-        ``landmarks.bin``."""
+        """``{file: bytes}``, the rows of blocks ``[first, n_blocks)`` for ``tokens.bin``."""
         nb, bs = self.n_blocks, self.shape.block_size
         if nb <= first:
-            return {TOKENS: b"", LANDMARKS: b""}
+            return {TOKENS: b""}
         tail, n = [], nb  # the id arrays added since block ``first`` (commits fall between additions)
         for ids in reversed(self.chunk_ids):
             if n <= first:
@@ -228,32 +288,71 @@ class BlockMemory:
             tail.append(ids)
             n -= ids.shape[1] // bs
         ids = np.concatenate(tail[::-1], 1)  # (B, (nb - first) * bs)
-        return {TOKENS: layout.encode_tokens(ids),
-                LANDMARKS: layout.encode_landmarks([t[:, :, first:nb] for t in self.landmarks])}
+        return {TOKENS: layout.encode_tokens(ids)}
+
+    def sync_keys(self, first: int, crcs: dict[str, int]) -> dict[str, int]:
+        """Make the landmark keys durable; ``{key file: CRC-32}`` of all its rows, carried on
+        from ``crcs`` (those of its rows before block ``first``)."""
+        out = {}
+        with self._key_errors():
+            for b, stream in enumerate(self.keys):
+                for layer, heads in enumerate(stream):
+                    for h, rows in enumerate(heads):
+                        rows.sync()
+                        name = key_file(b, layer, h)
+                        out[name] = rows.crc32(first, crcs.get(name, 0))
+        return out
 
     def index_state(self) -> dict[str, torch.Tensor]:
-        """Every index in FAISS's serialisation, named ``index.<stream>.<layer>.<head>``."""
+        """Every index in FAISS's serialisation, named ``index.<stream>.<layer>.<head>``; none
+        for a kind that the landmark rows rebuild (``index.derived_from_rows``)."""
+        if derived_from_rows(self.options.index):
+            return {}
         return {f"index.{b}.{layer}.{h}": torch.from_numpy(ix.to_bytes())
                 for b, s in enumerate(self.indexes) for layer, heads in enumerate(s) for h, ix in enumerate(heads)}
 
-    def load(self, layout: RowLayout, n_blocks: int, rows: dict[str, bytes], state: dict[str, torch.Tensor],
-             where: Path) -> None:
-        """Restore ``n_blocks`` committed blocks from their rows and index state, checked
-        against the store (``where`` names the memory in errors)."""
-        B, bs, cfg = layout.streams, self.shape.block_size, self.shape
-        self.streams, self.n_blocks = B, n_blocks
-        tok = layout.decode_tokens(rows[TOKENS])  # (nb, B, bs)
-        per_chunk = self.options.chunk_size // bs
-        self.chunk_ids = [tok[c:c + per_chunk].transpose(1, 0, 2).reshape(B, -1) for c in range(0, n_blocks, per_chunk)]
-        if n_blocks:
-            self.landmarks = layout.decode_landmarks(rows[LANDMARKS], self.device)
-        try:
-            self.indexes = [[[self._new_index(state[f"index.{b}.{layer}.{h}"].numpy()) for h in range(cfg.n_kv_head)]
-                             for layer in range(cfg.n_layer)] for b in range(B)]
-        except (KeyError, RuntimeError, ValueError) as e:  # a missing entry, or bytes FAISS cannot read
-            raise MemoryFileError(f"the state file of {where} lacks or garbles a landmark index ({e}); the memory "
-                                  "is damaged: restore it from a backup or rebuild it") from None
-        if any(ix.ntotal != n_blocks for ix in self.all_indexes()):
+    def extend(self, layout: RowLayout, n_blocks: int, rows: dict[str, bytes], state: dict[str, torch.Tensor],
+               where: Path) -> None:
+        """Add the committed blocks ``[self.n_blocks, n_blocks)`` from their rows (``rows``,
+        theirs only) and the commit's index ``state``, checked against the store (``where``
+        names the memory in errors): all of them when a memory opens, those a writer committed
+        since when a read-only one follows it. Exact flat indexes are rebuilt from the rows,
+        other kinds read from the state. A read-only memory must be rewound first."""
+        if self.base is not None and self.n_blocks != self.base:
+            raise RuntimeError("rewind a read-only memory before it takes new saved blocks")
+        B, cfg = layout.streams, self.shape
+        if self.streams is None:
+            self.start(B)
+        derived = derived_from_rows(self.options.index)
+        if n_blocks > self.n_blocks:
+            first = self.n_blocks
+            ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(B, -1)  # (B, n * block_size)
+            if LANDMARKS in rows:  # a memory from before key files: its keys are rows of landmarks.bin
+                base, self.base = self.base, None  # saved blocks go to ``indexes``
+                self.add_blocks(layout.decode_landmarks(rows[LANDMARKS], self.device), ids, indexed=derived)
+                self.base = base
+            else:  # the key files hold them: mapped as far as they count now
+                with self._key_errors():
+                    for stream in self.keys:
+                        for layer in stream:
+                            for r in layer:
+                                r.follow(n_blocks)
+                for b, stream in enumerate(self.indexes):  # an exact GPU index takes a copy of the new keys
+                    for layer, heads in enumerate(stream):
+                        for h, ix in enumerate(heads):
+                            if derived and ix.rows is None:
+                                ix.add(self.keys[b][layer][h].array()[first:])
+                self._add_ids(ids)
+        if not derived:
+            try:
+                self.indexes = [[[LandmarkIndex.from_bytes(self.options.index, cfg.head_dim,
+                                                           state[f"index.{b}.{layer}.{h}"].numpy(),
+                                                           **self.options.index_options)
+                                  for h in range(cfg.n_kv_head)] for layer in range(cfg.n_layer)] for b in range(B)]
+            except (KeyError, RuntimeError, ValueError) as e:  # a missing entry, or bytes FAISS cannot read
+                raise MemoryFileError(f"the state file of {where} lacks or garbles a landmark index ({e}); the "
+                                      "memory is damaged: restore it from a backup or rebuild it") from None
+        if any(ix.ntotal != n_blocks for stream in self.indexes for layer in stream for ix in layer):
             raise MemoryFileError(f"the indexes of {where} do not hold the {n_blocks} blocks the manifest names; "
                                   "the memory is damaged: restore it from a backup or rebuild it")
         try:
@@ -262,6 +361,23 @@ class BlockMemory:
         except (KeyError, StoreDamagedError):
             raise MemoryFileError(f"the block store of {where} lacks blocks the manifest names, or they are "
                                   "damaged; restore the memory from a backup or rebuild it") from None
+        if self.base is not None:
+            self.base, self._base_chunks = self.n_blocks, len(self.chunk_ids)
+
+    def rewind(self) -> None:
+        """Forget the blocks a read-only memory took since it opened or last followed a commit:
+        its overlay, their tokens, their keys and values (in the store and the hot cache)."""
+        if self.base is None or self.n_blocks == self.base:
+            return
+        self.n_blocks, self.chunk_ids, self.overlay = self.base, self.chunk_ids[:self._base_chunks], []
+        self.store.forget()
+        base = self.base
+        self.cache.forget(lambda key: key[2] >= base)
 
     def close(self) -> None:
+        """Release the key files (a writer's cut to the keys that count) and the store."""
+        for stream in self.keys:
+            for layer in stream:
+                for r in layer:
+                    r.close()
         self.store.close()

@@ -14,10 +14,14 @@ The build's driver is the corpus's one writer: it merges a document once its rea
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from ..index.rows import KeyRows
 from ..storage.sharded import Shard
-from .directory import MANIFEST, MemoryDir
+from .directory import MANIFEST, MemoryDir, disk_errors
 from .engine import LandmarkMemory
-from .manifest import DOCUMENT_FOLDER, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError
+from .manifest import DOCUMENT_FOLDER, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
 
 
 def document_manifest(corpus: MemoryDir, folder: str) -> Manifest | None:
@@ -60,19 +64,32 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
         raise MemoryFileError(f"the document {d.path} was read with other store or chunk options than its corpus; "
                               "remove that folder and build again to read it anew")
     entry, bs = m.inputs[0], mem.shape.block_size
-    rows = d.read_block_rows(m)
+    rows, _ = d.read_block_rows(m)
     layout = m.rows
     ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(layout.streams, -1)  # (1, n * bs)
     if mem.streams is None:
         mem.blocks.start(1)
     start = mem.n_blocks
     if m.blocks:
-        mem.blocks.add_blocks(layout.decode_landmarks(rows[LANDMARKS], mem.device), ids)
-    mem.blocks.store.add(Shard(start, m.blocks, folder))
+        mem.blocks.add_blocks(saved_landmarks(d, m, rows, mem.device), ids)
+    mem.blocks.add_shard(Shard(start, m.blocks, folder))
     record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
                          ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder)
     mem.inputs.append(record)
     return record
+
+
+def saved_landmarks(d: MemoryDir, m: Manifest, rows: dict[str, bytes], device: torch.device) -> list[torch.Tensor]:
+    """Per layer the landmark keys (streams, H_kv, n, D) of the committed blocks of the memory in
+    ``d`` (its manifest ``m``): from its key files, or from ``rows`` (its ``landmarks.bin``, read
+    whole) before format 5."""
+    if LANDMARKS in rows:
+        return m.rows.decode_landmarks(rows[LANDMARKS], device)
+    s, folder = m.model.shape, d.key_path()
+    with disk_errors(f"the landmark keys of {d.path}"):
+        return [torch.from_numpy(np.stack([np.stack([
+            KeyRows(s.head_dim, folder / key_file(b, layer, h), writable=False, n=m.blocks).array()
+            for h in range(s.n_kv_head)]) for b in range(m.streams)])).to(device) for layer in range(s.n_layer)]
 
 
 @dataclass

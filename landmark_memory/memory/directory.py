@@ -5,18 +5,20 @@ A memory directory holds (docs/DESIGN.md, "On-disk format"):
 - ``manifest.json``: format version, model fingerprint and config, options, counts, the
   commit counter, the inputs ingested, checksums of the other files; written last,
   atomically: it *is* the commit;
-- ``state.<commit>.safetensors``: every FAISS index (FAISS's own serialisation, as uint8
-  tensors) and the incomplete chunk (its token ids, keys and values);
-- ``tokens.bin`` / ``landmarks.bin``: append-only raw rows, one per block (token ids as int32;
-  landmark keys of every layer and head in the model's dtype); only the first ``blocks`` rows
-  count, a writer cuts any tail a crash left;
+- ``state.<commit>.safetensors``, where there is something to keep: every approximate FAISS
+  index (FAISS's own serialisation, as uint8 tensors) and the incomplete chunk (its token ids,
+  keys and values);
+- ``tokens.bin``: append-only raw rows, one per block (token ids as int32); only the first
+  ``blocks`` rows count, a writer cuts any tail a crash left;
+- ``keys/``: the landmark keys, a float32 file per (stream, layer, key/value head), mapped and
+  appended in place (``index.rows.KeyRows``); rows past ``blocks`` are scratch;
 - ``store/lmdb`` or ``store/mmap``: block keys and values (each with a CRC-32), written when
   a chunk completes, one transaction per chunk; blocks past the committed count are ignored
   and rewritten;
 - ``writer.lock``: held (``flock``) by the one process that may write.
 
-Commit order: store transactions (already done), raw rows (fsync), the state file (temp file,
-fsync, rename), the manifest (same), then older state files go. A process killed at any
+Commit order: store transactions (already done), raw rows and key files (fsync), the state
+file (temp file, fsync, rename), the manifest (same), then older state files go. A process killed at any
 instant leaves the previous manifest pointing at files that are all complete. Nothing here
 follows a symbolic link, and every name read from a manifest stays inside the directory.
 """
@@ -29,6 +31,7 @@ import json
 import os
 import re
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -38,8 +41,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
+from ..index.rows import KeyFileError
 from ..storage import StoreWriteError
-from .manifest import Manifest, MemoryFileError, StateFile
+from .manifest import KEYS, LANDMARKS, Manifest, MemoryFileError, StateFile
 
 MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
 STATE_NAME = re.compile(r"state\.\d+\.safetensors")
@@ -52,14 +56,25 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 UNFINGERPRINTED = {"transformers_version", "architectures", "use_cache", "landmark_backend", "cmt", "p_cmt", "p_jump"}
 
 
+_FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """sha256 of a model's config and weights: a memory only makes sense with the model that
-    computed its keys and values."""
+    computed its keys and values. Hashed once per loaded model (SmolLM2's weights take most of a
+    second): kept until its config or any weight changes (a tensor replaced, or written in place,
+    which moves its version counter)."""
     config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in UNFINGERPRINTED}
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for name, t in sorted(model.state_dict().items()):
+    state = sorted(model.state_dict().items())
+    seen = (json.dumps(config, sort_keys=True), tuple((name, t.data_ptr(), t._version) for name, t in state))
+    cached = _FINGERPRINTS.get(model)
+    if cached is not None and cached[0] == seen:
+        return cached[1]
+    h = hashlib.sha256(seen[0].encode())
+    for name, t in state:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    _FINGERPRINTS[model] = seen, h.hexdigest()
     return h.hexdigest()
 
 
@@ -69,6 +84,8 @@ def disk_errors(what: str):
     what to do; the memory stays at its last commit."""
     try:
         yield
+    except KeyFileError as e:  # a key file that is a link, or shorter than its rows
+        raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
     except LinkError as e:
         raise MemoryFileError(f"{e.strerror}: a memory writes only its own files, never through a link; "
                               "remove the link (or choose another folder)") from None
@@ -236,30 +253,57 @@ class MemoryDir:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def read_rows(self, name: str, nbytes: int) -> bytes:
-        """The first ``nbytes`` of file ``name``; a writer cuts what follows (an uncommitted tail)."""
+    def read_rows(self, name: str, nbytes: int, offset: int = 0) -> bytes:
+        """Bytes ``[offset, offset + nbytes)`` of file ``name``, committed rows; a writer cuts
+        what follows (an uncommitted tail)."""
         f = self.path / name
         if f.is_symlink():
             raise MemoryFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the "
                                   "link, or restore the memory from a backup")
-        size = f.stat().st_size if f.is_file() else -1
-        if nbytes == 0 and size < 0:  # nothing committed yet: the file need not exist
+        size, end = f.stat().st_size if f.is_file() else -1, offset + nbytes
+        if end == 0 and size < 0:  # nothing committed yet: the file need not exist
             return b""
-        if size < nbytes:
-            raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {nbytes} bytes)")
-        data = self._read(name, nbytes)
-        if self.writable and size > nbytes:
-            os.truncate(f, nbytes)
+        if size < end:
+            raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {end} bytes)")
+        with os.fdopen(open_nofollow(f, os.O_RDONLY), "rb") as fh:
+            fh.seek(offset)
+            data = fh.read(nbytes)
+        if self.writable and size > end:
+            os.truncate(f, end)
         return data
 
-    def read_block_rows(self, manifest: Manifest) -> dict[str, bytes]:
-        """``{name: bytes}``, the committed rows of ``tokens.bin`` and ``landmarks.bin``,
-        checked against the manifest's CRC-32s (memories written before those were kept: not)."""
-        rows = {name: self.read_rows(name, manifest.blocks * n) for name, n in manifest.rows.sizes.items()}
-        for name, crc in (manifest.rows_crc or {}).items():
-            if zlib.crc32(rows[name]) != crc:
+    def read_block_rows(self, manifest: Manifest, first: int = 0,
+                        crcs: dict[str, int] | None = None) -> tuple[dict[str, bytes], dict[str, int]]:
+        """``({name: bytes}, {name: CRC-32})``: the committed rows of the files read whole
+        (``tokens.bin``; and ``landmarks.bin`` before format 5) from block ``first`` on, checked against the manifest's CRC-32s
+        (memories written before those were kept: not), which carry on from ``crcs``, the
+        CRC-32s of the rows before ``first`` (0 from the start); and the CRC-32s of all rows."""
+        sizes = manifest.rows.sizes
+        rows = {name: self.read_rows(name, (manifest.blocks - first) * n, first * n) for name, n in sizes.items()}
+        crcs = {name: zlib.crc32(data, (crcs or {}).get(name, 0)) for name, data in rows.items()}
+        for name in rows:
+            if name in (manifest.rows_crc or {}) and crcs[name] != manifest.rows_crc[name]:
                 raise _damaged(str(self.path / name), "is corrupted (its CRC-32 differs from the manifest's)")
-        return rows
+        return rows, crcs
+
+    def check_key_files(self, manifest: Manifest) -> None:
+        """Every key file of the commit ``manifest`` holds its committed rows (sizes only: the
+        CRC-32s are ``verify``'s); a missing or short one is named."""
+        need = manifest.blocks * manifest.rows.key_row_bytes
+        for name in manifest.key_files():
+            f = self.path / name
+            size = f.stat().st_size if f.is_file() and not f.is_symlink() else -1
+            if size < need:
+                raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {need} bytes)")
+
+    def key_path(self) -> Path:
+        """The memory's folder, whose ``keys/`` holds its key files; refused when ``keys/`` is a
+        symbolic link (each file is opened without following one)."""
+        keys = self.path / KEYS
+        if os.path.islink(keys):
+            raise MemoryFileError(f"{keys} is a symbolic link: a memory writes only its own files; remove the link "
+                                  "(or restore the memory from a backup)")
+        return self.path
 
     # ---- per-commit state files ---------------------------------------------------------
     def read_commit(self) -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -297,7 +341,8 @@ class MemoryDir:
             raise _damaged(str(f), f"cannot be read ({e})") from None
 
     def drop_old_states(self, keep: str | None) -> None:
-        """Remove state files other than ``keep`` and temporary files a stopped commit left."""
+        """Remove state files other than ``keep``, temporary files a stopped commit left, and
+        ``landmarks.bin`` of a memory converted to key files (format 5)."""
         for f in self.path.iterdir():
-            if (STATE_NAME.fullmatch(f.name) and f.name != keep) or TEMPORARY.fullmatch(f.name):
+            if (STATE_NAME.fullmatch(f.name) and f.name != keep) or TEMPORARY.fullmatch(f.name) or f.name == LANDMARKS:
                 f.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_l
 from ..rope import RotaryEmbedding, rotation_dtype
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
-from .manifest import LANDMARKS, TOKENS, InputRecord, Manifest, ModelShape
+from .manifest import TOKENS, InputRecord, Manifest, ModelShape
 from .options import MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy
@@ -113,9 +113,12 @@ class LandmarkMemory(SavedMemory):
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
+        self._saved_pending = self.pending_ids, self.pending_kv  # the open chunk of the commit a reader holds
+        self.manifest: Manifest | None = None  # the last commit this memory wrote or read (None: never saved)
         self.inputs: list[InputRecord] = []
         self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
-        self._rows_crc = {TOKENS: 0, LANDMARKS: 0}  # CRC-32 of the committed rows of each row file
+        self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
+        self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
         self._fingerprint, self._closed, self.documents = None, False, False
 
     # ---- public -------------------------------------------------------------------------

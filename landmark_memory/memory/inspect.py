@@ -2,22 +2,30 @@
 and ``verify`` (``info --verify``: every file and stored block checked, each problem named, the
 file or the block of the store, so a user knows what is damaged). Nothing is written."""
 
+import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..index import LandmarkIndex
+from ..index import LandmarkIndex, derived_from_rows
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
 from .manifest import Manifest, MemoryFileError
 
 
-def describe(path: str | Path) -> dict:
-    """The manifest's facts about the memory at ``path``, its state and row files checked."""
+def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
+    """The manifest's facts about the memory at ``path``, its state and row files checked; or,
+    given the ``manifest`` of the commit an open memory holds (checked when it opened), those
+    facts without reading the memory again (the folder's sizes and, for a corpus, the
+    documents not merged yet are looked at)."""
     d = MemoryDir(path, writable=False)
-    m, _ = d.read_commit()
-    d.read_block_rows(m)  # present, long enough and (format 3 on) matching their CRC-32
-    disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    m = manifest
+    if m is None:
+        m, _ = d.read_commit()
+        d.read_block_rows(m)  # present, long enough and (format 3 on) matching their CRC-32
+        d.check_key_files(m)  # present and long enough
+    disk = _folder_bytes(Path(path))
     o = m.options
     if m.documents:
         starts = {e.document: e.start for e in m.inputs}
@@ -28,12 +36,26 @@ def describe(path: str | Path) -> dict:
     else:
         inputs = [{"path": e.path, "tokens": e.tokens, "ingested": e.ingested, "start": e.start, "sha256": e.sha256,
                    "status": "left" if e.abandoned else "done" if e.done else "partial"} for e in m.inputs]
+    # on disk: the memory's tokens and, in a corpus, those of its documents not merged yet
+    read = m.tokens + sum(e["ingested"] for e in inputs if m.documents and e["status"] in ("read", "partial"))
     return {"memory": str(path), "tokens": m.tokens, "blocks": m.blocks, "pending_tokens": m.pending_tokens,
             "streams": m.streams, "index": o.index, "store": o.store, "store_dtype": o.store_dtype,
             "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
             "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
+            "tokens_read": read, "bytes_per_token": round(disk / read, 1) if read else None,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
             "documents": m.documents, "inputs": inputs}
+
+
+def _folder_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed)."""
+    total = 0
+    for e in os.scandir(path):
+        if e.is_dir(follow_symlinks=False):
+            total += _folder_bytes(Path(e.path))
+        elif e.is_file(follow_symlinks=False):
+            total += e.stat(follow_symlinks=False).st_size
+    return total
 
 
 @dataclass
@@ -64,10 +86,10 @@ def verify(path: str | Path) -> VerifyReport:
     rows = None
     if manifest.streams is not None:  # else nothing fed yet
         try:
-            rows = d.read_block_rows(manifest)
+            rows = all_rows(d, manifest)
         except MemoryFileError as e:
             report.problems.append(str(e))
-        _check_state(manifest, state, report)
+        _check_state(manifest, state, report, rows_sound=rows is not None)
     if manifest.documents:
         _check_documents(d, manifest, rows, report)
     elif manifest.streams is not None:
@@ -75,10 +97,24 @@ def verify(path: str | Path) -> VerifyReport:
     return report
 
 
+def all_rows(d: MemoryDir, m: Manifest) -> dict[str, tuple[bytes, int]]:
+    """``{file: (bytes, bytes per block)}``: the committed rows of every row file and key file of
+    the memory in ``d``, each checked against its CRC-32 in the manifest ``m``."""
+    rows, _ = d.read_block_rows(m)
+    out, size = {name: (data, m.rows.sizes[name]) for name, data in rows.items()}, m.rows.key_row_bytes
+    for name in m.key_files():
+        data = d.read_rows(name, m.blocks * size)
+        if name in (m.rows_crc or {}) and zlib.crc32(data) != m.rows_crc[name]:
+            raise MemoryFileError(f"{d.path / name} is corrupted (its CRC-32 differs from the manifest's); the "
+                                  "memory is damaged: restore it from a backup or rebuild it")
+        out[name] = data, size
+    return out
+
+
 def _check_documents(d: MemoryDir, m: Manifest, rows: dict | None, report: VerifyReport) -> None:
     """Every document of a corpus verified as the memory it is, and the corpus's rows of each
     merged one equal to the document's own."""
-    bs, sizes = m.model.shape.block_size, m.rows.sizes
+    bs = m.model.shape.block_size
     merged = {e.document: e for e in m.inputs}
     for s in document_states(d, m.inputs):
         where = f"document {s.folder} ({s.name or 'unnamed'})"
@@ -95,16 +131,20 @@ def _check_documents(d: MemoryDir, m: Manifest, rows: dict | None, report: Verif
         if e is None or rows is None or sub.problems:
             continue
         doc = d.document(s.folder)
-        own = doc.read_block_rows(doc.read_manifest())
+        own = all_rows(doc, doc.read_manifest())
         n = e.ingested // bs
-        for name, size in sizes.items():
-            if rows[name][first * size:(first + n) * size] != own[name][:n * size]:
+        for name, (data, size) in rows.items():
+            if name in own and data[first * size:(first + n) * size] != own[name][0][:n * size]:
                 report.problems.append(f"{where}: the corpus's {name} rows differ from the document's own")
 
 
-def _check_state(m: Manifest, state: dict, report: VerifyReport) -> None:
+def _check_state(m: Manifest, state: dict, report: VerifyReport, rows_sound: bool) -> None:
+    """The state file's indexes and open chunk; an exact flat index is its landmark rows, sound
+    when they are (``rows_sound``)."""
     shape, o = m.model.shape, m.options
-    for b in range(m.streams):
+    if derived_from_rows(o.index):
+        report.indexes_checked += m.streams * shape.n_layer * shape.n_kv_head if rows_sound else 0
+    for b in range(0 if derived_from_rows(o.index) else m.streams):
         for layer in range(shape.n_layer):
             for h in range(shape.n_kv_head):
                 name = f"index.{b}.{layer}.{h}"
@@ -121,7 +161,7 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport) -> None:
                     report.problems.append(f"{name} holds {n} landmark keys, the manifest names {m.blocks} blocks")
     for name, s in m.pending_shapes().items():
         if name not in state or tuple(state[name].shape) != s:
-            report.problems.append(f"the state file {m.state.name} lacks or misshapes {name} (want {s})")
+            report.problems.append(f"the state file {m.state.name if m.state else '(none)'} lacks or misshapes {name} (want {s})")
 
 
 def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport) -> None:

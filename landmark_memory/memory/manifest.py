@@ -2,9 +2,10 @@
 
 ``manifest.json`` (docs/DESIGN.md, "On-disk format") is written from a ``Manifest`` and read
 back into one; nothing else reads its JSON. ``RowLayout`` owns the layout of ``tokens.bin``
-and ``landmarks.bin``: one row per block, token ids as int32 (streams, block_size) and the
-landmark keys of every layer and key/value head (streams, n_layer, n_kv_head, head_dim) in
-the model's dtype.
+(one row per block, token ids as int32 (streams, block_size)) and of the landmark keys: from
+format 5 one file per (stream, layer, key/value head) of float32 rows (``key_file``), before
+it the rows of ``landmarks.bin`` (every layer and key/value head's keys of a block,
+(streams, n_layer, n_kv_head, head_dim) in the model's dtype), still read.
 """
 
 import re
@@ -18,10 +19,17 @@ from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
 
 FORMAT = "landmark-memory/memory"
-# 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents
-FORMAT_VERSION = 4
-TOKENS, LANDMARKS = "tokens.bin", "landmarks.bin"
+# 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents;
+# 5: landmark keys in keys/ (a file per stream, layer and key/value head, mapped), no exact flat index in the
+# state file (it searches those files), and no state file when there is nothing else to keep
+FORMAT_VERSION = 5
+TOKENS, LANDMARKS, KEYS = "tokens.bin", "landmarks.bin", "keys"
 DOCUMENT_FOLDER = re.compile(r"docs/[0-9a-f]{16}")  # a corpus's documents, named by their content's sha256
+
+
+def key_file(stream: int, layer: int, head: int) -> str:
+    """The file of the landmark keys of one (stream, layer, key/value head), relative to the memory."""
+    return f"{KEYS}/s{stream}_l{layer}_h{head}.f32"
 
 
 def document_folder(sha256: str) -> str:
@@ -105,10 +113,17 @@ class Manifest:
     rows_crc: dict[str, int] | None = None  # CRC-32 of the committed rows per row file (format 3 on)
     updated: str = ""
     documents: bool = False  # a corpus (format 4): inputs are documents, their blocks in their own stores
+    version: int = FORMAT_VERSION  # as read (a commit writes FORMAT_VERSION)
 
     @property
     def rows(self) -> "RowLayout":
-        return RowLayout(self.streams or 0, self.model.shape, DTYPES[self.model.dtype])
+        return RowLayout(self.streams or 0, self.model.shape, DTYPES[self.model.dtype], self.version < 5)
+
+    def key_files(self) -> list[str]:
+        """The memory's key files (format 5; none before it, whose keys are in ``landmarks.bin``)."""
+        s = self.model.shape
+        return [key_file(b, layer, h) for b in range(self.streams or 0) for layer in range(s.n_layer)
+                for h in range(s.n_kv_head)] if self.version >= 5 else []
 
     def pending_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and
@@ -157,7 +172,7 @@ class Manifest:
                     inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
                     state=StateFile(**files["state"]) if "state" in files else None,
                     rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""),
-                    documents=bool(doc.get("documents", False)))
+                    documents=bool(doc.get("documents", False)), version=version)
         except (KeyError, TypeError, AttributeError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
@@ -171,17 +186,24 @@ class Manifest:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Bytes of one block's row in ``tokens.bin`` and ``landmarks.bin`` for ``streams`` streams."""
+    """Bytes of one block's row in the files read whole when a memory opens, for ``streams``
+    streams: ``tokens.bin``, and ``landmarks.bin`` in a memory from before key files (``legacy``)."""
 
     streams: int
     shape: ModelShape
     dtype: torch.dtype
+    legacy: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
         s = self.shape
-        return {TOKENS: self.streams * s.block_size * 4,
-                LANDMARKS: self.streams * s.n_layer * s.n_kv_head * s.head_dim * self.dtype.itemsize}
+        return {TOKENS: self.streams * s.block_size * 4, **({LANDMARKS: self.streams * s.n_layer * s.n_kv_head *
+                                                            s.head_dim * self.dtype.itemsize} if self.legacy else {})}
+
+    @property
+    def key_row_bytes(self) -> int:
+        """Bytes of one block's row in a key file: a float32 key."""
+        return self.shape.head_dim * 4
 
     def encode_tokens(self, ids: np.ndarray) -> bytes:
         """Rows of token ids ``ids`` int (streams, n * block_size) of n blocks."""
@@ -192,13 +214,8 @@ class RowLayout:
         """int32 (n, streams, block_size) token ids of n rows."""
         return np.frombuffer(data, np.int32).reshape(-1, self.streams, self.shape.block_size)
 
-    def encode_landmarks(self, keys: list[torch.Tensor]) -> bytes:
-        """Rows of landmark keys, ``keys`` per layer (streams, H_kv, n, D)."""
-        lm = torch.stack(keys, 2)  # (B, H, n_layer, n, D)
-        return lm.permute(3, 0, 2, 1, 4).contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
     def decode_landmarks(self, data: bytes, device: torch.device) -> list[torch.Tensor]:
-        """Per layer the landmark keys (streams, H_kv, n, D) of n rows."""
+        """Per layer the landmark keys (streams, H_kv, n, D) of n rows of ``landmarks.bin``."""
         s = self.shape
         lm = torch.frombuffer(bytearray(data), dtype=self.dtype).view(-1, self.streams, s.n_layer, s.n_kv_head,
                                                                        s.head_dim).to(device)

@@ -8,13 +8,14 @@ documents', read from their stores (``memory/corpus.py`` merges them).
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
-from .manifest import TOKENS, InputRecord, Manifest, MemoryFileError, ModelRecord
+from .manifest import LANDMARKS, TOKENS, Manifest, MemoryFileError, ModelRecord
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
@@ -29,15 +30,17 @@ class SavedMemory:
     """The saving half of ``LandmarkMemory``: everything here needs the attributes that
     ``LandmarkMemory._setup`` makes."""
 
-    def _new_blocks(self, readonly: bool, inputs: list[InputRecord] = ()) -> BlockMemory:
-        """The memory's blocks; a corpus reads those of ``inputs``, its documents, from their stores."""
-        bs, shards = self.shape.block_size, None
-        if self.documents:  # their stores open, and are checked, when first read
-            shards = [Shard(e.start // bs, e.ingested // bs, e.document) for e in inputs]
-        return BlockMemory(self.shape, self.options, store_path=None if self.dir is None or self.documents else
+    def _new_blocks(self, readonly: bool, key_files: bool = True) -> BlockMemory:
+        """The memory's blocks, none yet; a corpus reads those of its documents from their stores
+        (``BlockMemory.add_shard``). ``key_files``: its landmark keys are (or, for a writer, will
+        be) in its key files; else in memory (a reader of a memory from before them)."""
+        shards = [] if self.documents else None  # their stores open, and are checked, when first read
+        saved = self.dir is not None
+        return BlockMemory(self.shape, self.options, store_path=None if not saved or self.documents else
                            self.dir.store_path(), readonly=readonly, device=self.device, dtype=self.dtype,
                            rope=self.rope, cache_bytes=self.cache_bytes, shards=shards,
-                           shard_path=lambda name: self.dir.document(name).store_path())
+                           shard_path=lambda name: self.dir.document(name).store_path(),
+                           key_path=self.dir.key_path() if saved and key_files else None)
 
     # ---- persistence --------------------------------------------------------------------
     def commit(self) -> int:
@@ -55,15 +58,18 @@ class SavedMemory:
             for name, data in self.blocks.rows_since(layout, first).items():
                 self.dir.write_rows(name, first * layout.sizes[name], data)
                 manifest.rows_crc[name] = zlib.crc32(data, self._rows_crc[name])
+            manifest.rows_crc.update(self.blocks.sync_keys(self._keys_committed, self._rows_crc))
             state = self.blocks.index_state()
             if self.pending_count:
                 state["pending_ids"] = self.pending_ids.cpu()
                 for layer, (k, _, v) in enumerate(self.pending_kv):
                     state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
-            manifest.state = self.dir.write_state(self.commit_count + 1, state)
+            manifest.state = self.dir.write_state(self.commit_count + 1, state) if state else None
         manifest.commit = self.commit_count + 1
         self.dir.write_manifest(manifest)
+        self.manifest = manifest
         self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
+        self._keys_committed = self.n_blocks
         self.dir.drop_old_states(manifest.state.name if manifest.state else None)
         return self.commit_count
 
@@ -77,7 +83,8 @@ class SavedMemory:
         path : str or Path, the memory directory.
         model : the model the memory was built with (checked by fingerprint).
         readonly : bool, read without the writer lock (any number of readers); text fed
-            afterwards stays in this process and is never saved.
+            afterwards stays in this process and is never saved: ``rewind()`` forgets it,
+            ``refresh()`` follows later commits.
         options : query-time settings to change: top_k, retrieval, position_mapping,
             max_blocks, cmt_cutoff, nprobe, ef_search. The rest was fixed when the memory was built.
         """
@@ -91,8 +98,8 @@ class SavedMemory:
             mem = cls.__new__(cls)
             mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
             mem.dir, mem.readonly, mem._fingerprint, mem.documents = d, readonly, fingerprint, manifest.documents
-            mem.blocks = mem._new_blocks(readonly, manifest.inputs)
-            mem._load(manifest, state)
+            mem.blocks = mem._new_blocks(readonly, key_files=manifest.version >= 5 or not readonly)
+            mem._follow(manifest, state)
         except BaseException:
             if mem is not None and hasattr(mem, "blocks"):
                 mem.blocks.close()
@@ -100,30 +107,72 @@ class SavedMemory:
             raise
         return mem
 
-    def _load(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
-        self.commit_count, self.inputs = manifest.commit, manifest.inputs
-        if manifest.streams is None:
-            return
-        rows = self.dir.read_block_rows(manifest)
-        self._rows_crc = {name: zlib.crc32(data) for name, data in rows.items()}
-        self.blocks.load(manifest.rows, manifest.blocks, rows, state, self.dir.path)
-        self._committed_blocks = manifest.blocks
-        tokens = self.blocks.tokens()
-        if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
-            raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
-                                  "memory is damaged: restore it from a backup or rebuild it")
+    def refresh(self) -> bool:
+        """Follow the memory's writer: take the blocks committed since this read-only memory
+        opened or last refreshed, reading only what was appended (rows, documents' stores; an
+        approximate index is read again from the state file). Text fed since is forgotten
+        first (``rewind``). Answers then equal a fresh open's. Returns whether there was a new
+        commit; a memory changed otherwise than by appending raises ``MemoryFileError``."""
+        if self.dir is None or not self.readonly:
+            raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
+                             "is the newest there is")
+        if self.dir.read_manifest().commit == self.commit_count:
+            return False
+        manifest, state = self.dir.read_commit()
+        seen, old = self.manifest, self.inputs
+        appended = (manifest.model.fingerprint == seen.model.fingerprint and manifest.options == seen.options
+                    and manifest.documents == seen.documents and manifest.blocks >= seen.blocks
+                    and manifest.commit > seen.commit and seen.streams in (None, manifest.streams)
+                    and manifest.version == seen.version
+                    and (not self.documents or manifest.inputs[:len(old)] == old))
+        if not appended:
+            raise MemoryFileError(f"the memory {self.dir.path} changed otherwise than by appending since it was "
+                                  f"opened (commit {self.commit_count}, now {manifest.commit}); open it again")
+        self.rewind()
+        self._follow(manifest, state)
+        return True
+
+    def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
+        """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
+        memory's, its documents' stores, its open chunk."""
+        first, bs = self.n_blocks, self.shape.block_size
+        self.commit_count, self.manifest = manifest.commit, manifest
+        if manifest.streams is not None:
+            rows, crcs = self.dir.read_block_rows(manifest, first, self._rows_crc)
+            self._rows_crc = {**(manifest.rows_crc or {}), **crcs}
+            self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
+            tokens = np.frombuffer(rows[TOKENS], np.int32)
+            if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
+                raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
+                                      "memory is damaged: restore it from a backup or rebuild it")
+            if self.documents:
+                for e in manifest.inputs[len(self.inputs):]:
+                    self.blocks.add_shard(Shard(e.start // bs, e.ingested // bs, e.document))
+            self.blocks.extend(manifest.rows, manifest.blocks, rows, state, self.dir.path)
+        self.inputs, self._committed_blocks = list(manifest.inputs), manifest.blocks
         expected = manifest.pending_shapes()
         wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
         if wrong:
             raise MemoryFileError(f"the state file of {self.dir.path} lacks or misshapes {', '.join(wrong[:3])}; the "
                                   "memory is damaged: restore it from a backup or rebuild it")
+        self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
         if expected:
             self.pending_ids = state["pending_ids"].to(self.device)
             pos = self._base() + torch.arange(expected["pending.0.k"][2], device=self.device)
-            self.pending_kv = []
             for layer in range(self.shape.n_layer):
                 k, v = (state[f"pending.{layer}.{n}"].to(self.device, self.dtype) for n in "kv")
-                self.pending_kv.append((k, self.rope(k, pos), v))
+                self.pending_kv[layer] = (k, self.rope(k, pos), v)
+        self._saved_pending = self.pending_ids, self.pending_kv
+
+    def rewind(self) -> None:
+        """Forget what was fed to this read-only memory since it opened or last refreshed: it
+        holds its commit again, exactly (the hot cache keeps the saved blocks it holds)."""
+        if not self.readonly:
+            raise ValueError("only a memory opened read-only rewinds; a writer keeps what it was fed (close it "
+                             "with commit=False to drop what was fed since its last commit)")
+        self.blocks.rewind()
+        self.pending_ids, self.pending_kv = self._saved_pending
+        self._recent_keys.clear()
 
     def model_record(self) -> ModelRecord:
         """The model this memory was built with, as its manifest records it (fingerprint first)."""
@@ -133,9 +182,10 @@ class SavedMemory:
                            getattr(self.model, "landmark_name", ""))
 
     def _manifest(self) -> Manifest:
+        crcs = {name: crc for name, crc in self._rows_crc.items() if name != LANDMARKS}  # format 5 has key files
         return Manifest(model=self.model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,
                         tokens=self.n_tokens, pending_tokens=self.pending_count, inputs=self.inputs,
-                        commit=self.commit_count, rows_crc=dict(self._rows_crc), documents=self.documents)
+                        commit=self.commit_count, rows_crc=crcs, documents=self.documents)
 
     def close(self, commit: bool = True) -> None:
         """Release the store and the writer lock; a writable saved memory commits first

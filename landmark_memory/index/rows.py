@@ -1,0 +1,119 @@
+"""Landmark keys as rows: the float32 keys (n, dim) of one (stream, layer, key/value head), in
+block order, in memory or in a file of their own that is appended in place and memory-mapped.
+
+A saved memory's rows are its one copy of the landmark keys: an exact flat index searches them
+where they lie (``LandmarkIndex`` over ``rows``), so opening a memory maps its key files and
+reads nothing. A writer maps its files read-write and grows them by doubling with the space
+reserved first (a full disk is ``ENOSPC`` at the growth, never a SIGBUS later); rows past the
+committed count are scratch, ignored and overwritten. A reader maps the committed rows only,
+after checking that the file holds them, so a missing page is an error, never a SIGBUS.
+"""
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..fileio import reserve
+
+MIN_ROWS = 64  # the least a file or a buffer grows to
+
+
+class KeyFileError(ValueError):
+    """A key file shorter than the rows it must hold, or one that cannot be grown."""
+
+
+class KeyRows:
+    """float32 rows (n, dim) of one (stream, layer, key/value head).
+
+    Parameters
+    ----------
+    dim : int, key dimension.
+    path : Path, optional, the file; without it the rows live in memory.
+    writable : bool, rows may be appended to the file (a writer); a reader maps ``n`` rows.
+    n : int, the rows that count (committed); the file must hold them.
+    """
+
+    def __init__(self, dim: int, path: Path | None = None, *, writable: bool = True, n: int = 0):
+        self.dim, self.path, self.writable, self.n = dim, path, writable, 0
+        self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), np.float32)
+        self._opener = None  # (flags, mode) of the open file behind the map
+        self.follow(n)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows that count."""
+        return self.n * self.dim * 4
+
+    def array(self) -> np.ndarray:
+        """float32 (n, dim), C-contiguous, the rows that count (a view: valid until they grow)."""
+        return self._rows[:self.n]
+
+    def follow(self, n: int) -> None:
+        """Count ``n`` rows: a reader maps them (its file must hold them), a writer checks its
+        file holds them (a writer opening a memory; the rows after them are scratch)."""
+        if n > len(self._rows):
+            if self.path is None:
+                raise KeyFileError(f"{n} rows asked of {len(self._rows)} held in memory")
+            self._map(n, grow=False)
+        self.n = n
+
+    def append(self, xb: np.ndarray) -> None:
+        """Append rows ``xb`` float32 (m, dim)."""
+        m = len(xb)
+        if self.n + m > len(self._rows):
+            want = max(self.n + m, 2 * len(self._rows), MIN_ROWS)
+            if self.path is None:
+                grown = np.empty((want, self.dim), np.float32)
+                grown[:self.n] = self._rows[:self.n]
+                self._rows = grown
+            else:
+                self._map(want, grow=True)
+        self._rows[self.n:self.n + m] = xb
+        self.n += m
+
+    def crc32(self, first: int, crc: int = 0) -> int:
+        """CRC-32 of rows ``[first, n)``, carried on from ``crc`` (that of the rows before)."""
+        return zlib.crc32(np.ascontiguousarray(self._rows[first:self.n]).tobytes(), crc)
+
+    def sync(self) -> None:
+        """Make the rows durable (a writer's file: its map written back, the file synced)."""
+        if self.path is None or not self.writable or not len(self._rows):
+            return
+        self._rows.flush()
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Release the map; a writer's file is cut to the rows that count (the room it grew
+        into is given back)."""
+        if self.path is not None and len(self._rows):
+            if self.writable:
+                self._rows.flush()
+            self._rows = np.empty((0, self.dim), np.float32)  # the map goes with its last array
+            if self.writable:
+                os.truncate(self.path, self.nbytes)
+
+    def _map(self, rows: int, grow: bool) -> None:
+        """Map the file, at least ``rows`` rows of it; ``grow``: a writer makes room first."""
+        f, row = Path(self.path), self.dim * 4
+        if os.path.islink(f):
+            raise KeyFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the link")
+        have = f.stat().st_size // row if f.is_file() else -1
+        if have < rows and not grow:
+            raise KeyFileError(f"{f} is missing" if have < 0 else
+                               f"{f} is truncated ({have * row} of at least {rows * row} bytes)")
+        if grow:
+            f.parent.mkdir(exist_ok=True)
+            reserve(f, rows * row)
+            have = rows
+        mapped = have if self.writable else rows  # a reader maps the rows that count, no further
+        fd = os.open(f, (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_NOFOLLOW)
+        if self.writable and isinstance(self._rows, np.memmap):
+            self._rows.flush()  # the old map's writes, before the new one reads the file
+        with os.fdopen(fd, "rb+" if self.writable else "rb") as fh:
+            self._rows = np.memmap(fh, dtype=np.float32, mode="r+" if self.writable else "r", shape=(mapped, self.dim))
