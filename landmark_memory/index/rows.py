@@ -38,7 +38,6 @@ class KeyRows:
     def __init__(self, dim: int, path: Path | None = None, *, writable: bool = True, n: int = 0):
         self.dim, self.path, self.writable, self.n = dim, path, writable, 0
         self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), np.float32)
-        self._opener = None  # (flags, mode) of the open file behind the map
         self.follow(n)
 
     @property
