@@ -183,13 +183,15 @@ def run_probe(memory: Path, model: str, package: Path | None, threads: int, book
 
 
 def rows_and_indexes(memory: Path, everywhere: bool) -> int:
-    """Bytes of token rows, landmark keys and index state in the corpus's own files, or
-    (``everywhere``) in its documents' too: what the disk holds beyond the blocks themselves."""
-    def ours(f: Path) -> bool:
-        return f.name in ("tokens.bin", "landmarks.bin") or f.parent.name == "keys" or f.name.startswith("state.")
+    """Bytes of token rows, landmark keys and index state in the corpus and its documents
+    (``everywhere``: what the disk holds beyond the blocks themselves), or of one copy: the
+    corpus's token rows and landmark keys."""
+    def rows(f: Path) -> bool:
+        return f.name in ("tokens.bin", "landmarks.bin") or f.parent.name == "keys"
 
-    files = memory.rglob("*") if everywhere else [*memory.iterdir(), *(memory / "keys").glob("*")]
-    return sum(f.stat().st_size for f in files if f.is_file() and ours(f))
+    if not everywhere:
+        return sum(f.stat().st_size for f in [*memory.iterdir(), *(memory / "keys").glob("*")] if f.is_file() and rows(f))
+    return sum(f.stat().st_size for f in memory.rglob("*") if f.is_file() and (rows(f) or f.name.startswith("state.")))
 
 
 def percentile(xs, q):
@@ -337,7 +339,12 @@ def report(rows: list[dict], commands: list[str], args, started: float) -> None:
     from _common import plt, write_result
 
     body = ["Each row is a memory built once with `landmark-memory build --workers 2`; every figure is measured",
-            "in this run, and the ratios are against the smallest memory of the same model and version.", ""]
+            "in one run, and the ratios are against the smallest memory of the same model and version. The baseline",
+            "rows were measured with an earlier checkout of the package (`--baseline`) on memories it built itself.",
+            "`open` is the first open in a fresh process after the model loaded, so it includes hashing the",
+            "model's weights once (about half a second for SmolLM2, a few milliseconds for the bundled model).",
+            "`rows and indexes / one copy`: token rows, landmark keys and index state of the corpus and its",
+            "documents against the corpus's own token rows and keys.", ""]
     cols = [("open_s", "open (s)", "{:.3f}"), ("rss_open_mb", "RSS after open (MB)", "{:,.0f}"),
             ("rss_ask_mb", "RSS after the asks (MB)", "{:,.0f}"),
             ("ask_s", "warm ask (s)", "{:.3f}"), ("serve_alone_p50_s", "server, one at a time p50 (s)", "{:.3f}"),

@@ -162,7 +162,8 @@ class BlockMemory:
         self._add_ids(ids)
 
     def _add_ids(self, ids: torch.Tensor | np.ndarray) -> None:
-        self.chunk_ids.append(ids.to("cpu", torch.int32).numpy() if torch.is_tensor(ids) else ids.astype(np.int32))
+        self.chunk_ids.append(ids.to("cpu", torch.int32).numpy() if torch.is_tensor(ids) else
+                              ids.astype(np.int32, copy=False))
         self.n_blocks += ids.shape[1] // self.shape.block_size
 
     def _key_errors(self):
