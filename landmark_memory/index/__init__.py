@@ -32,8 +32,8 @@ RETRAIN_GROWTH = 4
 
 def derived_from_rows(kind: str) -> bool:
     """Whether an index of ``kind`` holds nothing but its keys as they were added: an exact
-    flat index, which a saved memory rebuilds from its landmark rows instead of storing the
-    same keys twice (its commits then write no index at all)."""
+    flat index, which searches a memory's key rows where they lie (on a GPU, a copy of them
+    made when the memory opens), so a saved memory never stores it."""
     return kind.removesuffix("-gpu") == "flat"
 
 

@@ -57,7 +57,7 @@ class BlockMemory:
         self.L = shape.block_size + 1
         self.streams: int | None = None  # batch size, fixed by the first chunk
         self.n_blocks = 0  # blocks per stream
-        self.key_path, self.readonly = key_path, readonly
+        self.key_path = key_path
         self.keys: list[list[list[KeyRows]]] = []  # [stream][layer][key/value head] (n_blocks, D) landmark keys
         self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
         self.chunk_ids: list[np.ndarray] = []  # int32 (B, n * block_size) token ids of each addition (chunk, document)
@@ -105,7 +105,7 @@ class BlockMemory:
         """Fix the number of streams and create their (empty) landmark keys and indexes."""
         self.streams, D = streams, self.shape.head_dim
         self.keys = [[[KeyRows(D, None if self.key_path is None else self.key_path / key_file(b, layer, h),
-                               writable=not self.readonly) for h in range(self.shape.n_kv_head)]
+                               writable=self.base is None) for h in range(self.shape.n_kv_head)]
                       for layer in range(self.shape.n_layer)] for b in range(streams)]
         self.indexes = self._grid()
 
@@ -168,6 +168,13 @@ class BlockMemory:
 
     def _key_errors(self):
         return disk_errors(f"the landmark keys of {self.where}")
+
+    def _each_key(self):
+        """``(stream, layer, head, KeyRows)`` of every key file or buffer."""
+        for b, stream in enumerate(self.keys):
+            for layer, heads in enumerate(stream):
+                for h, rows in enumerate(heads):
+                    yield b, layer, h, rows
 
     # ---- reading --------------------------------------------------------------------------
     def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
@@ -271,9 +278,9 @@ class BlockMemory:
     def usage(self) -> tuple[int, int]:
         """``(fast, store)`` bytes: landmark keys, indexes and resident hot blocks; every
         block's keys and values in the store."""
-        keys = [r for stream in self.keys for layer in stream for r in layer]
-        fast = sum(r.nbytes for r in keys) + self.cache.bytes
-        fast += sum(ix.nbytes for ix in self.all_indexes() if not any(ix.rows is r for r in keys))
+        keys = {id(rows): rows for *_, rows in self._each_key()}
+        fast = sum(r.nbytes for r in keys.values()) + self.cache.bytes
+        fast += sum(ix.nbytes for ix in self.all_indexes() if id(ix.rows) not in keys)  # (a flat index is its keys)
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
 
     # ---- saving and loading ---------------------------------------------------------------
@@ -296,12 +303,10 @@ class BlockMemory:
         from ``crcs`` (those of its rows before block ``first``)."""
         out = {}
         with self._key_errors():
-            for b, stream in enumerate(self.keys):
-                for layer, heads in enumerate(stream):
-                    for h, rows in enumerate(heads):
-                        rows.sync()
-                        name = key_file(b, layer, h)
-                        out[name] = rows.crc32(first, crcs.get(name, 0))
+            for b, layer, h, rows in self._each_key():
+                rows.sync()
+                name = key_file(b, layer, h)
+                out[name] = rows.crc32(first, crcs.get(name, 0))
         return out
 
     def index_state(self) -> dict[str, torch.Tensor]:
@@ -317,8 +322,9 @@ class BlockMemory:
         """Add the committed blocks ``[self.n_blocks, n_blocks)`` from their rows (``rows``,
         theirs only) and the commit's index ``state``, checked against the store (``where``
         names the memory in errors): all of them when a memory opens, those a writer committed
-        since when a read-only one follows it. Exact flat indexes are rebuilt from the rows,
-        other kinds read from the state. A read-only memory must be rewound first."""
+        since when a read-only one follows it. A flat index searches the key files as far as
+        they count now (an exact GPU index takes a copy of the new keys), other kinds are read
+        from the state. A read-only memory must be rewound first."""
         if self.base is not None and self.n_blocks != self.base:
             raise RuntimeError("rewind a read-only memory before it takes new saved blocks")
         B, cfg = layout.streams, self.shape
@@ -334,15 +340,10 @@ class BlockMemory:
                 self.base = base
             else:  # the key files hold them: mapped as far as they count now
                 with self._key_errors():
-                    for stream in self.keys:
-                        for layer in stream:
-                            for r in layer:
-                                r.follow(n_blocks)
-                for b, stream in enumerate(self.indexes):  # an exact GPU index takes a copy of the new keys
-                    for layer, heads in enumerate(stream):
-                        for h, ix in enumerate(heads):
-                            if derived and ix.rows is None:
-                                ix.add(self.keys[b][layer][h].array()[first:])
+                    for b, layer, h, rows in self._each_key():
+                        rows.follow(n_blocks)
+                        if derived and self.indexes[b][layer][h].rows is None:  # an exact GPU index: a copy
+                            self.indexes[b][layer][h].add(rows.array()[first:])
                 self._add_ids(ids)
         if not derived:
             try:
@@ -377,8 +378,6 @@ class BlockMemory:
 
     def close(self) -> None:
         """Release the key files (a writer's cut to the keys that count) and the store."""
-        for stream in self.keys:
-            for layer in stream:
-                for r in layer:
-                    r.close()
+        for *_, rows in self._each_key():
+            rows.close()
         self.store.close()

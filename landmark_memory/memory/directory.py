@@ -41,7 +41,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
-from ..index.rows import KeyFileError
+from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
 from .manifest import KEYS, LANDMARKS, Manifest, MemoryFileError, StateFile
 
@@ -289,12 +289,9 @@ class MemoryDir:
     def check_key_files(self, manifest: Manifest) -> None:
         """Every key file of the commit ``manifest`` holds its committed rows (sizes only: the
         CRC-32s are ``verify``'s); a missing or short one is named."""
-        need = manifest.blocks * manifest.rows.key_row_bytes
-        for name in manifest.key_files():
-            f = self.path / name
-            size = f.stat().st_size if f.is_file() and not f.is_symlink() else -1
-            if size < need:
-                raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {need} bytes)")
+        with disk_errors(f"the landmark keys of {self.path}"):
+            for name in manifest.key_files():  # mapped as a reader maps them, and let go
+                KeyRows(manifest.model.shape.head_dim, self.path / name, writable=False, n=manifest.blocks)
 
     def key_path(self) -> Path:
         """The memory's folder, whose ``keys/`` holds its key files; refused when ``keys/`` is a
