@@ -9,8 +9,8 @@ read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between q
 """
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
@@ -35,7 +35,8 @@ class Passage:
 class Answer:
     """``text``: the answer (without the end-of-turn token); ``tokens``: its token ids;
     ``chat``: whether the question went through the chat template; ``passages``: most read
-    first; ``memory_tokens``: the tokens the memory held before the question."""
+    first; ``memory_tokens``: the tokens the memory held before the question; ``stop``: the
+    stop string that ended it (cut from ``text``; its tokens stay in ``tokens``), or None."""
 
     question: str
     text: str
@@ -43,6 +44,7 @@ class Answer:
     chat: bool
     passages: list[Passage] = field(default_factory=list)
     memory_tokens: int = 0
+    stop: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -59,7 +61,7 @@ def passage(mem: LandmarkMemory, ids, block: int, tokenizer, share: float) -> Pa
 
 
 def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
-        seed: int = 0, raw: bool = False, passages: int = 3,
+        seed: int = 0, raw: bool = False, passages: int = 3, stop: Sequence[str] = (),
         on_token: Callable[[int], None] | None = None) -> Answer:
     """Answer ``question`` from the memory ``mem`` read by its model (``tokenizer`` its own).
 
@@ -69,6 +71,7 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
         ``chat_prompt``) gets it as a user turn, and its answer ends at any of its end-of-turn
         tokens (``end_of_turn_ids``).
     passages : int, how many of the passages read to report.
+    stop : strings that end the answer where it first produces one of them (cut from its text).
     on_token : called with each new token id of the answer as it is generated (streaming; not
         with an end-of-turn token).
     """
@@ -76,6 +79,15 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
         raise ValueError("the question is empty")
     if max_new_tokens < 0 or passages < 0:
         raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")
+        raise ValueError(f"the question is not valid text: {question[e.start:e.end]!r} at character {e.start} is "
+                         "no Unicode character (text must be UTF-8)") from None
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
     n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
     chat = None if raw else getattr(tokenizer, "chat_prompt", lambda q: None)(question)
     uses = Counter()
@@ -93,12 +105,21 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
             on_token(int(nxt[0, -1]))
         return feed(nxt)
 
+    def stopped(tokens):  # the answer so far holds a stop string
+        text = tokenizer.decode([t for t in tokens if t not in stops])
+        return any(s in text for s in stop)
+
     logits = feed(torch.tensor([tokenizer.encode(chat or question).ids]))
-    new = decode(logits, step, max_new_tokens, temperature=temperature,
-                 generator=torch.Generator().manual_seed(seed), stop_ids=stops)[0].tolist()
+    new = decode(logits, step, max_new_tokens, temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                 stop_ids=stops, until=stopped if stop else None)[0].tolist()
     if new:  # the last new token reads the memory too: its lookups count with the others'
         step(torch.tensor([new[-1:]]))
     total, ids = sum(uses.values()) or 1, mem.tokens()
     read = [passage(mem, ids, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
     answer = new[:-1] if new and new[-1] in stops else new
-    return Answer(question, tokenizer.decode(answer), answer, chat is not None, read, n_tokens)
+    text, cut = tokenizer.decode(answer), None
+    hits = [(text.find(s), s) for s in stop if s in text]
+    if hits:
+        at, cut = min(hits)
+        text = text[:at]
+    return Answer(question, text, answer, chat is not None, read, n_tokens, cut)

@@ -14,7 +14,7 @@ import hashlib
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -32,9 +32,21 @@ from .tokenizer import EOS_TOKEN
 
 @dataclass
 class TextInput:
+    """A text file to read: ``sha256`` names its content (``content_sha256``), ``bytes_sha256``
+    its text as read, which is how builds before content hashes named a document."""
+
     path: Path
     text: str
     sha256: str
+    bytes_sha256: str = ""
+
+
+def content_sha256(text: str) -> str:
+    """The SHA-256 that names a text as a document: of the text without a byte-order mark and
+    with CRLF and CR line ends as LF, so that the same text saved another way is the same
+    document (the document reads the text as given)."""
+    normal = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    return hashlib.sha256(normal.encode()).hexdigest()
 
 
 def read_inputs(paths: list[str | Path]) -> list[TextInput]:
@@ -43,7 +55,7 @@ def read_inputs(paths: list[str | Path]) -> list[TextInput]:
     out = []
     for f in list_text_files(paths):
         text = read_text(f)
-        out.append(TextInput(f, text, hashlib.sha256(text.encode()).hexdigest()))
+        out.append(TextInput(f, text, content_sha256(text), hashlib.sha256(text.encode()).hexdigest()))
     return out
 
 
@@ -193,6 +205,9 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
     merged = {e.sha256 for e in mem.inputs}
     given: dict[str, TextInput] = {}
     for inp in inputs:
+        old = inp.bytes_sha256
+        if old and old != inp.sha256 and (old in merged or (mem.dir.path / document_folder(old)).is_dir()):
+            inp = replace(inp, sha256=old)  # a document an earlier version named by its bytes: keep its name
         if inp.sha256 in merged or inp.sha256 in given:
             summary.skipped.append(str(inp.path))
         else:

@@ -2,7 +2,9 @@
 line, ``entry.py`` the entry point that parses it before the heavy imports)."""
 
 import contextlib
+import errno
 import json
+import os
 import signal
 import sys
 from dataclasses import asdict
@@ -159,13 +161,21 @@ def cmd_ask(args):
     return 0
 
 
+API_KEY_VARIABLE = "LANDMARK_MEMORY_API_KEY"
+
+
 def cmd_serve(args):
     from .serve import ServeConfig, create_app, serve
 
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    if key is not None and not key.strip():
+        raise UsageError(f"{API_KEY_VARIABLE} is set but empty: an empty key would turn authentication off; set a "
+                         "key, or unset it to serve without one")
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
-    cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), args.api_key, args.parallel,
-                      args.max_tokens, args.max_body)
+    cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), api_key=key, host=args.host,
+                      allowed_hosts=tuple(args.allowed_host), parallel=args.parallel, max_tokens=args.max_tokens,
+                      max_body=args.max_body)
     app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
     print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",
           file=sys.stderr)
@@ -252,6 +262,17 @@ ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (Memo
 # read or written, a worker dying again and again
 
 
+def os_error_text(e: OSError) -> str:
+    """What an error of the operating system means for the command, and what to do."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno == errno.EROFS:
+        return (f"the file system is read-only{where}: build into a folder on a writable disk (ask, info and serve "
+                "read a memory without writing it)")
+    if e.errno == errno.EACCES:
+        return f"permission denied{where}: run as a user who may write there, or choose another folder"
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
@@ -260,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except ERRORS as e:
-        print(f"landmark-memory {args.command}: error: {e}", file=sys.stderr)
+        print(f"landmark-memory {args.command}: error: {os_error_text(e) if isinstance(e, OSError) else e}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"landmark-memory {args.command}: interrupted", file=sys.stderr)

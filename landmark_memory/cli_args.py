@@ -8,14 +8,14 @@ import argparse
 from .names import INDEX_KINDS, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
 
 
-def _number(kind, low, what):
-    """An argparse type: ``kind`` (int or float) at least ``low``."""
+def _number(kind, low, what, high=None):
+    """An argparse type: ``kind`` (int or float) at least ``low`` (and at most ``high``), finite."""
     def parse(text):
         try:
             x = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not x >= low:  # NaN fails too
+        if not low <= x <= (high if high is not None else float("inf")) or x == float("inf"):  # NaN fails too
             raise argparse.ArgumentTypeError(f"{text} is not {what}")
         return x
     return parse
@@ -23,7 +23,19 @@ def _number(kind, low, what):
 
 positive = _number(int, 1, "a positive integer")
 count = _number(int, 0, "an integer >= 0")
-nonnegative = _number(float, 0.0, "a number >= 0")
+nonnegative = _number(float, 0.0, "a finite number >= 0")
+port = _number(int, 1, "a port number (1 to 65535)", 65535)
+seed = _number(int, 0, "a seed (an integer from 0 to 2**64 - 1)", 2**64 - 1)
+MAX_BLOCK_SIZE = 1024  # the paper's blocks are 50 and 63 tokens; a chunk holds at least one block
+block_size = _number(int, 1, f"a block size (1 to {MAX_BLOCK_SIZE} tokens)", MAX_BLOCK_SIZE)
+
+
+def api_key(text):
+    """An argparse type: a key that is not empty (``--api-key "$UNSET"`` must not turn authentication off)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: an empty key would turn authentication off; give a key, or leave "
+                                         "the option out (and LANDMARK_MEMORY_API_KEY unset) to serve without one")
+    return text
 
 
 def add_model_args(p):
@@ -100,7 +112,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--index", choices=INDEX_KINDS, help="landmark index of a new memory (default flat)")
     p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
     add_store_dtype(p, saved=True)
-    p.add_argument("--block-size", type=positive, help="tokens per block (default: the model's)")
+    p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default 4)")
     p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
@@ -128,7 +140,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=count, default=32, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed when temperature > 0")
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed when temperature > 0")
     p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default: the memory's)")
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
@@ -141,8 +153,14 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("memory")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=positive, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--port", type=port, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", type=api_key,
+                   help="require `Authorization: Bearer KEY` on every /v1 request (default: the environment variable "
+                        "LANDMARK_MEMORY_API_KEY, which keeps the key out of the process list; neither: no key)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="a Host header to answer besides the address served (127.0.0.1, localhost, [::1] and --host); "
+                        "repeat it for more, or '*' for any (other hosts get 403, so that no web page reaches the "
+                        "server by DNS rebinding)")
     p.add_argument("--parallel", type=positive, default=2, help="answers computed at once; more wait (default 2)")
     p.add_argument("--max-tokens", type=positive, default=512,
                    help="the most new tokens a request may ask (default 512)")
@@ -178,7 +196,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths in tokens (default 1k,2k,4k,8k; k = 1024)")
     p.add_argument("--trials", type=positive, default=10, help="prompts per length (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="keys and depths are reproducible from it")
+    p.add_argument("--seed", type=seed, default=0, help="keys and depths are reproducible from it")
     p.add_argument("--full-attention", action="store_true", help="whole prompt in one forward, no memory")
     p.add_argument("--plot", metavar="FILE.png", help="accuracy vs length")
     add_retrieval_args(p)
@@ -187,7 +205,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="build, save, reopen and query a memory over the sample book")
     p.add_argument("--out", help="where to keep the memory (default: a temporary folder, removed afterwards)")
-    p.add_argument("--seed", type=int, help="where the passkey goes and what it is (default: random)")
+    p.add_argument("--seed", type=seed, help="where the passkey goes and what it is (default: random)")
     p.add_argument("--book", metavar="FILE", help="a text file to use instead of the bundled sample book")
     p.add_argument("--book-tokens", type=positive,
                    help="read only the book's first N tokens (default: all of it for the bundled model, "

@@ -53,10 +53,10 @@ def read_text(path):
     ``ValueError`` saying what is wrong and what to do."""
     path = Path(path)
     data = path.read_bytes()
-    if not data.strip():
+    if not data.removeprefix(b"\xef\xbb\xbf").strip():  # nothing, or a byte-order mark alone
         raise ValueError(f"{path} is empty: there is no text to read")
-    if b"\x00" in data[:1 << 16]:
-        raise ValueError(f"{path} looks binary (it contains NUL bytes); give plain UTF-8 text files")
+    if (nul := data.find(b"\x00")) >= 0:
+        raise ValueError(f"{path} looks binary (a NUL byte at offset {nul:,}); give plain UTF-8 text files")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

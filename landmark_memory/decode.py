@@ -1,6 +1,7 @@
 """The one decoding loop: every generator in the package (a model re-reading its context, a
 memory, the CLI's ask, the passkey test) picks tokens here and feeds them back its own way."""
 
+import math
 from collections.abc import Callable, Collection
 
 import torch
@@ -14,7 +15,9 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # in float64 with the best logit at 0 before dividing: a tiny temperature sends the others to
+    # -inf (never inf - inf, nor a temperature that float32 rounds to 0)
+    logits = (logits.double() - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -23,7 +26,7 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 
 def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], max_new_tokens: int, *,
            temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None,
-           stop_ids: Collection[int] = ()) -> torch.Tensor:
+           stop_ids: Collection[int] = (), until: Callable[[list[int]], bool] | None = None) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens.
 
     Parameters
@@ -34,6 +37,8 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
     temperature, top_k, generator : as for ``next_token``.
     stop_ids : token ids; generation ends once every stream has produced one of them (a chat
         model's ends of turn); that token is kept.
+    until : called with the first stream's tokens so far after each one; generation ends when
+        it returns True (stop strings: ``answer.ask``).
 
     Returns
     -------
@@ -41,6 +46,8 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     out = []
     stopped = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
@@ -50,6 +57,8 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
             stopped |= torch.isin(out[-1], stops)
             if bool(stopped.all()):
                 break
+        if until is not None and until([int(t[0]) for t in out]):
+            break
         if i + 1 < max_new_tokens:
             logits = feed(out[-1][:, None])
     return torch.stack(out, 1) if out else torch.zeros((logits.shape[0], 0), dtype=torch.long, device=logits.device)

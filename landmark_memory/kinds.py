@@ -132,6 +132,20 @@ def model_name(path: str | Path | None) -> str:
     return str(path) if str(path) in NAMED_MODELS and not Path(path).exists() else str(Path(path).resolve())
 
 
+def check_device(device: str) -> str:
+    """``device`` if torch knows it and this machine has it; else ``ValueError`` saying so."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: give cpu, cuda, cuda:1 ... or auto") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {device!r} is not on this machine ({torch.cuda.device_count()} CUDA devices): "
+                         "use --device cpu or auto")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: give cpu, cuda, cuda:1 ... or auto")
+    return device
+
+
 def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None):
     """``(model, tokenizer)`` from ``path``: a LandmarkGPT directory (default: the bundled
     model) with the shipped tokenizer, a Hugging Face model directory (converted or plain)
@@ -139,7 +153,7 @@ def load_model(path: str | Path | None = None, device: str = "auto", block_size:
     (``hf/smollm2.py``), in eval mode on ``device`` ("auto": cuda when available), tagged
     with its ``model_name`` as ``landmark_name``. ``block_size`` must match a landmark model's
     own, except that a LandmarkGPT may be read with another (its trained blocks may suit it less)."""
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else check_device(device)
     config = hf_config(path) if path else None
     named = path in NAMED_MODELS and not Path(path).exists()
     if config is not None or named:

@@ -17,8 +17,11 @@ open's, while the hot cache stays warm. At most ``parallel`` answers are compute
 others wait their turn. With an API key, every ``/v1`` request needs ``Authorization: Bearer KEY``.
 """
 
+import asyncio
 import contextlib
 import json
+import logging
+import math
 import queue
 import secrets
 import threading
@@ -28,14 +31,17 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .answer import Answer, ask
 from .memory import LandmarkMemory, MemoryFileError
 from .memory.inspect import describe
+from .serve_guard import ANY_ADDRESS, LOCAL_HOSTS, APIError, Guard
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class ServeConfig:
     memory: Path
     model_name: str
     api_key: str | None = None
+    host: str = "127.0.0.1"  # the address served: a Host header naming it is answered
+    allowed_hosts: tuple[str, ...] = ()  # other Host headers answered ("*": any)
     parallel: int = 2  # answers computed at once
     max_tokens: int = 512  # the most new tokens a request may ask for
     max_body: int = 1 << 20  # bytes of a request body
@@ -65,6 +73,17 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     passages: int = 3
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    def stops(self) -> list[str]:
+        """The stop strings (OpenAI: a string or up to 4), checked."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or not all(stops):
+            raise APIError(400, "stop must be a non-empty string or a list of at most 4 of them", "invalid_stop")
+        return stops
 
 
 class ChatRequest(_Request):
@@ -76,48 +95,6 @@ class CompletionRequest(_Request):
     prompt: str | list[str]
 
 
-class APIError(Exception):
-    """An OpenAI-shaped error: ``{"error": {"message", "type", "code"}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, code: str):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": str(self), "type": kind, "code": self.code}}, self.status)
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is a 413 (by its Content-Length, or
-    as it streams in), never read whole."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_big = APIError(413, f"the request body is over {self.limit:,} bytes", "request_too_large").response()
-        length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await too_big(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise APIError(413, f"the request body is over {self.limit:,} bytes", "request_too_large")
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except APIError as e:
-            await e.response()(scope, receive, send)
-
-
 class Readers:
     """The served memory, open read-only and kept: at most ``parallel`` of them, opened as
     answers at once need them (the first at once, so that a memory that cannot be read stops
@@ -127,7 +104,9 @@ class Readers:
         self.cfg, self.model = cfg, model
         self.turns = threading.Semaphore(cfg.parallel)
         self.idle: queue.LifoQueue[LandmarkMemory] = queue.LifoQueue()  # the warmest first
-        self.idle.put(self._open())
+        first = self._open()
+        self.latest = first.manifest  # the newest commit a kept memory has taken
+        self.idle.put(first)
 
     def _open(self) -> LandmarkMemory:
         return LandmarkMemory.open(self.cfg.memory, self.model, readonly=True, cache_bytes=self.cfg.cache_bytes)
@@ -137,36 +116,55 @@ class Readers:
         """An open memory at the memory's last commit, for one answer; afterwards it forgets
         what the answer fed it and waits for the next."""
         with self.turns:
-            try:
-                mem = self.idle.get_nowait()
-            except queue.Empty:
-                mem = None
-            try:
-                if mem is None:
-                    mem = self._open()
-                else:
-                    mem.refresh()
-            except MemoryFileError as e:  # rebuilt in place, damaged, or gone: open it again, or give up
-                if mem is not None:
-                    mem.close()
-                try:
-                    mem = self._open()
-                except MemoryFileError:
-                    raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
-            try:
+            with self._taken() as mem:
                 yield mem
-            finally:  # an answer that failed half-way leaves nothing behind either
-                try:
-                    mem.rewind()
-                except BaseException:
-                    mem.close()
-                    raise
-                self.idle.put(mem)
+
+    @contextlib.contextmanager
+    def _taken(self) -> Iterator[LandmarkMemory]:
+        """``take`` once the caller has its turn."""
+        try:
+            mem = self.idle.get_nowait()
+        except queue.Empty:
+            mem = None
+        try:
+            if mem is None:
+                mem = self._open()
+            else:
+                mem.refresh()
+        except MemoryFileError as e:  # rebuilt in place, damaged, or gone: open it again, or give up
+            if mem is not None:
+                mem.close()
+            try:
+                mem = self._open()
+            except MemoryFileError:
+                raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
+        self.latest = mem.manifest
+        try:
+            yield mem
+        except MemoryFileError as e:  # found damaged while answering
+            raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
+        finally:  # an answer that failed half-way leaves nothing behind either
+            try:
+                mem.rewind()
+            except BaseException:
+                mem.close()
+                raise
+            self.idle.put(mem)
 
     def describe(self) -> dict:
-        """What ``landmark-memory info --json`` says, from the commit a kept memory holds."""
-        with self.take() as mem:
-            return describe(self.cfg.memory, mem.manifest)
+        """What ``landmark-memory info --json`` says, of the commit a kept memory holds: the
+        newest, taken now where a turn is free; else the one the last answer read (never
+        waiting behind answers)."""
+        if self.turns.acquire(blocking=False):
+            try:
+                with self._taken():
+                    pass
+            finally:
+                self.turns.release()
+        try:
+            return describe(self.cfg.memory, self.latest)
+        except (MemoryFileError, OSError) as e:
+            raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
 
     def close(self) -> None:
         while not self.idle.empty():
@@ -178,6 +176,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     at ``cfg.memory`` with ``model`` (loaded once) and its ``tokenizer``; the memory is opened
     here (a ``MemoryFileError`` if it cannot be read)."""
     readers = Readers(cfg, model)
+    answering = anyio.CapacityLimiter(cfg.parallel)  # queued answers wait here, holding no thread
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -186,11 +185,12 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
 
     app = FastAPI(title="landmark-memory", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     page = resources.files("landmark_memory").joinpath("assets/page.html").read_text()
+    key = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1") and not secrets.compare_digest(
-                request.headers.get("authorization", ""), f"Bearer {cfg.api_key}"):
+        given = request.headers.get("authorization", "").encode("latin-1")  # the bytes sent, as sent
+        if key and request.url.path.startswith("/v1") and not secrets.compare_digest(given, key):
             return APIError(401, "this server needs `Authorization: Bearer KEY` with the key it was started with",
                             "invalid_api_key").response()
         return await call_next(request)
@@ -202,54 +202,95 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
         message = f"malformed request: {first.get('msg', 'invalid body')}" + (f" at {where}" if where else "")
         return APIError(400, message, "invalid_request").response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):  # unknown routes, wrong methods, bodies that are no JSON
+        words = {404: f"no route {request.url.path}: see GET /v1/models, POST /v1/completions, POST "
+                      "/v1/chat/completions, GET /v1/memory and GET /",
+                 405: f"{request.method} is not allowed on {request.url.path}"}
+        return APIError(exc.status_code, words.get(exc.status_code, str(exc.detail)),
+                        {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")).response()
+
     @app.exception_handler(APIError)
     async def api_error(request, exc):
         return exc.response()
 
-    def check(req: _Request, limit: int | None) -> int:
+    @app.exception_handler(Exception)
+    async def server_error(request, exc):  # a bug: its traceback goes to the log, the client gets the shape
+        return APIError(500, f"the server failed ({type(exc).__name__}); its log says more", "server_error").response()
+
+    def check(req: _Request, limit: int | None, question: str) -> int:
+        """The request's new-token count, everything else about it checked before any answer
+        (a streamed answer has sent its status by the time it runs)."""
         if req.model != cfg.model_name:
             raise APIError(404, f"model {req.model!r} is not served here; GET /v1/models lists the one that is",
                            "model_not_found")
         n = limit if limit is not None else 16
         if not 0 <= n <= cfg.max_tokens:
             raise APIError(400, f"max_tokens must be between 0 and {cfg.max_tokens}, got {n}", "invalid_max_tokens")
+        if not (math.isfinite(req.temperature) and 0 <= req.temperature <= 2):
+            raise APIError(400, f"temperature must be a number from 0 to 2, got {req.temperature}",
+                           "invalid_temperature")
+        if req.seed is not None and not 0 <= req.seed < 2**64:
+            raise APIError(400, f"seed must be an integer from 0 to 2**64 - 1, got {req.seed}", "invalid_seed")
+        if req.n not in (None, 1):
+            raise APIError(400, f"n must be 1: this server gives one choice per request, got {req.n}", "invalid_n")
+        if req.logprobs not in (None, False, 0) or req.top_logprobs is not None:
+            raise APIError(400, "logprobs and top_logprobs are not supported: leave them out", "invalid_logprobs")
+        req.stops()
+        if not question.strip():
+            raise APIError(400, "the question is empty", "invalid_request")
+        try:
+            question.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": no character, nothing a tokenizer reads
+            raise APIError(400, f"the prompt holds {question[e.start:e.end]!r} at character {e.start}, which is no "
+                           "Unicode character", "invalid_prompt") from None
         return n
 
     def answer(question: str, raw: bool, req: _Request, n: int, on_token=None) -> Answer:
-        if not question.strip():
-            raise APIError(400, "the question is empty", "invalid_request")
         with readers.take() as mem:
-            return ask(mem, tokenizer, question, max_new_tokens=n, temperature=req.temperature,
-                       seed=req.seed or 0, raw=raw, passages=max(0, req.passages), on_token=on_token)
+            return ask(mem, tokenizer, question, max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0,
+                       raw=raw, passages=max(0, req.passages), stop=req.stops(), on_token=on_token)
 
-    def respond(kind: str, question: str, raw: bool, req: _Request, n: int):
+    async def respond(kind: str, question: str, raw: bool, req: _Request, n: int):
         ident, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
         head = {"id": ident, "created": created, "model": cfg.model_name}
-        if not req.stream:
-            a = answer(question, raw, req, n)
-            choice = ({"message": {"role": "assistant", "content": a.text}} if kind == "chat" else
-                      {"text": a.text, "logprobs": None})
-            return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
-                    "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(question, a),
-                    "passages": [asdict(p) for p in a.passages]}
-        return StreamingResponse(stream(kind, head, question, raw, req, n), media_type="text/event-stream")
+        if req.stream:
+            return StreamingResponse(stream(kind, head, question, raw, req, n), media_type="text/event-stream")
+        a = await anyio.to_thread.run_sync(answer, question, raw, req, n, limiter=answering)
+        choice = ({"message": {"role": "assistant", "content": a.text}} if kind == "chat" else
+                  {"text": a.text, "logprobs": None})
+        return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(question, a),
+                "passages": [asdict(p) for p in a.passages]}
 
-    def stream(kind, head, question, raw, req, n):
+    async def stream(kind, head, question, raw, req, n):
         """Server-sent events: each new piece of text as it is generated, then the finish reason
-        and the passages, then ``[DONE]``."""
-        pieces, done = queue.Queue(), object()
-        tokens, shown = [], ""
-        result = {}
+        and the passages, then ``[DONE]``; an error midway is an error event, then ``[DONE]``. A
+        client that leaves stops the answer at its next token."""
+        loop, pieces, done = asyncio.get_running_loop(), asyncio.Queue(), object()
+        left, result = threading.Event(), {}
+        stops = req.stops()
+        hold = max(map(len, stops), default=1) - 1  # text that may yet become a stop string waits
+
+        def on_token(t):
+            if left.is_set():
+                raise _ClientLeft
+            loop.call_soon_threadsafe(pieces.put_nowait, t)
 
         def run():
             try:
-                result["answer"] = answer(question, raw, req, n, on_token=pieces.put)
+                result["answer"] = answer(question, raw, req, n, on_token=on_token)
+            except _ClientLeft:
+                pass
             except APIError as e:
                 result["error"] = e
+            except Exception as e:  # noqa: BLE001 - a stream has sent 200: the error goes in an event
+                result["error"] = APIError(500, f"the server failed ({type(e).__name__}); its log says more",
+                                           "server_error")
+                logging.getLogger(__name__).exception("answer failed")
             finally:
-                pieces.put(done)
+                loop.call_soon_threadsafe(pieces.put_nowait, done)
 
-        threading.Thread(target=run, daemon=True).start()
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def event(text="", finish_reason=None, extra=None, delta=None):
@@ -259,66 +300,87 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
                    **(extra or {})}
             return f"data: {json.dumps(doc)}\n\n"
 
-        if kind == "chat":
-            yield event(delta={"role": "assistant"})
-        while (t := pieces.get()) is not done:
-            tokens.append(t)
-            text = tokenizer.decode(tokens)
-            if not text.endswith("\ufffd"):  # a character split over tokens waits for its last byte
-                yield event(text[len(shown):])
-                shown = text
-        if "error" in result:
-            yield f"data: {json.dumps({'error': {'message': str(result['error']), 'code': result['error'].code}})}\n\n"
-        else:
-            a = result["answer"]
-            if a.text[len(shown):]:
-                yield event(a.text[len(shown):])
-            yield event(finish_reason=finish(a, n), extra={"passages": [asdict(p) for p in a.passages],
-                                                         "usage": usage(question, a)})
-        yield "data: [DONE]\n\n"
+        tokens, shown = [], ""
+        try:
+            if kind == "chat":
+                yield event(delta={"role": "assistant"})
+            async with answering:  # a turn, waited for without a thread
+                threading.Thread(target=run, daemon=True).start()
+                while (t := await pieces.get()) is not done:
+                    tokens.append(t)
+                    text = tokenizer.decode(tokens)
+                    ready = min([text.find(s) for s in stops if s in text] or [len(text) - hold])
+                    if not text.endswith("\ufffd") and ready > len(shown):  # a split character waits for its last byte
+                        yield event(text[len(shown):ready])
+                        shown = text[:ready]
+            if "error" in result:
+                e = result["error"]
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'code': e.code}})}\n\n"
+            else:
+                a = result["answer"]
+                if a.text[len(shown):]:
+                    yield event(a.text[len(shown):])
+                yield event(finish_reason=finish(a, n), extra={"passages": [asdict(p) for p in a.passages],
+                                                             "usage": usage(question, a)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client left (or the stream ended): the answer stops at its next token
+            left.set()
 
     def usage(question: str, a: Answer) -> dict:
         asked = len(tokenizer.encode(question).ids)
         return {"prompt_tokens": asked, "completion_tokens": len(a.tokens), "total_tokens": asked + len(a.tokens)}
 
     @app.get("/v1/models")
-    def models():
+    async def models():
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "landmark-memory"}]}
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
-        n = check(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    async def chat(req: ChatRequest):
         user = [m for m in req.messages if m.role == "user"]
         if not user:
             raise APIError(400, "messages hold no user message to answer", "invalid_request")
         content = user[-1].content
-        question = content if isinstance(content, str) else " ".join(
-            part.get("text", "") for part in content or [] if part.get("type") == "text")
-        return respond("chat", question, False, req, n)
+        if isinstance(content, list) and not all(
+                part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+            raise APIError(400, "a message's content parts must all be {\"type\": \"text\", \"text\": a string}: "
+                           "this server reads text only", "invalid_content")
+        question = content if isinstance(content, str) else " ".join(part["text"] for part in content or [])
+        n = check(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+                  question)
+        return await respond("chat", question, False, req, n)
 
     @app.post("/v1/completions")
-    def complete(req: CompletionRequest):
-        n = check(req, req.max_tokens)
+    async def complete(req: CompletionRequest):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, f"one prompt per request, got {len(prompts)}", "invalid_request")
-        return respond("completion", prompts[0], True, req, n)
+        n = check(req, req.max_tokens, prompts[0])
+        return await respond("completion", prompts[0], True, req, n)
 
     @app.get("/v1/memory")
-    def memory():
-        return readers.describe()
+    async def memory():
+        return await anyio.to_thread.run_sync(readers.describe, limiter=inspecting)
+
+    inspecting = anyio.CapacityLimiter(1)  # its own thread: never queued behind answers
 
     @app.get("/", response_class=HTMLResponse)
-    def index():
+    async def index():
         return page.replace("{{MODEL}}", json.dumps(cfg.model_name))
 
-    return _BodyLimit(app, cfg.max_body)
+    hosts = None if "*" in cfg.allowed_hosts or cfg.host in ANY_ADDRESS else {
+        h.strip("[]").lower() for h in (*LOCAL_HOSTS, cfg.host, *cfg.allowed_hosts)}
+    return Guard(app, cfg.max_body, hosts)
+
+
+class _ClientLeft(Exception):
+    """Raised in an answer's thread when its stream's client has gone."""
 
 
 def finish(a: Answer, n: int) -> str:
-    """OpenAI's finish reason: the answer ran into ``max_tokens``, or ended by itself."""
-    return "length" if len(a.tokens) >= n and n > 0 else "stop"
+    """OpenAI's finish reason: the answer ran into ``max_tokens``, or ended by itself or at a
+    stop string."""
+    return "length" if a.stop is None and len(a.tokens) >= n and n > 0 else "stop"
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000) -> None:

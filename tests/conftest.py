@@ -1,4 +1,10 @@
+import contextlib
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 # Before any library import: local files only, and Triton kernels interpreted on CPU-only machines.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -24,3 +30,48 @@ def documents(tmp_path_factory):
                            ("b.txt", "train/sherlock_holmes_excerpt.txt", 2200), ("c.txt", "val/alice_excerpt.txt", 1200)]:
         (d / name).write_text((SAMPLE_DIR / src).read_text()[:cut])
     return d
+
+
+@pytest.fixture(scope="module")
+def corpus(documents, tmp_path_factory):
+    """A corpus memory of ``documents`` (chunks of 100 tokens)."""
+    from landmark_memory.cli import main
+
+    path = tmp_path_factory.mktemp("corpus") / "m"
+    assert main(["build", str(path), "--input", str(documents), "--chunk-size", "100", "--quiet"]) == 0
+    return path
+
+
+@contextlib.contextmanager
+def _serving(memory, *args, env=None):
+    """``landmark-memory serve`` on ``memory`` (with ``args``) in its own process: its URL, then
+    SIGTERM; the server must end cleanly, with no traceback on stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.entry", "serve", str(memory), "--port", str(port),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1]
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then ends by the signal it was sent (-15), as a program killed by it would
+    assert proc.returncode in (0, -signal.SIGTERM) and time.time() - t0 < 10 and "Traceback" not in err, err
+
+
+@pytest.fixture(scope="session")
+def serving():
+    """``_serving``: a server of a memory in its own process, for the test's ``with``."""
+    return _serving

@@ -10,13 +10,6 @@ from landmark_memory.cli import main
 QUESTION = "What did the captain say?"
 
 
-@pytest.fixture(scope="module")
-def corpus(documents, tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "m"
-    assert main(["build", str(path), "--input", str(documents), "--chunk-size", "100", "--quiet"]) == 0
-    return path
-
-
 def answer(path, **options):
     model = LandmarkGPT.from_pretrained()
     with LandmarkMemory.open(path, model, readonly=True) as mem:

@@ -1,13 +1,7 @@
 """``landmark-memory serve`` as programs reach it: the official OpenAI client, concurrent
 requests, every refusal, the page, and SIGTERM."""
 
-import contextlib
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,43 +19,8 @@ QUESTIONS = ["The captain said", "Alice was beginning", "Holmes looked at", "The
 
 
 @pytest.fixture(scope="module")
-def corpus(documents, tmp_path_factory):
-    path = tmp_path_factory.mktemp("served") / "m"
-    assert main(["build", str(path), "--input", str(documents), "--chunk-size", "100", "--quiet"]) == 0
-    return path
-
-
-@contextlib.contextmanager
-def serving(memory):
-    """``landmark-memory serve`` on ``memory`` in its own process: its URL, then SIGTERM."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.entry", "serve", str(memory), "--port", str(port),
-                             "--api-key", KEY, "--max-tokens", "64", "--max-body", "4096"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            urllib.request.urlopen(url + "/", timeout=1).read()
-            break
-        except OSError:
-            time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()[1]
-    try:
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        t0 = time.time()
-        _, err = proc.communicate(timeout=30)
-    # uvicorn shuts down gracefully, then ends by the signal it was sent (-15), as a program killed by it would
-    assert proc.returncode in (0, -signal.SIGTERM) and time.time() - t0 < 10 and "Traceback" not in err, err
-
-
-@pytest.fixture(scope="module")
-def server(corpus):
-    with serving(corpus) as url:
+def server(corpus, serving):
+    with serving(corpus, "--api-key", KEY, "--max-tokens", "64", "--max-body", "4096") as url:
         yield url
 
 
@@ -134,14 +93,14 @@ def test_the_page_and_the_memory_it_shows_are_served(server, corpus):
     assert status == 200 and memory == json.loads(json.dumps(describe(corpus)))
 
 
-def test_a_server_opened_once_follows_a_build_beside_it_and_answers_as_a_fresh_open(documents, tmp_path):
+def test_a_server_opened_once_follows_a_build_beside_it_and_answers_as_a_fresh_open(documents, tmp_path, serving):
     first, more, memory = tmp_path / "first", tmp_path / "more", tmp_path / "m"
     first.mkdir()
     more.mkdir()
     (first / "a.txt").write_bytes((documents / "a.txt").read_bytes())
     (more / "b.txt").write_bytes((documents / "b.txt").read_bytes())
     assert main(["build", str(memory), "--input", str(first), "--chunk-size", "100", "--quiet"]) == 0
-    with serving(memory) as url:
+    with serving(memory, "--api-key", KEY, "--max-tokens", "64", "--max-body", "4096") as url:
         c = client(url)
         for question in QUESTIONS[:2]:  # the same kept memory twice: the first answer leaves nothing behind
             got = c.completions.create(model=MODEL, prompt=question, max_tokens=6)

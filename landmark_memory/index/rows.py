@@ -87,6 +87,13 @@ class KeyRows:
         finally:
             os.close(fd)
 
+    def check(self) -> None:
+        """Raise ``KeyFileError`` if the file was cut below what is mapped of it."""
+        if isinstance(self._rows, np.memmap):
+            size = os.stat(self.path).st_size
+            if size < self._rows.nbytes:
+                raise KeyFileError(f"{self.path} is truncated ({size:,} of {self._rows.nbytes:,} bytes)")
+
     def close(self) -> None:
         """Release the map; a writer's file is cut to the rows that count (the room it grew
         into is given back)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..index import LandmarkIndex, derived_from_rows
-from ..index.rows import KeyRows
+from ..index.rows import KeyFileError, KeyRows
 from ..rope import RotaryEmbedding
 from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
@@ -268,6 +268,16 @@ class BlockMemory:
             return np.zeros(0, np.int32)
         return np.concatenate([c[stream] for c in self.chunk_ids])
 
+    def check_files(self) -> None:
+        """Raise ``MemoryFileError`` where a file this memory maps (a block store's, a key file)
+        was cut since it was mapped: reading a page past a file's end would be a SIGBUS."""
+        try:
+            self.store.check()
+            for *_, rows in self._each_key():
+                rows.check()
+        except (StoreDamagedError, KeyFileError) as e:
+            raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
+
     def all_indexes(self) -> list[LandmarkIndex]:
         return [ix for grid in (self.indexes, self.overlay) for stream in grid for layer in stream for ix in layer]
 
@@ -360,9 +370,12 @@ class BlockMemory:
         try:
             if n_blocks:
                 self.store.get([(b, layer, n_blocks - 1) for b in range(B) for layer in range(cfg.n_layer)])
-        except (KeyError, StoreDamagedError):
-            raise MemoryFileError(f"the block store of {where} lacks blocks the manifest names, or they are "
-                                  "damaged; restore the memory from a backup or rebuild it") from None
+        except KeyError:
+            raise MemoryFileError(f"the block store of {where} lacks blocks the manifest names; the memory is "
+                                  "damaged: restore it from a backup or rebuild it") from None
+        except StoreDamagedError as e:
+            raise MemoryFileError(f"the block store of {where} is damaged ({e}); restore the memory from a backup "
+                                  "or rebuild it") from None
         if self.base is not None:
             self.base, self._base_chunks = self.n_blocks, len(self.chunk_ids)
 

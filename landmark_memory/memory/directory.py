@@ -254,8 +254,8 @@ class MemoryDir:
                 os.fsync(f.fileno())
 
     def read_rows(self, name: str, nbytes: int, offset: int = 0) -> bytes:
-        """Bytes ``[offset, offset + nbytes)`` of file ``name``, committed rows; a writer cuts
-        what follows (an uncommitted tail)."""
+        """Bytes ``[offset, offset + nbytes)`` of file ``name``, committed rows (what follows is
+        ``read_block_rows``' to cut, once the rows are checked)."""
         f = self.path / name
         if f.is_symlink():
             raise MemoryFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the "
@@ -267,23 +267,28 @@ class MemoryDir:
             raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {end} bytes)")
         with os.fdopen(open_nofollow(f, os.O_RDONLY), "rb") as fh:
             fh.seek(offset)
-            data = fh.read(nbytes)
-        if self.writable and size > end:
-            os.truncate(f, end)
-        return data
+            return fh.read(nbytes)
 
     def read_block_rows(self, manifest: Manifest, first: int = 0,
                         crcs: dict[str, int] | None = None) -> tuple[dict[str, bytes], dict[str, int]]:
         """``({name: bytes}, {name: CRC-32})``: the committed rows of the files read whole
         (``tokens.bin``; and ``landmarks.bin`` before format 5) from block ``first`` on, checked against the manifest's CRC-32s
         (memories written before those were kept: not), which carry on from ``crcs``, the
-        CRC-32s of the rows before ``first`` (0 from the start); and the CRC-32s of all rows."""
+        CRC-32s of the rows before ``first`` (0 from the start); and the CRC-32s of all rows.
+        A writer then cuts what follows the committed rows (an uncommitted tail): only once they
+        match the manifest, so that a damaged manifest (``blocks`` too small) never costs a row."""
         sizes = manifest.rows.sizes
         rows = {name: self.read_rows(name, (manifest.blocks - first) * n, first * n) for name, n in sizes.items()}
         crcs = {name: zlib.crc32(data, (crcs or {}).get(name, 0)) for name, data in rows.items()}
         for name in rows:
             if name in (manifest.rows_crc or {}) and crcs[name] != manifest.rows_crc[name]:
-                raise _damaged(str(self.path / name), "is corrupted (its CRC-32 differs from the manifest's)")
+                raise _damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the rows or "
+                               "the manifest are corrupted)")
+        if self.writable:
+            for name, n in sizes.items():
+                f, end = self.path / name, manifest.blocks * n
+                if f.is_file() and f.stat().st_size > end:
+                    os.truncate(f, end)
         return rows, crcs
 
     def check_key_files(self, manifest: Manifest) -> None:

@@ -156,6 +156,9 @@ class Manifest:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise MemoryFileError(f"{where} is not a landmark-memory manifest; restore the memory or rebuild it")
         version = doc.get("format_version", 0)
+        if type(version) is not int or version < 0:
+            raise MemoryFileError(f"{where} holds format_version = {version!r}, which is no format; the memory is "
+                                  "damaged: restore it from a backup or rebuild it")
         if version > FORMAT_VERSION:
             raise MemoryFileError(f"{where} was written by a newer landmark-memory (memory format {version}, this "
                                   f"one reads up to {FORMAT_VERSION}); upgrade the package")
@@ -176,12 +179,61 @@ class Manifest:
         except (KeyError, TypeError, AttributeError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
+        m._check(where)
         outside = [e.document for e in m.inputs if e.document is not None and not DOCUMENT_FOLDER.fullmatch(e.document)]
         if outside or any(e.document is None for e in m.inputs if m.documents):
             raise MemoryFileError(f"{where} names a document folder {outside[0] if outside else None!r} that is no "
                                   "document of the memory; the memory is damaged: restore it from a backup or "
                                   "rebuild it")
         return m
+
+    def _check(self, where: str) -> None:
+        """Every entry of the right type and in range, and the counts consistent with each
+        other and the model's shape; else ``MemoryFileError`` naming the first that is not."""
+        def bad(entry, why):
+            return MemoryFileError(f"{where} holds {entry} {why}; the memory is damaged: restore it from a backup "
+                                   "or rebuild it")
+
+        def count(entry, value, least=0):
+            if type(value) is not int or value < least:
+                raise bad(f"{entry} = {value!r}", f"(not an integer >= {least})")
+
+        s = self.model.shape
+        for name in ("n_layer", "n_kv_head", "head_dim", "block_size"):
+            count(f"model.shape.{name}", getattr(s, name), 1)
+        if not isinstance(self.model.fingerprint, str) or not isinstance(self.model.config, dict):
+            raise bad("model", "with a fingerprint that is no string or a config that is no object")
+        if self.model.dtype not in DTYPES:
+            raise bad(f"model.dtype = {self.model.dtype!r}", f"(not one of {', '.join(DTYPES)})")
+        if self.streams is not None:
+            count("streams", self.streams, 1)
+        for name in ("blocks", "tokens", "pending_tokens", "commit"):
+            count(name, getattr(self, name))
+        if self.tokens != self.blocks * s.block_size + self.pending_tokens:
+            raise bad(f"tokens = {self.tokens:,}", f"where its {self.blocks:,} blocks of {s.block_size} and "
+                      f"{self.pending_tokens:,} pending tokens make {self.blocks * s.block_size + self.pending_tokens:,}")
+        try:
+            resolved = self.options.resolved(s.block_size, self.model.dtype, self.model.config.get("cmt") is True,
+                                             s.head_dim)
+        except (ValueError, TypeError) as e:
+            raise bad("options", f"that are not valid ({e})") from None
+        if resolved != self.options:  # a memory's options are saved with every default filled in
+            raise bad("options", "that lack a chunk size or a store dtype")
+        for e in self.inputs:
+            for name in ("tokens", "ingested", "start"):
+                count(f"the input {e.name!r}'s {name}", getattr(e, name))
+            if not all(isinstance(v, str) for v in (e.path, e.name, e.sha256)) or not isinstance(e.abandoned, bool) \
+                    or not isinstance(e.document, (str, type(None))):
+                raise bad(f"the input {e.name!r}", "with a path, name, sha256, document or abandoned flag of the "
+                          "wrong type")
+            if e.start + e.ingested > self.tokens:
+                raise bad(f"the input {e.name!r}", f"ending at token {e.start + e.ingested:,}, past the memory's "
+                          f"{self.tokens:,}")
+        if self.state is not None and (type(self.state.bytes) is not int or not isinstance(self.state.sha256, str)):
+            raise bad("files.state", "with a size that is no integer or a sha256 that is no string")
+        if self.rows_crc is not None and (not isinstance(self.rows_crc, dict) or not all(
+                isinstance(k, str) and type(v) is int for k, v in self.rows_crc.items())):
+            raise bad("files.rows_crc32", "that is not a map of file names to CRC-32s")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..index import LandmarkIndex
-from ..names import MAPPINGS, RETRIEVALS, STORES
+from ..names import MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
 SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
@@ -67,7 +67,14 @@ class MemoryOptions:
             raise ValueError(f"cmt_cutoff must be a number in [0, 1], got {cutoff!r}")
         if cutoff > 0 and not has_cmt:
             raise ValueError("cmt_cutoff needs a model trained with a Context Miss Token (config cmt=True)")
-        LandmarkIndex(self.index, head_dim, **self.index_options)  # fail now on a bad kind or option
+        if self.store_dtype is not None and self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
+        if not isinstance(self.index_options, dict):
+            raise ValueError(f"index_options must be a dict, got {self.index_options!r}")
+        try:  # fail now on a bad kind or option
+            LandmarkIndex(self.index, head_dim, **self.index_options)
+        except TypeError as e:
+            raise ValueError(f"index_options has an option the index {self.index!r} does not take ({e})") from None
         store_dtype = self.store_dtype or (dtype_name if self.store == "memory" else SAVED_STORE_DTYPE)
         return replace(self, chunk_size=chunk_size, store_dtype=store_dtype, cmt_cutoff=float(cutoff))
 

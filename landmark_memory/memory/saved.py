@@ -112,11 +112,13 @@ class SavedMemory:
         opened or last refreshed, reading only what was appended (rows, documents' stores; an
         approximate index is read again from the state file). Text fed since is forgotten
         first (``rewind``). Answers then equal a fresh open's. Returns whether there was a new
-        commit; a memory changed otherwise than by appending raises ``MemoryFileError``."""
+        commit; a memory changed otherwise than by appending, or a file it maps cut short since
+        (which would be a SIGBUS at the next read), raises ``MemoryFileError``."""
         if self.dir is None or not self.readonly:
             raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
                              "is the newest there is")
         if self.dir.read_manifest().commit == self.commit_count:
+            self.blocks.check_files()
             return False
         manifest, state = self.dir.read_commit()
         seen, old = self.manifest, self.inputs
@@ -128,6 +130,7 @@ class SavedMemory:
         if not appended:
             raise MemoryFileError(f"the memory {self.dir.path} changed otherwise than by appending since it was "
                                   f"opened (commit {self.commit_count}, now {manifest.commit}); open it again")
+        self.blocks.check_files()
         self.rewind()
         self._follow(manifest, state)
         return True

@@ -136,6 +136,10 @@ class BlockStore:
         data, scales = self.read(keys)
         return list(dequantize(data, scales) if self.quantized else data)
 
+    def check(self):
+        """Raise ``StoreDamagedError`` where a file the store maps no longer holds what it
+        maps (truncated since it was opened): a mapped page past a file's end is a SIGBUS."""
+
     def close(self):
         pass
 
@@ -159,6 +163,15 @@ class MemoryStore(BlockStore):
 
 _LMDB_ENVS = {}  # real path -> [environment, users]: LMDB allows one environment per file and process
 _LMDB_ENVS_LOCK = threading.Lock()  # threads (a server's answers) open and close one path's stores at once
+
+
+def _check_lmdb_size(env, path) -> None:
+    """``data.mdb`` holds every page LMDB's last commit uses: LMDB maps the file, and a page
+    past its end (a truncated copy) would kill the process with SIGBUS at the first read."""
+    f, info = os.path.join(path, "data.mdb"), env.info()
+    need, size = (info["last_pgno"] + 1) * env.stat()["psize"], os.stat(f).st_size
+    if size < need:
+        raise StoreDamagedError(f"the LMDB store's {f} is truncated ({size:,} of {need:,} bytes)")
 
 
 class LmdbStore(BlockStore):
@@ -196,11 +209,19 @@ class LmdbStore(BlockStore):
                 if "No space left" in str(e):
                     raise DiskFullError(errno.ENOSPC, str(e)) from None
                 raise StoreDamagedError(f"the LMDB store {path} cannot be opened ({e})") from None
+            try:
+                _check_lmdb_size(env, path)
+            except StoreDamagedError:
+                env.close()
+                raise
             shared = _LMDB_ENVS[self.key] = [env, 0]
         elif not readonly and shared[0].flags()["readonly"]:
             raise ValueError(f"{path} is open read-only in this process; close its readers before writing")
         shared[1] += 1
         return shared[0]
+
+    def check(self):
+        _check_lmdb_size(self.env, self.key)
 
     def _key(self, k):
         return struct.pack(">II", k[0], k[2]) if self.quantized else struct.pack(">III", *k)
@@ -297,6 +318,9 @@ class MmapStore(BlockStore):
                 raise
             mm = None
         if mm is None and f.exists():
+            if f.stat().st_size % self.record_bytes:
+                raise StoreDamagedError(f"the mmap store's {f} is truncated or extended ({f.stat().st_size:,} bytes, "
+                                        f"not whole records of {self.record_bytes:,})")
             with os.fdopen(open_nofollow(f, os.O_RDONLY if self.readonly else os.O_RDWR),
                            "rb" if self.readonly else "rb+") as fh:
                 mm = np.memmap(fh, dtype=np.uint8, mode="r" if self.readonly else "r+").reshape(-1, self.record_bytes)
@@ -319,6 +343,13 @@ class MmapStore(BlockStore):
             out.append(mm[b].tobytes() if mm is not None and b < len(mm) else None)
         return out
 
+    def check(self):
+        for (s, l), mm in self._maps.items():
+            f = self.path / f"s{s}_l{l}.blocks"
+            size = f.stat().st_size if f.is_file() else 0
+            if size < mm.size:
+                raise StoreDamagedError(f"the mmap store's {f} is truncated ({size:,} of {mm.size:,} bytes)")
+
     def close(self):
         if not self.readonly:
             for mm in self._maps.values():
@@ -340,6 +371,9 @@ class OverlayStore(BlockStore):
     def forget(self):
         """Drop the blocks kept in memory: the store is its base again."""
         self.new = MemoryStore(self.shape, DTYPE_NAMES[self.dtype])
+
+    def check(self):
+        self.base.check()
 
     def _blocks(self, keys):
         mine = [k in self.new._data for k in keys]

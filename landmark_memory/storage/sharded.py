@@ -106,6 +106,10 @@ class ShardedStore(BlockStore):
                 out[n] = t
         return out
 
+    def check(self):
+        for store in self._open.values():
+            store.check()
+
     def close(self):
         while self._open:
             self._open.popitem()[1].close()

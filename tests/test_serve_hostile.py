@@ -1,0 +1,286 @@
+"""``landmark-memory serve`` against hostile clients and web pages: Host checks (DNS rebinding),
+keys (empty, from the environment, not ASCII), values that used to be tracebacks, OpenAI's error
+shape for every refusal, stop strings, clients that leave, cheap routes behind a queue of
+answers, damage found while serving, and property-based requests to every route."""
+
+import contextlib
+import http.client
+import json
+import math
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from landmark_memory import LandmarkGPT, load_tokenizer
+from landmark_memory import serve as served
+from landmark_memory.cli import API_KEY_VARIABLE, main
+
+KEY, MODEL = "kéy-ü", "landmark-memory-tiny"  # not ASCII: clients send it as UTF-8 bytes
+ALLOWED = "memory.example"
+
+
+@pytest.fixture(scope="module")
+def server(corpus, serving):
+    with serving(corpus, "--api-key", KEY, "--max-tokens", "64", "--max-body", "4096",
+                 "--allowed-host", ALLOWED) as url:
+        yield url
+
+
+def call(url, path, body=None, *, method=None, key=KEY, host=None, chunked=False, raw=None):
+    """``(status, body bytes)`` of one request, its headers as given (``host``: the Host header)."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+    if key:
+        headers["Authorization"] = b"Bearer " + key.encode()
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    if chunked:
+        data = iter([data[i:i + 1000] for i in range(0, len(data), 1000)])
+        headers["Transfer-Encoding"] = "chunked"
+    conn.request(method or ("GET" if data is None else "POST"), path, body=data, headers=headers,
+                 encode_chunked=chunked)
+    r = conn.getresponse()
+    out = r.status, r.read()
+    conn.close()
+    return out
+
+
+def refusal(status, data, code=None):
+    """OpenAI's error shape, with ``code`` where given."""
+    doc = json.loads(data)
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "code"}, doc
+    assert doc["error"]["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert code is None or doc["error"]["code"] == code, doc
+    return doc["error"]
+
+
+def events(data: bytes) -> list:
+    """The server-sent events of a streamed answer, ``[DONE]`` as the string."""
+    lines = [line[6:] for line in data.decode().splitlines() if line.startswith("data: ")]
+    return [x if x == "[DONE]" else json.loads(x) for x in lines]
+
+
+def test_only_the_hosts_the_server_is_bound_as_and_those_allowed_are_answered(server):
+    port = urlparse(server).port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST", ALLOWED):
+        assert call(server, "/v1/models", host=host)[0] == 200, host
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example", "[::2]"):
+        status, data = call(server, "/v1/memory", host=host)
+        assert status == 403 and "--allowed-host" in refusal(status, data, "host_not_allowed")["message"], host
+        assert call(server, "/", host=host)[0] == 403  # the page too: it would run the rebinding page's script
+
+
+def test_a_key_that_is_not_ascii_authorizes_and_any_other_is_401(server):
+    assert call(server, "/v1/models")[0] == 200
+    for key in (None, "kéy", "key-u", KEY[:-1], KEY + "x"):
+        status, data = call(server, "/v1/models", key=key)
+        refusal(status, data, "invalid_api_key")
+        assert status == 401
+
+
+def test_an_empty_key_is_refused_and_the_environment_gives_one(corpus, serving, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as stop:  # --api-key "$UNSET"
+        main(["serve", str(corpus), "--api-key", ""])
+    assert stop.value.code == 2 and "empty" in capsys.readouterr().err
+    monkeypatch.setenv(API_KEY_VARIABLE, " ")
+    assert main(["serve", str(corpus)]) == 2 and API_KEY_VARIABLE in capsys.readouterr().err
+    monkeypatch.delenv(API_KEY_VARIABLE)
+    with serving(corpus, env={API_KEY_VARIABLE: "from-the-environment"}) as url:
+        assert call(url, "/v1/models", key=None)[0] == 401
+        assert call(url, "/v1/models", key="from-the-environment")[0] == 200
+
+
+COMPLETION = {"model": MODEL, "prompt": "The captain said", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "The captain said"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("route,change,code", [
+    ("/v1/completions", {"temperature": math.nan}, "invalid_temperature"),
+    ("/v1/completions", {"temperature": -0.5}, "invalid_temperature"),
+    ("/v1/completions", {"seed": 2**70}, "invalid_seed"),
+    ("/v1/completions", {"prompt": "caf\ud800"}, "invalid_prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "invalid_content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "invalid_prompt"),
+    ("/v1/completions", {"n": 2}, "invalid_n"),
+    ("/v1/completions", {"logprobs": 3}, "invalid_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True}, "invalid_logprobs"),
+    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "invalid_stop"),
+    ("/v1/completions", {"stop": ""}, "invalid_stop"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_values_that_were_tracebacks_are_400_streamed_or_not(server, route, change, code, stream):
+    body = {**(CHAT if "chat" in route else COMPLETION), **change, "stream": stream}
+    status, data = call(server, route, raw=json.dumps(body).encode())  # NaN as Python's json writes it
+    assert status == 400
+    refusal(status, data, code)
+
+
+def test_a_tiny_temperature_samples_what_greedy_decoding_picks(server):
+    status, greedy = call(server, "/v1/completions", {**COMPLETION, "max_tokens": 8})
+    status_tiny, tiny = call(server, "/v1/completions", {**COMPLETION, "max_tokens": 8, "temperature": 1e-300,
+                                                          "seed": 2**64 - 1})
+    assert status == status_tiny == 200
+    assert json.loads(tiny)["choices"][0]["text"] == json.loads(greedy)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("how", ["chunked body over the limit", "invalid UTF-8", "JSON nested deep", "no route",
+                                 "wrong method", "POST to a GET route"])
+def test_every_refusal_has_openais_shape(server, how):
+    status, data = {
+        "chunked body over the limit": lambda: call(server, "/v1/completions", {**COMPLETION, "prompt": "a" * 6000},
+                                                    chunked=True),
+        "invalid UTF-8": lambda: call(server, "/v1/completions", raw=b'{"model": "\xff\xfe"}'),
+        "JSON nested deep": lambda: call(server, "/v1/completions", raw=b"[" * 2000 + b"]" * 2000),
+        "no route": lambda: call(server, "/v1/nothing"),
+        "wrong method": lambda: call(server, "/v1/models", method="DELETE"),
+        "POST to a GET route": lambda: call(server, "/v1/memory", {}),
+    }[how]()
+    assert status == {"chunked body over the limit": 413, "invalid UTF-8": 400, "JSON nested deep": 400,
+                      "no route": 404}.get(how, 405), data
+    refusal(status, data)
+
+
+def test_a_stop_string_ends_the_answer_before_it_streamed_or_not(server):
+    full = json.loads(call(server, "/v1/completions", {**COMPLETION, "max_tokens": 24})[1])["choices"][0]["text"]
+    words = full.split()
+    assert len(words) > 3, full
+    stop = words[2]  # a word well inside the answer
+    want = full[:full.index(stop)]
+    done = json.loads(call(server, "/v1/completions", {**COMPLETION, "max_tokens": 24, "stop": [stop, "\x00"]})[1])
+    assert done["choices"][0]["text"] == want and done["choices"][0]["finish_reason"] == "stop"
+    got = events(call(server, "/v1/completions", {**COMPLETION, "max_tokens": 24, "stop": stop, "stream": True})[1])
+    assert got[-1] == "[DONE]" and got[-2]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(e["choices"][0]["text"] for e in got[:-1]) == want
+
+
+@contextlib.contextmanager
+def in_process(corpus, **options):
+    """The server's application in this process (uvicorn in a thread), so that a test can
+    watch what its answers do; its URL."""
+    import uvicorn
+
+    cfg = served.ServeConfig(corpus, MODEL, **options)
+    app = served.create_app(cfg, LandmarkGPT.from_pretrained(), load_tokenizer())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
+    generated, ask = [], served.ask
+
+    def counted(*args, on_token=None, **kwargs):
+        def tap(t):
+            generated.append(t)
+            on_token(t)
+        return ask(*args, on_token=tap if on_token else None, **kwargs)
+
+    monkeypatch.setattr(served, "ask", counted)
+    with in_process(corpus, max_tokens=512, parallel=1) as url:
+        u = urlparse(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({**COMPLETION, "max_tokens": 512, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        while b'"text": "' not in r.readline():  # the first piece of text
+            pass
+        conn.close()  # and leave
+        seen = -1
+        while seen != len(generated):  # until the answer stops
+            seen = len(generated)
+            time.sleep(0.5)
+        assert 0 < len(generated) < 512
+        status, data = call(url, "/v1/completions", COMPLETION, key=None)  # its turn is free again
+        assert status == 200, data
+
+
+def test_cheap_routes_answer_while_answers_wait_their_turn(corpus, monkeypatch):
+    release, ask = threading.Event(), served.ask
+
+    def held(*args, **kwargs):  # an answer that holds its turn until the test lets it go
+        release.wait(60)
+        return ask(*args, **kwargs)
+
+    monkeypatch.setattr(served, "ask", held)
+    with in_process(corpus, parallel=1) as url, ThreadPoolExecutor(48) as pool:
+        queued = [pool.submit(call, url, "/v1/completions", COMPLETION, key=None) for _ in range(45)]
+        time.sleep(0.5)
+        try:
+            for path in ("/v1/models", "/", "/v1/memory"):
+                assert call(url, path, key=None)[0] == 200, path
+            assert not any(f.done() for f in queued)  # they were waiting all along
+        finally:
+            release.set()
+        assert all(f.result()[0] == 200 for f in queued)
+
+
+def test_damage_found_while_serving_is_503_and_the_server_lives_on(documents, tmp_path, serving):
+    memory = tmp_path / "m"
+    assert main(["build", str(memory), "--input", str(documents), "--chunk-size", "100", "--quiet"]) == 0
+    manifest = (memory / "manifest.json").read_bytes()
+    stores = {f: f.read_bytes() for f in memory.glob("docs/*/store/lmdb/data.mdb")}
+    with serving(memory) as url:
+        assert call(url, "/v1/completions", COMPLETION)[0] == 200
+        for store, data in stores.items():  # cut under the running server: its next read would be a SIGBUS
+            with open(store, "r+b") as f:
+                f.truncate(len(data) // 2)
+        status, data = call(url, "/v1/completions", COMPLETION)
+        assert status == 503 and "data.mdb" in refusal(status, data, "memory_unavailable")["message"]
+        status, data = call(url, "/v1/chat/completions", {**CHAT, "stream": True})  # 200 sent before the damage is met
+        got = events(data)
+        assert status == 200 and got[-1] == "[DONE]" and got[-2]["error"]["code"] == "memory_unavailable"
+        (memory / "manifest.json").write_text("{")
+        status, data = call(url, "/v1/memory")
+        refusal(status, data, "memory_unavailable")
+        assert status == 503
+        for store, data in stores.items():  # restored: served again
+            store.write_bytes(data)
+        (memory / "manifest.json").write_bytes(manifest)
+        assert call(url, "/v1/memory")[0] == 200
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=3), max_leaves=8)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
+          "passages", "stop", "n", "logprobs", "top_logprobs"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/memory", "/",
+                              "/v1/nothing"]),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
+       base=st.sampled_from([COMPLETION, CHAT, {}]),
+       changes=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=4),
+       encoding=st.sampled_from(["json", "utf-16", "bytes", "chunked"]),
+       noise=st.binary(max_size=64))
+def test_fuzzed_requests_never_get_a_500_and_refusals_have_openais_shape(server, route, method, base, changes,
+                                                                       encoding, noise):
+    body = {**base, **changes}
+    if "max_tokens" not in changes and "max_completion_tokens" not in changes:
+        body["max_tokens"] = 2  # answers stay short
+    raw = {"json": json.dumps(body).encode(), "utf-16": json.dumps(body).encode("utf-16"),
+           "bytes": noise, "chunked": json.dumps(body).encode()}[encoding]
+    status, data = call(server, route, method=method, raw=raw if method != "GET" else None,
+                        chunked=encoding == "chunked" and method != "GET")
+    assert status < 500, (status, data)
+    if status >= 400:
+        refusal(status, data)
+    elif data.startswith(b"data: "):  # a stream ends with [DONE], after an error event or not
+        assert events(data)[-1] == "[DONE]"
