@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .decode import decode
-from .memory import LandmarkMemory
+from .memory import LandmarkMemory, MemoryFileError
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,14 @@ class Answer:
         return asdict(self)
 
 
-def passage(mem: LandmarkMemory, ids, block: int, tokenizer, share: float) -> Passage:
-    """The block ``block`` of the memory as a ``Passage``; ``ids`` are the memory's tokens."""
-    bs = mem.shape.block_size
-    at, text = block * bs, tokenizer.decode(ids[block * bs:(block + 1) * bs].tolist())
+def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage:
+    """The block ``block`` of the memory as a ``Passage``."""
+    bs, ids = mem.shape.block_size, mem.tokens(0, block, block + 1)
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < mem.backbone.vocab_size:  # read, not checked, at open
+        raise MemoryFileError(f"the token rows of {mem.dir.path if mem.dir else 'the memory'} hold ids outside the "
+                              f"model's vocabulary at block {block}; the memory is damaged: restore it from a backup "
+                              "or rebuild it (`landmark-memory info --verify` checks every file)")
+    at, text = block * bs, tokenizer.decode(ids.tolist())
     for e in mem.inputs:
         if e.start <= at < e.start + e.ingested:
             return Passage(block, e.path, at - e.start, text, share)
@@ -114,8 +118,8 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
                  stop_ids=stops, until=stopped if stop else None)[0].tolist()
     if new:  # the last new token reads the memory too: its lookups count with the others'
         step(torch.tensor([new[-1:]]))
-    total, ids = sum(uses.values()) or 1, mem.tokens()
-    read = [passage(mem, ids, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
+    total = sum(uses.values()) or 1
+    read = [passage(mem, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
     answer = new[:-1] if new and new[-1] in stops else new
     text, cut = tokenizer.decode(answer), None
     hits = [(text.find(s), s) for s in stop if s in text]

@@ -164,14 +164,18 @@ def test_corrupted_blocks_are_detected_on_read_and_named_by_verify(tmp_path, boo
     opened.close()
 
 
-def test_a_flipped_row_file_is_refused(tmp_path, book, capsys):
+def test_a_flipped_row_file_is_refused_by_the_reads_that_touch_it(tmp_path, book, capsys):
     mem = built(tmp_path, book)
     f = mem / "tokens.bin"
     data = bytearray(f.read_bytes())
-    data[7] ^= 0x80  # a token id becomes huge
+    for row in range(0, len(data), 50 * 4):
+        data[row + 3] ^= 0x40  # the first token id of every block becomes huge
     f.write_bytes(bytes(data))
-    refused(capsys, ["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], "tokens.bin", "corrupted")
+    # a reader maps the rows: the passages it reads are checked (the CRC-32 is verify's and a writer's)
+    refused(capsys, ["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], "vocabulary", "info --verify")
     refused(capsys, ["info", str(mem)], "tokens.bin")
+    refused(capsys, ["build", str(mem), "--input", str(book), "--quiet"], "tokens.bin")
+    assert main(["info", str(mem), "--verify"]) == 2 and "tokens.bin" in capsys.readouterr().out
 
 
 # ---- 3. readers follow a growing LMDB map --------------------------------------------------

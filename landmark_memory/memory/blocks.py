@@ -13,6 +13,8 @@ ones in a few operations, so one open memory answers any number of questions, ea
 open would; ``extend`` adds the blocks a writer committed since (``LandmarkMemory.refresh``).
 """
 
+import bisect
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -61,6 +63,8 @@ class BlockMemory:
         self.keys: list[list[list[KeyRows]]] = []  # [stream][layer][key/value head] (n_blocks, D) landmark keys
         self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
         self.chunk_ids: list[np.ndarray] = []  # int32 (B, n * block_size) token ids of each addition (chunk, document)
+        self._chunk_ends: list[int] = []  # the block count after each addition
+        self._mapped_rows: list[np.memmap] = []  # maps of tokens.bin that ``chunk_ids`` views
         # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``overlay``; None: all in ``indexes``
         self.base: int | None = 0 if readonly else None
         self.overlay: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head], exact
@@ -165,6 +169,7 @@ class BlockMemory:
         self.chunk_ids.append(ids.to("cpu", torch.int32).numpy() if torch.is_tensor(ids) else
                               ids.astype(np.int32, copy=False))
         self.n_blocks += ids.shape[1] // self.shape.block_size
+        self._chunk_ends.append(self.n_blocks)
 
     def _key_errors(self):
         return disk_errors(f"the landmark keys of {self.where}")
@@ -262,11 +267,20 @@ class BlockMemory:
         table[valid] = slots[inverse]
         return torch.from_numpy(table).to(self.device), pool[:, 0], pool[:, 1], scales
 
-    def tokens(self, stream: int = 0) -> np.ndarray:
-        """int32 (n_blocks * block_size,) the normal token ids of every block."""
-        if not self.chunk_ids:
+    def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
+        """int32 ((last - first) * block_size,) the normal token ids of blocks ``[first, last)``
+        (default: every block); only the additions that hold them are read (a saved memory's
+        rows may be a map of ``tokens.bin``)."""
+        last, bs = self.n_blocks if last is None else min(last, self.n_blocks), self.shape.block_size
+        if last <= first:
             return np.zeros(0, np.int32)
-        return np.concatenate([c[stream] for c in self.chunk_ids])
+        i = bisect.bisect_right(self._chunk_ends, first)  # the addition that holds block ``first``
+        parts, start = [], self._chunk_ends[i - 1] if i else 0
+        while start < last:
+            ids = self.chunk_ids[i][stream]
+            parts.append(ids[max(first - start, 0) * bs:(min(last, self._chunk_ends[i]) - start) * bs])
+            start, i = self._chunk_ends[i], i + 1
+        return np.concatenate(parts).astype(np.int32, copy=False)
 
     def check_files(self) -> None:
         """Raise ``MemoryFileError`` where a file this memory maps (a block store's, a key file)
@@ -277,6 +291,10 @@ class BlockMemory:
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
+        for mm in self._mapped_rows:
+            if os.stat(mm.filename).st_size < mm.offset + mm.size:
+                raise MemoryFileError(f"{mm.filename} is truncated (shorter than its {mm.offset + mm.size:,} committed "
+                                      "bytes); the memory is damaged: restore it from a backup or rebuild it")
 
     def all_indexes(self) -> list[LandmarkIndex]:
         return [ix for grid in (self.indexes, self.overlay) for stream in grid for layer in stream for ix in layer]
@@ -343,6 +361,8 @@ class BlockMemory:
         derived = derived_from_rows(self.options.index)
         if n_blocks > self.n_blocks:
             first = self.n_blocks
+            if isinstance(rows[TOKENS], np.memmap):  # a reader's map of tokens.bin: checked before each refresh
+                self._mapped_rows.append(rows[TOKENS])
             ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(B, -1)  # (B, n * block_size)
             if LANDMARKS in rows:  # a memory from before key files: its keys are rows of landmarks.bin
                 base, self.base = self.base, None  # saved blocks go to ``indexes``
@@ -385,6 +405,7 @@ class BlockMemory:
         if self.base is None or self.n_blocks == self.base:
             return
         self.n_blocks, self.chunk_ids, self.overlay = self.base, self.chunk_ids[:self._base_chunks], []
+        del self._chunk_ends[self._base_chunks:]
         self.store.forget()
         base = self.base
         self.cache.forget(lambda key: key[2] >= base)

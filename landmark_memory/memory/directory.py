@@ -35,6 +35,7 @@ import weakref
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
@@ -43,7 +44,7 @@ from safetensors.torch import save as save_safetensors
 from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
-from .manifest import KEYS, LANDMARKS, Manifest, MemoryFileError, StateFile
+from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile
 
 MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
 STATE_NAME = re.compile(r"state\.\d+\.safetensors")
@@ -253,9 +254,10 @@ class MemoryDir:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def read_rows(self, name: str, nbytes: int, offset: int = 0) -> bytes:
+    def read_rows(self, name: str, nbytes: int, offset: int = 0, mapped: bool = False) -> bytes | np.ndarray:
         """Bytes ``[offset, offset + nbytes)`` of file ``name``, committed rows (what follows is
-        ``read_block_rows``' to cut, once the rows are checked)."""
+        ``read_block_rows``' to cut, once the rows are checked); ``mapped``: a read-only map of
+        them (uint8 (nbytes,)), read only where they are used, the file's size checked first."""
         f = self.path / name
         if f.is_symlink():
             raise MemoryFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the "
@@ -265,22 +267,32 @@ class MemoryDir:
             return b""
         if size < end:
             raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {end} bytes)")
+        if nbytes == 0:  # (nothing to map)
+            return b""
         with os.fdopen(open_nofollow(f, os.O_RDONLY), "rb") as fh:
+            if mapped:
+                mm = np.memmap(fh, np.uint8, "r", offset=offset, shape=(nbytes,))
+                mm.filename = str(f)  # (numpy names only files it opened itself)
+                return mm
             fh.seek(offset)
             return fh.read(nbytes)
 
-    def read_block_rows(self, manifest: Manifest, first: int = 0,
-                        crcs: dict[str, int] | None = None) -> tuple[dict[str, bytes], dict[str, int]]:
+    def read_block_rows(self, manifest: Manifest, first: int = 0, crcs: dict[str, int] | None = None,
+                        mapped: bool = False) -> tuple[dict[str, bytes], dict[str, int]]:
         """``({name: bytes}, {name: CRC-32})``: the committed rows of the files read whole
         (``tokens.bin``; and ``landmarks.bin`` before format 5) from block ``first`` on, checked against the manifest's CRC-32s
         (memories written before those were kept: not), which carry on from ``crcs``, the
         CRC-32s of the rows before ``first`` (0 from the start); and the CRC-32s of all rows.
         A writer then cuts what follows the committed rows (an uncommitted tail): only once they
-        match the manifest, so that a damaged manifest (``blocks`` too small) never costs a row."""
+        match the manifest, so that a damaged manifest (``blocks`` too small) never costs a row.
+        ``mapped`` (a reader): ``tokens.bin``'s rows are a read-only map, their CRC-32 left to
+        ``verify`` (opening then costs the same however long the memory is)."""
         sizes = manifest.rows.sizes
-        rows = {name: self.read_rows(name, (manifest.blocks - first) * n, first * n) for name, n in sizes.items()}
-        crcs = {name: zlib.crc32(data, (crcs or {}).get(name, 0)) for name, data in rows.items()}
-        for name in rows:
+        rows = {name: self.read_rows(name, (manifest.blocks - first) * n, first * n, mapped and name == TOKENS)
+                for name, n in sizes.items()}
+        crcs = {name: zlib.crc32(data, (crcs or {}).get(name, 0)) for name, data in rows.items()
+                if not isinstance(data, np.memmap)}
+        for name in crcs:
             if name in (manifest.rows_crc or {}) and crcs[name] != manifest.rows_crc[name]:
                 raise _damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the rows or "
                                "the manifest are corrupted)")

@@ -208,9 +208,10 @@ class LandmarkMemory(SavedMemory):
         fast += sum(t.numel() * t.element_size() for kv in self.pending_kv if kv for t in kv)
         return {"fast": fast, "store": store}
 
-    def tokens(self, stream: int = 0) -> np.ndarray:
-        """int32 (n_blocks * block_size,) the normal token ids of every block in memory."""
-        return self.blocks.tokens(stream)
+    def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
+        """int32 ((last - first) * block_size,) the normal token ids of blocks ``[first, last)``
+        in memory (default: every block)."""
+        return self.blocks.tokens(stream, first, last)
 
     def end_document(self) -> None:
         """Put the open chunk's blocks into memory now, unfinished as the chunk is: a document

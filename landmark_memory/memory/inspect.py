@@ -7,11 +7,13 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..index import LandmarkIndex, derived_from_rows
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
-from .manifest import Manifest, MemoryFileError
+from .manifest import TOKENS, Manifest, MemoryFileError
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
@@ -101,6 +103,10 @@ def all_rows(d: MemoryDir, m: Manifest) -> dict[str, tuple[bytes, int]]:
     """``{file: (bytes, bytes per block)}``: the committed rows of every row file and key file of
     the memory in ``d``, each checked against its CRC-32 in the manifest ``m``."""
     rows, _ = d.read_block_rows(m)
+    tokens, vocab = np.frombuffer(rows[TOKENS], np.int32), m.model.config.get("vocab_size")
+    if isinstance(vocab, int) and len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        raise MemoryFileError(f"{d.path / TOKENS} holds token ids outside the model's vocabulary ({vocab:,}); the "
+                              "memory is damaged: restore it from a backup or rebuild it")
     out, size = {name: (data, m.rows.sizes[name]) for name, data in rows.items()}, m.rows.key_row_bytes
     for name in m.key_files():
         data = d.read_rows(name, m.blocks * size)

@@ -141,10 +141,12 @@ class SavedMemory:
         first, bs = self.n_blocks, self.shape.block_size
         self.commit_count, self.manifest = manifest.commit, manifest
         if manifest.streams is not None:
-            rows, crcs = self.dir.read_block_rows(manifest, first, self._rows_crc)
+            # a reader maps the token rows (checked where passages read them, and by ``verify``); a writer,
+            # which appends to them, reads them and checks their CRC-32 and ids first
+            rows, crcs = self.dir.read_block_rows(manifest, first, self._rows_crc, mapped=self.readonly)
             self._rows_crc = {**(manifest.rows_crc or {}), **crcs}
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
-            tokens = np.frombuffer(rows[TOKENS], np.int32)
+            tokens = np.frombuffer(rows[TOKENS], np.int32) if not self.readonly else np.zeros(0, np.int32)
             if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
                 raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
                                       "memory is damaged: restore it from a backup or rebuild it")
