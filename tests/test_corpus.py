@@ -3,6 +3,7 @@ over all of them (in this process; tests/test_ray_build.py runs the same on Ray)
 
 import json
 
+import lmdb
 import numpy as np
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.build import LocalReader, build, encode_document, read_document, read_inputs
 from landmark_memory.cli import main
+from landmark_memory.memory import MemoryFileError
+from landmark_memory.memory.inspect import verify
 from landmark_memory.storage import CorruptBlockError, open_store
 from landmark_memory.storage.sharded import Shard, ShardedStore
 
@@ -68,9 +71,12 @@ def test_a_document_sees_only_its_own_blocks(model, documents, tmp_path):
 
 
 def test_one_index_per_layer_and_head_holds_every_documents_landmarks(model, documents, tmp_path):
-    corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
+    files = sorted(documents.glob("*.txt"))
+    corpus(model, tmp_path / "m", files)
+    for i, f in enumerate(files):  # each document read alone, as a corpus of its own
+        corpus(model, tmp_path / f"alone{i}", [f])
     mem = LandmarkMemory.open(tmp_path / "m", model, readonly=True)
-    docs = [tmp_path / "m" / e.document for e in mem.inputs]
+    docs = [tmp_path / f"alone{i}" for i in range(len(files))]
     for layer in range(mem.shape.n_layer):
         keys = mem.blocks.landmark_keys(layer, slice(None))[0]  # (H_kv, n_blocks, D)
         for h in range(mem.shape.n_kv_head):
@@ -134,13 +140,14 @@ def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is
 def test_verify_names_the_damaged_document(model, documents, tmp_path, capsys):
     corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
     doc = sorted((tmp_path / "m" / "docs").iterdir())[1]
-    rows = doc / "keys" / "s0_l1_h2.f32"
-    data = bytearray(rows.read_bytes())
-    data[12] ^= 0x40
-    rows.write_bytes(bytes(data))
+    env = lmdb.open(str(doc / "store" / "lmdb"))  # a stored block flipped (the corpus keeps the rows, the document the blocks)
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor()))
+        txn.put(key, bytes([value[0] ^ 0x40]) + value[1:])
+    env.close()
     assert main(["info", str(tmp_path / "m"), "--verify", "--json"]) == 2
     report = json.loads(capsys.readouterr().out)
-    assert any(p.startswith(f"document docs/{doc.name}") and "s0_l1_h2.f32" in p for p in report["problems"])
+    assert any(p.startswith(f"document docs/{doc.name}") and "block" in p for p in report["problems"]), report
 
 
 def test_a_memory_read_in_one_context_still_opens_but_takes_no_documents(model, documents, tmp_path, capsys):
@@ -201,3 +208,50 @@ def test_a_corrupted_block_of_a_shard_is_named_as_the_union_numbers_it(tmp_path)
         union.get([(0, 0, 3)])
     assert e.value.key == (0, 0, 3)
     union.close()
+
+
+# ---- one copy of every row ---------------------------------------------------------------------
+def row_bytes(path, everywhere):
+    """Bytes of token rows, landmark keys and index state: the corpus's own, or ``everywhere``
+    (its documents' too)."""
+    files = path.rglob("*") if everywhere else [*path.iterdir(), *(path / "keys").iterdir()]
+    return sum(f.stat().st_size for f in files if f.is_file() and (
+        f.name in ("tokens.bin", "landmarks.bin") or f.suffix == ".f32" or f.name.startswith("state.")))
+
+
+@pytest.mark.parametrize("index", ["flat", "hnsw"])
+def test_a_corpus_keeps_one_copy_of_its_documents_rows(model, documents, tmp_path, index):
+    path = tmp_path / "m"
+    with LandmarkMemory(model, path=path, store="lmdb", chunk_size=100, documents=True, index=index) as mem:
+        build(mem, read_inputs(sorted(documents.glob("*.txt"))), load_tokenizer(), progress=False)
+    assert row_bytes(path, everywhere=True) == row_bytes(path, everywhere=False) > 0
+    for doc in (path / "docs").iterdir():  # each keeps its manifest, marked, and its store
+        assert json.loads((doc / "manifest.json").read_text())["rows_merged"] is True
+        assert sorted(p.name for p in doc.iterdir()) == ["manifest.json", "store", "writer.lock"]
+    assert verify(path).ok
+    assert main(["ask", str(path), "The captain", "--max-new-tokens", "2", "--quiet"]) == 0
+
+
+def test_a_merged_document_opened_alone_says_to_open_its_corpus(model, documents, tmp_path):
+    corpus(model, tmp_path / "m", [documents / "a.txt"])
+    (doc,) = (tmp_path / "m" / "docs").iterdir()
+    with pytest.raises(MemoryFileError, match="open the corpus"):
+        LandmarkMemory.open(doc, model, readonly=True)
+
+
+def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, documents, tmp_path, monkeypatch):
+    import landmark_memory.build as building
+
+    files, path = sorted(documents.glob("*.txt")), tmp_path / "m"
+    with monkeypatch.context() as m:  # a build from before one copy, or one stopped before it dropped them
+        m.setattr(building, "drop_merged_rows", lambda corpus, folder: None)
+        corpus(model, path, files)
+    assert row_bytes(path, everywhere=True) == 2 * row_bytes(path, everywhere=False)  # the documents' copies
+    doc = sorted((path / "docs").iterdir())[0]  # one stopped between marking its manifest and removing its rows
+    manifest = json.loads((doc / "manifest.json").read_text())
+    (doc / "manifest.json").write_text(json.dumps({**manifest, "rows_merged": True}))
+    before = files_of(path)
+    summary = corpus(model, path, files)
+    assert summary.added == 0 and len(summary.skipped) == len(files)
+    assert row_bytes(path, everywhere=True) == row_bytes(path, everywhere=False)
+    assert files_of(path) == before and verify(path).ok

@@ -21,7 +21,7 @@ from ..index.rows import KeyRows
 from ..storage.sharded import Shard
 from .directory import MANIFEST, MemoryDir, disk_errors
 from .engine import LandmarkMemory
-from .manifest import DOCUMENT_FOLDER, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
+from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
 
 
 def document_manifest(corpus: MemoryDir, folder: str) -> Manifest | None:
@@ -77,6 +77,24 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
                          ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder)
     mem.inputs.append(record)
     return record
+
+
+def drop_merged_rows(corpus: MemoryDir, folder: str) -> None:
+    """Keep one copy of a merged document's rows: once its corpus has committed them, the
+    document's own token rows, landmark keys and index state are removed. Its manifest says so
+    first (``rows_merged``), so a stop midway leaves only files that the next call removes; its
+    store stays, the corpus's blocks being read from it."""
+    d, m = corpus.document(folder), document_manifest(corpus, folder)
+    if m is None:
+        return
+    if not m.rows_merged:
+        m.rows_merged, m.state, m.rows_crc = True, None, None
+        d.write_manifest(m)
+    keys = d.key_path() / KEYS  # (refused when keys/ is a link: nothing outside the memory is removed)
+    for f in [d.path / TOKENS, d.path / LANDMARKS, *d.path.glob("state.*.safetensors"), *keys.glob("*.f32")]:
+        f.unlink(missing_ok=True)
+    if keys.is_dir() and not any(keys.iterdir()):
+        keys.rmdir()
 
 
 def saved_landmarks(d: MemoryDir, m: Manifest, rows: dict[str, bytes], device: torch.device) -> list[torch.Tensor]:

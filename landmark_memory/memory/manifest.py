@@ -113,6 +113,9 @@ class Manifest:
     rows_crc: dict[str, int] | None = None  # CRC-32 of the committed rows per row file (format 3 on)
     updated: str = ""
     documents: bool = False  # a corpus (format 4): inputs are documents, their blocks in their own stores
+    # a corpus's document whose rows (token rows, landmark keys, index state) its corpus holds: dropped
+    # here once the corpus committed them (``corpus.drop_merged_rows``); its store is the corpus's too
+    rows_merged: bool = False
     version: int = FORMAT_VERSION  # as read (a commit writes FORMAT_VERSION)
 
     @property
@@ -144,7 +147,8 @@ class Manifest:
                 "model": asdict(self.model), "options": self.options.to_dict(),
                 "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
                 "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
-                "documents": self.documents, "commit": self.commit,
+                "documents": self.documents, **({"rows_merged": True} if self.rows_merged else {}),
+                "commit": self.commit,
                 "files": {**({"state": asdict(self.state)} if self.state else {}),
                           **({"rows_crc32": self.rows_crc} if self.rows_crc else {})},
                 "updated": self.updated}
@@ -175,7 +179,8 @@ class Manifest:
                     inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
                     state=StateFile(**files["state"]) if "state" in files else None,
                     rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""),
-                    documents=bool(doc.get("documents", False)), version=version)
+                    documents=bool(doc.get("documents", False)), rows_merged=doc.get("rows_merged", False),
+                    version=version)
         except (KeyError, TypeError, AttributeError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
@@ -207,6 +212,8 @@ class Manifest:
             raise bad(f"model.dtype = {self.model.dtype!r}", f"(not one of {', '.join(DTYPES)})")
         if self.streams is not None:
             count("streams", self.streams, 1)
+        if type(self.rows_merged) is not bool or (self.rows_merged and self.documents):
+            raise bad(f"rows_merged = {self.rows_merged!r}", "(true or false, and only in a corpus's document)")
         for name in ("blocks", "tokens", "pending_tokens", "commit"):
             count(name, getattr(self, name))
         if self.tokens != self.blocks * s.block_size + self.pending_tokens:

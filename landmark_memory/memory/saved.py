@@ -92,6 +92,9 @@ class SavedMemory:
         d, mem = MemoryDir(path, writable=not readonly), None
         try:
             manifest, state = d.read_commit()
+            if manifest.rows_merged:
+                raise MemoryFileError(f"{path} is a document of a corpus, which holds its rows now: open the corpus "
+                                      f"(the folder that holds {Path(path).parent.name}/)")
             saved = manifest.model
             if saved.fingerprint != fingerprint:
                 raise MemoryFileError(wrong_model(path, saved, getattr(model, "landmark_name", "")))
