@@ -82,6 +82,15 @@ def write_inputs(books: Path, folder: Path, tokens: int, tokenizer) -> None:
 CLI = [sys.executable, "-m", "landmark_memory.entry"]
 
 
+def commit_of(package: Path | None) -> str:
+    """The git commit a checkout of the package is at (default this one), short, "+" when the
+    package's files differ from it; "" outside git."""
+    git = ["git", "-C", str(package or ROOT)]
+    head = subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(git + ["status", "--porcelain", "--", "landmark_memory"], capture_output=True, text=True)
+    return head.stdout.strip() + ("+" if changed.stdout.strip() else "") if head.returncode == 0 else ""
+
+
 def env_for(package: Path | None) -> dict:
     """This environment, with the package imported from ``package`` (a checkout; default this one).
     Commands run with ``-m`` get another working folder: Python looks for modules there first."""
@@ -281,7 +290,7 @@ def main():
         opens = [run_probe(memory, model, package, args.threads, books) for _ in range(2)]
         full = run_probe(memory, model, package, args.threads, books, asks=True,
                          append=work / f"{model}-{size}" / f"append-{label.split()[0]}.txt")
-        row = {"model": model, "size": size, "version": label, **full,
+        row = {"model": model, "size": size, "version": label, "commit": commit_of(package), **full,
                "open_s": statistics.median([o["open_s"] for o in opens] + [full["open_s"]]),
                **measure_server(memory, model, package)}
         row["disk_per_token"] = row["disk_bytes"] / row["tokens"]
@@ -300,7 +309,7 @@ def main():
                     raise SystemExit(f"reading failed:\n{run.stderr[-3000:]}")
                 reading = json.loads(run.stdout.strip().splitlines()[-1])
                 print("   ", label, json.dumps(reading), file=sys.stderr)
-                rows.append({"model": model, "version": label, "size": "read", **reading})
+                rows.append({"model": model, "version": label, "commit": commit_of(package), "size": "read", **reading})
     # rows of earlier runs (other models or sizes) stay, each group's ratios from its own run
     state = Path(args.results) / "scale.json"
     old = json.loads(state.read_text()) if state.is_file() else {"commands": [], "rows": []}
@@ -359,7 +368,8 @@ def report(rows: list[dict], commands: list[str], args, started: float) -> None:
             groups.setdefault((r["model"], r["version"]), []).append(r)
     for (model, version), group in groups.items():
         smallest = min(group, key=lambda r: r["tokens"])
-        body += [f"## {model}, {version}", "",
+        commit = group[0].get("commit")
+        body += [f"## {model}, {version}" + (f" (commit {commit})" if commit else ""), "",
                  "| memory | tokens | " + " | ".join(c[1] for c in cols) + " | server / warm ask |",
                  "|---|---:|" + "---:|" * len(cols) + "---:|"]
         for r in group:
@@ -378,7 +388,7 @@ def report(rows: list[dict], commands: list[str], args, started: float) -> None:
                  "(the default index, int8 blocks, no output head), in this process.", "",
                  "| model | version | tokens | index | tokens/s, first 50K | tokens/s, last 50K | last / first |",
                  "|---|---|---:|---|---:|---:|---:|"]
-        body += [f"| {r['model']} | {r['version']} | {r['tokens']:,} | {r['index']} | {r['read_first_tps']:,.0f} | "
+        body += [f"| {r['model']} | {r['version']}" + (f" ({r['commit']})" if r.get("commit") else "") + f" | {r['tokens']:,} | {r['index']} | {r['read_first_tps']:,.0f} | "
                  f"{r['read_last_tps']:,.0f} | {r['read_last_tps'] / r['read_first_tps']:.0%} |" for r in reads]
         body.append("")
     fig, axes = plt().subplots(1, 4, figsize=(15, 3.6))

@@ -14,7 +14,8 @@ once (``Readers``): each request takes an open read-only memory, which first fol
 made since its last answer (a build running beside the server is seen at its commits) and
 afterwards forgets what the question fed it, so answers never see each other and equal a fresh
 open's, while the hot cache stays warm. At most ``parallel`` answers are computed at once, the
-others wait their turn. With an API key, every ``/v1`` request needs ``Authorization: Bearer KEY``.
+others wait their turn. With an API key, every ``/v1`` request needs ``Authorization: Bearer KEY``;
+only requests to the address served (or an allowed host) are answered (``serve_guard.py``).
 """
 
 import asyncio
@@ -131,12 +132,12 @@ class Readers:
                 mem = self._open()
             else:
                 mem.refresh()
-        except MemoryFileError as e:  # rebuilt in place, damaged, or gone: open it again, or give up
+        except (MemoryFileError, OSError) as e:  # rebuilt in place, damaged, or gone: open it again, or give up
             if mem is not None:
                 mem.close()
             try:
                 mem = self._open()
-            except MemoryFileError:
+            except (MemoryFileError, OSError):
                 raise APIError(503, f"the memory cannot be read: {e}", "memory_unavailable") from None
         self.latest = mem.manifest
         try:

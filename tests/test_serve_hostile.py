@@ -121,7 +121,7 @@ def test_values_that_were_tracebacks_are_400_streamed_or_not(server, route, chan
     refusal(status, data, code)
 
 
-def test_a_tiny_temperature_samples_what_greedy_decoding_picks(server):
+def test_a_tiny_temperature_over_http_answers_as_greedy_decoding_does(server):
     status, greedy = call(server, "/v1/completions", {**COMPLETION, "max_tokens": 8})
     status_tiny, tiny = call(server, "/v1/completions", {**COMPLETION, "max_tokens": 8, "temperature": 1e-300,
                                                           "seed": 2**64 - 1})
