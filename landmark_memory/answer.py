@@ -50,6 +50,32 @@ class Answer:
         return asdict(self)
 
 
+class QuestionError(ValueError):
+    """A question ``ask`` refuses; ``field`` says what is wrong: "empty", "text" (not Unicode),
+    "seed" or "stop"."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) -> None:
+    """Raise ``QuestionError`` for what ``ask`` cannot answer: an empty question, one that is no
+    Unicode text, a seed outside 0..2**64 - 1, an empty stop string (a server checks a request
+    here before it answers)."""
+    if not question.strip():
+        raise QuestionError("empty", "the question is empty")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")
+        raise QuestionError("text", f"the question is not valid text: {question[e.start:e.end]!r} at character "
+                            f"{e.start} is no Unicode character (text must be UTF-8)") from None
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise QuestionError("seed", f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise QuestionError("stop", f"stop strings must be non-empty strings, got {list(stop)!r}")
+
+
 def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage:
     """The block ``block`` of the memory as a ``Passage``."""
     bs, ids = mem.shape.block_size, mem.tokens(0, block, block + 1)
@@ -79,19 +105,9 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, *, max_new_tokens: int = 
     on_token : called with each new token id of the answer as it is generated (streaming; not
         with an end-of-turn token).
     """
-    if not question.strip():
-        raise ValueError("the question is empty")
+    check_question(question, seed=seed, stop=stop)
     if max_new_tokens < 0 or passages < 0:
         raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")
-    if not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
-    try:
-        question.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")
-        raise ValueError(f"the question is not valid text: {question[e.start:e.end]!r} at character {e.start} is "
-                         "no Unicode character (text must be UTF-8)") from None
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
     n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
     chat = None if raw else getattr(tokenizer, "chat_prompt", lambda q: None)(question)
     uses = Counter()

@@ -39,7 +39,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .answer import Answer, ask
+from .answer import Answer, QuestionError, ask, check_question
 from .memory import LandmarkMemory, MemoryFileError
 from .memory.inspect import describe
 from .serve_guard import ANY_ADDRESS, LOCAL_HOSTS, APIError, Guard
@@ -80,10 +80,10 @@ class _Request(BaseModel):
     top_logprobs: int | None = None
 
     def stops(self) -> list[str]:
-        """The stop strings (OpenAI: a string or up to 4), checked."""
+        """The stop strings (OpenAI: a string or up to 4; ``check_question`` refuses empty ones)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or not all(stops):
-            raise APIError(400, "stop must be a non-empty string or a list of at most 4 of them", "invalid_stop")
+        if len(stops) > 4:
+            raise APIError(400, f"stop holds at most 4 strings, got {len(stops)}", "invalid_stop")
         return stops
 
 
@@ -231,20 +231,16 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
         if not (math.isfinite(req.temperature) and 0 <= req.temperature <= 2):
             raise APIError(400, f"temperature must be a number from 0 to 2, got {req.temperature}",
                            "invalid_temperature")
-        if req.seed is not None and not 0 <= req.seed < 2**64:
-            raise APIError(400, f"seed must be an integer from 0 to 2**64 - 1, got {req.seed}", "invalid_seed")
         if req.n not in (None, 1):
             raise APIError(400, f"n must be 1: this server gives one choice per request, got {req.n}", "invalid_n")
         if req.logprobs not in (None, False, 0) or req.top_logprobs is not None:
             raise APIError(400, "logprobs and top_logprobs are not supported: leave them out", "invalid_logprobs")
-        req.stops()
-        if not question.strip():
-            raise APIError(400, "the question is empty", "invalid_request")
-        try:
-            question.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON's "\ud800": no character, nothing a tokenizer reads
-            raise APIError(400, f"the prompt holds {question[e.start:e.end]!r} at character {e.start}, which is no "
-                           "Unicode character", "invalid_prompt") from None
+        try:  # what ask would refuse, refused before a stream sends its status
+            check_question(question, seed=req.seed or 0, stop=req.stops())
+        except QuestionError as e:
+            code = {"empty": "invalid_request", "text": "invalid_prompt", "seed": "invalid_seed",
+                    "stop": "invalid_stop"}[e.field]
+            raise APIError(400, str(e), code) from None
         return n
 
     def answer(question: str, raw: bool, req: _Request, n: int, on_token=None) -> Answer:

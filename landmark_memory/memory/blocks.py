@@ -283,7 +283,7 @@ class BlockMemory:
         return np.concatenate(parts).astype(np.int32, copy=False)
 
     def check_files(self) -> None:
-        """Raise ``MemoryFileError`` where a file this memory maps (a block store's, a key file)
+        """Raise ``MemoryFileError`` where a file this memory maps (a block store's, a key file, tokens.bin)
         was cut since it was mapped: reading a page past a file's end would be a SIGBUS."""
         try:
             self.store.check()

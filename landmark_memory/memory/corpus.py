@@ -84,7 +84,11 @@ def drop_merged_rows(corpus: MemoryDir, folder: str) -> None:
     document's own token rows, landmark keys and index state are removed. Its manifest says so
     first (``rows_merged``), so a stop midway leaves only files that the next call removes; its
     store stays, the corpus's blocks being read from it."""
-    d, m = corpus.document(folder), document_manifest(corpus, folder)
+    d = corpus.document(folder)
+    names = {p.name for p in d.path.iterdir()} if d.path.is_dir() else set()
+    if not names & {TOKENS, LANDMARKS, KEYS} and not any(n.startswith("state.") for n in names):
+        return  # nothing left to drop (every build looks: its manifest need not be read)
+    m = document_manifest(corpus, folder)
     if m is None:
         return
     if not m.rows_merged:
