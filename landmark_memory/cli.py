@@ -76,8 +76,10 @@ def cmd_build(args):
             raise UsageError(f"{path} reads its inputs in one context (a memory built before corpora); build now "
                              "reads each file as its own document: build into a new memory (this one still opens "
                              "for ask)")
-        was = {**{k: getattr(saved.options, k) for k in fixed}, "block_size": saved.model.shape.block_size}
-        changed = [k for k, v in {**fixed, "block_size": args.block_size}.items() if v and v != was[k]]
+        was = {**{k: getattr(saved.options, k) for k in fixed}, "block_size": saved.model.shape.block_size,
+               "train_size": saved.options.index_options.get("train_size")}
+        given = {**fixed, "block_size": args.block_size, "train_size": args.train_size}
+        changed = [k for k, v in given.items() if v and v != was[k]]
         if changed:
             raise UsageError(f"{path} was built with " + ", ".join(f"{k}={was[k]}" for k in changed)
                              + "; these cannot change: drop the flags or build a new memory")
@@ -92,6 +94,8 @@ def cmd_build(args):
             mem = LandmarkMemory.open(path, model, **({"top_k": args.top_k} if args.top_k else {}))
         else:
             opts = {k: v for k, v in fixed.items() if v is not None}
+            if args.train_size:
+                opts["index_options"] = {"train_size": args.train_size}
             mem = LandmarkMemory(model, path=path, top_k=args.top_k or 4, documents=True, **{"store": "lmdb", **opts})
         try:
             summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,
@@ -121,7 +125,7 @@ def cmd_info(args):
     lines = [f"memory      {info['memory']} (commit {info['commit']}, {info['updated']})",
              f"tokens      {info['tokens']:,} in {info['blocks']:,} blocks of {info['block_size']} "
              f"(+{info['pending_tokens']} in the open chunk)",
-             f"index       {info['index']}, store {info['store']} ({info['store_dtype']}), "
+             f"index       {info['index']} ({info['index_search']}), store {info['store']} ({info['store_dtype']}), "
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
              f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB" + (
                  f" ({info['bytes_per_token']:,.0f} bytes per token read)" if info["bytes_per_token"] else ""),

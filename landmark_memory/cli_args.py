@@ -5,7 +5,7 @@ and a wrong option answer at once."""
 
 import argparse
 
-from .names import INDEX_KINDS, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
+from .names import DEFAULT_INDEX, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
 
 
 def _number(kind, low, what, high=None):
@@ -28,6 +28,7 @@ port = _number(int, 1, "a port number (1 to 65535)", 65535)
 seed = _number(int, 0, "a seed (an integer from 0 to 2**64 - 1)", 2**64 - 1)
 MAX_BLOCK_SIZE = 1024  # the paper's blocks are 50 and 63 tokens; a chunk holds at least one block
 block_size = _number(int, 1, f"a block size (1 to {MAX_BLOCK_SIZE} tokens)", MAX_BLOCK_SIZE)
+top_k = _number(int, 1, f"a number of blocks (1 to {MAX_TOP_K})", MAX_TOP_K)
 
 
 def api_key(text):
@@ -47,9 +48,9 @@ def add_model_args(p):
 CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
 
 
-def add_retrieval_args(p, index_default="flat", top_k_default=4):
+def add_retrieval_args(p, index_default=DEFAULT_INDEX, top_k_default=4):
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=positive, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
+    p.add_argument("--top-k", type=top_k, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
     p.add_argument("--index", default=index_default,
                    help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
@@ -67,9 +68,12 @@ CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT
             "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
 
 
+TRAIN_SIZES = "1024 ivf-rows, 4096 ivf, 16384 ivfpq"  # index.default_train_size
+
+
 def add_index_tuning(p, train_size=None):
     p.add_argument("--train-size", type=positive, default=train_size,
-                   help=f"landmarks before IVF indexes train (default {train_size or '4096 ivf, 16384 ivfpq'})")
+                   help=f"landmarks before IVF indexes train (default {train_size or TRAIN_SIZES})")
     p.add_argument("--nprobe", type=positive, help="IVF lists visited per query (default 16)")
     p.add_argument("--ef-search", type=positive, help="HNSW search breadth (default 128)")
 
@@ -82,7 +86,7 @@ DESCRIPTION = """The landmark-memory command: build, inspect, query, serve and m
     landmark-memory info my-memory
     landmark-memory ask my-memory "Who is Mr Hyde?" --show-retrieved
     landmark-memory eval --input book.txt --eval-length 2048
-    landmark-memory compare --input book.txt --index flat,hnsw,ivf,ivfpq --plot compare.png
+    landmark-memory compare --input book.txt --index flat,ivf-rows,hnsw,ivf,ivfpq --plot compare.png
     landmark-memory passkey --lengths 1k,4k,16k --trials 20 --plot passkey.png
     landmark-memory train --preset tiny                    # experiments/train.py's options
 
@@ -109,12 +113,15 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("memory", help="memory directory (created if absent, extended if present)")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=".txt files or folders of them")
     add_model_args(p)
-    p.add_argument("--index", choices=INDEX_KINDS, help="landmark index of a new memory (default flat)")
+    p.add_argument("--index", choices=INDEX_KINDS, help=f"landmark index of a new memory (default {DEFAULT_INDEX})")
     p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
     add_store_dtype(p, saved=True)
     p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
-    p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default 4)")
+    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default 4)")
+    p.add_argument("--train-size", type=positive, metavar="N",
+                   help=f"landmarks per layer and head before an IVF index trains (default {TRAIN_SIZES}); fixed "
+                        "when the memory is created")
     p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
                    help="commit at least this often (default 60; the end of each document commits too)")
     p.add_argument("--leave-unfinished", action="store_true",
@@ -141,7 +148,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=count, default=32, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed when temperature > 0")
-    p.add_argument("--top-k", type=positive, help="blocks retrieved per query (default: the memory's)")
+    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
     p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
@@ -181,11 +188,12 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p = sub.add_parser("compare", parents=[common], help="exact vs approximate retrieval: perplexity, recall, latency")
     p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")
     add_model_args(p)
-    p.add_argument("--index", default="flat,hnsw,ivf,ivfpq", help="index kinds, comma-separated (default all CPU kinds)")
+    p.add_argument("--index", default="flat,ivf-rows,hnsw,ivf,ivfpq",
+                   help="index kinds, comma-separated (default all CPU kinds)")
     p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=positive, default=4, help="blocks retrieved per query (default 4)")
+    p.add_argument("--top-k", type=top_k, default=4, help="blocks retrieved per query (default 4)")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     add_store_dtype(p)

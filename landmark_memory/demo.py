@@ -28,7 +28,7 @@ from .model import LandmarkGPT
 from .passkey import MAX_KEY, QUESTION, fact, first_int
 
 SAMPLE_BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"
-DEMO_INDEXES = ("flat", "hnsw", "ivf", "ivfpq")
+DEMO_INDEXES = ("flat", "ivf-rows", "hnsw", "ivf", "ivfpq")
 PASSAGES = 8  # retrieved passages the ask step reports, most-read first
 COMPARE_TOKENS = 32768  # the book's opening read once per index kind: a fraction of the whole keeps the demo short
 LARGE_MODEL_TOKENS = 8192  # of the book, for a model other than the bundled one (CPU minutes, not hours)
@@ -76,7 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens{' of its opening' if cap else ''}) with the "
             f"pass key {key} planted {100 * depth:.0f}% of the way in (seed {seed})")
-        with LandmarkMemory(model, path=mem_path, index="flat", store="lmdb", top_k=4, documents=True) as mem:
+        with LandmarkMemory(model, path=mem_path, store="lmdb", top_k=4, documents=True) as mem:
             build(mem, read_inputs([book]), tok, progress=not args.quiet)
         say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
 
@@ -98,7 +98,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ids = encode(tok, text)
         bundled = isinstance(model, LandmarkGPT)  # IVF kinds need 256 landmarks a layer-head: 16K tokens of blocks
         length = min(COMPARE_TOKENS if bundled else LARGE_MODEL_TOKENS // 2, len(ids) - 1)
-        kinds = DEMO_INDEXES if bundled else ("flat", "hnsw")
+        kinds = DEMO_INDEXES if bundled else ("flat", "ivf-rows")
         say(f"3. Perplexity of the book's first {length:,} tokens read through memory, exact vs approximate "
             "landmark search" + (" (IVF kinds train on the first 256 landmarks of each layer and head)" if bundled else ""))
         rows = compare_indexes(model, ids, kinds, length, COMPARE_OPTIONS, max_segments=1, progress=not args.quiet)

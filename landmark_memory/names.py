@@ -3,7 +3,9 @@ and a wrong option answer at once): index kinds, stores and their dtypes, retrie
 position mappings, and the named models. Each is owned here and used by the module that
 implements it."""
 
-INDEX_KINDS = ("flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
+INDEX_KINDS = ("ivf-rows", "flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
+MAX_TOP_K = 1024  # memory/options.py: blocks per query; the arrays of a chunk's choices grow with it
+DEFAULT_INDEX = "ivf-rows"  # exact until 1024 blocks, then lists over the key rows (experiments/results/scale.md)
 STORES = ("memory", "lmdb", "mmap")  # storage/__init__.py
 STORE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # storage/__init__.py, quant.py
 RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2

@@ -62,7 +62,8 @@ def built(texts, tmp_path_factory):
 def test_build_then_info_reports_every_token(built, texts, capsys):
     info = run_json(capsys, "info", str(built))
     assert info["tokens"] == n_tokens(texts / "a.txt")
-    assert info["blocks"] == info["tokens"] // 50 and info["index"] == "flat" and info["store"] == "lmdb"
+    assert info["blocks"] == info["tokens"] // 50 and info["index"] == "ivf-rows" and info["store"] == "lmdb"
+    assert info["index_search"] == "exact until 1,024 blocks"
     assert info["commit"] >= 1 and info["inputs"][0]["status"] == "done" and info["inputs"][0]["path"].endswith("a.txt")
 
 
@@ -109,13 +110,13 @@ def test_eval_with_a_cmt_cutoff_needs_a_cmt_model(texts, capsys, tmp_path):
 def test_compare_measures_each_index_against_exact(capsys, tmp_path):
     book, plot = tmp_path / "book.txt", tmp_path / "compare.png"
     book.write_text(BOOK.read_text()[:20000])  # about 100 blocks: IVF trains 2 lists on 80
-    doc = run_json(capsys, "compare", "--input", str(book), "--index", "hnsw,ivf", "--chunk-size", "100",
+    doc = run_json(capsys, "compare", "--input", str(book), "--index", "hnsw,ivf,ivf-rows", "--chunk-size", "100",
                    "--train-size", "80", "--nprobe", "1", "--plot", str(plot))
     rows = {r["index"]: r for r in doc["rows"]}
-    assert list(rows) == ["flat", "hnsw", "ivf"]
+    assert list(rows) == ["flat", "hnsw", "ivf", "ivf-rows"]
     assert rows["flat"]["recall"] == 1.0 and rows["flat"]["ppl_delta_pct"] == 0.0
     assert all(0 <= r["recall"] <= 1 and r["searches"] > 0 and np.isfinite(r["perplexity"]) for r in rows.values())
-    assert rows["ivf"]["recall"] < 1.0, "one IVF list of several must miss some blocks"
+    assert rows["ivf"]["recall"] < 1.0 and rows["ivf-rows"]["recall"] < 1.0, "one list of several must miss blocks"
     assert plot.stat().st_size > 0
 
 
@@ -129,7 +130,7 @@ def test_passkey_reports_accuracy_per_length(capsys, tmp_path):
 def test_demo_runs_end_to_end_on_a_short_book(texts, capsys, tmp_path):
     doc = run_json(capsys, "demo", "--book", str(texts / "a.txt"), "--seed", "3", "--out", str(tmp_path / "d"))
     assert doc["tokens"] > 1000 and isinstance(doc["correct"], bool) and doc["retrieved"]
-    assert [r["index"] for r in doc["compare"]] == ["flat", "hnsw", "ivf", "ivfpq"]
+    assert [r["index"] for r in doc["compare"]] == ["flat", "ivf-rows", "hnsw", "ivf", "ivfpq"]
     assert (tmp_path / "d" / "memory" / "manifest.json").is_file()
 
 

@@ -216,15 +216,17 @@ def row_bytes(path, everywhere):
     (its documents' too)."""
     files = path.rglob("*") if everywhere else [*path.iterdir(), *(path / "keys").iterdir()]
     return sum(f.stat().st_size for f in files if f.is_file() and (
-        f.name in ("tokens.bin", "landmarks.bin") or f.suffix == ".f32" or f.name.startswith("state.")))
+        f.name in ("tokens.bin", "landmarks.bin") or f.suffix in (".f32", ".lists", ".centroids")
+        or f.name.startswith("state.")))
 
 
-@pytest.mark.parametrize("index", ["flat", "hnsw"])
+@pytest.mark.parametrize("index", ["flat", "hnsw", "ivf-rows"])
 def test_a_corpus_keeps_one_copy_of_its_documents_rows(model, documents, tmp_path, index):
-    path = tmp_path / "m"
-    with LandmarkMemory(model, path=path, store="lmdb", chunk_size=100, documents=True, index=index) as mem:
+    path, train = tmp_path / "m", {"index_options": {"train_size": 4}} if index == "ivf-rows" else {}
+    with LandmarkMemory(model, path=path, store="lmdb", chunk_size=100, documents=True, index=index, **train) as mem:
         build(mem, read_inputs(sorted(documents.glob("*.txt"))), load_tokenizer(), progress=False)
     assert row_bytes(path, everywhere=True) == row_bytes(path, everywhere=False) > 0
+    assert any((path / "keys").glob("*.ivf2.lists")) == (index == "ivf-rows")  # trained at 4 and 16 blocks
     for doc in (path / "docs").iterdir():  # each keeps its manifest, marked, and its store
         assert json.loads((doc / "manifest.json").read_text())["rows_merged"] is True
         assert sorted(p.name for p in doc.iterdir()) == ["manifest.json", "store", "writer.lock"]

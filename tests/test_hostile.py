@@ -359,6 +359,8 @@ def test_state_files_are_readable_by_whoever_may_read_the_memory(tmp_path, book)
 
 @pytest.mark.parametrize("argv", [
     ["build", "M", "--input", "B", "--top-k", "0"],
+    ["ask", "M", "p", "--top-k", "1025"],
+    ["build", "M", "--input", "B", "--train-size", "0"],
     ["build", "M", "--input", "B", "--chunk-size", "0"],
     ["build", "M", "--input", "B", "--block-size", "0"],
     ["build", "M", "--input", "B", "--commit-every", "-1"],
@@ -401,7 +403,8 @@ def test_a_kill_at_any_rename_or_sync_leaves_a_memory_that_finishes_exactly(tmp_
     ids = encode_document(load_tokenizer(), text.read_text(), 50)
 
     def run(at, mem):
-        argv = ["build", str(mem), "--input", str(text), "--chunk-size", "50", "--commit-every", "0", "--quiet"]
+        argv = ["build", str(mem), "--input", str(text), "--chunk-size", "50", "--commit-every", "0", "--quiet",
+                "--train-size", "4"]  # the index trains after 4 blocks: its files are written by commits too
         return subprocess.run([sys.executable, "-c", KILLER, str(at), *argv], capture_output=True, text=True)
 
     clean = run(10 ** 9, tmp_path / "clean")

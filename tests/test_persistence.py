@@ -32,7 +32,8 @@ def dir_digest(path):
 
 @pytest.mark.parametrize("store,index,dtype", [("lmdb", "flat", "float32"), ("mmap", "ivf", "float32"),
                                                ("lmdb", "ivfpq", "float32"), ("lmdb", "flat", "int8"),
-                                               ("mmap", "flat", "int8")])
+                                               ("mmap", "flat", "int8"), ("lmdb", "ivf-rows", "int8"),
+                                               ("mmap", "ivf-rows", "float32")])
 def test_save_reopen_continue_equals_never_stopping(model, text, tmp_path, store, index, dtype):
     opts = dict(index=index, top_k=2, chunk_size=10, index_options={"train_size": 16}, store_dtype=dtype)
     cut = 57  # mid-chunk: the open chunk's keys and values must survive too

@@ -43,18 +43,20 @@ def ask(capsys, mem):
 
 def test_two_workers_build_bit_for_bit_what_one_worker_and_this_process_build(documents, tmp_path, capsys):
     assert not ray.is_initialized()
+    train = ("--train-size", "4")  # documents and corpus train their index lists, each as often
     # its own local Ray, started and shut down by the command
-    two = subprocess.run(CLI + build_argv(tmp_path / "two", documents, "--workers", "2", "--worker-threads", "1", "--json"),
+    two = subprocess.run(CLI + build_argv(tmp_path / "two", documents, *train, "--workers", "2", "--worker-threads", "1",
+                                          "--json"),
                          capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr
     assert json.loads(two.stdout)["workers"] == 2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker: the same arithmetic
     try:
-        assert main(build_argv(tmp_path / "here", documents)) == 0
+        assert main(build_argv(tmp_path / "here", documents, *train)) == 0
     finally:
         torch.set_num_threads(threads)
-    assert main(build_argv(tmp_path / "one", documents, "--workers", "1", "--worker-threads", "1")) == 0  # Ray here
+    assert main(build_argv(tmp_path / "one", documents, *train, "--workers", "1", "--worker-threads", "1")) == 0
     capsys.readouterr()
     assert files_of(tmp_path / "two") == files_of(tmp_path / "one") == files_of(tmp_path / "here")
     answers = [ask(capsys, tmp_path / m) for m in ("two", "one")]

@@ -1,6 +1,9 @@
 """Landmark key search by inner product, one FAISS index per (stream, layer, head).
 
-Kinds: ``flat`` (exact: FAISS's brute-force inner products over the key rows where they lie,
+Kinds: ``ivf-rows`` (the default: exact as ``flat`` until ``train_size`` keys, then an IVF whose
+lists hold block ids over the key rows where they lie, ``lists.ListIndex``: a search costs about
+the same however many blocks a memory holds, and a commit writes only what it appends),
+``flat`` (exact: FAISS's brute-force inner products over the key rows where they lie,
 ``rows.KeyRows``, a memory-mapped file in a saved memory; the same results, bit for bit, as an
 IndexFlatIP with an IDSelectorRange), ``hnsw`` (HNSW32), ``ivf`` (IVF-Flat), ``ivfpq`` (IVF-PQ,
 whose ``refine`` x k best candidates are re-ranked exactly by FAISS's IndexRefineFlat: PQ codes
@@ -10,7 +13,7 @@ block numbers: blocks are added in order, so FAISS's sequential ids are the bloc
 search restricted to a block range is an ``IDSelectorRange`` (how ``max_blocks`` and the
 exact-scored recent blocks are kept out of the approximate search).
 
-IVF kinds need training: they search an exact flat index until ``train_size`` keys exist, then
+FAISS's IVF kinds need training: they search an exact flat index until ``train_size`` keys exist, then
 train on all keys seen so far and move them over. They train again, on all their keys, each time
 they have grown ``RETRAIN_GROWTH`` times (at ``train_size`` x 4, x 16, ...), so their lists keep
 about the same length and a search costs about the same however large the memory grows. The
@@ -24,17 +27,24 @@ import faiss
 import numpy as np
 
 from ..names import INDEX_KINDS
+from .lists import ListIndex, level_of
 from .rows import KeyRows
 
 KINDS = INDEX_KINDS
-RETRAIN_GROWTH = 4
+ON_ROWS = ("flat", "ivf-rows")  # kinds that search the key rows where they lie
+
+
+def default_train_size(kind: str) -> int:
+    """Keys an IVF index of ``kind`` needs before it trains, unless told (8-bit PQ codebooks want
+    about 10K points)."""
+    return {"ivfpq": 16384, "ivf-rows": 1024}.get(kind.removesuffix("-gpu"), 4096)
 
 
 def derived_from_rows(kind: str) -> bool:
-    """Whether an index of ``kind`` holds nothing but its keys as they were added: an exact
-    flat index, which searches a memory's key rows where they lie (on a GPU, a copy of them
-    made when the memory opens), so a saved memory never stores it."""
-    return kind.removesuffix("-gpu") == "flat"
+    """Whether an index of ``kind`` keeps nothing in a memory's state file: one that searches
+    the key rows where they lie (``ON_ROWS``; ``ivf-rows`` keeps its lists in files beside them),
+    or an exact flat index on a GPU, a copy of the rows made when the memory opens."""
+    return kind in ON_ROWS or kind == "flat-gpu"
 
 
 def gpu_available() -> bool:
@@ -50,14 +60,18 @@ class LandmarkIndex:
     kind : str, one of ``KINDS``.
     dim : int, key dimension (the model's head dim).
     train_size : int, keys needed before an IVF index is trained (exact search until then);
-        default 4096 for ivf, 16384 for ivfpq (8-bit PQ codebooks need ~10K points).
+        default 1024 for ivf-rows, 4096 for ivf, 16384 for ivfpq (8-bit PQ codebooks need ~10K
+        points).
     nprobe : int, IVF lists visited per query.
     ef_search : int, HNSW search breadth.
     refine : int, IVF-PQ candidates re-ranked exactly per result (0: PQ scores only).
-    rows : KeyRows, optional, ``flat`` only: the rows it searches and appends to (default its own, in memory).
+    rows : KeyRows, optional, ``ON_ROWS`` kinds only: the rows it searches and appends to
+        (default its own, in memory).
     """
 
-    def __init__(self, kind: str, dim: int, *, train_size: int | None = None, nprobe: int = 16, ef_search: int = 128,
+    NPROBE = 16  # IVF lists a query visits unless told
+
+    def __init__(self, kind: str, dim: int, *, train_size: int | None = None, nprobe: int = NPROBE, ef_search: int = 128,
                  refine: int = 4, rows: KeyRows | None = None):
         if kind not in KINDS:
             raise ValueError(f"unknown index kind {kind!r}; choose one of {KINDS}")
@@ -66,7 +80,7 @@ class LandmarkIndex:
                              f"machine or use {kind[:-4]!r}")
         self.kind, self.dim = kind, dim
         self.base = kind.removesuffix("-gpu")
-        self.train_size = train_size or (16384 if self.base == "ivfpq" else 4096)
+        self.train_size = train_size or default_train_size(kind)
         if self.base == "ivfpq" and self.train_size < 16:
             raise ValueError(f"ivfpq needs train_size >= 16 (its smallest PQ codebooks have 16 centroids), "
                              f"got {self.train_size}")
@@ -76,9 +90,11 @@ class LandmarkIndex:
         self.retrains = (self.base == "ivf" or (self.base == "ivfpq" and refine > 0)) and not kind.endswith("-gpu")
         self.searches, self.search_seconds = 0, 0.0  # calls to search() and time spent in FAISS
         self._params_for = (None, None, None)  # ((lo, hi), index, search parameters) of the last search
-        # a CPU flat index is its rows, searched where they lie; every other kind has a FAISS index
-        self.rows = (rows if rows is not None else KeyRows(dim)) if kind == "flat" else None
-        self.index = None if kind == "flat" else self._build("HNSW32" if self.base == "hnsw" else "Flat")
+        # a CPU flat index is its rows, searched where they lie, and ivf-rows lists over them;
+        # every other kind has a FAISS index
+        self.rows = (rows if rows is not None else KeyRows(dim)) if kind in ON_ROWS else None
+        self.lists = ListIndex(self.rows, self.train_size) if kind == "ivf-rows" else None
+        self.index = None if kind in ON_ROWS else self._build("HNSW32" if self.base == "hnsw" else "Flat")
 
     def _build(self, factory):
         index = faiss.index_factory(self.dim, factory, faiss.METRIC_INNER_PRODUCT)
@@ -119,8 +135,17 @@ class LandmarkIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the index in FAISS's serialisation (what it takes in memory, near enough)."""
-        return self.rows.nbytes if self.rows is not None else len(self.to_bytes())
+        """Bytes of the index: its rows and lists, or FAISS's serialisation (what it takes in
+        memory, near enough)."""
+        if self.rows is not None:
+            return self.rows.nbytes + (self.lists.nbytes if self.lists is not None else 0)
+        return len(self.to_bytes())
+
+    def follow(self, n: int) -> None:
+        """Count the first ``n`` keys of its rows, which a saved memory's commit counts (the rows
+        followed already): an ``ivf-rows`` index maps the lists of their level."""
+        if self.lists is not None:
+            self.lists.follow(n)
 
     def _check(self, x, what):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -132,21 +157,17 @@ class LandmarkIndex:
         """Append keys ``xb`` (n, dim); their ids continue from ``ntotal``."""
         xb = self._check(xb, "xb")
         if self.rows is not None:
+            n_before = self.rows.n
             self.rows.append(xb)
+            if self.lists is not None:
+                self.lists.add(n_before)
             return
         n_before = self.ntotal
         self.index.add(xb)
         if not self.trained and self.ntotal >= self.train_size:
             self._train()
-        elif self.trained and self.retrains and self._level(self.ntotal) > self._level(n_before):
+        elif self.trained and self.retrains and level_of(self.ntotal, self.train_size) > level_of(n_before, self.train_size):
             self._train()
-
-    def _level(self, n):
-        """How many times an index of ``n`` keys has grown ``RETRAIN_GROWTH`` times since training."""
-        level, t = 0, self.train_size * RETRAIN_GROWTH
-        while n >= t:
-            level, t = level + 1, t * RETRAIN_GROWTH
-        return level
 
     def _keys(self):
         """Every key, float32 (ntotal, dim), exactly as added."""
@@ -211,7 +232,9 @@ class LandmarkIndex:
         if k <= 0 or hi <= lo:
             return np.full((len(xq), max(k, 0)), -np.inf, np.float32), np.full((len(xq), max(k, 0)), -1, np.int64)
         t0 = time.perf_counter()
-        if self.rows is not None:  # brute force over the range, as IndexFlatIP with an IDSelectorRange
+        if self.lists is not None and self.lists.level:
+            D, I = self.lists.search(xq, k, lo, hi, self.nprobe)
+        elif self.rows is not None:  # brute force over the range, as IndexFlatIP with an IDSelectorRange
             D, I = faiss.knn(xq, self.rows.array()[lo:hi], k, metric=faiss.METRIC_INNER_PRODUCT)
             I[I >= 0] += lo
         else:

@@ -1,5 +1,7 @@
 """Landmark keys as rows: the float32 keys (n, dim) of one (stream, layer, key/value head), in
-block order, in memory or in a file of their own that is appended in place and memory-mapped.
+block order, in memory or in a file of their own that is appended in place and memory-mapped
+(and, with another dtype, any per-block rows kept the same way: an ``ivf-rows`` index's list of
+each block, its centroids).
 
 A saved memory's rows are its one copy of the landmark keys: an exact flat index searches them
 where they lie (``LandmarkIndex`` over ``rows``), so opening a memory maps its key files and
@@ -25,28 +27,30 @@ class KeyFileError(ValueError):
 
 
 class KeyRows:
-    """float32 rows (n, dim) of one (stream, layer, key/value head).
+    """Rows (n, dim) of one (stream, layer, key/value head), float32 unless ``dtype`` says.
 
     Parameters
     ----------
-    dim : int, key dimension.
+    dim : int, key dimension (values per row).
     path : Path, optional, the file; without it the rows live in memory.
     writable : bool, rows may be appended to the file (a writer); a reader maps ``n`` rows.
     n : int, the rows that count (committed); the file must hold them.
+    dtype : numpy dtype of the values (float32 keys; int32 list ids).
     """
 
-    def __init__(self, dim: int, path: Path | None = None, *, writable: bool = True, n: int = 0):
-        self.dim, self.path, self.writable, self.n = dim, path, writable, 0
-        self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), np.float32)
+    def __init__(self, dim: int, path: Path | None = None, *, writable: bool = True, n: int = 0,
+                 dtype: type = np.float32):
+        self.dim, self.path, self.writable, self.n, self.dtype = dim, path, writable, 0, np.dtype(dtype)
+        self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), self.dtype)
         self.follow(n)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the rows that count."""
-        return self.n * self.dim * 4
+        return self.n * self.dim * self.dtype.itemsize
 
     def array(self) -> np.ndarray:
-        """float32 (n, dim), C-contiguous, the rows that count (a view: valid until they grow)."""
+        """(n, dim) of ``dtype``, C-contiguous, the rows that count (a view: valid until they grow)."""
         return self._rows[:self.n]
 
     def follow(self, n: int) -> None:
@@ -64,7 +68,7 @@ class KeyRows:
         if self.n + m > len(self._rows):
             want = max(self.n + m, 2 * len(self._rows), MIN_ROWS)
             if self.path is None:
-                grown = np.empty((want, self.dim), np.float32)
+                grown = np.empty((want, self.dim), self.dtype)
                 grown[:self.n] = self._rows[:self.n]
                 self._rows = grown
             else:
@@ -100,13 +104,13 @@ class KeyRows:
         if self.path is not None and len(self._rows):
             if self.writable:
                 self._rows.flush()
-            self._rows = np.empty((0, self.dim), np.float32)  # the map goes with its last array
+            self._rows = np.empty((0, self.dim), self.dtype)  # the map goes with its last array
             if self.writable:
                 os.truncate(self.path, self.nbytes)
 
     def _map(self, rows: int, grow: bool) -> None:
         """Map the file, at least ``rows`` rows of it; ``grow``: a writer makes room first."""
-        f, row = Path(self.path), self.dim * 4
+        f, row = Path(self.path), self.dim * self.dtype.itemsize
         if os.path.islink(f):
             raise KeyFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the link")
         have = f.stat().st_size // row if f.is_file() else -1
@@ -122,4 +126,4 @@ class KeyRows:
         if self.writable and isinstance(self._rows, np.memmap):
             self._rows.flush()  # the old map's writes, before the new one reads the file
         with os.fdopen(fd, "rb+" if self.writable else "rb") as fh:
-            self._rows = np.memmap(fh, dtype=np.float32, mode="r+" if self.writable else "r", shape=(mapped, self.dim))
+            self._rows = np.memmap(fh, dtype=self.dtype, mode="r+" if self.writable else "r", shape=(mapped, self.dim))

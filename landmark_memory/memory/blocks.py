@@ -21,13 +21,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..index import LandmarkIndex, derived_from_rows
+from ..index import ON_ROWS, LandmarkIndex, derived_from_rows
+from ..index.lists import stale_files
 from ..index.rows import KeyFileError, KeyRows
 from ..rope import RotaryEmbedding
 from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors
-from .manifest import LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout, key_file
+from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout, key_file
 from .options import MemoryOptions
 
 
@@ -120,7 +121,7 @@ class BlockMemory:
         if overlay:
             return [[[LandmarkIndex("flat", D) for _ in range(self.shape.n_kv_head)] for _ in range(self.shape.n_layer)]
                     for _ in range(self.streams)]
-        return [[[LandmarkIndex(o.index, D, rows=self.keys[b][layer][h] if o.index == "flat" else None,
+        return [[[LandmarkIndex(o.index, D, rows=self.keys[b][layer][h] if o.index in ON_ROWS else None,
                                 **o.index_options) for h in range(self.shape.n_kv_head)]
                  for layer in range(self.shape.n_layer)] for b in range(self.streams)]
 
@@ -181,6 +182,11 @@ class BlockMemory:
                 for h, rows in enumerate(heads):
                     yield b, layer, h, rows
 
+    def _index_files(self) -> list[KeyRows]:
+        """The files the indexes keep beside the key files (an ``ivf-rows`` index's centroids and lists)."""
+        return [f for stream in self.indexes for heads in stream for ix in heads if ix.lists is not None
+                for f in ix.lists.files()]
+
     # ---- reading --------------------------------------------------------------------------
     def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
         """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``, in the model's dtype."""
@@ -232,7 +238,8 @@ class BlockMemory:
         """``(D, I)`` (nq, k): the top ``k`` of blocks ``[lo, hi)`` of one index, or of the saved
         blocks and the overlay merged (the higher score first; of equal ones, the saved block)."""
         base = self.n_blocks if self.base is None else self.base
-        D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
+        with self._key_errors():  # (an ivf-rows index reads its lists file at its first search)
+            D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
         if hi <= base:
             return D, I
         Do, Io = self.overlay[b][layer][h].search(xq, k, max(lo, base) - base, hi - base)
@@ -287,7 +294,7 @@ class BlockMemory:
         was cut since it was mapped: reading a page past a file's end would be a SIGBUS."""
         try:
             self.store.check()
-            for *_, rows in self._each_key():
+            for rows in [r for *_, r in self._each_key()] + self._index_files():
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
@@ -308,7 +315,8 @@ class BlockMemory:
         block's keys and values in the store."""
         keys = {id(rows): rows for *_, rows in self._each_key()}
         fast = sum(r.nbytes for r in keys.values()) + self.cache.bytes
-        fast += sum(ix.nbytes for ix in self.all_indexes() if id(ix.rows) not in keys)  # (a flat index is its keys)
+        fast += sum(ix.nbytes - (ix.rows.nbytes if id(ix.rows) in keys else 0)  # (a flat index is its keys)
+                    for ix in self.all_indexes())
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
 
     # ---- saving and loading ---------------------------------------------------------------
@@ -335,7 +343,19 @@ class BlockMemory:
                 rows.sync()
                 name = key_file(b, layer, h)
                 out[name] = rows.crc32(first, crcs.get(name, 0))
+            for rows in self._index_files():  # lists grow with the blocks; a new level's files are new
+                rows.sync()
+                name = f"{KEYS}/{rows.path.name}"
+                out[name] = (rows.crc32(first, crcs[name]) if name in crcs and rows.dtype == np.int32 else
+                             crcs[name] if name in crcs else rows.crc32(0))
         return out
+
+    def drop_stale_files(self) -> None:
+        """Remove the index files no reader needs any more (after a commit, ``lists.stale_files``)."""
+        levels = {ix.lists.level for ix in self.all_indexes() if ix.lists is not None}
+        if self.key_path is not None and len(levels) == 1:
+            for f in stale_files(self.key_path / KEYS, levels.pop()):
+                f.unlink(missing_ok=True)
 
     def index_state(self) -> dict[str, torch.Tensor]:
         """Every index in FAISS's serialisation, named ``index.<stream>.<layer>.<head>``; none
@@ -372,8 +392,10 @@ class BlockMemory:
                 with self._key_errors():
                     for b, layer, h, rows in self._each_key():
                         rows.follow(n_blocks)
-                        if derived and self.indexes[b][layer][h].rows is None:  # an exact GPU index: a copy
-                            self.indexes[b][layer][h].add(rows.array()[first:])
+                        ix = self.indexes[b][layer][h]
+                        if derived and ix.rows is None:  # an exact GPU index: a copy
+                            ix.add(rows.array()[first:])
+                        ix.follow(n_blocks)  # (an ivf-rows index maps its lists as far)
                 self._add_ids(ids)
         if not derived:
             try:
@@ -412,6 +434,6 @@ class BlockMemory:
 
     def close(self) -> None:
         """Release the key files (a writer's cut to the keys that count) and the store."""
-        for *_, rows in self._each_key():
+        for rows in [r for *_, r in self._each_key()] + self._index_files():
             rows.close()
         self.store.close()

@@ -95,7 +95,7 @@ def drop_merged_rows(corpus: MemoryDir, folder: str) -> None:
         m.rows_merged, m.state, m.rows_crc = True, None, None
         d.write_manifest(m)
     keys = d.key_path() / KEYS  # (refused when keys/ is a link: nothing outside the memory is removed)
-    for f in [d.path / TOKENS, d.path / LANDMARKS, *d.path.glob("state.*.safetensors"), *keys.glob("*.f32")]:
+    for f in [d.path / TOKENS, d.path / LANDMARKS, *d.path.glob("state.*.safetensors"), *keys.glob("*.f32"), *keys.glob("*.ivf*")]:
         f.unlink(missing_ok=True)
     if keys.is_dir() and not any(keys.iterdir()):
         keys.rmdir()

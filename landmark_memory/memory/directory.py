@@ -304,11 +304,14 @@ class MemoryDir:
         return rows, crcs
 
     def check_key_files(self, manifest: Manifest) -> None:
-        """Every key file of the commit ``manifest`` holds its committed rows (sizes only: the
-        CRC-32s are ``verify``'s); a missing or short one is named."""
+        """Every key file of the commit ``manifest`` (and every file its index keeps beside them)
+        holds its committed rows (sizes only: the CRC-32s are ``verify``'s); a missing or short
+        one is named."""
         with disk_errors(f"the landmark keys of {self.path}"):
             for name in manifest.key_files():  # mapped as a reader maps them, and let go
                 KeyRows(manifest.model.shape.head_dim, self.path / name, writable=False, n=manifest.blocks)
+            for name, nbytes in manifest.index_files().items():  # an ivf-rows index's centroids and lists
+                KeyRows(1, self.path / name, writable=False, n=nbytes // 4, dtype=np.int32)
 
     def key_path(self) -> Path:
         """The memory's folder, whose ``keys/`` holds its key files; refused when ``keys/`` is a

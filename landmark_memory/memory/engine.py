@@ -25,6 +25,7 @@ from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
 from ..kinds import backbone_for
 from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 from ..rope import RotaryEmbedding, rotation_dtype
+from ..names import DEFAULT_INDEX
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
 from .manifest import TOKENS, InputRecord, Manifest, ModelShape
@@ -75,7 +76,7 @@ class LandmarkMemory(SavedMemory):
     inputs : list of InputRecord, the text files ``build`` ingested.
     """
 
-    def __init__(self, model: torch.nn.Module, *, index: str = "flat", store: str = "memory",
+    def __init__(self, model: torch.nn.Module, *, index: str = DEFAULT_INDEX, store: str = "memory",
                  path: str | Path | None = None, top_k: int = 4, chunk_size: int | None = None,
                  retrieval: str = "per_token_head", position_mapping: str = "stingy", max_blocks: int | None = None,
                  store_dtype: str | None = None, cache_bytes: int = 256 << 20, index_options: dict | None = None,

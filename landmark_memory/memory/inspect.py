@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..index import LandmarkIndex, derived_from_rows
+from ..index import LandmarkIndex, default_train_size, derived_from_rows
+from ..index.lists import summary
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
@@ -41,12 +42,22 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
     # on disk: the memory's tokens and, in a corpus, those of its documents not merged yet
     read = m.tokens + sum(e["ingested"] for e in inputs if m.documents and e["status"] in ("read", "partial"))
     return {"memory": str(path), "tokens": m.tokens, "blocks": m.blocks, "pending_tokens": m.pending_tokens,
-            "streams": m.streams, "index": o.index, "store": o.store, "store_dtype": o.store_dtype,
+            "streams": m.streams, "index": o.index, "index_search": _index_search(m), "store": o.store,
+            "store_dtype": o.store_dtype,
             "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
             "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
             "tokens_read": read, "bytes_per_token": round(disk / read, 1) if read else None,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
             "documents": m.documents, "inputs": inputs}
+
+
+def _index_search(m: Manifest) -> str:
+    """How the memory's index searches at this commit, in words."""
+    o = m.options
+    if o.index != "ivf-rows":
+        return "exact" if derived_from_rows(o.index) else "approximate (FAISS)"
+    return summary(m.blocks, o.index_options.get("train_size") or default_train_size(o.index),
+                   o.index_options.get("nprobe") or LandmarkIndex.NPROBE)
 
 
 def _folder_bytes(path: Path) -> int:
@@ -104,19 +115,23 @@ def verify(path: str | Path) -> VerifyReport:
 
 def all_rows(d: MemoryDir, m: Manifest) -> dict[str, tuple[bytes, int]]:
     """``{file: (bytes, bytes per block)}``: the committed rows of every row file and key file of
-    the memory in ``d``, each checked against its CRC-32 in the manifest ``m``."""
+    the memory in ``d``, each checked against its CRC-32 in the manifest ``m`` (and so are the
+    files an ``ivf-rows`` index keeps beside them)."""
     rows, _ = d.read_block_rows(m)
     tokens, vocab = np.frombuffer(rows[TOKENS], np.int32), m.model.config.get("vocab_size")
     if isinstance(vocab, int) and len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
         raise MemoryFileError(f"{d.path / TOKENS} holds token ids outside the model's vocabulary ({vocab:,}); the "
                               "memory is damaged: restore it from a backup or rebuild it")
     out, size = {name: (data, m.rows.sizes[name]) for name, data in rows.items()}, m.rows.key_row_bytes
-    for name in m.key_files():
-        data = d.read_rows(name, m.blocks * size)
+    index_files = m.index_files()
+    files = {**{name: m.blocks * size for name in m.key_files()}, **index_files}
+    for name, nbytes in files.items():
+        data = d.read_rows(name, nbytes)
         if name in (m.rows_crc or {}) and zlib.crc32(data) != m.rows_crc[name]:
             raise MemoryFileError(f"{d.path / name} is corrupted (its CRC-32 differs from the manifest's); the "
                                   "memory is damaged: restore it from a backup or rebuild it")
-        out[name] = data, size
+        if name not in index_files:  # (an index's lists are its own: a document's differ from its corpus's)
+            out[name] = data, size
     return out
 
 

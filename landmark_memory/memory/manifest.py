@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..index import default_train_size
+from ..index.lists import level_files
 from ..layout import landmarked_length
 from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
@@ -127,6 +129,16 @@ class Manifest:
         s = self.model.shape
         return [key_file(b, layer, h) for b in range(self.streams or 0) for layer in range(s.n_layer)
                 for h in range(s.n_kv_head)] if self.version >= 5 else []
+
+    def index_files(self) -> dict[str, int]:
+        """``{file: committed bytes}``: what an ``ivf-rows`` index keeps beside each key file at
+        this commit (its centroids and the list of every block, once trained); else none."""
+        o = self.options
+        if o.index != "ivf-rows":
+            return {}
+        train_size = o.index_options.get("train_size") or default_train_size(o.index)
+        return {name: nbytes for key in self.key_files()
+                for name, nbytes in level_files(key, self.blocks, train_size, self.model.shape.head_dim).items()}
 
     def pending_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and

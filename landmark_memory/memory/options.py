@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..index import LandmarkIndex
-from ..names import MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
+from ..names import DEFAULT_INDEX, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
 SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
@@ -33,7 +33,7 @@ class MemoryOptions:
     ``chunk_size`` and ``store_dtype`` may be None until ``resolved`` fills them in for a model.
     """
 
-    index: str = "flat"
+    index: str = DEFAULT_INDEX
     index_options: dict = field(default_factory=dict)
     store: str = "memory"
     store_dtype: str | None = None
@@ -52,8 +52,8 @@ class MemoryOptions:
         if not isinstance(chunk_size, int) or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({block_size}), "
                              f"got {chunk_size}")
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an int from 1 to {MAX_TOP_K}, got {self.top_k!r}")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {self.retrieval!r}")
         if self.position_mapping not in MAPPINGS:

@@ -15,6 +15,7 @@ from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
+from ..index.lists import FILE_NAME
 from .manifest import LANDMARKS, TOKENS, Manifest, MemoryFileError, ModelRecord
 
 
@@ -58,7 +59,9 @@ class SavedMemory:
             for name, data in self.blocks.rows_since(layout, first).items():
                 self.dir.write_rows(name, first * layout.sizes[name], data)
                 manifest.rows_crc[name] = zlib.crc32(data, self._rows_crc[name])
-            manifest.rows_crc.update(self.blocks.sync_keys(self._keys_committed, self._rows_crc))
+            kept = self.blocks.sync_keys(self._keys_committed, self._rows_crc)
+            manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (an older level's lists go)
+                                 if not FILE_NAME.fullmatch(Path(name).name)} | kept
             state = self.blocks.index_state()
             if self.pending_count:
                 state["pending_ids"] = self.pending_ids.cpu()
@@ -71,6 +74,7 @@ class SavedMemory:
         self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
         self._keys_committed = self.n_blocks
         self.dir.drop_old_states(manifest.state.name if manifest.state else None)
+        self.blocks.drop_stale_files()
         return self.commit_count
 
     @classmethod

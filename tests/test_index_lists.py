@@ -1,0 +1,128 @@
+"""The ``ivf-rows`` index: exact until trained, then lists of block ids over the key rows where
+they lie; lists that depend on the keys alone; files a commit appends to (a new level's written
+once per training, an older level's removed once a commit holds the new one); damage named."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from landmark_memory import LandmarkConfig, LandmarkGPT
+from landmark_memory.index import LandmarkIndex, recall_at_k
+from landmark_memory.index.lists import list_count
+from landmark_memory.memory import LandmarkMemory, MemoryFileError
+from landmark_memory.memory.inspect import describe, verify
+
+
+def clustered(n, d, seed):
+    """Keys around 40 centres, as landmark keys gather around a few directions."""
+    rng = np.random.default_rng(seed)
+    centres = 3 * rng.standard_normal((40, d))
+    return (centres[rng.integers(0, 40, n)] + rng.standard_normal((n, d))).astype(np.float32)
+
+
+def test_it_searches_as_flat_until_trained_then_its_lists_over_the_same_rows():
+    xb, xq = clustered(3000, 16, 0), clustered(50, 16, 1)
+    index, flat = LandmarkIndex("ivf-rows", 16, train_size=256), LandmarkIndex("flat", 16)
+    for part in np.array_split(xb[:250], 9):
+        index.add(part)
+        flat.add(part)
+    assert index.lists.level == 0
+    for lo, hi in [(0, 250), (40, 200)]:
+        for a, b in zip(index.search(xq, 4, lo, hi), flat.search(xq, 4, lo, hi)):
+            np.testing.assert_array_equal(a, b)  # bit for bit: the same search
+    index.add(xb[250:])
+    flat.add(xb[250:])
+    assert index.lists.level == 2 and index.lists.nlist == list_count(1024)  # trained at 256, again at 1024 keys
+    for lo, hi in [(0, 3000), (500, 2900)]:
+        D, I = index.search(xq, 8, lo, hi)
+        assert ((I >= lo) & (I < hi)).all()
+        np.testing.assert_allclose(D, np.einsum("qd,qkd->qk", xq, xb[I]), rtol=1e-5, atol=1e-4)
+        assert (np.diff(D, axis=1) <= 0).all()
+        assert recall_at_k(I, flat.search(xq, 8, lo, hi)[1]) >= 0.9
+    index.nprobe = index.lists.nlist  # every list visited: the exact top-k
+    D, I = index.search(xq, 8, 500, 2900)
+    D_flat, I_flat = flat.search(xq, 8, 500, 2900)
+    np.testing.assert_array_equal(I, I_flat)
+    np.testing.assert_allclose(D, D_flat, rtol=1e-5, atol=1e-4)
+
+
+def test_lists_depend_on_the_keys_alone_not_on_how_they_were_added():
+    xb, xq = clustered(1500, 8, 2), clustered(30, 8, 3)
+    made = []
+    for step in (1, 7, 1500):  # one at a time, chunks, and two trainings in one add
+        index = LandmarkIndex("ivf-rows", 8, train_size=64)
+        for a in range(0, len(xb), step):
+            index.add(xb[a:a + step])
+        made.append(index)
+    for other in made[1:]:
+        np.testing.assert_array_equal(other.lists.centroids.array(), made[0].lists.centroids.array())
+        np.testing.assert_array_equal(other.lists.lists.array(), made[0].lists.lists.array())
+        for a, b in zip(other.search(xq, 5, 10, 1400), made[0].search(xq, 5, 10, 1400)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5, landmark_id=1)
+    return LandmarkGPT(cfg).eval()
+
+
+def feed(mem, blocks, seed):
+    mem.forward(torch.randint(4, 64, (1, 5 * blocks), generator=torch.Generator().manual_seed(seed)))
+
+
+def key_files(path):
+    return {f.name: f.read_bytes() for f in sorted((path / "keys").iterdir())}
+
+
+def test_a_commit_appends_to_the_lists_and_a_new_level_replaces_the_old_one(model, tmp_path):
+    path, centroids, lists = tmp_path / "m", "s0_l1_h0.ivf1.centroids", "s0_l1_h0.ivf1.lists"
+    with LandmarkMemory(model, store="lmdb", path=path, index="ivf-rows", index_options={"train_size": 16},
+                        chunk_size=10, top_k=2) as mem:
+        feed(mem, 20, 1)  # trained at 16 blocks, in 2 lists
+        mem.commit()
+        first = key_files(path)  # (a writer's files hold room to grow into: what counts is their start)
+        assert mem.blocks.index(0, 1, 0).lists.nlist == 2
+        feed(mem, 20, 2)
+        mem.commit()
+        second = key_files(path)
+        assert second[lists][:20 * 4] == first[lists][:20 * 4]  # committed lists stay, new blocks follow them
+        assert second[centroids][:2 * 16 * 4] == first[centroids][:2 * 16 * 4]
+        feed(mem, 30, 3)  # 70 blocks: trained again at 64
+        assert (path / "keys" / "s0_l1_h0.ivf2.lists").exists() and (path / "keys" / lists).exists()
+        (path / "keys" / "s0_l0_h1.ivf3.lists").write_bytes(b"left by a writer stopped after training")
+        mem.commit()
+        writer = [ix.search(np.ones((3, 16), np.float32), 2) for ix in mem.blocks.all_indexes()]
+    names = set(key_files(path))  # the level before stays for readers of the commit before; the scratch goes
+    assert {lists, "s0_l1_h0.ivf2.lists"} <= names and "s0_l0_h1.ivf3.lists" not in names
+    crcs = json.loads((path / "manifest.json").read_text())["files"]["rows_crc32"]
+    assert sorted(n for n in crcs if ".ivf" in n) == sorted(f"keys/{n}" for n in names if ".ivf2." in n)
+    assert verify(path).ok
+    assert describe(path)["index_search"] == "8 lists trained at 64 blocks (again at 256), 16 probed per query"
+    with LandmarkMemory.open(path, model, readonly=True) as reader:  # the lists mapped as the writer left them
+        for (D, I), ix in zip(writer, reader.blocks.all_indexes()):
+            D_r, I_r = ix.search(np.ones((3, 16), np.float32), 2)
+            np.testing.assert_array_equal(I_r, I)
+            np.testing.assert_array_equal(D_r, D)
+
+
+def test_damaged_lists_are_named_never_a_crash(model, tmp_path):
+    path = tmp_path / "m"
+    with LandmarkMemory(model, store="lmdb", path=path, index_options={"train_size": 8}, chunk_size=10) as mem:
+        feed(mem, 12, 1)  # the default index, trained at 8 blocks
+    lists = path / "keys" / "s0_l1_h1.ivf1.lists"
+    good = lists.read_bytes()
+    lists.write_bytes(good[:24] + np.int32(10 ** 6).tobytes() + good[28:])  # block 3 in a list that is not there
+    with LandmarkMemory.open(path, model, readonly=True) as mem:  # read at the first search
+        with pytest.raises(MemoryFileError, match="block 3 in a list that does not exist"):
+            feed(mem, 1, 2)
+    assert any("s0_l1_h1.ivf1.lists" in p and "CRC-32" in p for p in verify(path).problems)
+    lists.write_bytes(good[:20])
+    with pytest.raises(MemoryFileError, match=r"s0_l1_h1\.ivf1\.lists is truncated"):
+        LandmarkMemory.open(path, model, readonly=True)
+    lists.write_bytes(good)
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        assert mem.n_blocks == 12
