@@ -260,13 +260,17 @@ def machine():
     return f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}"
 
 
+PLACEHOLDERS = {"--books": "$BOOKS", "--work": "WORK", "--baseline": "BASELINE"}  # folders of this machine
+
+
 def command_line(argv=None, script=None):
     """This process's command as the results record it: ``python <script> <arguments>``, the
-    value of ``--books`` written ``$BOOKS`` and every path inside the repository (a ``name=folder``
-    item's folder too) relative to its root, so a run from any folder records the same line.
-    ``argv``, ``script``: the arguments and the script (default this process's)."""
+    values of ``--books``, ``--work`` and ``--baseline`` written as ``PLACEHOLDERS`` says and
+    every path inside the repository (a ``name=folder`` item's folder too) relative to its root,
+    so a run from any folder records the same line. ``argv``, ``script``: the arguments and the
+    script (default this process's)."""
     args = [str(Path(script or sys.argv[0]).resolve()), *(sys.argv[1:] if argv is None else argv)]
-    return " ".join(["python"] + ["$BOOKS" if i and args[i - 1] == "--books"
+    return " ".join(["python"] + [PLACEHOLDERS[args[i - 1]] if i and args[i - 1] in PLACEHOLDERS
                                   else shlex.quote(",".join(map(_from_root, a.split(",")))) for i, a in enumerate(args)])
 
 

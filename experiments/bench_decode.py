@@ -112,7 +112,7 @@ def full_attention_ms(cached, n, steps):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,16384,32768,65536")
-    ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq")
+    ap.add_argument("--indexes", default="flat,ivf-rows,hnsw,ivf,ivfpq")
     ap.add_argument("--model", default=None, help="a landmark model: a saved LandmarkGPT, a converted Hugging Face "
                                                   "model or smollm2-landmark (default: an untrained LandmarkGPT of --shape)")
     ap.add_argument("--baseline", help="with a converted Hugging Face --model, the plain model it came from "

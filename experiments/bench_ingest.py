@@ -125,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--data", default=str(HELD_OUT), help="text file or folder to read (default: the held-out book)")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens read per measurement (default 32768)")
     ap.add_argument("--window", type=int, default=512, help="in-sequence window (default 512)")
-    ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq")
+    ap.add_argument("--indexes", default="flat,ivf-rows,hnsw,ivf,ivfpq")
     ap.add_argument("--stores", default="memory,lmdb")
     ap.add_argument("--store-dtype", default="", help="stored key/value dtypes, comma-separated, each its own rows "
                                                       "(default: the model's)")

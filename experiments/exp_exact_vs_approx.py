@@ -17,7 +17,7 @@ from landmark_memory.tokenizer import load_tokenizer
 
 def main(argv=None):
     ap = parser(__doc__)
-    ap.add_argument("--indexes", default="flat,hnsw,ivf,ivfpq", help=f"index kinds among {', '.join(KINDS)}")
+    ap.add_argument("--indexes", default="flat,ivf-rows,hnsw,ivf,ivfpq", help=f"index kinds among {', '.join(KINDS)}")
     ap.add_argument("--max-tokens", type=int, default=0, help="read at most this many tokens of the book (0: all)")
     ap.add_argument("--train-size", type=int, default=1024, help="landmarks before IVF indexes train (default 1024)")
     ap.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (default 16)")

@@ -102,9 +102,9 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"3. Perplexity of the book's first {length:,} tokens read through memory, exact vs approximate "
             "landmark search" + (" (IVF kinds train on the first 256 landmarks of each layer and head)" if bundled else ""))
         rows = compare_indexes(model, ids, kinds, length, COMPARE_OPTIONS, max_segments=1, progress=not args.quiet)
-        say(f"   {'index':6s} {'perplexity':>10s} {'vs exact':>9s} {'recall@4':>9s} {'search ms':>10s}")
+        say(f"   {'index':8s} {'perplexity':>10s} {'vs exact':>9s} {'recall@4':>9s} {'search ms':>10s}")
         for r in rows:
-            say(f"   {r['index']:6s} {r['perplexity']:10.2f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
+            say(f"   {r['index']:8s} {r['perplexity']:10.2f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
                 f"{r['search_ms']:10.3f}")
         say(f"done in {time.time() - t0:.0f} s")
         if args.json:

@@ -88,9 +88,11 @@ def test_command_lines_name_repository_paths_from_its_root_wherever_they_ran(tmp
     monkeypatch.chdir(EXPERIMENTS)
     monkeypatch.setattr(sys, "argv", ["exp_realtext.py"])
     line = common.command_line(["--books", str(tmp_path), "--adapters", "a=../landmark_memory/assets/tiny,b=elsewhere",
-                                "--state", "results/realtext.json", "--note", "two words", "--models", ""])
+                                "--state", "results/realtext.json", "--note", "two words", "--models", "",
+                                "--work", str(tmp_path / "w"), "--baseline", str(tmp_path / "b")])
     assert line == ("python experiments/exp_realtext.py --books $BOOKS --adapters a=landmark_memory/assets/tiny,"
-                    "b=elsewhere --state experiments/results/realtext.json --note 'two words' --models ''")
+                    "b=elsewhere --state experiments/results/realtext.json --note 'two words' --models '' "
+                    "--work WORK --baseline BASELINE")
 
 
 def test_a_suite_report_names_every_command_that_added_trials(tmp_path):

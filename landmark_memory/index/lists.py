@@ -319,10 +319,6 @@ class ListIndex:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files())
 
-    def sync(self) -> None:
-        for f in self.files():
-            f.sync()
-
     def close(self) -> None:
         """Release this level's files (a writer's cut to what counts; they stay until a commit
         of a later level makes them stale)."""

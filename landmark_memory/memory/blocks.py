@@ -238,8 +238,10 @@ class BlockMemory:
         """``(D, I)`` (nq, k): the top ``k`` of blocks ``[lo, hi)`` of one index, or of the saved
         blocks and the overlay merged (the higher score first; of equal ones, the saved block)."""
         base = self.n_blocks if self.base is None else self.base
-        with self._key_errors():  # (an ivf-rows index reads its lists file at its first search)
+        try:
             D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
+        except KeyFileError as e:  # (an ivf-rows index reads its lists file at its first search)
+            raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         if hi <= base:
             return D, I
         Do, Io = self.overlay[b][layer][h].search(xq, k, max(lo, base) - base, hi - base)
