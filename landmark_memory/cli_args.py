@@ -5,7 +5,7 @@ and a wrong option answer at once."""
 
 import argparse
 
-from .names import DEFAULT_INDEX, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
+from .names import DEFAULT_INDEX, DEFAULT_TOP_K, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
 
 
 def _number(kind, low, what, high=None):
@@ -48,7 +48,7 @@ def add_model_args(p):
 CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
 
 
-def add_retrieval_args(p, index_default=DEFAULT_INDEX, top_k_default=4):
+def add_retrieval_args(p, index_default=DEFAULT_INDEX, top_k_default=DEFAULT_TOP_K):
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
     p.add_argument("--top-k", type=top_k, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
     p.add_argument("--index", default=index_default,
@@ -118,7 +118,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_store_dtype(p, saved=True)
     p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
-    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default 4)")
+    p.add_argument("--top-k", type=top_k, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
     p.add_argument("--train-size", type=positive, metavar="N",
                    help=f"landmarks per layer and head before an IVF index trains (default {TRAIN_SIZES}); fixed "
                         "when the memory is created")
@@ -193,7 +193,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=top_k, default=4, help="blocks retrieved per query (default 4)")
+    p.add_argument("--top-k", type=top_k, default=DEFAULT_TOP_K, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     add_store_dtype(p)

@@ -76,7 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         say(f"1. Building a memory over {source.name} ({n_tokens:,} tokens{' of its opening' if cap else ''}) with the "
             f"pass key {key} planted {100 * depth:.0f}% of the way in (seed {seed})")
-        with LandmarkMemory(model, path=mem_path, store="lmdb", top_k=4, documents=True) as mem:
+        with LandmarkMemory(model, path=mem_path, store="lmdb", documents=True) as mem:
             build(mem, read_inputs([book]), tok, progress=not args.quiet)
         say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
 

@@ -4,6 +4,7 @@ position mappings, and the named models. Each is owned here and used by the modu
 implements it."""
 
 INDEX_KINDS = ("ivf-rows", "flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
+DEFAULT_TOP_K = 4  # memory/options.py: blocks retrieved per query (the paper's k)
 MAX_TOP_K = 1024  # memory/options.py: blocks per query; the arrays of a chunk's choices grow with it
 DEFAULT_INDEX = "ivf-rows"  # exact until 1024 blocks, then lists over the key rows (experiments/results/scale.md)
 STORES = ("memory", "lmdb", "mmap")  # storage/__init__.py

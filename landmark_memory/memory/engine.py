@@ -25,7 +25,7 @@ from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
 from ..kinds import backbone_for
 from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
 from ..rope import RotaryEmbedding, rotation_dtype
-from ..names import DEFAULT_INDEX
+from ..names import DEFAULT_INDEX, DEFAULT_TOP_K
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
 from .manifest import TOKENS, InputRecord, Manifest, ModelShape
@@ -77,7 +77,7 @@ class LandmarkMemory(SavedMemory):
     """
 
     def __init__(self, model: torch.nn.Module, *, index: str = DEFAULT_INDEX, store: str = "memory",
-                 path: str | Path | None = None, top_k: int = 4, chunk_size: int | None = None,
+                 path: str | Path | None = None, top_k: int = DEFAULT_TOP_K, chunk_size: int | None = None,
                  retrieval: str = "per_token_head", position_mapping: str = "stingy", max_blocks: int | None = None,
                  store_dtype: str | None = None, cache_bytes: int = 256 << 20, index_options: dict | None = None,
                  cmt_cutoff: float = 0.0, backend: str = "auto", documents: bool = False):

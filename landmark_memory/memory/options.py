@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..index import LandmarkIndex
-from ..names import DEFAULT_INDEX, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
+from ..names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
 SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
@@ -37,7 +37,7 @@ class MemoryOptions:
     index_options: dict = field(default_factory=dict)
     store: str = "memory"
     store_dtype: str | None = None
-    top_k: int = 4
+    top_k: int = DEFAULT_TOP_K
     chunk_size: int | None = None
     retrieval: str = "per_token_head"
     position_mapping: str = "stingy"
