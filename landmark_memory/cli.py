@@ -22,7 +22,6 @@ from .memory import LandmarkMemory, MemoryDir, default_chunk_size
 from .memory.inspect import describe, verify
 from .memory.saved import wrong_model
 from .model import BUNDLED_MODEL
-from .names import DEFAULT_TOP_K
 
 
 class UsageError(ValueError):
@@ -97,7 +96,8 @@ def cmd_build(args):
             opts = {k: v for k, v in fixed.items() if v is not None}
             if args.train_size:
                 opts["index_options"] = {"train_size": args.train_size}
-            opts["top_k"] = args.top_k or DEFAULT_TOP_K
+            if args.top_k:
+                opts["top_k"] = args.top_k
             mem = LandmarkMemory(model, path=path, documents=True, **{"store": "lmdb", **opts})
         try:
             summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,

@@ -294,8 +294,6 @@ class ListIndex:
             grown = np.empty(max(n, 2 * len(self._next), 64), np.int32)
             grown[:self._chained] = self._next[:self._chained]
             self._next = grown
-        if n < self._chained:  # (never: rows are only appended)
-            raise ValueError(f"the lists went back from {self._chained} ids to {n}")
         rows = np.asarray(self.lists.array())
         bad = _chain(rows[:, 0], rows.view(np.float32)[:, 1], self._head, self._tail, self._next, self._radius,
                      self._chained, n)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..index import LandmarkIndex, default_train_size, derived_from_rows
+from ..index import LandmarkIndex, derived_from_rows
 from ..index.lists import summary
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
@@ -56,8 +56,7 @@ def _index_search(m: Manifest) -> str:
     o = m.options
     if o.index != "ivf-rows":
         return "exact" if derived_from_rows(o.index) else "approximate (FAISS)"
-    return summary(m.blocks, o.index_options.get("train_size") or default_train_size(o.index),
-                   o.index_options.get("nprobe") or LandmarkIndex.NPROBE)
+    return summary(m.blocks, o.train_size, o.index_options.get("nprobe") or LandmarkIndex.NPROBE)
 
 
 def _folder_bytes(path: Path) -> int:

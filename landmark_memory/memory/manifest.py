@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..index import default_train_size
 from ..index.lists import level_files
 from ..layout import landmarked_length
 from ..storage import DTYPES, stored_nbytes
@@ -136,9 +135,8 @@ class Manifest:
         o = self.options
         if o.index != "ivf-rows":
             return {}
-        train_size = o.index_options.get("train_size") or default_train_size(o.index)
         return {name: nbytes for key in self.key_files()
-                for name, nbytes in level_files(key, self.blocks, train_size, self.model.shape.head_dim).items()}
+                for name, nbytes in level_files(key, self.blocks, o.train_size, self.model.shape.head_dim).items()}
 
     def pending_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and

@@ -8,7 +8,7 @@ may change when a saved memory is reopened (``with_query``).
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..index import LandmarkIndex
+from ..index import LandmarkIndex, default_train_size
 from ..names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
@@ -77,6 +77,11 @@ class MemoryOptions:
             raise ValueError(f"index_options has an option the index {self.index!r} does not take ({e})") from None
         store_dtype = self.store_dtype or (dtype_name if self.store == "memory" else SAVED_STORE_DTYPE)
         return replace(self, chunk_size=chunk_size, store_dtype=store_dtype, cmt_cutoff=float(cutoff))
+
+    @property
+    def train_size(self) -> int:
+        """Keys per (stream, layer, key/value head) before an IVF index trains."""
+        return self.index_options.get("train_size") or default_train_size(self.index)
 
     def with_query(self, **changes: Any) -> "MemoryOptions":
         """These options with query-time settings changed (``QUERY_OPTIONS`` and
