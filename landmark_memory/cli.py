@@ -21,6 +21,7 @@ from .kinds import backbone_for, is_landmark, load_model, model_name, reading_mo
 from .memory import LandmarkMemory, MemoryDir, default_chunk_size
 from .memory.inspect import describe, verify
 from .memory.saved import wrong_model
+from .memory.session import Session, delete_session, list_sessions
 from .model import BUNDLED_MODEL
 
 
@@ -131,6 +132,7 @@ def cmd_info(args):
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
              f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB" + (
                  f" ({info['bytes_per_token']:,.0f} bytes per token read)" if info["bytes_per_token"] else ""),
+             f"sessions    {info['sessions']:,} ({info['sessions_bytes'] / 2**20:,.1f} MiB)",
              f"{kind:11s} {len(info['inputs'])}"]
     lines += [f"  {e['status']:7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
     emit(args, info, "\n".join(lines))
@@ -164,6 +166,31 @@ def cmd_ask(args):
             lines.append(f"\n--- retrieved block {p.block} ({100 * p.share:.0f}% of lookups), "
                          f"{p.source} at token {p.token_offset:,}:\n{p.text.strip()}")
     emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def cmd_chat(args):
+    from .chat import ChatOptions, chat
+
+    saved = saved_model(args)
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    query = {"top_k": args.top_k} if args.top_k is not None else {}
+    with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
+        with Session.open(mem, args.session) as session:
+            if args.session is None:
+                print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)
+            return chat(session, tok, ChatOptions(args.raw, args.max_new_tokens, args.passages), as_json=args.json)
+
+
+def cmd_sessions(args):
+    from .chat import sessions_text
+
+    MemoryDir(args.memory, writable=False).read_manifest()  # a memory, or one line saying why not
+    if args.delete:
+        delete_session(args.memory, args.delete)
+        emit(args, {"deleted": args.delete}, f"deleted the session {args.delete}")
+        return 0
+    emit(args, [asdict(s) for s in list_sessions(args.memory)], sessions_text(args.memory))
     return 0
 
 
@@ -262,7 +289,8 @@ def cmd_train(argv):
     return 0
 
 
-COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "serve": cmd_serve, "eval": cmd_eval,
+COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "chat": cmd_chat, "sessions": cmd_sessions,
+            "serve": cmd_serve, "eval": cmd_eval,
             "compare": cmd_compare, "passkey": cmd_passkey, "demo": cmd_demo}
 ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (MemoryFileError), files that cannot be
 # read or written, a worker dying again and again

@@ -5,7 +5,8 @@ and a wrong option answer at once."""
 
 import argparse
 
-from .names import DEFAULT_INDEX, DEFAULT_TOP_K, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS, STORE_DTYPES
+from .names import (DEFAULT_INDEX, DEFAULT_TOP_K, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS,
+                    SESSION_NAME, STORE_DTYPES)
 
 
 def _number(kind, low, what, high=None):
@@ -36,6 +37,14 @@ def api_key(text):
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: an empty key would turn authentication off; give a key, or leave "
                                          "the option out (and LANDMARK_MEMORY_API_KEY unset) to serve without one")
+    return text
+
+
+def session_name(text):
+    """An argparse type: a session name (``names.SESSION_NAME``), never a path."""
+    if not SESSION_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError("is no session name: use 1 to 100 letters, digits, '_', '.' or '-', starting "
+                                         "with a letter, digit or '_' (a name, never a path)")
     return text
 
 
@@ -85,6 +94,8 @@ DESCRIPTION = """The landmark-memory command: build, inspect, query, serve and m
     landmark-memory build my-memory --input books/ --workers 4   # the same, documents read on Ray
     landmark-memory info my-memory
     landmark-memory ask my-memory "Who is Mr Hyde?" --show-retrieved
+    landmark-memory chat my-memory --session mine          # a conversation kept in memory, resumed by name
+    landmark-memory sessions my-memory                     # the sessions held over it (--delete NAME)
     landmark-memory eval --input book.txt --eval-length 2048
     landmark-memory compare --input book.txt --index flat,ivf-rows,hnsw,ivf,ivfpq --plot compare.png
     landmark-memory passkey --lengths 1k,4k,16k --trials 20 --plot passkey.png
@@ -155,6 +166,24 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true",
                    help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
                         "template and its answer ends at its end-of-turn token")
+
+    p = sub.add_parser("chat", help="a conversation over a memory, kept as a named session")
+    p.add_argument("memory")
+    add_model_args(p)
+    p.add_argument("--session", type=session_name, metavar="NAME",
+                   help="the session to resume or start (default: a new one with a generated name, printed first)")
+    p.add_argument("--max-new-tokens", type=count, default=128, help="the most tokens of an answer (default 128)")
+    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
+    p.add_argument("--passages", type=positive, default=3, help="passages to report per answer (default 3)")
+    p.add_argument("--raw", action="store_true",
+                   help="turns are plain text continued as written (a model without a chat template, such as the "
+                        "bundled one); by default a chat model gets each as a user turn of its template")
+    p.add_argument("--json", action="store_true",
+                   help="from a pipe: one JSON object per answer on its own line (session, text, tokens, passages)")
+
+    p = sub.add_parser("sessions", parents=[common], help="list the sessions of a memory, or delete one")
+    p.add_argument("memory")
+    p.add_argument("--delete", type=session_name, metavar="NAME", help="delete this session (refused while it is in use)")
 
     p = sub.add_parser("serve", help="serve a memory over HTTP: an OpenAI-compatible API and a page")
     p.add_argument("memory")

@@ -3,10 +3,12 @@ and a page that shows which passages each answer read.
 
     GET  /v1/models             the one model served
     POST /v1/completions        the prompt continued as written after the memory
-    POST /v1/chat/completions   the last user message asked through the chat template
-                                ("stream": true gives server-sent events)
+    POST /v1/chat/completions   the conversation sent, read through the chat template and
+                                answered ("stream": true gives server-sent events); with a
+                                "session", only its new messages, read into that session
     GET  /v1/memory             what ``landmark-memory info --json`` says
-    GET  /                      the page: a question, the answer, the passages it read
+    /v1/sessions                the sessions: list, start, read, delete (``serve_sessions.py``)
+    GET  /                      the page: a conversation, its answers, the passages each read
 
 Every answer carries ``passages`` (document, token offset, text, share of lookups) besides
 OpenAI's fields. The model is loaded once and the memory opened once per answer computed at
@@ -39,10 +41,12 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .answer import Answer, QuestionError, ask, check_question
+from .answer import Answer, Message, QuestionError, check_messages, converse, say
 from .memory import LandmarkMemory, MemoryFileError
 from .memory.inspect import describe
+from .memory.session import Session
 from .serve_guard import ANY_ADDRESS, LOCAL_HOSTS, APIError, Guard
+from .serve_sessions import SessionLocks, existing, session_errors, sessions_router
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,18 @@ class ServeConfig:
     cache_bytes: int = 64 << 20  # hot-block cache of each request's memory
 
 
-class Message(BaseModel):
+class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The content as text (OpenAI's content parts joined), refused when a part is no text."""
+        if isinstance(self.content, list) and not all(
+                part.get("type") == "text" and isinstance(part.get("text"), str) for part in self.content):
+            raise APIError(400, "a message's content parts must all be {\"type\": \"text\", \"text\": a string}: "
+                           "this server reads text only", "invalid_content")
+        return self.content if isinstance(self.content, str) else " ".join(p["text"] for p in self.content or [])
 
 
 class _Request(BaseModel):
@@ -88,8 +100,9 @@ class _Request(BaseModel):
 
 
 class ChatRequest(_Request):
-    messages: list[Message]
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    session: str | None = None  # read the messages into this session (``serve_sessions.py``)
 
 
 class CompletionRequest(_Request):
@@ -206,7 +219,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):  # unknown routes, wrong methods, bodies that are no JSON
         words = {404: f"no route {request.url.path}: see GET /v1/models, POST /v1/completions, POST "
-                      "/v1/chat/completions, GET /v1/memory and GET /",
+                      "/v1/chat/completions, GET /v1/memory, /v1/sessions and GET /",
                  405: f"{request.method} is not allowed on {request.url.path}"}
         return APIError(exc.status_code, words.get(exc.status_code, str(exc.detail)),
                         {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")).response()
@@ -219,7 +232,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     async def server_error(request, exc):  # a bug: its traceback goes to the log, the client gets the shape
         return APIError(500, f"the server failed ({type(exc).__name__}); its log says more", "server_error").response()
 
-    def check(req: _Request, limit: int | None, question: str) -> int:
+    def check(req: _Request, limit: int | None, messages: list[Message]) -> int:
         """The request's new-token count, everything else about it checked before any answer
         (a streamed answer has sent its status by the time it runs)."""
         if req.model != cfg.model_name:
@@ -235,32 +248,46 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
             raise APIError(400, f"n must be 1: this server gives one choice per request, got {req.n}", "invalid_n")
         if req.logprobs not in (None, False, 0) or req.top_logprobs is not None:
             raise APIError(400, "logprobs and top_logprobs are not supported: leave them out", "invalid_logprobs")
-        try:  # what ask would refuse, refused before a stream sends its status
-            check_question(question, seed=req.seed or 0, stop=req.stops())
+        try:  # what converse would refuse, refused before a stream sends its status
+            check_messages(messages, seed=req.seed or 0, stop=req.stops())
         except QuestionError as e:
             code = {"empty": "invalid_request", "text": "invalid_prompt", "seed": "invalid_seed",
-                    "stop": "invalid_stop"}[e.field]
+                    "stop": "invalid_stop", "role": "invalid_role"}[e.field]
             raise APIError(400, str(e), code) from None
         return n
 
-    def answer(question: str, raw: bool, req: _Request, n: int, on_token=None) -> Answer:
+    def answer(messages: list[Message], raw: bool, req: _Request, n: int, session: str | None, on_token=None):
+        """The answer to ``messages``: read into the ``session`` named, or after the memory alone."""
+        options = dict(max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0, raw=raw,
+                       passages=max(0, req.passages), stop=req.stops(), on_token=on_token)
         with readers.take() as mem:
-            return ask(mem, tokenizer, question, max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0,
-                       raw=raw, passages=max(0, req.passages), stop=req.stops(), on_token=on_token)
+            if session is None:
+                return converse(mem, tokenizer, messages, **options)
+            with session_errors():
+                s = Session.open(mem, session, create=False)
+            try:
+                return say(s, tokenizer, messages, **options)
+            finally:
+                s.close()
 
-    async def respond(kind: str, question: str, raw: bool, req: _Request, n: int):
+    async def respond(kind: str, messages: list[Message], raw: bool, req: _Request, n: int, session: str | None):
         ident, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
-        head = {"id": ident, "created": created, "model": cfg.model_name}
+        head = {"id": ident, "created": created, "model": cfg.model_name, **({"session": session} if session else {})}
         if req.stream:
-            return StreamingResponse(stream(kind, head, question, raw, req, n), media_type="text/event-stream")
-        a = await anyio.to_thread.run_sync(answer, question, raw, req, n, limiter=answering)
+            return StreamingResponse(stream(kind, head, messages, raw, req, n, session), media_type="text/event-stream")
+        async with turn_of(session):
+            a = await anyio.to_thread.run_sync(answer, messages, raw, req, n, session, limiter=answering)
         choice = ({"message": {"role": "assistant", "content": a.text}} if kind == "chat" else
                   {"text": a.text, "logprobs": None})
         return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(question, a),
+                "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(a),
                 "passages": [asdict(p) for p in a.passages]}
 
-    async def stream(kind, head, question, raw, req, n):
+    def turn_of(session: str | None):
+        """The session's lock (answers on one session one after the other), or nothing to wait for."""
+        return locks.hold(session) if session is not None else contextlib.nullcontext()
+
+    async def stream(kind, head, messages, raw, req, n, session):
         """Server-sent events: each new piece of text as it is generated, then the finish reason
         and the passages, then ``[DONE]``; an error midway is an error event, then ``[DONE]``. A
         client that leaves stops the answer at its next token."""
@@ -276,7 +303,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
 
         def run():
             try:
-                result["answer"] = answer(question, raw, req, n, on_token=on_token)
+                result["answer"] = answer(messages, raw, req, n, session, on_token=on_token)
             except _ClientLeft:
                 pass
             except APIError as e:
@@ -301,7 +328,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
         try:
             if kind == "chat":
                 yield event(delta={"role": "assistant"})
-            async with answering:  # a turn, waited for without a thread
+            async with turn_of(session), answering:  # a turn, waited for without a thread
                 threading.Thread(target=run, daemon=True).start()
                 while (t := await pieces.get()) is not done:
                     tokens.append(t)
@@ -318,13 +345,13 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
                 if a.text[len(shown):]:
                     yield event(a.text[len(shown):])
                 yield event(finish_reason=finish(a, n), extra={"passages": [asdict(p) for p in a.passages],
-                                                             "usage": usage(question, a)})
+                                                             "usage": usage(a)})
             yield "data: [DONE]\n\n"
         finally:  # the client left (or the stream ended): the answer stops at its next token
             left.set()
 
-    def usage(question: str, a: Answer) -> dict:
-        asked = len(tokenizer.encode(question).ids)
+    def usage(a: Answer) -> dict:
+        asked = a.prompt_tokens
         return {"prompt_tokens": asked, "completion_tokens": len(a.tokens), "total_tokens": asked + len(a.tokens)}
 
     @app.get("/v1/models")
@@ -334,32 +361,34 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
-        user = [m for m in req.messages if m.role == "user"]
-        if not user:
+        if not any(m.role == "user" for m in req.messages):
             raise APIError(400, "messages hold no user message to answer", "invalid_request")
-        content = user[-1].content
-        if isinstance(content, list) and not all(
-                part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
-            raise APIError(400, "a message's content parts must all be {\"type\": \"text\", \"text\": a string}: "
-                           "this server reads text only", "invalid_content")
-        question = content if isinstance(content, str) else " ".join(part["text"] for part in content or [])
+        messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
+        session = None if req.session is None else existing(cfg.memory, req.session)
         n = check(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-                  question)
-        return await respond("chat", question, False, req, n)
+                  messages)
+        return await respond("chat", messages, False, req, n, session)
 
     @app.post("/v1/completions")
     async def complete(req: CompletionRequest):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, f"one prompt per request, got {len(prompts)}", "invalid_request")
-        n = check(req, req.max_tokens, prompts[0])
-        return await respond("completion", prompts[0], True, req, n)
+        n = check(req, req.max_tokens, [Message("user", prompts[0])])
+        return await respond("completion", [Message("user", prompts[0])], True, req, n, None)
 
     @app.get("/v1/memory")
     async def memory():
         return await anyio.to_thread.run_sync(readers.describe, limiter=inspecting)
 
     inspecting = anyio.CapacityLimiter(1)  # its own thread: never queued behind answers
+
+    def started(name: str) -> None:  # a new session, made over a memory kept open
+        with readers.take() as mem:
+            Session.open(mem, name, create=True, new=True).close()
+
+    locks = SessionLocks()
+    app.include_router(sessions_router(cfg.memory, locks, started))
 
     @app.get("/", response_class=HTMLResponse)
     async def index():

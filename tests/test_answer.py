@@ -41,8 +41,8 @@ class ChatTokenizer:
     def __getattr__(self, name):
         return getattr(self.tok, name)
 
-    def chat_prompt(self, question):
-        return f"Q: {question}\nA:"
+    def chat_text(self, messages, *, first, answer):
+        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + ("assistant:" if answer else "")
 
 
 def test_a_chat_answer_ends_at_any_end_of_turn_token_and_leaves_it_out(corpus):

@@ -183,7 +183,7 @@ def in_process(corpus, **options):
 
 
 def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
-    generated, ask = [], served.ask
+    generated, ask = [], served.converse
 
     def counted(*args, on_token=None, **kwargs):
         def tap(t):
@@ -191,7 +191,7 @@ def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
             on_token(t)
         return ask(*args, on_token=tap if on_token else None, **kwargs)
 
-    monkeypatch.setattr(served, "ask", counted)
+    monkeypatch.setattr(served, "converse", counted)
     with in_process(corpus, max_tokens=512, parallel=1) as url:
         u = urlparse(url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
@@ -211,13 +211,13 @@ def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
 
 
 def test_cheap_routes_answer_while_answers_wait_their_turn(corpus, monkeypatch):
-    release, ask = threading.Event(), served.ask
+    release, ask = threading.Event(), served.converse
 
     def held(*args, **kwargs):  # an answer that holds its turn until the test lets it go
         release.wait(60)
         return ask(*args, **kwargs)
 
-    monkeypatch.setattr(served, "ask", held)
+    monkeypatch.setattr(served, "converse", held)
     with in_process(corpus, parallel=1) as url, ThreadPoolExecutor(48) as pool:
         queued = [pool.submit(call, url, "/v1/completions", COMPLETION, key=None) for _ in range(45)]
         time.sleep(0.5)

@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from tokenizers import Encoding
 
 
+_EXCHANGE = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello."}]
+
+
 class TextTokenizer:
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "is_fast", False):
@@ -40,10 +43,28 @@ class TextTokenizer:
     def chat_prompt(self, question: str) -> str | None:
         """``question`` as a user turn of the model's chat template, ready for the assistant's
         answer; None when the model has no chat template."""
+        return self.chat_text([{"role": "user", "content": question}], first=True, answer=True)
+
+    def chat_text(self, messages: list[dict], *, first: bool, answer: bool) -> str | None:
+        """``messages`` (``{"role", "content"}``) in the model's chat template as they follow a
+        conversation (``first``: they open it, with what the template puts first, such as a
+        default system message), ending with the assistant's turn opened when ``answer``; None
+        when the model has no chat template. Later turns are rendered after a one-exchange
+        conversation and cut from it, so a turn costs the same however long the conversation."""
         if not getattr(self.hf, "chat_template", None):
             return None
-        return self.hf.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                           add_generation_prompt=True)
+
+        def render(m, gen):
+            return self.hf.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
+
+        if first:
+            return render(messages, answer)
+        before = render(_EXCHANGE, False)
+        after = render(_EXCHANGE + messages, answer)
+        if not after.startswith(before):
+            raise ValueError("this model's chat template renders a turn otherwise after an earlier one: its turns "
+                             "cannot be read one by one (ask with raw=True)")
+        return after[len(before):]
 
     @property
     def end_of_turn_id(self) -> int | None:

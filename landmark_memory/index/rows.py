@@ -42,6 +42,7 @@ class KeyRows:
                  dtype: type = np.float32):
         self.dim, self.path, self.writable, self.n, self.dtype = dim, path, writable, 0, np.dtype(dtype)
         self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), self.dtype)
+        self._synced = 0  # rows made durable by this object's last sync (a sync with none since does nothing)
         self.follow(n)
 
     @property
@@ -82,7 +83,7 @@ class KeyRows:
 
     def sync(self) -> None:
         """Make the rows durable (a writer's file: its map written back, the file synced)."""
-        if self.path is None or not self.writable or not len(self._rows):
+        if self.path is None or not self.writable or not len(self._rows) or self._synced == self.n:
             return
         self._rows.flush()
         fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -90,6 +91,7 @@ class KeyRows:
             os.fsync(fd)
         finally:
             os.close(fd)
+        self._synced = self.n
 
     def check(self) -> None:
         """Raise ``KeyFileError`` if the file was cut below what is mapped of it."""

@@ -4,11 +4,13 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     options.py    MemoryOptions: what a memory searches, stores and reads; validated once
     retrieval.py  the retrieval policy as pure functions: top-k selection, block positions
     blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache
+    token_rows.py the blocks' token ids, as they were added
     manifest.py   the manifest's typed records and the row files' byte layout
     directory.py  the files of a saved memory and the commit protocol
     saved.py      SavedMemory, the saving half of LandmarkMemory: commit, open, close
     engine.py     LandmarkMemory: forward, step, generate, end_document
     corpus.py     a corpus: documents read apart, merged into one memory; their states
+    session.py    a session: a named conversation in a memory of its own over a memory
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
     inspect.py    a saved memory read without its model: describe (info) and verify
 """

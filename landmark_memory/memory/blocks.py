@@ -7,14 +7,14 @@ Block ``b`` of a stream holds normal tokens ``[b * block_size, (b + 1) * block_s
 dense and FAISS's sequential ids are the block numbers. Keys are kept without RoPE.
 
 A read-only memory keeps the saved blocks apart from those fed in this process: the saved ones
-(``base`` of them per stream) in ``indexes``, the later ones in an exact ``overlay`` index per
-(stream, layer, key/value head), their results merged per search. ``rewind`` drops the later
-ones in a few operations, so one open memory answers any number of questions, each as a fresh
-open would; ``extend`` adds the blocks a writer committed since (``LandmarkMemory.refresh``).
+(``base`` of them per stream) in ``indexes``, the later ones in a writable BlockMemory of their
+own (``upper``: in memory with exact indexes, or an attached session's files, ``memory/
+session.py``), their results merged per search. ``rewind`` lets the later ones go in a few
+operations, so one open memory answers any number of questions, each as a fresh open would;
+``extend`` adds the blocks a writer committed since (``LandmarkMemory.refresh``).
 """
 
-import bisect
-import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +30,7 @@ from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors
 from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout, key_file
 from .options import MemoryOptions
+from .token_rows import TokenRows
 
 
 class BlockMemory:
@@ -54,7 +55,7 @@ class BlockMemory:
                  device: torch.device, dtype: torch.dtype, rope: RotaryEmbedding, cache_bytes: int,
                  shards: list[Shard] | None = None, shard_path: Callable[[str], Path] | None = None,
                  key_path: Path | None = None):
-        self.shape, self.options, self.device, self.dtype = shape, options, device, dtype
+        self.shape, self.options, self.device, self.dtype, self.rope = shape, options, device, dtype, rope
         folder = key_path if key_path is not None else None if store_path is None else Path(store_path).parent
         self.where = "this memory" if folder is None else str(folder)  # for messages
         self.L = shape.block_size + 1
@@ -63,13 +64,10 @@ class BlockMemory:
         self.key_path = key_path
         self.keys: list[list[list[KeyRows]]] = []  # [stream][layer][key/value head] (n_blocks, D) landmark keys
         self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
-        self.chunk_ids: list[np.ndarray] = []  # int32 (B, n * block_size) token ids of each addition (chunk, document)
-        self._chunk_ends: list[int] = []  # the block count after each addition
-        self._mapped_rows: list[np.memmap] = []  # maps of tokens.bin that ``chunk_ids`` views
-        # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``overlay``; None: all in ``indexes``
+        self.ids = TokenRows(shape.block_size)  # the token ids of the blocks in ``indexes``
+        # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``upper``; None: all in ``indexes``
         self.base: int | None = 0 if readonly else None
-        self.overlay: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head], exact
-        self._base_chunks = 0  # entries of ``chunk_ids`` that hold saved blocks
+        self.upper: BlockMemory | None = None  # a read-only memory's blocks past ``base``, as its blocks 0 on
         try:
             with disk_errors(f"the block store of {self.where}"):
                 store = (self._documents(shards, shard_path) if shards is not None else
@@ -114,21 +112,46 @@ class BlockMemory:
                       for layer in range(self.shape.n_layer)] for b in range(streams)]
         self.indexes = self._grid()
 
-    def _grid(self, overlay: bool = False) -> list[list[list[LandmarkIndex]]]:
-        """Empty indexes per [stream][layer][key/value head]: the memory's (a flat one over its
-        keys), or exact ones with rows of their own (a read-only memory's ``overlay``)."""
+    def _grid(self) -> list[list[list[LandmarkIndex]]]:
+        """Empty indexes per [stream][layer][key/value head] (a flat one over the keys)."""
         o, D = self.options, self.shape.head_dim
-        if overlay:
-            return [[[LandmarkIndex("flat", D) for _ in range(self.shape.n_kv_head)] for _ in range(self.shape.n_layer)]
-                    for _ in range(self.streams)]
         return [[[LandmarkIndex(o.index, D, rows=self.keys[b][layer][h] if o.index in ON_ROWS else None,
                                 **o.index_options) for h in range(self.shape.n_kv_head)]
                  for layer in range(self.shape.n_layer)] for b in range(self.streams)]
+
+    # ---- the blocks past a read-only memory's saved ones -----------------------------------
+    def attach(self, upper: "BlockMemory") -> None:
+        """Put the blocks of ``upper`` (writable, same shape and store dtype) after this read-only
+        memory's saved ones, as blocks ``base`` on: what is fed from here on goes into ``upper``
+        (an attached session's files). Rewind first; ``rewind`` lets it go."""
+        if self.base is None or self.upper is not None:
+            raise RuntimeError("only a rewound read-only memory takes the blocks of another")
+        if self.streams is None:
+            self.start(upper.streams or 1)
+        if upper.streams is None:
+            upper.start(self.streams)
+        if upper.streams != self.streams:
+            raise ValueError(f"this memory holds {self.streams} streams, the blocks attached {upper.streams}")
+        self.upper, self.n_blocks = upper, self.base + upper.n_blocks
+        self.store.attach(upper.store, self.base)
+
+    def _fed(self) -> "BlockMemory":
+        """Where a read-only memory's new blocks go: the attached blocks, else (from its first
+        block fed) blocks in memory with exact indexes (its text is searched exactly)."""
+        if self.upper is None:
+            self.attach(BlockMemory(self.shape, replace(self.options, index="flat", index_options={}, store="memory"),
+                                    store_path=None, readonly=False, device=self.device, dtype=self.dtype,
+                                    rope=self.rope, cache_bytes=0))
+        return self.upper
 
     # ---- adding ---------------------------------------------------------------------------
     def add_chunk(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor) -> None:
         """Add a finished chunk: per layer its un-rotated keys and values (B, H_kv, n * L, D),
         landmark rows included, and its normal token ids (B, n * block_size)."""
+        if self.base is not None:  # a read-only memory's own blocks
+            self._fed().add_chunk(kv, ids)
+            self.n_blocks = self.base + self.upper.n_blocks
+            return
         B, L, bs, nb = self.streams, self.L, self.shape.block_size, self.n_blocks
         n_new = ids.shape[1] // bs
         items, landmarks = {}, []
@@ -147,30 +170,19 @@ class BlockMemory:
 
     def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *, indexed: bool = True) -> None:
         """Add blocks whose keys and values the store holds already: per layer their landmark
-        keys (B, H_kv, n, D), and their normal token ids (B, n * block_size). A read-only
-        memory's go to its overlay; ``indexed=False`` leaves the indexes to the caller."""
-        if self.base is not None and not self.overlay:
-            self.overlay = self._grid(overlay=True)
+        keys (B, H_kv, n, D), and their normal token ids (B, n * block_size); ``indexed=False``
+        leaves the indexes to the caller."""
         with self._key_errors():
             for layer, lm in enumerate(landmarks):
                 xb = lm.float().cpu().numpy()  # (B, H, n, D)
                 for b in range(self.streams):
                     for h in range(xb.shape[1]):
-                        if self.base is not None:  # a read-only memory's own blocks: an exact overlay
-                            self.overlay[b][layer][h].add(xb[b, h])
-                            continue
                         ix = self.indexes[b][layer][h]
                         if ix.rows is None:  # an index of its own kind: the keys lie beside it
                             self.keys[b][layer][h].append(xb[b, h])
                         if indexed or ix.rows is not None:  # (a flat index appends to the keys it searches)
                             ix.add(xb[b, h])
-        self._add_ids(ids)
-
-    def _add_ids(self, ids: torch.Tensor | np.ndarray) -> None:
-        self.chunk_ids.append(ids.to("cpu", torch.int32).numpy() if torch.is_tensor(ids) else
-                              ids.astype(np.int32, copy=False))
-        self.n_blocks += ids.shape[1] // self.shape.block_size
-        self._chunk_ends.append(self.n_blocks)
+        self.n_blocks += self.ids.add(ids)
 
     def _key_errors(self):
         return disk_errors(f"the landmark keys of {self.where}")
@@ -198,7 +210,7 @@ class BlockMemory:
             for h in range(self.shape.n_kv_head):
                 out[b, h, saved] = self.keys[b][layer][h].array()[ids[saved]]
                 if fed.any():
-                    out[b, h, fed] = self.overlay[b][layer][h].rows.array()[ids[fed] - base]
+                    out[b, h, fed] = self.upper.keys[b][layer][h].array()[ids[fed] - base]
         return torch.from_numpy(out).to(self.device, self.dtype)
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int,
@@ -236,7 +248,7 @@ class BlockMemory:
 
     def _search(self, b: int, layer: int, h: int, xq: np.ndarray, k: int, lo: int, hi: int):
         """``(D, I)`` (nq, k): the top ``k`` of blocks ``[lo, hi)`` of one index, or of the saved
-        blocks and the overlay merged (the higher score first; of equal ones, the saved block)."""
+        blocks and the upper ones merged (the higher score first; of equal ones, the saved block)."""
         base = self.n_blocks if self.base is None else self.base
         try:
             D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
@@ -244,7 +256,7 @@ class BlockMemory:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         if hi <= base:
             return D, I
-        Do, Io = self.overlay[b][layer][h].search(xq, k, max(lo, base) - base, hi - base)
+        Do, Io = self.upper._search(b, layer, h, xq, k, max(lo, base) - base, hi - base)
         Io = np.where(Io >= 0, Io + base, -1)
         if lo >= base:
             return Do, Io
@@ -280,16 +292,11 @@ class BlockMemory:
         """int32 ((last - first) * block_size,) the normal token ids of blocks ``[first, last)``
         (default: every block); only the additions that hold them are read (a saved memory's
         rows may be a map of ``tokens.bin``)."""
-        last, bs = self.n_blocks if last is None else min(last, self.n_blocks), self.shape.block_size
-        if last <= first:
-            return np.zeros(0, np.int32)
-        i = bisect.bisect_right(self._chunk_ends, first)  # the addition that holds block ``first``
-        parts, start = [], self._chunk_ends[i - 1] if i else 0
-        while start < last:
-            ids = self.chunk_ids[i][stream]
-            parts.append(ids[max(first - start, 0) * bs:(min(last, self._chunk_ends[i]) - start) * bs])
-            start, i = self._chunk_ends[i], i + 1
-        return np.concatenate(parts).astype(np.int32, copy=False)
+        last = self.n_blocks if last is None else min(last, self.n_blocks)
+        if self.base is not None and last > self.base:  # (the blocks past a reader's saved ones are its upper's)
+            up = self.upper.tokens(stream, max(first - self.base, 0), last - self.base)
+            return up if first >= self.base else np.concatenate([self.ids.read(stream, first, self.base), up])
+        return self.ids.read(stream, first, last)
 
     def check_files(self) -> None:
         """Raise ``MemoryFileError`` where a file this memory maps (a block store's, a key file, tokens.bin)
@@ -300,13 +307,13 @@ class BlockMemory:
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
-        for mm in self._mapped_rows:
-            if os.stat(mm.filename).st_size < mm.offset + mm.size:
-                raise MemoryFileError(f"{mm.filename} is truncated (shorter than its {mm.offset + mm.size:,} committed "
-                                      "bytes); the memory is damaged: restore it from a backup or rebuild it")
+        self.ids.check()
+        if self.upper is not None:
+            self.upper.check_files()
 
     def all_indexes(self) -> list[LandmarkIndex]:
-        return [ix for grid in (self.indexes, self.overlay) for stream in grid for layer in stream for ix in layer]
+        return [ix for stream in self.indexes for layer in stream for ix in layer] + (
+            self.upper.all_indexes() if self.upper is not None else [])
 
     def index(self, stream: int, layer: int, head: int) -> LandmarkIndex:
         """The landmark index of key/value head ``head`` of ``layer`` in ``stream``."""
@@ -318,23 +325,14 @@ class BlockMemory:
         keys = {id(rows): rows for *_, rows in self._each_key()}
         fast = sum(r.nbytes for r in keys.values()) + self.cache.bytes
         fast += sum(ix.nbytes - (ix.rows.nbytes if id(ix.rows) in keys else 0)  # (a flat index is its keys)
-                    for ix in self.all_indexes())
+                    for stream in self.indexes for layer in stream for ix in layer)
+        fast += self.upper.usage()[0] if self.upper is not None else 0
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
 
     # ---- saving and loading ---------------------------------------------------------------
     def rows_since(self, layout: RowLayout, first: int) -> dict[str, bytes]:
         """``{file: bytes}``, the rows of blocks ``[first, n_blocks)`` for ``tokens.bin``."""
-        nb, bs = self.n_blocks, self.shape.block_size
-        if nb <= first:
-            return {TOKENS: b""}
-        tail, n = [], nb  # the id arrays added since block ``first`` (commits fall between additions)
-        for ids in reversed(self.chunk_ids):
-            if n <= first:
-                break
-            tail.append(ids)
-            n -= ids.shape[1] // bs
-        ids = np.concatenate(tail[::-1], 1)  # (B, (nb - first) * bs)
-        return {TOKENS: layout.encode_tokens(ids)}
+        return {TOKENS: layout.encode_tokens(self.ids.since(first)) if self.n_blocks > first else b""}
 
     def sync_keys(self, first: int, crcs: dict[str, int]) -> dict[str, int]:
         """Make the landmark keys durable; ``{key file: CRC-32}`` of all its rows, carried on
@@ -375,7 +373,7 @@ class BlockMemory:
         since when a read-only one follows it. A flat index searches the key files as far as
         they count now (an exact GPU index takes a copy of the new keys), other kinds are read
         from the state. A read-only memory must be rewound first."""
-        if self.base is not None and self.n_blocks != self.base:
+        if self.upper is not None:
             raise RuntimeError("rewind a read-only memory before it takes new saved blocks")
         B, cfg = layout.streams, self.shape
         if self.streams is None:
@@ -384,7 +382,7 @@ class BlockMemory:
         if n_blocks > self.n_blocks:
             first = self.n_blocks
             if isinstance(rows[TOKENS], np.memmap):  # a reader's map of tokens.bin: checked before each refresh
-                self._mapped_rows.append(rows[TOKENS])
+                self.ids.watch(rows[TOKENS])
             ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(B, -1)  # (B, n * block_size)
             if LANDMARKS in rows:  # a memory from before key files: its keys are rows of landmarks.bin
                 base, self.base = self.base, None  # saved blocks go to ``indexes``
@@ -398,7 +396,7 @@ class BlockMemory:
                         if derived and ix.rows is None:  # an exact GPU index: a copy
                             ix.add(rows.array()[first:])
                         ix.follow(n_blocks)  # (an ivf-rows index maps its lists as far)
-                self._add_ids(ids)
+                self.n_blocks += self.ids.add(ids)
         if not derived:
             try:
                 self.indexes = [[[LandmarkIndex.from_bytes(self.options.index, cfg.head_dim,
@@ -421,15 +419,15 @@ class BlockMemory:
             raise MemoryFileError(f"the block store of {where} is damaged ({e}); restore the memory from a backup "
                                   "or rebuild it") from None
         if self.base is not None:
-            self.base, self._base_chunks = self.n_blocks, len(self.chunk_ids)
+            self.base = self.n_blocks
 
     def rewind(self) -> None:
-        """Forget the blocks a read-only memory took since it opened or last followed a commit:
-        its overlay, their tokens, their keys and values (in the store and the hot cache)."""
-        if self.base is None or self.n_blocks == self.base:
+        """Let go of the blocks a read-only memory took since it opened or last followed a
+        commit (its ``upper`` ones: those fed in memory are forgotten, an attached session's stay
+        in its files), and of their keys and values in the hot cache."""
+        if self.base is None or self.upper is None:
             return
-        self.n_blocks, self.chunk_ids, self.overlay = self.base, self.chunk_ids[:self._base_chunks], []
-        del self._chunk_ends[self._base_chunks:]
+        self.n_blocks, self.upper = self.base, None
         self.store.forget()
         base = self.base
         self.cache.forget(lambda key: key[2] >= base)

@@ -44,7 +44,7 @@ from safetensors.torch import save as save_safetensors
 from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
-from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile
+from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile, WriterBusyError
 
 MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
 STATE_NAME = re.compile(r"state\.\d+\.safetensors")
@@ -169,7 +169,7 @@ class MemoryDir:
         except BlockingIOError:
             who = fh.read().strip() or "another process"
             fh.close()
-            raise MemoryFileError(f"the memory {self.path} is being written by {who}; only one writer at a time: "
+            raise WriterBusyError(f"the memory {self.path} is being written by {who}; only one writer at a time: "
                                   "wait for it to finish, or open the memory read-only") from None
         fh.truncate()
         fh.write(f"process {os.getpid()}\n")

@@ -121,6 +121,7 @@ class LandmarkMemory(SavedMemory):
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
         self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
         self._fingerprint, self._closed, self.documents = None, False, False
+        self.attached = None  # the session whose blocks follow this read-only memory's (``memory/session.py``)
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()

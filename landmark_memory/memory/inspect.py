@@ -15,6 +15,7 @@ from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
 from .manifest import TOKENS, Manifest, MemoryFileError
+from .session import committed_turns, list_sessions, sessions_folder
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
@@ -28,7 +29,8 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
         m, _ = d.read_commit()
         d.read_block_rows(m)  # present, long enough and (format 3 on) matching their CRC-32
         d.check_key_files(m)  # present and long enough
-    disk = _folder_bytes(Path(path))
+    sessions = sessions_folder(path)
+    disk = _folder_bytes(Path(path), skip=sessions)
     o = m.options
     if m.documents:
         starts = {e.document: e.start for e in m.inputs}
@@ -48,7 +50,9 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
             "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
             "tokens_read": read, "bytes_per_token": round(disk / read, 1) if read else None,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
-            "documents": m.documents, "inputs": inputs}
+            "documents": m.documents, "inputs": inputs,
+            "sessions": sum(1 for p in sessions.iterdir() if not p.name.startswith(".")) if sessions.is_dir() else 0,
+            "sessions_bytes": _folder_bytes(sessions) if sessions.is_dir() else 0}
 
 
 def _index_search(m: Manifest) -> str:
@@ -59,10 +63,12 @@ def _index_search(m: Manifest) -> str:
     return summary(m.blocks, o.train_size, o.index_options.get("nprobe") or LandmarkIndex.NPROBE)
 
 
-def _folder_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (links not followed)."""
+def _folder_bytes(path: Path, skip: Path | None = None) -> int:
+    """Bytes of the files under ``path`` (links not followed), but for the folder ``skip``."""
     total = 0
     for e in os.scandir(path):
+        if skip is not None and e.path == str(skip):
+            continue
         if e.is_dir(follow_symlinks=False):
             total += _folder_bytes(Path(e.path))
         elif e.is_file(follow_symlinks=False):
@@ -109,7 +115,23 @@ def verify(path: str | Path) -> VerifyReport:
         _check_documents(d, manifest, rows, report)
     elif manifest.streams is not None:
         _check_store(d, manifest, report)
+    if manifest.session is not None:
+        try:
+            committed_turns(d, manifest)
+        except MemoryFileError as e:
+            report.problems.append(str(e))
+    else:
+        _check_sessions(Path(path), report)
     return report
+
+
+def _check_sessions(path: Path, report: VerifyReport) -> None:
+    """Every session of the memory verified as the memory it is, its turns too."""
+    for s in list_sessions(path):
+        sub = verify(sessions_folder(path) / s.name)
+        report.problems += [f"session {s.name}: {p}" for p in sub.problems]
+        report.blocks_checked += sub.blocks_checked
+        report.indexes_checked += sub.indexes_checked
 
 
 def all_rows(d: MemoryDir, m: Manifest) -> dict[str, tuple[bytes, int]]:

@@ -42,6 +42,10 @@ class MemoryFileError(ValueError):
     """A memory directory that cannot be opened as asked; the message says why and what to do."""
 
 
+class WriterBusyError(MemoryFileError):
+    """A memory another process is writing (it holds the writer lock)."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes a memory's files depend on."""
@@ -92,6 +96,29 @@ class InputRecord:
 
 
 @dataclass(frozen=True)
+class BaseRecord:
+    """The memory a session is held over, as the session's last turn read it: its ``blocks``
+    and a ``digest`` of what they are. A corpus only appends documents: the digest is of its
+    first ``documents`` documents' records; another memory (``documents`` 0) must stay as it
+    was, and its digest is of its whole commit (``base_record``)."""
+
+    blocks: int
+    documents: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A session (``memory/session.py``): its ``name``, the memory it is held over (``over``),
+    its turns and the committed bytes of ``turns.jsonl`` that hold them."""
+
+    name: str
+    over: BaseRecord
+    turns: int = 0
+    turns_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class StateFile:
     """The per-commit state file and what its bytes must be."""
 
@@ -118,6 +145,7 @@ class Manifest:
     # here once the corpus committed them (``corpus.drop_merged_rows``); its store is the corpus's too
     rows_merged: bool = False
     version: int = FORMAT_VERSION  # as read (a commit writes FORMAT_VERSION)
+    session: SessionRecord | None = None  # a session's memory: its blocks follow those of the memory it is over
 
     @property
     def rows(self) -> "RowLayout":
@@ -158,6 +186,7 @@ class Manifest:
                 "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
                 "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
                 "documents": self.documents, **({"rows_merged": True} if self.rows_merged else {}),
+                **({"session": asdict(self.session)} if self.session else {}),
                 "commit": self.commit,
                 "files": {**({"state": asdict(self.state)} if self.state else {}),
                           **({"rows_crc32": self.rows_crc} if self.rows_crc else {})},
@@ -190,7 +219,7 @@ class Manifest:
                     state=StateFile(**files["state"]) if "state" in files else None,
                     rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""),
                     documents=bool(doc.get("documents", False)), rows_merged=doc.get("rows_merged", False),
-                    version=version)
+                    version=version, session=_session_record(doc.get("session")))
         except (KeyError, TypeError, AttributeError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
@@ -248,9 +277,25 @@ class Manifest:
                           f"{self.tokens:,}")
         if self.state is not None and (type(self.state.bytes) is not int or not isinstance(self.state.sha256, str)):
             raise bad("files.state", "with a size that is no integer or a sha256 that is no string")
+        r = self.session
+        if r is not None:
+            if not isinstance(r.name, str) or not isinstance(r.over.digest, str) or self.documents or self.inputs \
+                    or (self.streams or 1) != 1:
+                raise bad("session", "that is no session's record (a name and digest that are strings, one stream, "
+                          "no inputs)")
+            for name in ("turns", "turns_bytes"):
+                count(f"session.{name}", getattr(r, name))
+            for name in ("blocks", "documents"):
+                count(f"session.over.{name}", getattr(r.over, name))
         if self.rows_crc is not None and (not isinstance(self.rows_crc, dict) or not all(
                 isinstance(k, str) and type(v) is int for k, v in self.rows_crc.items())):
             raise bad("files.rows_crc32", "that is not a map of file names to CRC-32s")
+
+
+def _session_record(doc) -> SessionRecord | None:
+    if doc is None:
+        return None
+    return SessionRecord(**{**doc, "over": BaseRecord(**doc["over"])})
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,66 @@ def wrong_model(path, saved: ModelRecord, given: str) -> str:
     return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"
 
 
+Pending = tuple[torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]  # an open chunk: ids, per layer (k, v)
+
+
+def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: int, keys_committed: int,
+                 rows_crc: dict[str, int], pending_ids: torch.Tensor | None, pending_kv: list) -> None:
+    """Commit ``manifest`` (its counts filled in, ``commit`` the last one's) to ``d``: the rows of
+    ``blocks`` past block ``first`` (their CRC-32s carried on from ``rows_crc``; the key files'
+    from block ``keys_committed``), the indexes and the open chunk (``pending_ids``, per layer
+    ``(k, k rotated, v)``) in a state file, then the manifest (docs/DESIGN.md, "Commit protocol").
+    ``manifest`` ends as committed: its commit number, state file and CRC-32s."""
+    if manifest.streams is not None:
+        layout = manifest.rows
+        for name, data in blocks.rows_since(layout, first).items():
+            d.write_rows(name, first * layout.sizes[name], data)
+            manifest.rows_crc[name] = zlib.crc32(data, rows_crc[name])
+        kept = blocks.sync_keys(keys_committed, rows_crc)
+        manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (an older level's lists go)
+                             if not FILE_NAME.fullmatch(Path(name).name)} | kept
+        state = blocks.index_state()
+        if pending_ids is not None:
+            state["pending_ids"] = pending_ids.cpu()
+            for layer, (k, _, v) in enumerate(pending_kv):
+                state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
+        manifest.state = d.write_state(manifest.commit + 1, state) if state else None
+    manifest.commit += 1
+    d.write_manifest(manifest)
+    d.drop_old_states(manifest.state.name if manifest.state else None)
+    blocks.drop_stale_files()
+
+
+def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor],
+                rows_crc: dict[str, int], vocab_size: int, mapped: bool) -> dict[str, int]:
+    """Take the blocks of the commit ``manifest`` (with its ``state``) that ``blocks`` lacks,
+    from ``d``'s files; returns the CRC-32s of the rows, carried on from ``rows_crc``. A reader
+    maps the token rows (``mapped``: checked where passages read them, and by ``verify``); a
+    writer, which appends to them, reads them and checks their CRC-32 and ids first."""
+    rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped)
+    tokens = np.frombuffer(rows[TOKENS], np.int32) if not mapped else np.zeros(0, np.int32)
+    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+        raise MemoryFileError(f"{d.path / TOKENS} holds token ids outside the model's vocabulary; the "
+                              "memory is damaged: restore it from a backup or rebuild it")
+    blocks.extend(manifest.rows, manifest.blocks, rows, state, d.path)
+    return {**(manifest.rows_crc or {}), **crcs}
+
+
+def saved_pending(d: MemoryDir, manifest: Manifest, state: dict[str, torch.Tensor], device: torch.device,
+                  dtype: torch.dtype) -> Pending:
+    """The open chunk of the commit ``manifest`` from its ``state``: its token ids (streams, P)
+    and per layer its un-rotated keys and values (streams, H_kv, P', D); ``(None, [])`` if none."""
+    expected = manifest.pending_shapes()
+    wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
+    if wrong:
+        raise MemoryFileError(f"the state file of {d.path} lacks or misshapes {', '.join(wrong[:3])}; the "
+                              "memory is damaged: restore it from a backup or rebuild it")
+    if not expected:
+        return None, []
+    return state["pending_ids"].to(device), [tuple(state[f"pending.{layer}.{n}"].to(device, dtype) for n in "kv")
+                                             for layer in range(manifest.model.shape.n_layer)]
+
+
 class SavedMemory:
     """The saving half of ``LandmarkMemory``: everything here needs the attributes that
     ``LandmarkMemory._setup`` makes."""
@@ -54,27 +114,11 @@ class SavedMemory:
         if self.readonly:
             raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
         manifest = self._manifest()
-        if self.streams is not None:
-            layout, first = manifest.rows, self._committed_blocks
-            for name, data in self.blocks.rows_since(layout, first).items():
-                self.dir.write_rows(name, first * layout.sizes[name], data)
-                manifest.rows_crc[name] = zlib.crc32(data, self._rows_crc[name])
-            kept = self.blocks.sync_keys(self._keys_committed, self._rows_crc)
-            manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (an older level's lists go)
-                                 if not FILE_NAME.fullmatch(Path(name).name)} | kept
-            state = self.blocks.index_state()
-            if self.pending_count:
-                state["pending_ids"] = self.pending_ids.cpu()
-                for layer, (k, _, v) in enumerate(self.pending_kv):
-                    state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
-            manifest.state = self.dir.write_state(self.commit_count + 1, state) if state else None
-        manifest.commit = self.commit_count + 1
-        self.dir.write_manifest(manifest)
+        write_commit(self.dir, self.blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc,
+                     self.pending_ids, self.pending_kv)
         self.manifest = manifest
         self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
         self._keys_committed = self.n_blocks
-        self.dir.drop_old_states(manifest.state.name if manifest.state else None)
-        self.blocks.drop_stale_files()
         return self.commit_count
 
     @classmethod
@@ -96,6 +140,10 @@ class SavedMemory:
         d, mem = MemoryDir(path, writable=not readonly), None
         try:
             manifest, state = d.read_commit()
+            if manifest.session is not None:
+                raise MemoryFileError(f"{path} is the session {manifest.session.name!r} of the memory "
+                                      f"{Path(path).resolve().parent.parent}: open that memory and the session in it "
+                                      f"(`landmark-memory chat MEMORY --session {manifest.session.name}`)")
             if manifest.rows_merged:
                 raise MemoryFileError(f"{path} is a document of a corpus, which holds its rows now: open the corpus "
                                       f"(the folder that holds {Path(path).parent.name}/)")
@@ -145,36 +193,27 @@ class SavedMemory:
     def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
         """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
         memory's, its documents' stores, its open chunk."""
-        first, bs = self.n_blocks, self.shape.block_size
         self.commit_count, self.manifest = manifest.commit, manifest
         if manifest.streams is not None:
-            # a reader maps the token rows (checked where passages read them, and by ``verify``); a writer,
-            # which appends to them, reads them and checks their CRC-32 and ids first
-            rows, crcs = self.dir.read_block_rows(manifest, first, self._rows_crc, mapped=self.readonly)
-            self._rows_crc = {**(manifest.rows_crc or {}), **crcs}
-            self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
-            tokens = np.frombuffer(rows[TOKENS], np.int32) if not self.readonly else np.zeros(0, np.int32)
-            if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.backbone.vocab_size:
-                raise MemoryFileError(f"{self.dir.path / TOKENS} holds token ids outside the model's vocabulary; the "
-                                      "memory is damaged: restore it from a backup or rebuild it")
             if self.documents:
+                bs = self.shape.block_size
                 for e in manifest.inputs[len(self.inputs):]:
                     self.blocks.add_shard(Shard(e.start // bs, e.ingested // bs, e.document))
-            self.blocks.extend(manifest.rows, manifest.blocks, rows, state, self.dir.path)
+            self._rows_crc = load_blocks(self.dir, self.blocks, manifest, state, self._rows_crc,
+                                         self.backbone.vocab_size, mapped=self.readonly)
+            self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
         self.inputs, self._committed_blocks = list(manifest.inputs), manifest.blocks
-        expected = manifest.pending_shapes()
-        wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
-        if wrong:
-            raise MemoryFileError(f"the state file of {self.dir.path} lacks or misshapes {', '.join(wrong[:3])}; the "
-                                  "memory is damaged: restore it from a backup or rebuild it")
-        self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
-        if expected:
-            self.pending_ids = state["pending_ids"].to(self.device)
-            pos = self._base() + torch.arange(expected["pending.0.k"][2], device=self.device)
-            for layer in range(self.shape.n_layer):
-                k, v = (state[f"pending.{layer}.{n}"].to(self.device, self.dtype) for n in "kv")
-                self.pending_kv[layer] = (k, self.rope(k, pos), v)
+        self.pending_ids, self.pending_kv = self.rotated(saved_pending(self.dir, manifest, state, self.device, self.dtype))
         self._saved_pending = self.pending_ids, self.pending_kv
+
+    def rotated(self, pending: Pending) -> tuple[torch.Tensor | None, list]:
+        """``(pending_ids, pending_kv)`` of an open chunk saved as ``pending``, its keys rotated
+        to where the chunk sits now."""
+        ids, kv = pending
+        if ids is None:
+            return None, [None] * self.shape.n_layer
+        pos = self._base() + torch.arange(kv[0][0].shape[2], device=self.device)
+        return ids, [(k, self.rope(k, pos), v) for k, v in kv]
 
     def rewind(self) -> None:
         """Forget what was fed to this read-only memory since it opened or last refreshed: it
@@ -185,6 +224,7 @@ class SavedMemory:
         self.blocks.rewind()
         self.pending_ids, self.pending_kv = self._saved_pending
         self._recent_keys.clear()
+        self.attached = None
 
     def model_record(self) -> ModelRecord:
         """The model this memory was built with, as its manifest records it (fingerprint first)."""

@@ -358,27 +358,32 @@ class MmapStore(BlockStore):
 
 
 class OverlayStore(BlockStore):
-    """A read-only ``base`` store with new blocks kept in memory: a reader of a saved memory
-    can feed more text without touching the files."""
+    """A read-only ``base`` store and, past its first ``offset`` blocks, the store of the blocks
+    fed since (``attach``): a reader of a saved memory feeds more text without touching its
+    files. Blocks are put into the upper store by its own memory, never through this one."""
 
     def __init__(self, base):
         super().__init__(base.shape, DTYPE_NAMES[base.dtype])
-        self.base, self.new = base, MemoryStore(base.shape, DTYPE_NAMES[base.dtype])
+        self.base, self.upper, self.offset = base, None, 0
 
-    def put(self, items):
-        self.new.put(items)
+    def attach(self, upper: BlockStore, offset: int) -> None:
+        """Read blocks ``offset`` on from ``upper``, as its blocks ``0`` on."""
+        self.upper, self.offset = upper, offset
 
     def forget(self):
-        """Drop the blocks kept in memory: the store is its base again."""
-        self.new = MemoryStore(self.shape, DTYPE_NAMES[self.dtype])
+        """Let go of the upper store: this store is its base again."""
+        self.upper = None
 
     def check(self):
         self.base.check()
 
     def _blocks(self, keys):
-        mine = [k in self.new._data for k in keys]
+        off = self.offset
+        mine = [self.upper is not None and k[2] >= off for k in keys]
+        new = iter(self.upper._blocks([(b, layer, i - off) for (b, layer, i), m in zip(keys, mine) if m]) if any(mine)
+                   else ())
         old = iter(self.base._blocks([k for k, m in zip(keys, mine) if not m]))
-        return [self.new._data[k] if m else next(old) for k, m in zip(keys, mine)]
+        return [next(new) if m else next(old) for m in mine]
 
     def close(self):
         self.base.close()

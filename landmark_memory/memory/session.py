@@ -1,0 +1,357 @@
+"""Sessions: named conversations over a memory, each read into a saved memory of its own.
+
+A session lives in ``<memory>/sessions/<name>/``, a memory directory of the usual format (its
+own writer lock, commits, token rows, key files, index files and store: the same crash safety)
+whose manifest says ``session`` (its name, the memory it is held over, its turns) and whose
+``turns.jsonl`` holds one JSON line per turn (role, text, where its tokens start, an answer's
+passages), appended and committed with the blocks. Attached to the memory opened read-only
+(``Session.attach``), its blocks follow the memory's saved ones: a query searches both (the
+memory's index and the session's, their top-k merged), and what is fed goes into the
+session's files, which ``commit`` makes durable. The memory itself is never written, and any
+number of sessions share it.
+
+What a session sees of a corpus that grows: a turn reads the corpus at the commit the open
+memory holds when the turn starts (``answer.say`` follows the memory's commits first, so every
+document committed before the turn), the session's blocks after it; its earlier turns stay as
+they were read. A memory changed otherwise than by appending documents, or another model, is
+refused.
+"""
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+import zlib
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..fileio import TMP_MARK
+from ..names import SESSION_NAME
+from .blocks import BlockMemory
+from .directory import MANIFEST, MemoryDir
+from .engine import LandmarkMemory
+from .manifest import TOKENS, BaseRecord, Manifest, MemoryFileError, SessionRecord, WriterBusyError
+from .saved import Pending, load_blocks, saved_pending, write_commit
+
+SESSIONS, TURNS = "sessions", "turns.jsonl"
+ROLES = ("system", "user", "assistant")
+
+
+class SessionError(ValueError):
+    """A session that cannot be used as asked; ``kind`` says why: "name" (not a name),
+    "missing", "exists" (one to start is there already), "busy" (another process holds it) or
+    "other" (of another model or memory)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Turn:
+    """One turn of a session: who said it (``role``: system, user or assistant), its ``text``,
+    where its tokens start among the session's and how many there are, when it was said, and an
+    answer's passages (``answer.Passage`` as JSON)."""
+
+    role: str
+    text: str
+    start: int
+    tokens: int
+    time: str
+    passages: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session as ``landmark-memory sessions`` lists it; ``problem`` says why one cannot be read."""
+
+    name: str
+    turns: int
+    tokens: int
+    updated: str
+    problem: str = ""
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a session name (letters, digits, ``_ . -``, up to 100, not starting
+    with a dot or dash), else ``SessionError("name")``."""
+    if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
+        raise SessionError("name", f"{name!r} is no session name: use 1 to 100 letters, digits, '_', '.' or '-', "
+                           "starting with a letter, digit or '_' (a name, never a path)")
+    return name
+
+
+def new_name() -> str:
+    """A fresh session name: the time and four random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def sessions_folder(memory: str | Path) -> Path:
+    """The folder of a memory's sessions, refused when it is a symbolic link."""
+    folder = Path(memory) / SESSIONS
+    if folder.is_symlink():
+        raise MemoryFileError(f"{folder} is a symbolic link: a memory writes only its own files; remove the link")
+    return folder
+
+
+def base_record(m: Manifest) -> BaseRecord:
+    """What a session records of the memory whose commit is ``m`` (``BaseRecord``)."""
+    if m.documents:
+        return BaseRecord(m.blocks, len(m.inputs), _documents_digest(m, len(m.inputs)))
+    whole = json.dumps([m.blocks, m.pending_tokens, (m.rows_crc or {}).get(TOKENS), m.state and m.state.sha256])
+    return BaseRecord(m.blocks, 0, hashlib.sha256(whole.encode()).hexdigest())
+
+
+def _documents_digest(m: Manifest, n: int) -> str:
+    docs = [[e.document, e.sha256, e.start, e.ingested] for e in m.inputs[:n]]
+    return hashlib.sha256(json.dumps(docs).encode()).hexdigest()
+
+
+def holds(m: Manifest, over: BaseRecord) -> bool:
+    """Whether the memory whose commit is ``m`` still holds what a session read of it (``over``):
+    the same documents and more for a corpus, the same commit for another memory."""
+    if m.documents:
+        n = over.documents
+        return len(m.inputs) >= n and m.blocks >= over.blocks and _documents_digest(m, n) == over.digest
+    return base_record(m) == over
+
+
+class Session:
+    """A named conversation over a memory opened read-only (``mem``): its blocks, its turns,
+    its writer lock. ``Session.open`` makes or opens one; ``answer.say`` holds a turn."""
+
+    def __init__(self, mem: LandmarkMemory, d: MemoryDir, manifest: Manifest, state: dict):
+        self.mem, self.dir, self.manifest, self.name = mem, d, manifest, manifest.session.name
+        s = mem.shape
+        self.blocks = BlockMemory(s, mem.options, store_path=d.store_path(), readonly=False, device=mem.device,
+                                  dtype=mem.dtype, rope=mem.rope, cache_bytes=0, key_path=d.key_path())
+        try:
+            self._rows_crc = {TOKENS: 0}
+            if manifest.streams is not None:
+                self._rows_crc = load_blocks(d, self.blocks, manifest, state, self._rows_crc,
+                                             mem.backbone.vocab_size, mapped=False)
+            self.pending: Pending = saved_pending(d, manifest, state, mem.device, mem.dtype)
+            self.turns = self._read_turns()
+        except BaseException:
+            self.blocks.close()
+            raise
+        self._starts = [t.start for t in self.turns]
+
+    # ---- opening ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, mem: LandmarkMemory, name: str | None = None, *, create: bool = True,
+             new: bool = False) -> "Session":
+        """The session ``name`` over ``mem`` (a saved memory opened read-only), made when there
+        is none and ``create`` (without a name: a new one, ``new_name``); ``new``: one that
+        exists is refused. It holds the session's writer lock until ``close``."""
+        if mem.dir is None or not mem.readonly:
+            raise ValueError("a session is held over a saved memory opened read-only: "
+                             "LandmarkMemory.open(path, model, readonly=True)")
+        if mem.streams not in (None, 1):
+            raise ValueError(f"a session continues one stream; the memory {mem.dir.path} holds {mem.streams}")
+        name = new_name() if name is None else check_name(name)
+        path = sessions_folder(mem.dir.path) / name
+        if path.is_symlink():
+            raise MemoryFileError(f"{path} is a symbolic link: a memory writes only its own files; remove the link")
+        if new and (path / MANIFEST).is_file():
+            raise SessionError("exists", f"the memory {mem.dir.path} has a session {name!r} already: choose another "
+                               "name, or resume that one")
+        if not (path / MANIFEST).is_file():
+            if not create:
+                raise SessionError("missing", f"the memory {mem.dir.path} has no session {name!r} "
+                                   "(`landmark-memory sessions` lists them)")
+            try:
+                d = MemoryDir.create(path, Manifest(model=mem.model_record(), options=mem.manifest.options,
+                                                    session=SessionRecord(name, base_record(mem.manifest))))
+            except WriterBusyError as e:
+                raise _busy(e, name) from None
+            manifest, state = d.read_commit()
+        else:
+            try:
+                d = MemoryDir(path, writable=True)
+            except WriterBusyError as e:
+                raise _busy(e, name) from None
+            try:
+                manifest, state = d.read_commit()
+                _check_model(mem, manifest, path)
+            except BaseException:
+                d.close()
+                raise
+        try:
+            return cls(mem, d, manifest, state)
+        except BaseException:
+            d.close()
+            raise
+
+    def _read_turns(self) -> list[Turn]:
+        """The committed turns (``committed_turns``); a writer cuts what a stopped turn left after them."""
+        turns = committed_turns(self.dir, self.manifest)
+        f, r = self.dir.path / TURNS, self.manifest.session
+        if f.is_file() and f.stat().st_size > r.turns_bytes:
+            os.truncate(f, r.turns_bytes)
+        self._rows_crc[TURNS] = (self.manifest.rows_crc or {}).get(TURNS, 0)
+        return turns
+
+    # ---- a turn ---------------------------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the session (its blocks' and its open chunk's)."""
+        ids = self.mem.pending_ids if self.mem.attached is self else self.pending[0]
+        return self.blocks.n_blocks * self.mem.shape.block_size + (0 if ids is None else ids.shape[1])
+
+    def attach(self) -> None:
+        """Put the session after the memory's blocks (the memory rewound first): what the memory
+        reads from here on goes into the session. Nothing to do while it is attached."""
+        mem = self.mem
+        if mem.attached is self:
+            return
+        mem.rewind()
+        _check_over(mem, self.manifest, self.dir.path)
+        mem.blocks.attach(self.blocks)
+        if self.manifest.commit:  # (a session before its first turn takes the memory's open chunk, if any)
+            mem.pending_ids, mem.pending_kv = mem.rotated(self.pending)
+        mem.attached = self
+
+    def commit(self, turns: list[Turn]) -> None:
+        """Make what the memory read since the last commit durable in the session, with ``turns``
+        (docs/DESIGN.md, "Commit protocol"; ``turns.jsonl`` is written with the token rows)."""
+        mem, r = self.mem, self.manifest.session
+        if mem.attached is not self:
+            raise RuntimeError(f"the session {self.name} is not attached to its memory: attach it first")
+        data = b"".join(json.dumps(asdict(t), ensure_ascii=False).encode() + b"\n" for t in turns)
+        self.dir.write_rows(TURNS, r.turns_bytes, data)
+        crcs = {**self._rows_crc, TURNS: zlib.crc32(data, self._rows_crc[TURNS])}
+        P, committed = mem.pending_count, self.manifest.blocks
+        m = replace(self.manifest, streams=1, blocks=self.blocks.n_blocks, pending_tokens=P,
+                    tokens=self.blocks.n_blocks * mem.shape.block_size + P, rows_crc=crcs,
+                    session=replace(r, over=base_record(mem.manifest), turns=r.turns + len(turns),
+                                    turns_bytes=r.turns_bytes + len(data)))
+        write_commit(self.dir, self.blocks, m, committed, committed, self._rows_crc, mem.pending_ids, mem.pending_kv)
+        self.manifest, self._rows_crc = m, m.rows_crc
+        self.pending = (mem.pending_ids, [(k, v) for k, _, v in mem.pending_kv]) if P else (None, [])
+        self.turns += turns
+        self._starts += [t.start for t in turns]
+
+    def locate(self, block: int) -> tuple[int, int]:
+        """``(turn, token offset in it)`` of the first token of the session's block ``block``."""
+        at = block * self.mem.shape.block_size
+        t = max(bisect_right(self._starts, at) - 1, 0)
+        return t, at - (self._starts[t] if self._starts else 0)
+
+    def reopen(self) -> "Session":
+        """This session at its last commit, opened again (closed first): what its memory read
+        since, a turn stopped midway, is dropped."""
+        mem, name = self.mem, self.name
+        self.close()
+        return Session.open(mem, name, create=False)
+
+    def close(self) -> None:
+        """Let the memory go (rewound) and release the session's files and lock."""
+        if self.mem.attached is self:
+            self.mem.rewind()
+        self.blocks.close()
+        self.dir.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _busy(e: WriterBusyError, name: str) -> SessionError:
+    return SessionError("busy", f"the session {name!r} is in use by another process ({e}); wait for its turn to end")
+
+
+def _check_model(mem: LandmarkMemory, m: Manifest, path: Path) -> None:
+    """Refuse what is no session, or a session of another model."""
+    if m.session is None:
+        raise MemoryFileError(f"{path} is no session (its manifest has no session record); remove it")
+    if m.model.fingerprint != mem.model_record().fingerprint:
+        raise SessionError("other", f"the session {m.session.name!r} was held with another model (weights "
+                           f"{m.model.fingerprint[:12]}) than the memory's; delete it or use its model")
+
+
+def _check_over(mem: LandmarkMemory, m: Manifest, path: Path) -> None:
+    """Refuse a session over a memory that no longer holds what the session read of it."""
+    _check_model(mem, m, path)
+    if not holds(mem.manifest, m.session.over):
+        raise SessionError("other", f"the session {m.session.name!r} was held over another memory: "
+                           f"{mem.dir.path} no longer holds what it read (rebuilt, or changed otherwise than by "
+                           "adding documents); delete the session")
+
+
+def committed_turns(d: MemoryDir, m: Manifest) -> list[Turn]:
+    """The turns the session in ``d`` committed (its manifest ``m``), checked against their CRC-32."""
+    f, r = d.path / TURNS, m.session
+    data = d.read_rows(TURNS, r.turns_bytes)
+    if zlib.crc32(data) != (m.rows_crc or {}).get(TURNS, 0):
+        raise MemoryFileError(f"{f} does not match its session's manifest (its CRC-32 differs); the session is "
+                              f"damaged: delete it (`landmark-memory sessions MEMORY --delete {r.name}`)")
+    try:
+        turns = [Turn(**json.loads(line)) for line in data.decode().splitlines()]
+    except (ValueError, TypeError) as e:
+        raise MemoryFileError(f"{f} holds a line that is no turn ({e}); the session is damaged") from None
+    if len(turns) != r.turns:
+        raise MemoryFileError(f"{f} holds {len(turns)} turns, its manifest {r.turns}; the session is damaged")
+    return turns
+
+
+def require_session(memory: str | Path, name: str) -> None:
+    """Raise ``SessionError`` unless the memory at ``memory`` has a session ``name``."""
+    if not (sessions_folder(memory) / check_name(name) / MANIFEST).is_file():
+        raise SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
+                           "lists them)")
+
+
+def read_session(memory: str | Path, name: str) -> tuple[Manifest, list[Turn]]:
+    """The last commit of the session ``name`` of the memory at ``memory`` and its turns, read
+    without its model or its lock."""
+    require_session(memory, name)
+    path = sessions_folder(memory) / name
+    d = MemoryDir(path, writable=False)
+    m = d.read_manifest()
+    if m.session is None:
+        raise MemoryFileError(f"{path} is no session (its manifest has no session record); remove it")
+    return m, committed_turns(d, m)
+
+
+def list_sessions(memory: str | Path) -> list[SessionInfo]:
+    """Every session of the memory at ``memory``, by name (read without the model)."""
+    folder, out = sessions_folder(memory), []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not SESSION_NAME.fullmatch(p.name) or p.is_symlink():
+            continue
+        try:
+            m = MemoryDir(p, writable=False).read_manifest()
+            if m.session is None:
+                raise MemoryFileError("its manifest has no session record")
+            out.append(SessionInfo(p.name, m.session.turns, m.tokens, m.updated))
+        except MemoryFileError as e:
+            out.append(SessionInfo(p.name, 0, 0, "", str(e)))
+    return out
+
+
+def delete_session(memory: str | Path, name: str) -> None:
+    """Remove the session ``name`` of the memory at ``memory`` (refused while in use). It is
+    first renamed out of the sessions, so a stop midway leaves no half session."""
+    path = sessions_folder(memory) / check_name(name)
+    if not path.is_dir() or path.is_symlink():
+        raise SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
+                           "lists them)")
+    try:
+        d = MemoryDir(path, writable=True)  # (the lock: a session in use is not removed)
+    except WriterBusyError as e:
+        raise _busy(e, name) from None
+    try:
+        gone = path.with_name(f".{name}{TMP_MARK}{os.getpid()}")
+        os.rename(path, gone)
+    finally:
+        d.close()
+    shutil.rmtree(gone)
+    for p in path.parent.iterdir():  # what an earlier deletion stopped midway left
+        if p.name.startswith(".") and TMP_MARK in p.name and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
