@@ -1,4 +1,4 @@
-"""Hugging Face integration on tiny randomly initialised Llama-family models (no downloads):
+"""Hugging Face integration on tiny randomly initialised models of every family we convert (no downloads):
 the converted forward against our reference attention, retrieve-all and decoding equivalence
 through the cache, save/load, fine-tuning, and the commands on a model directory."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+                          Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from landmark_memory import hf
 from landmark_memory.hf.backbone import HFBackbone
@@ -26,7 +27,8 @@ from test_experiments import script
 
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "mistral": (MistralConfig, MistralForCausalLM)}
+            "mistral": (MistralConfig, MistralForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
@@ -50,8 +52,8 @@ def tiny(tokenizer_object, family="llama", block_size=7, seed=0):
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
     cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 16,
-                     tie_word_embeddings=family == "qwen2")
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
+                     tie_word_embeddings=family == "qwen2", pad_token_id=0, bos_token_id=0, eos_token_id=1)
     model = model_cls(cfg)
     return hf.convert(model, tok, block_size=block_size).eval(), tok
 
@@ -115,7 +117,7 @@ def test_unsupported_models_are_refused_clearly(tokenizer_object):
                                                 num_hidden_layers=1, num_attention_heads=2)), tok, block_size=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.no_grad()
 def test_retrieve_all_through_the_cache_equals_in_sequence_forward(tokenizer_object, text, family):
     model, tok = tiny(tokenizer_object, family)
@@ -195,6 +197,31 @@ def test_save_and_load_round_trip(tokenizer_object, text, tmp_path):
                                  num_attention_heads=2)).save_pretrained(plain)
     with pytest.raises(ValueError, match="not a landmark model"):
         hf.from_pretrained(plain)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.no_grad()
+def test_every_family_decodes_through_the_cache_as_its_memory_does_and_saves_and_loads(tokenizer_object, text, family,
+                                                                                      tmp_path):
+    model, tok = tiny(tokenizer_object, family)
+    idx = ids_of(tok, text, 60)
+    opts = dict(chunk_size=14, top_k=2)
+    out = model.generate(idx, past_key_values=hf.LandmarkMemoryCache(model, **opts), max_new_tokens=8, do_sample=False,
+                         pad_token_id=tok.eos_token_id)
+    assert out[0, 60:].tolist() == LandmarkMemory(model, **opts).generate(idx, 8)[0].tolist()
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    torch.testing.assert_close(hf.normal_logits(loaded, idx), hf.normal_logits(model, idx), rtol=0, atol=0)
+
+
+def test_a_family_we_do_not_convert_is_refused_in_one_line(tokenizer_object):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, eos_token="</s>")
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="is not a family landmark attention converts; supported: llama, mistral"):
+        hf.convert(model, tok)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Hugging Face integration: landmark attention for Llama-family models (``convert``,
+"""Hugging Face integration: landmark attention for the families of ``families.py`` (``convert``,
 ``from_pretrained``), and ``LandmarkMemoryCache`` for ``model.generate``.
 
     model = landmark_memory.hf.from_pretrained("my-landmark-llama")

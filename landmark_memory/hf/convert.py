@@ -1,4 +1,5 @@
-"""Landmark attention for Hugging Face Llama-family causal LMs (paper section 4.2).
+"""Landmark attention for Hugging Face causal LMs of the families in ``hf/families.py`` (Llama,
+Mistral, Qwen2, Qwen3, OLMo2, Phi-3; paper section 4.2).
 
 ``convert`` adds the landmark token and routes attention through our grouped-softmax kernels
 by transformers' own attention registry (``AttentionInterface``): embeddings, norms, MLPs,
@@ -22,10 +23,9 @@ from transformers.cache_utils import Cache
 from ..kernels import BACKENDS, landmark_attention, landmark_attention_inference
 from ..layout import check_block_size, insert_landmarks, normal_positions
 from ..tokenizer import LANDMARK_TOKEN
+from .families import family_of
 
 ATTENTION = "landmark"
-LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
 def is_converted(model: torch.nn.Module) -> bool:
@@ -77,27 +77,16 @@ AttentionInterface.register(ATTENTION, landmark_attention_forward)
 def _check_supported(model):
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "lm_head"):
         raise ValueError(f"convert needs a transformers causal LM (e.g. LlamaForCausalLM), got {type(model).__name__}")
-    cfg, layers = model.config, getattr(model.get_decoder(), "layers", None)
-    if layers is None or not len(layers):
-        raise ValueError(f"{type(model).__name__} has no decoder layers where a Llama-family model has them")
-    layer = layers[0]
-    parts, attn_parts = {n for n, _ in layer.named_children()}, {n for n, _ in layer.self_attn.named_children()}
-    if parts != LAYER_PARTS or attn_parts != ATTENTION_PARTS:
-        raise ValueError(f"{type(model).__name__} is not a Llama-family layout (decoder layer parts {sorted(parts)}, "
-                         f"attention parts {sorted(attn_parts)}); supported: Llama, Mistral, Qwen2")
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{type(model).__name__} uses RoPE type {rope.get('rope_type')!r}: our kernels rotate "
-                         "retrieved blocks with plain RoPE (rope_type 'default') only")
+    family_of(model)
 
 
 def convert(model: PreTrainedModel, tokenizer, block_size: int = 63, backend: str = "auto") -> PreTrainedModel:
-    """Turn a Llama-family causal LM into a landmark model, in place.
+    """Turn a causal LM of a supported family into a landmark model, in place.
 
     Parameters
     ----------
-    model : transformers ``LlamaForCausalLM`` (or Mistral, Qwen2: same layout, plain RoPE),
-        any number of key/value heads.
+    model : a transformers causal LM of a family in ``hf/families.py`` (Llama, Mistral, Qwen2,
+        Qwen3, OLMo2, Phi-3) with plain RoPE, any number of key/value heads.
     tokenizer : its transformers tokenizer; gains the landmark token.
     block_size : int, normal tokens per landmark block (the paper's code: 63, so that a 512-token
         window holds 8 whole blocks).
