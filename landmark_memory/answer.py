@@ -202,7 +202,7 @@ def say(session: Session, tokenizer, messages: str | Sequence[Message], **option
     raw, mem = options.get("raw", False), session.mem
     mem.refresh()  # every document committed before the turn (a new commit lets the session go: attach again)
     session.attach()
-    first, said, turns = not session.turns, time.strftime("%Y-%m-%dT%H:%M:%S%z"), []
+    first, said, turns = not session.n_turns, time.strftime("%Y-%m-%dT%H:%M:%S%z"), []
     chat_text = None if raw else getattr(tokenizer, "chat_text", None)
     for m in messages[:-1]:  # messages that ask for no answer: read, a turn each
         start = session.n_tokens

@@ -76,7 +76,7 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
     import readline  # noqa: F401 - line editing and history for input()
 
     mem: LandmarkMemory = session.mem
-    print(f"session {session.name}: {len(session.turns)} turns so far over {mem.dir.path} "
+    print(f"session {session.name}: {session.n_turns} turns so far over {mem.dir.path} "
           "(/help for commands, Ctrl-D ends)", file=out)
     last = None
     while True:

@@ -269,16 +269,18 @@ def test_a_bad_or_missing_session_in_a_request_is_refused_in_openais_shape(serve
 
 def test_a_damaged_session_is_named_by_verify_and_refused_in_one_line(corpus, model, capsys):
     held(corpus, model, "damaged", TURNS[:2])
-    turns = corpus / "sessions" / "damaged" / "turns.jsonl"
-    data = bytearray(turns.read_bytes())
-    data[10] ^= 1
-    turns.write_bytes(bytes(data))
-    assert main(["info", str(corpus), "--verify"]) == 2
-    assert "session damaged:" in capsys.readouterr().out
-    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-        with pytest.raises(MemoryFileError, match="turns.jsonl does not match"):
-            Session.open(mem, "damaged")
-    delete_session(corpus, "damaged")
+    folder = corpus / "sessions" / "damaged"
+    for name, match in (("turns.jsonl", "turns.jsonl does not match"), ("turns.idx", "turns.idx does not match")):
+        data = bytearray((folder / name).read_bytes())
+        data[10] ^= 1
+        (folder / name).write_bytes(bytes(data))
+        assert main(["info", str(corpus), "--verify"]) == 2
+        assert f"session damaged: {folder / name} does not match" in capsys.readouterr().out
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+            with pytest.raises(MemoryFileError, match=match), Session.open(mem, "damaged") as s:
+                s.turns  # (the turns' text is read where it is asked for)
+        data[10] ^= 1
+        (folder / name).write_bytes(bytes(data))
     assert main(["info", str(corpus), "--verify"]) == 0
 
 

@@ -15,7 +15,7 @@ from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
 from .manifest import TOKENS, Manifest, MemoryFileError
-from .session import committed_turns, list_sessions, sessions_folder
+from .session import committed_starts, committed_turns, list_sessions, sessions_folder
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
@@ -118,6 +118,7 @@ def verify(path: str | Path) -> VerifyReport:
     if manifest.session is not None:
         try:
             committed_turns(d, manifest)
+            committed_starts(d, manifest)
         except MemoryFileError as e:
             report.problems.append(str(e))
     else:

@@ -2,9 +2,11 @@
 
 A session lives in ``<memory>/sessions/<name>/``, a memory directory of the usual format (its
 own writer lock, commits, token rows, key files, index files and store: the same crash safety)
-whose manifest says ``session`` (its name, the memory it is held over, its turns) and whose
+whose manifest says ``session`` (its name, the memory it is held over, its turns), whose
 ``turns.jsonl`` holds one JSON line per turn (role, text, where its tokens start, an answer's
-passages), appended and committed with the blocks. Attached to the memory opened read-only
+passages), and whose ``turns.idx`` holds where each turn starts (int64: all a turn reads of
+them, so opening a session costs the same however long it is), both appended and committed
+with the blocks. Attached to the memory opened read-only
 (``Session.attach``), its blocks follow the memory's saved ones: a query searches both (the
 memory's index and the session's, their top-k merged), and what is fed goes into the
 session's files, which ``commit`` makes durable. The memory itself is never written, and any
@@ -28,6 +30,8 @@ from bisect import bisect_right
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from ..fileio import TMP_MARK
 from ..names import SESSION_NAME
 from .blocks import BlockMemory
@@ -36,7 +40,7 @@ from .engine import LandmarkMemory
 from .manifest import TOKENS, BaseRecord, Manifest, MemoryFileError, SessionRecord, WriterBusyError
 from .saved import Pending, load_blocks, saved_pending, write_commit
 
-SESSIONS, TURNS = "sessions", "turns.jsonl"
+SESSIONS, TURNS, STARTS = "sessions", "turns.jsonl", "turns.idx"
 ROLES = ("system", "user", "assistant")
 
 
@@ -134,11 +138,16 @@ class Session:
                 self._rows_crc = load_blocks(d, self.blocks, manifest, state, self._rows_crc,
                                              mem.backbone.vocab_size, mapped=False)
             self.pending: Pending = saved_pending(d, manifest, state, mem.device, mem.dtype)
-            self.turns = self._read_turns()
+            self._starts = committed_starts(d, manifest).tolist()  # where each turn starts, for ``locate``
+            for name, nbytes in ((TURNS, manifest.session.turns_bytes), (STARTS, 8 * manifest.session.turns)):
+                f = d.path / name  # what a stopped turn left after the committed turns is cut
+                if f.is_file() and f.stat().st_size > nbytes:
+                    os.truncate(f, nbytes)
+                self._rows_crc[name] = (manifest.rows_crc or {}).get(name, 0)
         except BaseException:
             self.blocks.close()
             raise
-        self._starts = [t.start for t in self.turns]
+        self._turns: list[Turn] | None = None  # read when first asked for
 
     # ---- opening ----------------------------------------------------------------------------
     @classmethod
@@ -186,16 +195,18 @@ class Session:
             d.close()
             raise
 
-    def _read_turns(self) -> list[Turn]:
-        """The committed turns (``committed_turns``); a writer cuts what a stopped turn left after them."""
-        turns = committed_turns(self.dir, self.manifest)
-        f, r = self.dir.path / TURNS, self.manifest.session
-        if f.is_file() and f.stat().st_size > r.turns_bytes:
-            os.truncate(f, r.turns_bytes)
-        self._rows_crc[TURNS] = (self.manifest.rows_crc or {}).get(TURNS, 0)
-        return turns
-
     # ---- a turn ---------------------------------------------------------------------------------
+    @property
+    def turns(self) -> list[Turn]:
+        """Every turn so far (read from ``turns.jsonl`` when first asked for)."""
+        if self._turns is None:
+            self._turns = committed_turns(self.dir, self.manifest)
+        return self._turns
+
+    @property
+    def n_turns(self) -> int:
+        return self.manifest.session.turns
+
     @property
     def n_tokens(self) -> int:
         """Tokens of the session (its blocks' and its open chunk's)."""
@@ -222,8 +233,11 @@ class Session:
         if mem.attached is not self:
             raise RuntimeError(f"the session {self.name} is not attached to its memory: attach it first")
         data = b"".join(json.dumps(asdict(t), ensure_ascii=False).encode() + b"\n" for t in turns)
+        starts = np.array([t.start for t in turns], np.int64).tobytes()
         self.dir.write_rows(TURNS, r.turns_bytes, data)
-        crcs = {**self._rows_crc, TURNS: zlib.crc32(data, self._rows_crc[TURNS])}
+        self.dir.write_rows(STARTS, 8 * r.turns, starts)
+        crcs = {**self._rows_crc, TURNS: zlib.crc32(data, self._rows_crc[TURNS]),
+                STARTS: zlib.crc32(starts, self._rows_crc[STARTS])}
         P, committed = mem.pending_count, self.manifest.blocks
         m = replace(self.manifest, streams=1, blocks=self.blocks.n_blocks, pending_tokens=P,
                     tokens=self.blocks.n_blocks * mem.shape.block_size + P, rows_crc=crcs,
@@ -232,7 +246,8 @@ class Session:
         write_commit(self.dir, self.blocks, m, committed, committed, self._rows_crc, mem.pending_ids, mem.pending_kv)
         self.manifest, self._rows_crc = m, m.rows_crc
         self.pending = (mem.pending_ids, [(k, v) for k, _, v in mem.pending_kv]) if P else (None, [])
-        self.turns += turns
+        if self._turns is not None:
+            self._turns += turns
         self._starts += [t.start for t in turns]
 
     def locate(self, block: int) -> tuple[int, int]:
@@ -305,6 +320,17 @@ def require_session(memory: str | Path, name: str) -> None:
     if not (sessions_folder(memory) / check_name(name) / MANIFEST).is_file():
         raise SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
                            "lists them)")
+
+
+def committed_starts(d: MemoryDir, m: Manifest) -> np.ndarray:
+    """int64 (turns,): where each committed turn of the session in ``d`` starts (its manifest
+    ``m``), checked against their CRC-32."""
+    data = d.read_rows(STARTS, 8 * m.session.turns)
+    if zlib.crc32(data) != (m.rows_crc or {}).get(STARTS, 0):
+        raise MemoryFileError(f"{d.path / STARTS} does not match its session's manifest (its CRC-32 differs); the "
+                              f"session is damaged: delete it (`landmark-memory sessions MEMORY --delete "
+                              f"{m.session.name}`)")
+    return np.frombuffer(data, np.int64)
 
 
 def read_session(memory: str | Path, name: str) -> tuple[Manifest, list[Turn]]:
