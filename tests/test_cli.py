@@ -134,7 +134,8 @@ def test_demo_runs_end_to_end_on_a_short_book(texts, capsys, tmp_path):
     assert (tmp_path / "d" / "memory" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("command", ["build", "info", "ask", "serve", "eval", "compare", "passkey", "demo", "train"])
+@pytest.mark.parametrize("command", ["build", "info", "ask", "chat", "sessions", "serve", "eval", "compare", "passkey",
+                                     "demo", "train"])
 def test_every_command_and_option_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])

@@ -53,7 +53,7 @@ def tiny(tokenizer_object, family="llama", block_size=7, seed=0):
     torch.manual_seed(seed)
     cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
-                     tie_word_embeddings=family == "qwen2", pad_token_id=0, bos_token_id=0, eos_token_id=1)
+                     tie_word_embeddings=family == "qwen2", pad_token_id=0)
     model = model_cls(cfg)
     return hf.convert(model, tok, block_size=block_size).eval(), tok
 
