@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .decode import decode
 from .memory import LandmarkMemory, MemoryFileError
 from .memory.session import ROLES, Session, Turn
 
@@ -145,39 +144,33 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     prompt = chat if chat is not None else "\n".join(m.content for m in messages)
     n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
     uses = Counter()
-
-    def feed(nxt):  # (1, T) -> (1, vocab), counting the blocks the last position read
-        out = mem.forward(nxt.to(mem.device), logits="last")
-        for r in out.retrieved:  # (1, H, T, k)
-            uses.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_saved)
-        return out.logits[:, -1]
-
     stops = set(tokenizer.end_of_turn_ids) if chat else set()
 
-    def step(nxt):
-        if on_token is not None and int(nxt[0, -1]) not in stops:
-            on_token(int(nxt[0, -1]))
-        return feed(nxt)
+    def read(retrieved):  # per layer (1, H, 1, k): the blocks a position read
+        for r in retrieved:
+            uses.update(b for b in r[0].flatten().tolist() if 0 <= b < n_saved)
+
+    def told(t):  # (1,): a new token, streamed unless it ends the turn
+        if on_token is not None and int(t[0]) not in stops:
+            on_token(int(t[0]))
 
     def stopped(tokens):  # the answer so far holds a stop string
         text = tokenizer.decode([t for t in tokens if t not in stops])
         return any(s in text for s in stop)
 
     ids = tokenizer.encode(prompt).ids
-    logits = feed(torch.tensor([ids]))
-    new = decode(logits, step, max_new_tokens, temperature=temperature, generator=torch.Generator().manual_seed(seed),
-                 stop_ids=stops, until=stopped if stop else None)[0].tolist()
-    if new:  # the last new token reads the memory too: its lookups count with the others'
-        step(torch.tensor([new[-1:]]))
+    new = mem.generate(torch.tensor([ids], device=mem.device), max_new_tokens, temperature=temperature,
+                       generator=torch.Generator().manual_seed(seed), stop_ids=stops,
+                       until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
     total = sum(uses.values()) or 1
-    read = [passage(mem, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
+    most_read = [passage(mem, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
     answer = new[:-1] if new and new[-1] in stops else new
     text, cut = tokenizer.decode(answer), None
     hits = [(text.find(s), s) for s in stop if s in text]
     if hits:
         at, cut = min(hits)
         text = text[:at]
-    return Answer(question, text, answer, chat is not None, read, n_tokens, cut, prompt_tokens=len(ids),
+    return Answer(question, text, answer, chat is not None, most_read, n_tokens, cut, prompt_tokens=len(ids),
                   end_of_turn=new[-1] if new and new[-1] in stops else None)
 
 
