@@ -161,17 +161,14 @@ class Session:
                              "LandmarkMemory.open(path, model, readonly=True)")
         if mem.streams not in (None, 1):
             raise ValueError(f"a session continues one stream; the memory {mem.dir.path} holds {mem.streams}")
-        name = new_name() if name is None else check_name(name)
-        path = sessions_folder(mem.dir.path) / name
-        if path.is_symlink():
-            raise MemoryFileError(f"{path} is a symbolic link: a memory writes only its own files; remove the link")
+        name = new_name() if name is None else name
+        path = session_path(mem.dir.path, name)
         if new and (path / MANIFEST).is_file():
             raise SessionError("exists", f"the memory {mem.dir.path} has a session {name!r} already: choose another "
                                "name, or resume that one")
         if not (path / MANIFEST).is_file():
             if not create:
-                raise SessionError("missing", f"the memory {mem.dir.path} has no session {name!r} "
-                                   "(`landmark-memory sessions` lists them)")
+                raise _missing(mem.dir.path, name)
             try:
                 d = MemoryDir.create(path, Manifest(model=mem.model_record(), options=mem.manifest.options,
                                                     session=SessionRecord(name, base_record(mem.manifest))))
@@ -315,11 +312,26 @@ def committed_turns(d: MemoryDir, m: Manifest) -> list[Turn]:
     return turns
 
 
-def require_session(memory: str | Path, name: str) -> None:
-    """Raise ``SessionError`` unless the memory at ``memory`` has a session ``name``."""
-    if not (sessions_folder(memory) / check_name(name) / MANIFEST).is_file():
-        raise SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
-                           "lists them)")
+def session_path(memory: str | Path, name: str) -> Path:
+    """The folder of the session ``name`` of the memory at ``memory`` (there or not), refused
+    when the name is no name or the folder a symbolic link."""
+    path = sessions_folder(memory) / check_name(name)
+    if path.is_symlink():
+        raise MemoryFileError(f"{path} is a symbolic link: a memory writes only its own files; remove the link")
+    return path
+
+
+def require_session(memory: str | Path, name: str) -> Path:
+    """The folder of the session ``name`` of the memory at ``memory``; ``SessionError`` if it has none."""
+    path = session_path(memory, name)
+    if not (path / MANIFEST).is_file():
+        raise _missing(memory, name)
+    return path
+
+
+def _missing(memory, name: str) -> SessionError:
+    return SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
+                        "lists them)")
 
 
 def committed_starts(d: MemoryDir, m: Manifest) -> np.ndarray:
@@ -336,8 +348,7 @@ def committed_starts(d: MemoryDir, m: Manifest) -> np.ndarray:
 def read_session(memory: str | Path, name: str) -> tuple[Manifest, list[Turn]]:
     """The last commit of the session ``name`` of the memory at ``memory`` and its turns, read
     without its model or its lock."""
-    require_session(memory, name)
-    path = sessions_folder(memory) / name
+    path = require_session(memory, name)
     d = MemoryDir(path, writable=False)
     m = d.read_manifest()
     if m.session is None:
@@ -364,10 +375,9 @@ def list_sessions(memory: str | Path) -> list[SessionInfo]:
 def delete_session(memory: str | Path, name: str) -> None:
     """Remove the session ``name`` of the memory at ``memory`` (refused while in use). It is
     first renamed out of the sessions, so a stop midway leaves no half session."""
-    path = sessions_folder(memory) / check_name(name)
-    if not path.is_dir() or path.is_symlink():
-        raise SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
-                           "lists them)")
+    path = session_path(memory, name)
+    if not path.is_dir():
+        raise _missing(memory, name)
     try:
         d = MemoryDir(path, writable=True)  # (the lock: a session in use is not removed)
     except WriterBusyError as e:
