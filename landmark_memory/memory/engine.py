@@ -31,7 +31,7 @@ from .directory import MemoryDir
 from .manifest import TOKENS, InputRecord, Manifest, ModelShape
 from .options import MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
-from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy
+from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy, with_forced
 from .saved import SavedMemory
 
 
@@ -64,6 +64,14 @@ class LandmarkMemory(SavedMemory):
     cmt_cutoff : float, models with a Context Miss Token only (appendix D): a query whose CMT
         share is below this retrieves nothing, and a layer-head whose queries in a step are
         all below it searches no index and fetches no block. 0 = always retrieve.
+    sink_blocks : int, the memory's first blocks (of those ``max_blocks`` leaves), read by every
+        query besides its ``top_k`` (attention sinks, as StreamingLLM and InfLLM keep the
+        first tokens), so that they take no retrieval slot.
+    local_blocks : int, the memory's last blocks, read by every query besides its ``top_k``, as
+        if the local window were that much longer.
+    centre : bool, choose blocks by landmark scores against the landmark keys less their mean
+        over the memory (per layer and head), so that what every landmark shares, which RoPE
+        favours near the query, does not decide; the attention reads the blocks as they are.
     backend : str, attention backend ("auto": Triton on CUDA, dense PyTorch elsewhere).
     documents : bool, a saved corpus: its blocks are documents read apart and merged in
         (``memory/corpus.py``), read from their own stores; it takes no text of its own.
@@ -80,10 +88,12 @@ class LandmarkMemory(SavedMemory):
                  path: str | Path | None = None, top_k: int = DEFAULT_TOP_K, chunk_size: int | None = None,
                  retrieval: str = "per_token_head", position_mapping: str = "stingy", max_blocks: int | None = None,
                  store_dtype: str | None = None, cache_bytes: int = 256 << 20, index_options: dict | None = None,
-                 cmt_cutoff: float = 0.0, backend: str = "auto", documents: bool = False):
+                 cmt_cutoff: float = 0.0, sink_blocks: int = 0, local_blocks: int = 0, centre: bool = False,
+                 backend: str = "auto", documents: bool = False):
         options = MemoryOptions(index=index, index_options=dict(index_options or {}), store=store,
                                 store_dtype=store_dtype, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
-                                position_mapping=position_mapping, max_blocks=max_blocks, cmt_cutoff=cmt_cutoff)
+                                position_mapping=position_mapping, max_blocks=max_blocks, cmt_cutoff=cmt_cutoff,
+                                sink_blocks=sink_blocks, local_blocks=local_blocks, centre=centre)
         self._setup(model, options, cache_bytes, backend)
         self.dir, self.documents = None, documents
         if documents and path is None:
@@ -111,6 +121,7 @@ class LandmarkMemory(SavedMemory):
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
         self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
+        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D)), for centre
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
@@ -286,7 +297,7 @@ class LandmarkMemory(SavedMemory):
                                              block_pos=block_pos, rope_base=bb.rope_base, cmt_k=cmt_k,
                                              pool_scale=pool_scale, backend=self.backend, check=False)
             h = bb.finish(layer, h, y)
-            retrieved.append(ids_used[:, :, normal])
+            retrieved.append(ids_used[:, :, normal, :self.options.top_k])  # the chosen blocks, not the forced ones
         h = h[:, normal]  # (B, n, C)
         if logits != "all":  # "last": the step's last token; "none": no head at all
             h = h[:, h.shape[1] - (logits == "last"):]
@@ -311,50 +322,59 @@ class LandmarkMemory(SavedMemory):
 
     def _base(self):
         o = self.options
-        return chunk_base(self.n_blocks, o.top_k, self.blocks.L, o.position_mapping)
+        return chunk_base(self.n_blocks, o.reads, self.blocks.L, o.position_mapping)
 
     def _retrieve(self, layer, q, qr, at_search, skip=None):
-        """Block ids (B, H, Tq, top_k) chosen for each query (-1 = none) and the positions
-        their first rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries
-        ``q`` search older blocks from; ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
+        """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` chosen
+        first, then the sink and local blocks every query reads; and the positions their first
+        rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries ``q``
+        search older blocks from; ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
-        K = o.top_k
+        K, W = o.top_k, o.reads
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
+        empty = q.new_full((B, H, Tq, W), -1, dtype=torch.long)
         if nb == lo:
-            empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
             return empty, torch.zeros_like(empty)
+        # the retrievable blocks [lo, nb): the first sink_blocks and the last local_blocks are read by
+        # every query; the top-k are chosen among the candidates [c_lo, c_hi) between them
+        c_lo = min(lo + o.sink_blocks, nb)
+        c_hi = max(c_lo, nb - o.local_blocks)
+        forced = torch.tensor(sorted({*range(lo, c_lo), *range(c_hi, nb)}), dtype=torch.long, device=self.device)
         stats = self.retrieval_stats
         stats.queries += B * H * Tq
         if skip is not None:
             stats.skipped_queries += int(skip.sum())
             if skip.all():  # nothing to search, score or fetch
-                stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - K > lo else 0
-                empty = q.new_full((B, H, Tq, K), -1, dtype=torch.long)
+                stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - W > c_lo else 0
                 return empty, torch.zeros_like(empty)
         scale, rope = D ** -0.5, self.rope
+        centre = self._mean_landmark(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
 
         def landmarks(blocks):  # (B, H, n, D): key/value head h // G serves query head h
             lms = self.blocks.landmark_keys(layer, blocks)
-            return lms.repeat_interleave(self.group, 1) if self.group > 1 else lms
+            lms = lms.repeat_interleave(self.group, 1) if self.group > 1 else lms
+            return lms if centre is None else lms - centre
 
         if o.position_mapping == "exact":
-            ids = torch.arange(lo, nb, device=self.device)
+            ids = torch.arange(c_lo, c_hi, device=self.device)
             S = (qr @ rope(landmarks(ids), ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
             I = ids.expand(B, H, Tq, -1)
         else:
-            first = max(lo, nb - K)  # the latest blocks, scored exactly at their own slots
+            first = min(max(c_lo, nb - W), c_hi)  # the latest candidates, scored exactly at their own slots
             cached = self._recent_keys.get(layer)
             if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
-                recent = torch.arange(first, nb, device=self.device)
-                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, K) * L + bs).transpose(-2, -1)
+                recent = torch.arange(first, c_hi, device=self.device)
+                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, W) * L + bs).transpose(-2, -1)
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
             S = (qr @ keys) * scale  # (B, H, Tq, r)
-            if first > lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
+            if first > c_lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope.rotate(at_search, q).to("cpu", torch.float32).numpy()  # (B, H, Tq, D)
                 need = None if skip is None else ~skip.cpu().numpy()
-                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, lo, first, self.group)
+                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, c_lo, first, self.group)
+                if centre is not None:  # the index holds raw keys: q . (k - mean) = q . k - q . mean
+                    S_old -= np.einsum("bhtd,bhd->bht", xq, centre[:, :, 0].to("cpu", torch.float32).numpy())[..., None]
                 S_old *= scale
                 stats.searches += B * H - skipped
                 stats.skipped_searches += skipped
@@ -363,12 +383,22 @@ class LandmarkMemory(SavedMemory):
             if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
-                return top_k_stingy(S_old, I_old, S, recent, nb, K, L)
+                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced.numpy(), W)
             S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype), S], -1)
             I = torch.cat([torch.from_numpy(I_old).to(self.device), recent.expand(B, H, Tq, -1)], -1)
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
-        ids = select_blocks(S, I, lo, nb, K, o.retrieval)
-        if skip is not None:  # shared selections (per head, per token) must not reach skipped queries
+        ids = with_forced(select_blocks(S, I, c_lo, max(c_lo, c_hi), K, o.retrieval), forced, W)
+        if skip is not None:  # shared selections (per head, per token) and forced blocks must not reach skipped queries
             ids = ids.masked_fill(skip[..., None], -1)
-        return ids, block_positions(ids, nb, K, L, o.position_mapping)
+        return ids, block_positions(ids, nb, W, L, o.position_mapping)
+
+    def _mean_landmark(self, layer, lo, nb):
+        """The mean landmark key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):
+        what every query's landmark scores share, which ``centre`` takes out of them."""
+        cached = self._mean_keys.get(layer)
+        if cached is None or cached[0] != (lo, nb):
+            lms = self.blocks.landmark_keys(layer, slice(lo, nb)).float().mean(2, keepdim=True)  # (B, H_kv, 1, D)
+            cached = (lo, nb), (lms.repeat_interleave(self.group, 1) if self.group > 1 else lms).to(self.dtype)
+            self._mean_keys[layer] = cached
+        return cached[1]

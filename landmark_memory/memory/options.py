@@ -11,7 +11,8 @@ from typing import Any
 from ..index import LandmarkIndex, default_train_size
 from ..names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 
-QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff")
+QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff", "sink_blocks", "local_blocks",
+                 "centre")
 SEARCH_OPTIONS = ("nprobe", "ef_search")  # kept in index_options
 CHUNK_TOKENS = 250  # the paper's l_local: chunks default to the multiple of the block size nearest this
 # a saved memory's blocks (lmdb, mmap): int8 costs both models 27-30% of float32's disk for at most
@@ -43,6 +44,9 @@ class MemoryOptions:
     position_mapping: str = "stingy"
     max_blocks: int | None = None
     cmt_cutoff: float = 0.0
+    sink_blocks: int = 0
+    local_blocks: int = 0
+    centre: bool = False
     block_checksums: bool = True  # every stored block carries a CRC-32 that reads verify
 
     def resolved(self, block_size: int, dtype_name: str, has_cmt: bool, head_dim: int) -> "MemoryOptions":
@@ -58,6 +62,12 @@ class MemoryOptions:
             raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {self.retrieval!r}")
         if self.position_mapping not in MAPPINGS:
             raise ValueError(f"position_mapping must be one of {MAPPINGS}, got {self.position_mapping!r}")
+        for name in ("sink_blocks", "local_blocks"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_TOP_K:
+                raise ValueError(f"{name} must be an int from 0 to {MAX_TOP_K}, got {n!r}")
+        if not isinstance(self.centre, bool):
+            raise ValueError(f"centre must be True or False, got {self.centre!r}")
         if self.max_blocks is not None and (not isinstance(self.max_blocks, int) or self.max_blocks < 1):
             raise ValueError(f"max_blocks must be None or an int >= 1, got {self.max_blocks!r}")
         if self.store not in STORES:
@@ -77,6 +87,12 @@ class MemoryOptions:
             raise ValueError(f"index_options has an option the index {self.index!r} does not take ({e})") from None
         store_dtype = self.store_dtype or (dtype_name if self.store == "memory" else SAVED_STORE_DTYPE)
         return replace(self, chunk_size=chunk_size, store_dtype=store_dtype, cmt_cutoff=float(cutoff))
+
+    @property
+    def reads(self) -> int:
+        """Blocks a query reads: its ``top_k`` chosen, the memory's first ``sink_blocks`` and its
+        last ``local_blocks``; the stingy prefix has ``reads + 1`` block slots."""
+        return self.top_k + self.sink_blocks + self.local_blocks
 
     @property
     def train_size(self) -> int:

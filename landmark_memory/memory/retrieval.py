@@ -82,10 +82,21 @@ def stingy_slots(ids: torch.Tensor, nb: int, top_k: int) -> torch.Tensor:
     return torch.empty_like(slot).scatter_(-1, order.indices, slot)
 
 
+def with_forced(ids: torch.Tensor, forced: torch.Tensor, width: int) -> torch.Tensor:
+    """The chosen ``ids`` (B, H, T_q, k) followed by the ``forced`` blocks every query reads
+    (int64 (f,)), padded with -1 to ``width`` columns."""
+    B, H, Tq, k = ids.shape
+    out = ids.new_full((B, H, Tq, width), -1)
+    out[..., :k] = ids
+    out[..., k:k + len(forced)] = forced
+    return out
+
+
 def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, recent: torch.Tensor, nb: int,
-                 top_k: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_blocks(..., "per_token_head")`` and ``block_positions(..., "stingy")`` in one
-    compiled pass over CPU rows, from the two candidate sets a stingy step has.
+                 top_k: int, L: int, forced: np.ndarray | None = None,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_blocks(..., "per_token_head")``, ``with_forced`` and ``block_positions(...,
+    "stingy")`` in one compiled pass over CPU rows, from the two candidate sets a stingy step has.
 
     Parameters
     ----------
@@ -93,28 +104,33 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
         blocks (-inf and -1 where none).
     S_recent : float (B, H, T_q, r), the latest blocks' scores; recent : int64 (r,), their ids.
     nb, top_k, L : as for ``block_positions``.
+    forced : int64 (f,), blocks every query reads after its ``top_k`` (none of them a candidate).
+    window : the blocks a query reads, ``top_k + f`` or more (default ``top_k``): the stingy
+        window and the width of the result.
 
     Returns
     -------
-    ids, pos : int64 (B, H, T_q, top_k), as the two functions give them (equal scores may be
+    ids, pos : int64 (B, H, T_q, window), as the three functions give them (equal scores may be
         ordered otherwise).
     """
     B, H, Tq, _ = S_recent.shape
-    ids, slots = (torch.empty((B, H, Tq, top_k), dtype=torch.long) for _ in range(2))
+    forced = np.zeros(0, np.int64) if forced is None else forced
+    window = top_k if window is None else window
+    ids, slots = (torch.empty((B, H, Tq, window), dtype=torch.long) for _ in range(2))
     _top_k_stingy_rows(S_old.reshape(B * H * Tq, -1), I_old.reshape(B * H * Tq, -1),
-                       S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k,
-                       ids.view(-1, top_k).numpy(), slots.view(-1, top_k).numpy())
+                       S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k, forced,
+                       ids.view(-1, window).numpy(), slots.view(-1, window).numpy())
     return ids, slots * L
 
 
 @njit
-def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, ids, slots):
+def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, forced, ids, slots):
     """Per row: the ``top_k`` best of the old candidates, then the new ones (the first of
-    equal scores wins; -inf never does), then their stingy slots. Nothing is allocated per
-    row: a chunk has thousands."""
-    m, M = S_old.shape[1], S_old.shape[1] + len(I_new)
+    equal scores wins; -inf never does), then the forced blocks, -1 to the row's end, then
+    their stingy slots. Nothing is allocated per row: a chunk has thousands."""
+    m, M, window = S_old.shape[1], S_old.shape[1] + len(I_new), ids.shape[1]
     taken = np.zeros(M, np.bool_)
-    order = np.empty(top_k, np.int64)
+    order = np.empty(window, np.int64)
     for n in range(S_old.shape[0]):
         taken[:] = False
         for j in range(top_k):
@@ -128,7 +144,9 @@ def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, ids, slots):
             else:
                 taken[arg] = True
                 ids[n, j] = I_old[n, arg] if arg < m else I_new[arg - m]
-        _stingy_row(ids[n], nb, top_k, slots[n], order)
+        for j in range(top_k, window):
+            ids[n, j] = forced[j - top_k] if j - top_k < len(forced) else -1
+        _stingy_row(ids[n], nb, window, slots[n], order)
 
 
 @njit

@@ -224,6 +224,7 @@ class SavedMemory:
         self.blocks.rewind()
         self.pending_ids, self.pending_kv = self._saved_pending
         self._recent_keys.clear()
+        self._mean_keys.clear()
         self.attached = None
 
     def model_record(self) -> ModelRecord:

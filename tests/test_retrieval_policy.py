@@ -1,0 +1,122 @@
+"""Sink and local blocks (read by every query besides its top-k) and centred landmark scores."""
+
+import pytest
+import torch
+
+from landmark_memory import LandmarkConfig, LandmarkGPT
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory.retrieval import block_positions, select_blocks, top_k_stingy, with_forced
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5,
+                         landmark_id=1)
+    return LandmarkGPT(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def text():
+    return torch.randint(4, 64, (2, 73), generator=torch.Generator().manual_seed(1))  # 14 blocks
+
+
+def reads(mem):
+    """Record every (layer, step) block table the memory reads: the ids (B, H, Tq, reads)."""
+    got, pool = [], mem.blocks.pool
+
+    def recording(layer, ids):
+        got.append(ids.clone())
+        return pool(layer, ids)
+
+    mem.blocks.pool = recording
+    return got
+
+
+@pytest.mark.parametrize("sink,local,centre", [(1, 0, False), (0, 3, False), (2, 2, True), (0, 0, True)])
+def test_retrieve_all_with_sink_local_blocks_or_centring_equals_in_sequence_forward(model, text, sink, local, centre):
+    with torch.no_grad():
+        full = model(text)
+    mem = LandmarkMemory(model, top_k=14 - sink - local, sink_blocks=sink, local_blocks=local, centre=centre,
+                         position_mapping="exact", chunk_size=10)
+    torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mapping", ["stingy", "exact"])
+@pytest.mark.parametrize("retrieval", ["per_token_head", "per_head"])
+def test_sink_and_local_blocks_are_read_by_every_query_and_never_chosen(model, text, mapping, retrieval):
+    mem = LandmarkMemory(model, top_k=2, sink_blocks=1, local_blocks=2, chunk_size=10, position_mapping=mapping,
+                         retrieval=retrieval)
+    tables = reads(mem)
+    out = mem.forward(text)
+    for ids in tables:
+        nb = int(ids.max()) + 1 if (ids >= 0).any() else 0
+        chosen, forced = ids[..., :2], ids[..., 2:]
+        assert ids.shape[-1] == 5
+        if nb:  # chunk c sees 2c blocks: block 0 and the last two are read by every query, once
+            want = sorted({0, *range(max(0, nb - 2), nb)})
+            assert (forced[..., :len(want)] == torch.tensor(want)).all() and (forced[..., len(want):] == -1).all()
+            assert not torch.isin(chosen, torch.tensor(want)).any()
+            assert ((chosen >= 0).sum(-1) == min(2, nb - len(want))).all()
+    for ids in out.retrieved:  # what a forward reports is what the queries chose
+        assert ids.shape == (2, 2, 73, 2)
+
+
+@pytest.mark.parametrize("nb,top_k,m,forced", [(40, 4, 4, [0, 38, 39]), (40, 4, 0, [0]), (6, 2, 2, [0, 5]),
+                                               (20, 2, 5, [0, 1])])
+def test_compiled_stingy_top_k_with_forced_blocks_equals_select_then_append_then_positions(nb, top_k, m, forced):
+    g = torch.Generator().manual_seed(nb + m)
+    B, H, Tq = 2, 3, 5
+    forced = torch.tensor(forced)
+    W = top_k + len(forced) + 1  # a window wider than what is read leaves -1 at the end
+    candidates = torch.tensor([b for b in range(nb) if b not in forced.tolist()])
+    recent = candidates[candidates >= nb - W]
+    old = candidates[candidates < nb - W]
+    S_recent = torch.randn(B, H, Tq, len(recent), generator=g)
+    I_old = torch.stack([old[torch.randperm(len(old), generator=g)[:m]] for _ in range(B * H * Tq)])
+    I_old = I_old.view(B, H, Tq, -1)
+    S_old = torch.randn(I_old.shape, generator=g)
+    ids, pos = top_k_stingy(S_old.numpy(), I_old.numpy(), S_recent, recent, nb, top_k, 7, forced.numpy(), W)
+    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, Tq, -1)], -1)
+    ref = with_forced(select_blocks(S, I, 0, nb, top_k, "per_token_head"), forced, W)
+    assert torch.equal(ids, ref)
+    assert torch.equal(pos, block_positions(ref, nb, W, 7, "stingy"))
+
+
+def test_centred_choice_is_the_top_k_of_scores_against_keys_less_their_mean(model, text):
+    """The slow reference: every candidate scored where stingy scores it (older blocks at slot
+    0, the latest at their own slots) against its landmark key less the mean key, top-k."""
+    mem = LandmarkMemory(model, top_k=3, chunk_size=10, centre=True)
+    calls, retrieve = [], mem._retrieve
+
+    def recording(layer, q, qr, at_search, skip=None):
+        ids, pos = retrieve(layer, q, qr, at_search, skip)
+        calls.append((layer, q, qr, at_search, ids, mem.n_blocks))
+        return ids, pos
+
+    mem._retrieve = recording
+    mem.forward(text[:, :60])
+    mem.forward(text[:, 60:])  # the last chunk: 12 blocks in memory, 9 of them searched at slot 0
+    layer, q, qr, at_search, ids, nb = calls[-1]
+    L, W, rope = mem.blocks.L, 3, mem.rope
+    keys = mem.blocks.landmark_keys(layer, slice(0, nb))  # (B, H, nb, D)
+    keys = keys - keys.mean(2, keepdim=True)
+    blocks = torch.arange(nb)
+    old, recent = blocks < nb - W, blocks >= nb - W
+    S = torch.empty(*q.shape[:3], nb)
+    S[..., old] = rope.rotate(at_search, q) @ keys[:, :, old].transpose(-2, -1)
+    slots = W + 1 - (nb - blocks[recent])
+    S[..., recent] = qr @ rope(keys[:, :, recent], slots * L + 5).transpose(-2, -1)
+    want = S.topk(3, -1).indices.sort(-1).values
+    assert torch.equal(ids.sort(-1).values, want)
+    plain = LandmarkMemory(model, top_k=3, chunk_size=10)
+    plain.forward(text[:, :60])
+    got_plain = plain.forward(text[:, 60:]).retrieved[layer]
+    assert not torch.equal(got_plain.sort(-1).values, ids[:, :, -got_plain.shape[2]:].sort(-1).values)
+
+
+def test_bad_sink_local_and_centre_options_are_explained(model):
+    for kw, msg in [({"sink_blocks": -1}, "sink_blocks"), ({"local_blocks": 1.5}, "local_blocks"),
+                    ({"centre": "yes"}, "centre")]:
+        with pytest.raises(ValueError, match=msg):
+            LandmarkMemory(model, **kw)
