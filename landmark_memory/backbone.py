@@ -9,8 +9,11 @@ forward. A backbone gives them with one interface:
     h = finish(layer, h, y)               # y (B, H, T, D): output projection, residual, MLP
     logits = head(h)                      # (B, T, vocab)
 
-and the sizes the memory needs: ``n_layer, n_head, n_kv_head, head_dim, block_size,
-landmark_id, rope_base, vocab_size``. ``n_kv_head < n_head`` is grouped-query attention:
+and what else the memory needs: ``n_layer, n_head, n_kv_head, head_dim, block_size,
+landmark_id, vocab_size``, the model's ``rope`` (a ``RotaryEmbedding``: the positions' pure
+rotation, with the model's frequencies) and ``scale``, the attention's score scale (``D**-0.5``
+unless the model says otherwise; a RoPE that multiplies cos and sin, as YaRN does, multiplies
+it by that factor squared). ``n_kv_head < n_head`` is grouped-query attention:
 query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``. ``kinds.backbone_for``
 picks the backbone of a model; ``hf/backbone.py`` is the Hugging Face one.
 """
@@ -18,6 +21,8 @@ picks the backbone of a model; ``hf/backbone.py`` is the Hugging Face one.
 from typing import Protocol
 
 import torch
+
+from .rope import RotaryEmbedding
 
 
 class Backbone(Protocol):
@@ -30,8 +35,9 @@ class Backbone(Protocol):
     head_dim: int
     block_size: int
     landmark_id: int
-    rope_base: float
     vocab_size: int
+    rope: RotaryEmbedding
+    scale: float
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -52,8 +58,8 @@ class GPTBackbone:
         cfg = model.config
         self.model, self.config = model, cfg
         self.n_layer, self.n_head, self.n_kv_head, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_head, cfg.head_dim
-        self.block_size, self.landmark_id, self.rope_base = cfg.block_size, cfg.landmark_id, cfg.rope_base
-        self.vocab_size = cfg.vocab_size
+        self.block_size, self.landmark_id, self.vocab_size = cfg.block_size, cfg.landmark_id, cfg.vocab_size
+        self.rope, self.scale = model.blocks[0].attn.rope, cfg.head_dim ** -0.5
 
     def embed(self, ids):
         return self.model.wte(ids)

@@ -9,7 +9,7 @@ read from (``data.Answer.sources``: a planted fact, a quoted sentence). The reca
 the landmark scores of each answer token's query to rank the blocks of that text first:
 
 - the query is the one that predicts the answer token (its target), at its in-sequence
-  position, with RoPE, as the attention scores it (scale ``D ** -0.5``);
+  position, with RoPE, as the attention scores it (the backbone's ``scale``);
 - per layer and head, a softmax over the landmark scores of the complete blocks before the
   query's own (those the grouped softmax and the memory can weigh), and the probability on the
   source's blocks among them; a source in the query's own block is local and asks nothing;
@@ -26,7 +26,6 @@ import torch
 
 from .backbone import Backbone
 from .layout import landmark_mask, landmarked_length, normal_positions
-from .rope import rotary
 
 
 def recall_queries(answer: torch.Tensor, source: torch.Tensor, block_size: int):
@@ -72,13 +71,13 @@ def recall_loss(backbone: Backbone, hidden: list[torch.Tensor], answer: torch.Te
     -------
     A scalar tensor, 0 (without a gradient) when no answer has a source block before it.
     """
-    bs, H, D = backbone.block_size, backbone.n_head, backbone.head_dim
+    bs, H = backbone.block_size, backbone.n_head
     if len(hidden) != backbone.n_layer:
         raise ValueError(f"need one hidden state per layer ({backbone.n_layer}), got {len(hidden)}")
     rows, tokens, want, visible = recall_queries(answer, source, bs)
     if not len(rows):
         return hidden[0].new_zeros(())
-    rope = rotary(D, backbone.rope_base)
+    rope = backbone.rope
     T = answer.shape[1]
     q_pos = normal_positions(T, bs, answer.device)[tokens]  # (N,) in the landmarked sequence
     lm_pos = landmark_mask(landmarked_length(T, bs), bs, answer.device).nonzero().squeeze(1)  # (nb,)
@@ -88,7 +87,7 @@ def recall_loss(backbone: Backbone, hidden: list[torch.Tensor], answer: torch.Te
         q = backbone.qkv(layer, h[rows, q_pos][None])[0][0]  # (H, N, D)
         k = backbone.qkv(layer, h[:, lm_pos])[1]  # (B, H_kv, nb, D)
         q, k = rope(q, q_pos), rope(k, lm_pos).repeat_interleave(G, 1)[rows]  # (H, N, D), (N, H, nb, D)
-        s = torch.einsum("hnd,nhcd->nhc", q.float(), k.float()) * D ** -0.5  # (N, H, nb)
+        s = torch.einsum("hnd,nhcd->nhc", q.float(), k.float()) * backbone.scale  # (N, H, nb)
         logp = s.masked_fill(~visible[:, None], -math.inf).log_softmax(-1)
         found = logp.masked_fill(~want[:, None], -math.inf).logsumexp(-1)  # (N, H): log P(source's blocks)
         total = total - (found.logsumexp(-1) - math.log(H)).mean()

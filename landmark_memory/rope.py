@@ -13,16 +13,23 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates (..., T, D) tensors by position-dependent angles ``pos * base^(-2d/D)``.
+    """Rotates (..., T, D) tensors by position-dependent angles ``pos * inv_freq``, by default
+    ``inv_freq[d] = base^(-2d/D)``; a scaled RoPE (Llama 3's, linear, YaRN) passes its own
+    ``inv_freq`` (D/2,), as ``hf/backbone.py`` has transformers compute it. Only a rotation:
+    a scaling that also multiplies cos and sin (YaRN's attention factor) belongs in the
+    attention's scale.
 
     Scores are relative: ``<rope(q, m), rope(k, n)>`` depends only on ``m - n``.
     """
 
-    def __init__(self, head_dim, base=10000.0):
+    def __init__(self, head_dim, base=10000.0, inv_freq: torch.Tensor | None = None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        if inv_freq is not None and tuple(inv_freq.shape) != (head_dim // 2,):
+            raise ValueError(f"inv_freq must have head_dim / 2 = {head_dim // 2} entries, got {tuple(inv_freq.shape)}")
         self.head_dim, self.base = head_dim, base
+        self._given = None if inv_freq is None else inv_freq.detach().to("cpu", torch.float64)
         self._inv_freq = {}  # per device, float64 (D/2,): computed once, not at every call
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *more: torch.Tensor):
@@ -62,11 +69,15 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def inv_freq(self, device) -> torch.Tensor:
-        """float64 (D/2,) the angle per position of each dimension pair, ``base^(-2d/D)``."""
+        """float64 (D/2,) the angle per position of each dimension pair, ``base^(-2d/D)``
+        unless given."""
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
-            d = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
-            inv_freq = self._inv_freq[device] = self.base ** (-d / self.head_dim)
+            if self._given is not None:
+                inv_freq = self._inv_freq[device] = self._given.to(device)
+            else:
+                d = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+                inv_freq = self._inv_freq[device] = self.base ** (-d / self.head_dim)
         return inv_freq
 
 
@@ -80,3 +91,9 @@ def rotary(head_dim: int, base: float) -> RotaryEmbedding:
     """A shared ``RotaryEmbedding`` for kernels that are handed only the head dim and base (it
     keeps its frequencies per device, so a fresh one per call would compute them again)."""
     return RotaryEmbedding(head_dim, base)
+
+
+def as_rotary(rope: "RotaryEmbedding | float", head_dim: int) -> RotaryEmbedding:
+    """A kernel's ``rope`` argument as a ``RotaryEmbedding``: the model's own, or plain RoPE of
+    that base."""
+    return rope if isinstance(rope, RotaryEmbedding) else rotary(head_dim, float(rope))

@@ -29,6 +29,12 @@ BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
             "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+# scaled RoPE on a Llama, each past an original window of 16 positions in every test's inputs
+ROPES = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16},
+         "linear": {"rope_type": "linear", "factor": 4.0},
+         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
+CASES = sorted(FAMILIES) + [f"llama:{r}" for r in ROPES]  # a family, or a family with a scaled RoPE
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
@@ -46,14 +52,17 @@ def tokenizer_object(text):
     return t
 
 
-def tiny(tokenizer_object, family="llama", block_size=7, seed=0):
-    """A converted tiny model of ``family`` (4 query heads sharing 2 key/value heads) and its tokenizer."""
+def tiny(tokenizer_object, case="llama", block_size=7, seed=0):
+    """A converted tiny model of a family, "family:rope" for one with a scaled RoPE (``CASES``;
+    4 query heads sharing 2 key/value heads), and its tokenizer."""
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, bos_token="<s>", eos_token="</s>")
+    family, _, rope = case.partition(":")
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
+    scaled = {"rope_parameters": {"rope_theta": 10000.0, **ROPES[rope]}} if rope else {}
     cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
-                     tie_word_embeddings=family == "qwen2", pad_token_id=0)
+                     tie_word_embeddings=family == "qwen2", pad_token_id=0, **scaled)
     model = model_cls(cfg)
     return hf.convert(model, tok, block_size=block_size).eval(), tok
 
@@ -63,24 +72,29 @@ def ids_of(tok, text, n):
 
 
 def reference_logits(model, idx):
-    """The converted model's forward rebuilt from its modules with our own RoPE and the
-    paper-equation reference attention."""
+    """The converted model's forward rebuilt from its modules with the paper-equation reference
+    attention and RoPE written out here: plain from the base, or a scaled one's frequencies and
+    attention factor as transformers' own RoPE module holds them."""
     bb, cfg = HFBackbone(model), model.config
     x = insert_landmarks(idx, cfg.landmark_block_size, cfg.landmark_token_id)
-    pos, rope = torch.arange(x.shape[1]), RotaryEmbedding(bb.head_dim, bb.rope_base)
+    own = model.get_decoder().rotary_emb
+    rope = RotaryEmbedding(bb.head_dim, cfg.rope_parameters["rope_theta"],
+                           inv_freq=None if own.rope_type == "default" else own.inv_freq)
+    pos, scale = torch.arange(x.shape[1]), bb.head_dim ** -0.5 * own.attention_scaling ** 2
     h = bb.embed(x)
     for layer in range(bb.n_layer):
         q, k, v = bb.qkv(layer, h)
         G = bb.n_head // bb.n_kv_head
         k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-        h = bb.finish(layer, h, landmark_attention_reference(rope(q, pos), rope(k, pos), v, cfg.landmark_block_size))
+        h = bb.finish(layer, h, landmark_attention_reference(rope(q, pos), rope(k, pos), v, cfg.landmark_block_size,
+                                                             scale))
     return bb.head(h)[:, normal_positions(idx.shape[1], cfg.landmark_block_size)]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("case", CASES)
 @torch.no_grad()
-def test_converted_forward_equals_reference_attention_forward(tokenizer_object, text, family):
-    model, tok = tiny(tokenizer_object, family)
+def test_converted_forward_equals_reference_attention_forward(tokenizer_object, text, case):
+    model, tok = tiny(tokenizer_object, case)
     idx = ids_of(tok, text, 45)
     out = hf.normal_logits(model, idx)
     assert torch.isfinite(out).all()
@@ -107,8 +121,11 @@ def test_convert_adds_a_landmark_token_initialised_to_the_mean_embedding(tokeniz
 def test_unsupported_models_are_refused_clearly(tokenizer_object):
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, eos_token="</s>")
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
-    with pytest.raises(ValueError, match="rope_type 'default'"):
+                      num_attention_heads=2, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="'dynamic', whose frequencies change with the input's length"):
+        hf.convert(LlamaForCausalLM(cfg), tok)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="rotates 50% of each head"):
         hf.convert(LlamaForCausalLM(cfg), tok)
     with pytest.raises(ValueError, match="transformers causal LM"):
         hf.convert(torch.nn.Linear(2, 2), tok)
@@ -117,10 +134,10 @@ def test_unsupported_models_are_refused_clearly(tokenizer_object):
                                                 num_hidden_layers=1, num_attention_heads=2)), tok, block_size=0)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("case", CASES)
 @torch.no_grad()
-def test_retrieve_all_through_the_cache_equals_in_sequence_forward(tokenizer_object, text, family):
-    model, tok = tiny(tokenizer_object, family)
+def test_retrieve_all_through_the_cache_equals_in_sequence_forward(tokenizer_object, text, case):
+    model, tok = tiny(tokenizer_object, case)
     idx = ids_of(tok, text, 61)
     cache = hf.LandmarkMemoryCache(model, chunk_size=14, top_k=64, position_mapping="exact")
     pieces = [model(input_ids=idx[:, a:b], past_key_values=cache).logits for a, b in ((0, 23), (23, 24), (24, 61))]
@@ -199,11 +216,11 @@ def test_save_and_load_round_trip(tokenizer_object, text, tmp_path):
         hf.from_pretrained(plain)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("case", CASES)
 @torch.no_grad()
-def test_every_family_decodes_through_the_cache_as_its_memory_does_and_saves_and_loads(tokenizer_object, text, family,
+def test_every_family_decodes_through_the_cache_as_its_memory_does_and_saves_and_loads(tokenizer_object, text, case,
                                                                                       tmp_path):
-    model, tok = tiny(tokenizer_object, family)
+    model, tok = tiny(tokenizer_object, case)
     idx = ids_of(tok, text, 60)
     opts = dict(chunk_size=14, top_k=2)
     out = model.generate(idx, past_key_values=hf.LandmarkMemoryCache(model, **opts), max_new_tokens=8, do_sample=False,

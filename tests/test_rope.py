@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from landmark_memory import RotaryEmbedding
@@ -45,3 +46,14 @@ def test_tensors_rotated_together_equal_each_rotated_alone():
     rq, rk = rope(q, pos, k)
     assert torch.equal(rq, rope(q, pos)) and torch.equal(rk, rope(k, pos))
     assert torch.equal(rotary(16, 10000.0)(q, pos), rq) and rotary(16, 10000.0) is rotary(16, 10000.0)
+
+
+def test_given_frequencies_rotate_as_the_base_would_and_a_wrong_count_is_refused():
+    x, pos = torch.randn(2, 5, 8, dtype=torch.float64), torch.tensor([0, 3, 70, 1000, 12345])
+    base = RotaryEmbedding(8, 500.0)
+    given = RotaryEmbedding(8, inv_freq=500.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    torch.testing.assert_close(given(x, pos), base(x, pos), rtol=0, atol=1e-12)
+    halved = RotaryEmbedding(8, inv_freq=given.inv_freq("cpu") / 2)  # linear scaling by 2: position 2p as p
+    torch.testing.assert_close(halved(x, 2 * pos), given(x, pos), rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="head_dim / 2 = 4"):
+        RotaryEmbedding(8, inv_freq=torch.ones(8))

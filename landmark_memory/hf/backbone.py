@@ -2,7 +2,7 @@
 ``landmark_memory/backbone.py``): the stock modules, called one piece at a time in the order
 its family (``hf/families.py``) says."""
 
-from .families import family_of
+from .families import family_of, rotary_of
 
 
 class HFBackbone:
@@ -14,7 +14,8 @@ class HFBackbone:
         self.n_layer, self.n_head, self.n_kv_head = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.block_size, self.landmark_id = cfg.landmark_block_size, cfg.landmark_token_id
-        self.rope_base = float(cfg.rope_parameters["rope_theta"])
+        self.rope, factor = rotary_of(cfg, self.head_dim)
+        self.scale = self.layers[0].self_attn.scaling * factor ** 2  # a factor on cos and sin scales every score
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
     def embed(self, ids):

@@ -4,11 +4,19 @@ layer does differently from Llama's.
 The in-sequence path runs the family's own modules (our attention function behind transformers'
 registry); the memory path (``hf/backbone.py``) calls the same modules one piece at a time and
 takes from the family here what to call in which order, so the two cannot drift. A family that
-is not here, or a configuration we cannot read through a memory (RoPE other than plain, sliding-
-window layers), is refused in one line.
+is not here, or a configuration we cannot read through a memory (a RoPE whose frequencies change
+with the input's length, or that rotates part of each head; sliding-window layers), is refused in
+one line.
 """
 
 from dataclasses import dataclass
+
+from ..rope import RotaryEmbedding
+
+# RoPE types whose frequencies are fixed (what transformers' ROPE_INIT_FUNCTIONS compute once):
+# a memory rotates blocks at positions of its choosing, so the frequencies cannot depend on how
+# long the input is ("dynamic", "longrope" do)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,26 @@ def family_of(model) -> Family:
         raise ValueError(f"{name} is not the {family.name} layout we convert (decoder layer parts {sorted(parts)}, "
                          f"attention parts {sorted(attn_parts)}); supported: {supported}")
     rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{name} uses RoPE type {rope.get('rope_type')!r}: our kernels rotate retrieved blocks "
-                         "with plain RoPE (rope_type 'default', every dimension rotated) only")
+    if rope.get("rope_type", "default") not in STATIC_ROPE:
+        raise ValueError(f"{name} uses RoPE type {rope.get('rope_type')!r}, whose frequencies change with the input's "
+                         f"length; a memory reads RoPE types {', '.join(STATIC_ROPE)} (rope_type 'default' is plain)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{name} rotates {rope['partial_rotary_factor']:.0%} of each head (partial_rotary_factor); "
+                         "our kernels rotate every dimension of a retrieved block")
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
         raise ValueError(f"{name} has sliding-window layers: landmark attention reads every layer through its "
                          "memory, so only models whose layers all attend to everything are converted")
     return family
+
+
+def rotary_of(cfg, head_dim: int) -> tuple[RotaryEmbedding, float]:
+    """The model's RoPE as a memory applies it (a pure rotation with the model's frequencies),
+    and the factor the model multiplies cos and sin by (YaRN's attention factor; 1 otherwise),
+    which multiplies every score by its square."""
+    rope = cfg.rope_parameters
+    if rope.get("rope_type", "default") == "default":
+        return RotaryEmbedding(head_dim, float(rope["rope_theta"])), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+    return RotaryEmbedding(head_dim, float(rope["rope_theta"]), inv_freq=inv_freq), float(factor)

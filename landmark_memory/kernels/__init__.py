@@ -4,6 +4,7 @@ import torch
 
 from ..layout import check_block_size
 from ..quant import dequantize_kv
+from ..rope import RotaryEmbedding
 from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 
@@ -70,7 +71,7 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 
 def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *,
                                  pool_k: torch.Tensor, pool_v: torch.Tensor, block_table: torch.Tensor,
-                                 block_pos: torch.Tensor, rope_base: float = 10000.0, scale: float | None = None,
+                                 block_pos: torch.Tensor, rope: RotaryEmbedding | float = 10000.0, scale: float | None = None,
                                  cmt_k: torch.Tensor | None = None, pool_scale: torch.Tensor | None = None,
                                  backend: str = "auto", check: bool = True) -> torch.Tensor:
     """Attention of a chunk of queries over its local keys and retrieved memory blocks.
@@ -99,7 +100,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         keys rotated by row offset; H_kv divides H. In q's dtype, or int8 with ``pool_scale``.
     block_table : int Tensor (B, H, T_q, K), pool indices; -1 marks an empty slot.
     block_pos : int Tensor (B, H, T_q, K), start position of each listed block.
-    rope_base : float, RoPE base of the model.
+    rope : the model's ``RotaryEmbedding`` (``rope.py``), or the base of plain RoPE.
     scale : float, optional; default ``1 / sqrt(D)``.
     cmt_k : Tensor (B, H, 1, D), optional, the Context Miss Token's key rotated at its position
         (appendix D). With it every retrieved landmark is CMT-controlled and every local one
@@ -132,7 +133,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from .triton_landmark import landmark_inference_triton
 
-        return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
+        return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope, scale,
                                          cmt_k, pool_scale)
     compiled = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
         torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, pool_k, pool_v, cmt_k)))
@@ -142,17 +143,17 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if backend == "numba" or (backend == "auto" and compiled and Tq < FEW_QUERIES):
         from .numba_decode import landmark_inference_numba
 
-        return landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
+        return landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope, scale,
                                         cmt_k, pool_scale)
     if backend == "reference":
         if pool_scale is not None:
             pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)
-        return landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base,
+        return landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope,
                                             scale, cmt_k)
     retrieved = None
     if backend == "auto" and compiled:
         from .numba_slots import retrieved_compiled as retrieved
-    return landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base, scale,
+    return landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope, scale,
                                     cmt_k, retrieved, pool_scale)
 
 

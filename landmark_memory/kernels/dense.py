@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..rope import rotary, rotation_dtype
+from ..rope import as_rotary, rotation_dtype
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256  # queries per tile of the in-sequence path (256 measured best on CPUs, T = 512-4096)
@@ -136,7 +136,7 @@ def local_group_logsumexp(s, block_size):
     return torch.logsumexp(_group_logits([_as_blocks(s, block_size)], earlier, own, own_keys, block_size), -1)
 
 
-def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope=10000.0,
                              scale=None, cmt_k=None, retrieved=None, pool_scale=None):
     """Local keys plus retrieved blocks; same contract as ``landmark_attention_inference``.
 
@@ -152,7 +152,7 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     own, own_keys, earlier = _local_layout(k.shape[-2], T_q, block_size, q.device)
     parts = [s]
     if K:
-        s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope_base,
+        s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope,
                                                        pool_scale)  # (B, H, Tq, K, L)
         parts.insert(0, s_ret)
         earlier = torch.cat([block_table >= 0, earlier.expand(B, H, -1, -1)], -1)  # empty slots are not seen
@@ -165,7 +165,7 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     return out + read_values(w[0]) if K else out
 
 
-def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, pool_scale=None):
+def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
     """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
     function that turns the weights of their normal tokens (B, H, Tq, K, block_size) into the
     output (B, H, Tq, D). ``q`` comes scaled; an int8 pool's blocks are dequantized as they
@@ -182,7 +182,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope_base, pool_scale=
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
     bs = L - 1
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k), pool_rows(pool_v)  # (rows, L, D)
-    rope = rotary(D, float(rope_base))
+    rope = as_rotary(rope, D)
 
     scale_rows = None if pool_scale is None else pool_scale.reshape(-1, D + L)  # entry e, head g at row e * H_kv + g
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..jit import njit
-from ..rope import rotary
+from ..rope import as_rotary
 from .dense import pool_rows
 
 # reductions may be reordered (and so vectorised); infinities and NaN keep their meaning
@@ -140,14 +140,14 @@ def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq,
                     out[b, h, t, d] = acc[d] / z
 
 
-def landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+def landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope=10000.0,
                              scale=None, cmt_k=None, pool_scale=None):
     """Local keys plus retrieved blocks, compiled; same contract as ``landmark_attention_inference``
     (float32 or float64 CPU tensors, no autograd; an int8 pool read in place)."""
     B, H, T_q, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    inv_freq = rotary(D, float(rope_base)).inv_freq(q.device).numpy()
+    inv_freq = as_rotary(rope, D).inv_freq(q.device).numpy()
     cmt = q.new_empty((B, H, 0, D)) if cmt_k is None else cmt_k
     ps = (pool_scale if pool_scale is not None else
           torch.empty((0, pool_k.shape[1], D + block_size + 1))).contiguous().numpy()

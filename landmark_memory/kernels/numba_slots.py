@@ -17,7 +17,7 @@ import torch
 from numba import prange
 
 from ..jit import njit
-from ..rope import rotary, rotation_dtype
+from ..rope import as_rotary, rotation_dtype
 from .dense import pool_rows
 
 # reductions may be reordered (and so vectorised); infinities and NaN keep their meaning
@@ -78,7 +78,7 @@ def _values(w, rows_v, step_v, H, G, Tq, table, ps, out):
         out[n, :] = acc
 
 
-def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope_base, pool_scale=None):
+def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
     """``dense._retrieved`` compiled: scores (B, H, Tq, K, L) of every (query, slot) against its
     block (``q`` comes scaled), and the function that turns the weights of their normal rows
     (B, H, Tq, K, block_size) into the output (B, H, Tq, D). An int8 pool is read in place."""
@@ -88,7 +88,7 @@ def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope_base, poo
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k.detach()), pool_rows(pool_v.detach())
     table = block_table.reshape(-1, K).contiguous().numpy()
     at, which = torch.unique(block_pos.reshape(-1, K), return_inverse=True)  # a chunk's slots share a few positions
-    cos, sin = rotary(D, float(rope_base)).cos_sin(at, dtype=rotation_dtype(q.dtype))  # (U, D/2) each
+    cos, sin = as_rotary(rope, D).cos_sin(at, dtype=rotation_dtype(q.dtype))  # (U, D/2) each
     s = q.new_empty((B * H * T_q, K, L))
     _scores(q.detach().reshape(-1, D).contiguous().numpy(), rows_k.numpy(), step_k, H, H // H_kv, T_q, table,
             which.numpy(), cos.numpy(), (-sin).numpy(), ps, s.numpy())

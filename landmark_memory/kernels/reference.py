@@ -113,7 +113,7 @@ def landmark_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return landmark_weights(q, k, block_size, scale, cmt_k, cmt_blocks) @ v
 
 
-def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope=10000.0,
                                  scale=None, cmt_k=None):
     """Chunk attention over local keys plus retrieved memory blocks, by the same equations.
 
@@ -121,7 +121,7 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
     its landmark joins the query's own group and gates its normal tokens. With a CMT key the
     retrieved landmarks are the CMT-controlled ones (appendix D) and local landmarks are free.
     See ``landmark_attention_inference`` for the arguments."""
-    from ..rope import RotaryEmbedding
+    from ..rope import as_rotary
 
     B, H, Tq, D = q.shape
     Tk, n_slots, L = k.shape[-2], block_table.shape[-1], block_size + 1
@@ -134,7 +134,7 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
     rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
     # <R(p_q) q, R(P + t) k> = <R(-P) R(p_q) q, R(t) k>: rotate the query back by the block's
     # start instead of every gathered key forward (RoPE scores depend only on differences)
-    qb = RotaryEmbedding(D, rope_base)(q[:, :, :, None, :], -block_pos)  # (B, H, Tq, K, D)
+    qb = as_rotary(rope, D)(q[:, :, :, None, :], -block_pos)  # (B, H, Tq, K, D)
     s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]).flatten(-2) * scale  # (B, H, Tq, K * L)
     rv = pool_v[rows, heads]  # (B, H, Tq, K, L, D)
     s_loc = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)

@@ -401,11 +401,11 @@ def landmark_attention_triton(q, k, v, block_size, scale=None, cmt_k=None, cmt_b
 
 
 @torch.no_grad()
-def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope_base=10000.0,
+def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope=10000.0,
                               scale=None, cmt_k=None, pool_scale=None):
     """Chunk attention over local keys and retrieved blocks; same contract as
     ``landmark_attention_inference``. Inference only: no autograd."""
-    from ..rope import rotary
+    from ..rope import as_rotary
 
     scale = _check_backend(q) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -421,7 +421,7 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     s_cmt = None if cmt_k is None else ((q.float() @ cmt_k.float().transpose(-2, -1)) * scale)[..., 0].contiguous()
     if n_slots == 0:  # with a CMT, its share of the group is lost
         return (o_loc if s_cmt is None else o_loc * torch.sigmoid(lse - s_cmt)[..., None]).to(q.dtype)
-    cos, sin = rotary(D, float(rope_base)).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
+    cos, sin = as_rotary(rope, D).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
     out = _empty_like(q)
     ps = lse if pool_scale is None else pool_scale.contiguous()  # lse: a placeholder the kernel never reads
     _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, ps, block_table.to(torch.int32).contiguous(), cos, sin, o_loc,

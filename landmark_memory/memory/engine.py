@@ -24,7 +24,7 @@ from ..decode import decode
 from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
 from ..kinds import backbone_for
 from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
-from ..rope import RotaryEmbedding, rotation_dtype
+from ..rope import rotation_dtype
 from ..names import DEFAULT_INDEX, DEFAULT_TOP_K
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
@@ -117,7 +117,7 @@ class LandmarkMemory(SavedMemory):
         self.shape = ModelShape(bb.n_layer, bb.n_kv_head, bb.head_dim, bb.block_size)
         self.device, self.dtype, self.cache_bytes = param.device, param.dtype, cache_bytes
         self.group = bb.n_head // bb.n_kv_head  # query heads per key/value head
-        self.rope = RotaryEmbedding(bb.head_dim, bb.rope_base)
+        self.rope = bb.rope
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
         self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
@@ -294,7 +294,7 @@ class LandmarkMemory(SavedMemory):
             ids_used, block_pos = self._retrieve(layer, q, qr, at_search, skip)
             table, pool_k, pool_v, pool_scale = self.blocks.pool(layer, ids_used)
             y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
-                                             block_pos=block_pos, rope_base=bb.rope_base, cmt_k=cmt_k,
+                                             block_pos=block_pos, rope=self.rope, scale=bb.scale, cmt_k=cmt_k,
                                              pool_scale=pool_scale, backend=self.backend, check=False)
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal, :self.options.top_k])  # the chosen blocks, not the forced ones
@@ -348,7 +348,7 @@ class LandmarkMemory(SavedMemory):
             if skip.all():  # nothing to search, score or fetch
                 stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - W > c_lo else 0
                 return empty, torch.zeros_like(empty)
-        scale, rope = D ** -0.5, self.rope
+        scale, rope = self.backbone.scale, self.rope
         centre = self._mean_landmark(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
 
         def landmarks(blocks):  # (B, H, n, D): key/value head h // G serves query head h
