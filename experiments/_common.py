@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from landmark_memory.build import encode
-from landmark_memory.cli_args import positive
-from landmark_memory.data import list_text_files, read_text, split_books, strip_gutenberg
-from landmark_memory.evaluate import perplexity
-from landmark_memory.fileio import atomic_write
+from landmark_memory.app.build import encode
+from landmark_memory.app.cli_args import positive
+from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
+from landmark_memory.app.evaluate import perplexity
+from landmark_memory.core.fileio import atomic_write
 from landmark_memory.memory import RetrievalStats
-from landmark_memory.model import LandmarkGPT
-from landmark_memory.tokenizer import load_tokenizer
+from landmark_memory.models.model import LandmarkGPT
+from landmark_memory.core.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -225,8 +225,8 @@ def top_k_label(name, top_k):
 def load_smollm2(adapter=None):
     """``(model, tokenizer)``: SmolLM2 with the LoRA landmark adapter in the folder ``adapter``,
     or the base model (None), in eval mode, its tokenizer a ``hf.TextTokenizer``."""
-    from landmark_memory.hf.smollm2 import load_base, load_landmark
-    from landmark_memory.hf.tokenizer import TextTokenizer
+    from landmark_memory.models.hf.smollm2 import load_base, load_landmark
+    from landmark_memory.models.hf.tokenizer import TextTokenizer
 
     model, hf_tok = load_base() if adapter is None else load_landmark(adapter)
     return model.eval(), TextTokenizer(hf_tok)
@@ -308,7 +308,7 @@ def serving(memory, model=None, *extra, env=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "landmark_memory.entry", "serve", str(memory), "--port", str(port), *extra]
+    argv = [sys.executable, "-m", "landmark_memory.app.entry", "serve", str(memory), "--port", str(port), *extra]
     proc = subprocess.Popen(argv + (["--model", model] if model else []), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=Path(memory).parent)  # (-m imports from its cwd)
     url = f"http://127.0.0.1:{port}"

@@ -30,15 +30,15 @@ from pathlib import Path
 import torch
 
 from _common import RESULTS, plt, some_of, write_result
-from landmark_memory.build import build, read_inputs
-from landmark_memory.data import SAMPLE_DIR, read_text, strip_gutenberg
-from landmark_memory.kinds import load_model
+from landmark_memory.app.build import build, read_inputs
+from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
+from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
 
 BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of both models' training
 MODELS = {"bundled": None, "smollm2": "smollm2-landmark"}
-CLI = [sys.executable, "-m", "landmark_memory.entry"]  # the command as installed
-SPINNING = [sys.executable, "-m", "landmark_memory.cli"]  # the same without entry.py's passive OpenMP waits
+CLI = [sys.executable, "-m", "landmark_memory.app.entry"]  # the command as installed
+SPINNING = [sys.executable, "-m", "landmark_memory.app.cli"]  # the same without entry.py's passive OpenMP waits
 ONE_THREAD = {v: "1" for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
 
 

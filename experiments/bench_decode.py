@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from _common import book_tokens
 from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
-from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.kinds import backbone_for, load_model
+from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.models.kinds import backbone_for, load_model
 from landmark_memory.memory import LandmarkMemory
 
 MiB = 2 ** 20

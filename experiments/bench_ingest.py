@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from _common import book_tokens
-from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.kinds import backbone_for, in_sequence_logits, load_model
+from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.models.kinds import backbone_for, in_sequence_logits, load_model
 from landmark_memory.memory import BlockMemory, LandmarkMemory, engine
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundled model's training

@@ -79,7 +79,7 @@ def write_inputs(books: Path, folder: Path, tokens: int, tokenizer) -> None:
     (folder / "DONE").write_text(f"{n} files, {total} tokens\n")
 
 
-CLI = [sys.executable, "-m", "landmark_memory.entry"]
+CLI = [sys.executable, "-m", "landmark_memory.app.entry"]
 
 
 def commit_of(package: Path | None) -> str:
@@ -113,9 +113,9 @@ def probe(args) -> None:
     import psutil
     import torch
 
-    from landmark_memory.answer import ask
-    from landmark_memory.build import build, read_inputs
-    from landmark_memory.kinds import load_model
+    from landmark_memory.memory.answer import ask
+    from landmark_memory.app.build import build, read_inputs
+    from landmark_memory.models.kinds import load_model
     from landmark_memory.memory import LandmarkMemory
 
     torch.set_num_threads(args.threads)
@@ -154,8 +154,8 @@ def read_speed(args) -> None:
     default index, int8 blocks, no output head); tokens/s over each 50K. One JSON line on stdout."""
     import torch
 
-    from landmark_memory.build import encode_document
-    from landmark_memory.kinds import backbone_for, load_model
+    from landmark_memory.app.build import encode_document
+    from landmark_memory.models.kinds import backbone_for, load_model
     from landmark_memory.memory import LandmarkMemory
 
     torch.set_num_threads(args.threads)
@@ -274,7 +274,7 @@ def main():
     started, books, work = time.time(), Path(args.books), Path(args.work)
     versions = [("this version", None)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     from _common import command_line
-    from landmark_memory.kinds import load_model
+    from landmark_memory.models.kinds import load_model
 
     rows, memories = [], []
     for model in models:  # every memory built first: nothing else runs while they are measured

@@ -21,10 +21,10 @@ from pathlib import Path
 import openai
 
 from _common import RESULTS, serving, write_result
-from landmark_memory.answer import ask
-from landmark_memory.build import build, read_inputs
-from landmark_memory.data import SAMPLE_DIR, read_text, strip_gutenberg
-from landmark_memory.kinds import load_model
+from landmark_memory.memory.answer import ask
+from landmark_memory.app.build import build, read_inputs
+from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
+from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
 
 BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of both models' training

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PLANTED_FACTS, command_line, held_out_books, load_smollm2, machine, write_result  # noqa: E402
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer  # noqa: E402
-from landmark_memory.answer import say  # noqa: E402
-from landmark_memory.hf.smollm2 import ADAPTER_DIR, LANDMARK  # noqa: E402
+from landmark_memory.memory.answer import say  # noqa: E402
+from landmark_memory.models.hf.smollm2 import ADAPTER_DIR, LANDMARK  # noqa: E402
 from landmark_memory.memory.session import Session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def corpus(args, name, model_name, text_ids, tok) -> Path:
     inputs = Path(args.work) / name / "inputs"
     inputs.mkdir(parents=True, exist_ok=True)
     (inputs / "book.txt").write_text(tok.decode(text_ids[:args.corpus_tokens]))
-    cmd = [sys.executable, "-m", "landmark_memory.entry", "build", str(path), "--input", str(inputs), "--quiet"]
+    cmd = [sys.executable, "-m", "landmark_memory.app.entry", "build", str(path), "--input", str(inputs), "--quiet"]
     subprocess.run(cmd + (["--model", model_name] if model_name else []), check=True)
     return path
 

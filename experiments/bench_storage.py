@@ -23,9 +23,9 @@ from pathlib import Path
 
 
 from _common import book_tokens, write_result
-from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.evaluate import passkey_accuracy, perplexity
-from landmark_memory.kinds import load_model
+from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.app.evaluate import passkey_accuracy, perplexity
+from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.inspect import describe
 

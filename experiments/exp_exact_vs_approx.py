@@ -9,10 +9,10 @@ latency, and passkey accuracy through memory.
 import time
 
 from _common import held_out_books, load, parse, parser, write_result
-from landmark_memory.evaluate import compare_indexes, parse_lengths, passkey_accuracy
+from landmark_memory.app.evaluate import compare_indexes, parse_lengths, passkey_accuracy
 from landmark_memory.index import KINDS
-from landmark_memory.plots import plot_compare
-from landmark_memory.tokenizer import load_tokenizer
+from landmark_memory.app.plots import plot_compare
+from landmark_memory.core.tokenizer import load_tokenizer
 
 
 def main(argv=None):

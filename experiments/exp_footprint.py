@@ -14,7 +14,7 @@ import time
 import torch
 
 from _common import held_out_books, load, load_optional, parse, parser, plt, publish
-from landmark_memory.infini import InfiniState
+from landmark_memory.models.infini import InfiniState
 from landmark_memory.memory import LandmarkMemory
 
 

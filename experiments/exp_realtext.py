@@ -40,10 +40,10 @@ import torch
 from _common import (ADAPTER, BASE, BASE_WINDOW, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2,
                      some_of, suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
-from landmark_memory.answer import ask
-from landmark_memory.evaluate import greedy_continuation, parse_lengths
+from landmark_memory.memory.answer import ask
+from landmark_memory.app.evaluate import greedy_continuation, parse_lengths
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.passkey import MAX_KEY, PasskeyPrompts, first_int
+from landmark_memory.core.passkey import MAX_KEY, PasskeyPrompts, first_int
 
 PARTS = ("passkey", "ask", "ppl")
 PPL_LENGTH = 2048  # the in-sequence perplexity's segments

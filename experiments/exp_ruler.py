@@ -40,7 +40,7 @@ import numpy as np
 from _common import (ADAPTER, BASE, BASE_WINDOW, PLANTED_FACTS, Trials, adapter_specs, load_smollm2, plt, some_of,
                      suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
-from landmark_memory.evaluate import greedy_continuation, parse_lengths
+from landmark_memory.app.evaluate import greedy_continuation, parse_lengths
 
 TASKS = ("single", "multikey", "multivalue", "multiquery", "vartrack", "qa")
 WORDS = ("amber", "brisk", "cedar", "dusky", "ember", "frost", "gleam", "hazel", "ivory", "jolly", "keen", "lunar",

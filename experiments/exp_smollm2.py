@@ -32,17 +32,17 @@ from pathlib import Path
 import torch
 
 from _common import ROOT, command_line, machine, plt, top_k_label
-from landmark_memory.answer import ask
-from landmark_memory.build import build, encode, read_inputs
-from landmark_memory.cli_args import positive
-from landmark_memory.data import list_text_files, read_text, split_books
-from landmark_memory.decode import decode
-from landmark_memory.evaluate import parse_lengths, passkey_accuracy, perplexity
-from landmark_memory.hf import smollm2
-from landmark_memory.hf.convert import convert
-from landmark_memory.hf.lora import adapter_settings
-from landmark_memory.hf.tokenizer import TextTokenizer
-from landmark_memory.kinds import kv_cache_decoder, load_model
+from landmark_memory.memory.answer import ask
+from landmark_memory.app.build import build, encode, read_inputs
+from landmark_memory.app.cli_args import positive
+from landmark_memory.training.data import list_text_files, read_text, split_books
+from landmark_memory.core.decode import decode
+from landmark_memory.app.evaluate import parse_lengths, passkey_accuracy, perplexity
+from landmark_memory.models.hf import smollm2
+from landmark_memory.models.hf.convert import convert
+from landmark_memory.models.hf.lora import adapter_settings
+from landmark_memory.models.hf.tokenizer import TextTokenizer
+from landmark_memory.models.kinds import kv_cache_decoder, load_model
 from landmark_memory.memory import LandmarkMemory
 
 PARTS = ("convert", "chat", "passkey", "ppl", "ask")

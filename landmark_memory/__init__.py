@@ -1,7 +1,10 @@
 """landmark-memory: random-access memory for transformers by Landmark Attention.
 
-The public names below are imported on first use: ``import landmark_memory`` costs nothing,
-so the ``landmark-memory`` command answers Ctrl-C and ``--help`` before torch is loaded.
+The package is built in layers, each a folder that imports only from those below it: ``core/``
+(leaf utilities); ``kernels/``, ``index/``, ``storage/``; ``models/``; ``memory/``; ``training/``;
+``app/`` (what users run). The public names below are imported on first use: ``import
+landmark_memory`` costs nothing, so the ``landmark-memory`` command answers Ctrl-C and ``--help``
+before torch is loaded.
 """
 
 import importlib
@@ -10,25 +13,25 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _HOMES = {
-    "LandmarkConfig": "config", "InfiniState": "infini", "landmark_attention": "kernels",
+    "LandmarkConfig": "models.config", "InfiniState": "models.infini", "landmark_attention": "kernels",
     "landmark_attention_inference": "kernels", "LandmarkMemory": "memory", "MemoryOutput": "memory",
-    "LandmarkGPT": "model", "RotaryEmbedding": "rope", "insert_landmarks": "layout", "landmark_mask": "layout",
-    "lm_targets": "layout", "normal_positions": "layout", "strip_landmarks": "layout", "LANDMARK_TOKEN": "tokenizer",
-    "load_tokenizer": "tokenizer", "ask": "answer", "Answer": "answer", "Passage": "answer",
+    "LandmarkGPT": "models.model", "RotaryEmbedding": "core.rope", "insert_landmarks": "core.layout",
+    "landmark_mask": "core.layout", "lm_targets": "core.layout", "normal_positions": "core.layout",
+    "strip_landmarks": "core.layout", "LANDMARK_TOKEN": "core.tokenizer", "load_tokenizer": "core.tokenizer",
+    "ask": "memory.answer", "Answer": "memory.answer", "Passage": "memory.answer",
 }
 __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
-    from .answer import Answer, Passage, ask
-    from .config import LandmarkConfig
-    from .infini import InfiniState
+    from .core.layout import insert_landmarks, landmark_mask, lm_targets, normal_positions, strip_landmarks
+    from .core.rope import RotaryEmbedding
+    from .core.tokenizer import LANDMARK_TOKEN, load_tokenizer
     from .kernels import landmark_attention, landmark_attention_inference
-    from .layout import insert_landmarks, landmark_mask, lm_targets, normal_positions, strip_landmarks
     from .memory import LandmarkMemory, MemoryOutput
-    from .model import LandmarkGPT
-    from .rope import RotaryEmbedding
-    from .tokenizer import LANDMARK_TOKEN, load_tokenizer
-
+    from .memory.answer import Answer, Passage, ask
+    from .models.config import LandmarkConfig
+    from .models.infini import InfiniState
+    from .models.model import LandmarkGPT
 
 def __getattr__(name: str):
     if name not in _HOMES:

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from landmark_memory.data import SAMPLE_DIR  # noqa: E402
+from landmark_memory.training.data import SAMPLE_DIR  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def documents(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(documents, tmp_path_factory):
     """A corpus memory of ``documents`` (chunks of 100 tokens)."""
-    from landmark_memory.cli import main
+    from landmark_memory.app.cli import main
 
     path = tmp_path_factory.mktemp("corpus") / "m"
     assert main(["build", str(path), "--input", str(documents), "--chunk-size", "100", "--quiet"]) == 0
@@ -49,7 +49,7 @@ def _serving(memory, *args, env=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.entry", "serve", str(memory), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.app.entry", "serve", str(memory), "--port", str(port),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=None if env is None else {**os.environ, **env})
     url = f"http://127.0.0.1:{port}"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
-from landmark_memory.cli import main
+from landmark_memory.app.cli import main
 
 QUESTION = "What did the captain say?"
 

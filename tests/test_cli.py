@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.build import encode_document
-from landmark_memory.cli import main
-from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.app.build import encode_document
+from landmark_memory.app.cli import main
+from landmark_memory.training.data import SAMPLE_DIR
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
-CLI = [sys.executable, "-m", "landmark_memory.cli"]
+CLI = [sys.executable, "-m", "landmark_memory.app.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_a_memory_refuses_another_model(built, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["build", "m", "--input", "x", "--workers", "0"]])
 def test_help_and_wrong_options_answer_before_torch_or_faiss_load(argv):
-    probe = ("import sys; from landmark_memory import entry; sys.argv = ['landmark-memory', *sys.argv[1:]]\n"
+    probe = ("import sys; from landmark_memory.app import entry; sys.argv = ['landmark-memory', *sys.argv[1:]]\n"
              "try:\n    entry.main()\nexcept SystemExit as e:\n    code = e.code\n"
              "print('LOADED', 'torch' in sys.modules or 'faiss' in sys.modules, code, file=sys.stderr)")
     run = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)

@@ -10,7 +10,7 @@ import torch
 from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory
 from landmark_memory.kernels import dense, triton_landmark
 from landmark_memory.kernels import cmt_share, landmark_attention, landmark_attention_inference, landmark_weights
-from landmark_memory.model import jump_positions
+from landmark_memory.models.model import jump_positions
 
 from test_inference_kernel import TOL, all_blocks_table, memory_setup
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.build import LocalReader, build, encode_document, read_document, read_inputs
-from landmark_memory.cli import main
+from landmark_memory.app.build import LocalReader, build, encode_document, read_document, read_inputs
+from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.inspect import verify
 from landmark_memory.storage import CorruptBlockError, open_store
@@ -242,7 +242,7 @@ def test_a_merged_document_opened_alone_says_to_open_its_corpus(model, documents
 
 
 def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, documents, tmp_path, monkeypatch):
-    import landmark_memory.build as building
+    import landmark_memory.app.build as building
 
     files, path = sorted(documents.glob("*.txt")), tmp_path / "m"
     with monkeypatch.context() as m:  # a build from before one copy, or one stopped before it dropped them

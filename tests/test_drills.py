@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from landmark_memory import load_tokenizer
-from landmark_memory.data import SAMPLE_DIR
-from landmark_memory.drills import (ADJECTIVES, FIRST, LAST, PET_WORDS, ROLES, THINGS, TITLES, RetrievalDrills,
+from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.training.drills import (ADJECTIVES, FIRST, LAST, PET_WORDS, ROLES, THINGS, TITLES, RetrievalDrills,
                                     village_fact)
 
 from test_experiments import script
@@ -112,8 +112,8 @@ def test_bad_settings_and_short_windows_say_what_to_change(tok, book):
 def test_chat_questions_are_user_turns_answered_before_the_end_of_turn(book):
     from transformers import AutoTokenizer
 
-    from landmark_memory.hf.smollm2 import base_model_dir
-    from landmark_memory.hf.tokenizer import TextTokenizer
+    from landmark_memory.models.hf.smollm2 import base_model_dir
+    from landmark_memory.models.hf.tokenizer import TextTokenizer
 
     tok = TextTokenizer(AutoTokenizer.from_pretrained(base_model_dir()))
     ids = np.asarray(tok.encode((SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[20_000:30_000]).ids)

@@ -17,12 +17,12 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from landmark_memory import hf
-from landmark_memory.hf.backbone import HFBackbone
+from landmark_memory.models.hf.backbone import HFBackbone
 from landmark_memory.kernels import landmark_attention_reference
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.rope import RotaryEmbedding
-from landmark_memory.layout import insert_landmarks, normal_positions
-from landmark_memory.tokenizer import LANDMARK_TOKEN
+from landmark_memory.core.rope import RotaryEmbedding
+from landmark_memory.core.layout import insert_landmarks, normal_positions
+from landmark_memory.core.tokenizer import LANDMARK_TOKEN
 from test_experiments import script
 
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
@@ -270,8 +270,8 @@ def test_decode_benchmark_sets_memory_against_the_plain_models_dynamic_cache(mod
 
 @torch.no_grad()
 def test_a_plain_models_kv_cache_decoding_equals_rereading_its_context(tokenizer_object, text, recwarn):
-    from landmark_memory.decode import decode, decode_rereading
-    from landmark_memory.kinds import kv_cache_decoder
+    from landmark_memory.core.decode import decode, decode_rereading
+    from landmark_memory.models.kinds import kv_cache_decoder
 
     _, tok = tiny(tokenizer_object)
     torch.manual_seed(0)
@@ -285,7 +285,7 @@ def test_a_plain_models_kv_cache_decoding_equals_rereading_its_context(tokenizer
 
 def cli(*args, cwd=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "landmark_memory.cli", *map(str, args)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "landmark_memory.app.cli", *map(str, args)], capture_output=True, text=True,
                        env=env, cwd=cwd, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
@@ -366,7 +366,7 @@ def test_readme_example_runs_as_written(model_dir, tmp_path, text):
 
 
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir, tokenizer_object, text):
-    from landmark_memory.hf.train import HFLandmarkLM
+    from landmark_memory.training.finetune import HFLandmarkLM
 
     idx = torch.tensor([tokenizer_object.encode(text).ids[:60]])  # (1, 60)
     answer, source = torch.zeros(1, 59, dtype=torch.int64), torch.zeros(1, 59, dtype=torch.int64)
@@ -389,7 +389,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(model_dir, tok
 
 
 def test_fine_tuning_with_a_recall_weight_logs_the_recall_loss_of_its_drills(model_dir, tmp_path, text):
-    from landmark_memory.train import Trainer, parse_args
+    from landmark_memory.training.train import Trainer, parse_args
 
     data = tmp_path / "books"
     data.mkdir()

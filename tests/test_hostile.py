@@ -23,13 +23,13 @@ import torch
 from safetensors.torch import load, save
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.build import LocalReader, build as build_corpus, encode_document, read_document, read_inputs
-from landmark_memory.cli import main
-from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.app.build import LocalReader, build as build_corpus, encode_document, read_document, read_inputs
+from landmark_memory.app.cli import main
+from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.storage import LmdbStore, stored_nbytes
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
-CLI = [sys.executable, "-m", "landmark_memory.cli"]
+CLI = [sys.executable, "-m", "landmark_memory.app.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +264,7 @@ def test_sigterm_commits_what_is_done_like_ctrl_c(tmp_path, capsys):
 
 
 def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, book):
-    proc = subprocess.Popen([sys.executable, "-c", "from landmark_memory.entry import main; raise SystemExit(main())",
+    proc = subprocess.Popen([sys.executable, "-c", "from landmark_memory.app.entry import main; raise SystemExit(main())",
                              "build", str(tmp_path / "m"), "--input", str(book)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -390,7 +390,7 @@ KILLER = textwrap.dedent("""
         return call
 
     os.replace, os.fsync = counted(os.replace), counted(os.fsync)
-    from landmark_memory.cli import main
+    from landmark_memory.app.cli import main
     rc = main(sys.argv[2:])
     print("CALLS", calls[0], file=sys.stderr)
     sys.exit(rc)

@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from landmark_memory import LandmarkGPT, LandmarkMemory
-from landmark_memory.cli import main, os_error_text
-from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.app.cli import main, os_error_text
+from landmark_memory.training.data import SAMPLE_DIR
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
 
@@ -42,7 +42,7 @@ def corpus(text, tmp_path_factory):
 def context_memory(text, tmp_path_factory):
     """A memory read in one context (no documents), stopped mid-chunk: it has a state file."""
     from landmark_memory import load_tokenizer
-    from landmark_memory.build import encode_document
+    from landmark_memory.app.build import encode_document
 
     mem = tmp_path_factory.mktemp("context") / "m"
     ids = encode_document(load_tokenizer(), text.read_text(), 50)
@@ -59,7 +59,7 @@ def snapshot(folder):
 
 def run(*argv):
     """The command in its own process (a SIGBUS must not take the tests with it)."""
-    return subprocess.run([sys.executable, "-m", "landmark_memory.entry", *map(str, argv)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "landmark_memory.app.entry", *map(str, argv)], capture_output=True,
                           text=True, timeout=300)
 
 
@@ -282,7 +282,7 @@ def test_the_same_text_with_a_bom_or_other_line_ends_is_one_document(text, tmp_p
 def test_a_document_an_earlier_version_named_by_its_bytes_is_not_read_again(text, tmp_path, monkeypatch, capsys):
     import hashlib
 
-    import landmark_memory.build as build
+    import landmark_memory.app.build as build
 
     crlf = tmp_path / "crlf.txt"
     crlf.write_bytes(text.read_bytes().replace(b"\n", b"\r\n"))

@@ -106,7 +106,7 @@ def test_bad_kind_and_dims_are_explained():
 def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
     """Landmark keys and queries of the bundled tiny model on the bundled sample text."""
     from landmark_memory import LandmarkGPT, load_tokenizer
-    from landmark_memory.data import SAMPLE_DIR, list_text_files, strip_gutenberg
+    from landmark_memory.training.data import SAMPLE_DIR, list_text_files, strip_gutenberg
 
     model = LandmarkGPT.from_pretrained().eval()
     tok = load_tokenizer()

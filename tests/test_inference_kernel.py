@@ -204,7 +204,7 @@ def test_chunk_slots_grouped_by_block_or_compiled_agree_with_the_reference(backe
 def test_compiled_code_runs_where_no_disk_cache_can_be_written(monkeypatch):
     import numba
 
-    from landmark_memory import jit
+    from landmark_memory.core import jit
 
     real = numba.njit
 
@@ -222,7 +222,7 @@ def test_compiled_code_runs_where_no_disk_cache_can_be_written(monkeypatch):
                                         ("auto", 1)])  # auto: a chunk's slots compiled, and a decoding step
 @pytest.mark.parametrize("cmt", [False, True])
 def test_int8_pools_are_read_in_place_as_the_reference_reads_them_dequantized(backend, Tq, cmt):
-    from landmark_memory.quant import dequantize_kv, quantize
+    from landmark_memory.core.quant import dequantize_kv, quantize
 
     g = torch.Generator().manual_seed(Tq + cmt)
     B, H, H_kv, D, bs, Tk, K, n_pool = 2, 4, 2, 32, 7, 48, 4, 12

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, RotaryEmbedding, load_tokenizer
-from landmark_memory.evaluate import passkey_accuracy, perplexity
-from landmark_memory.infini import InfiniState, LayerState, infini_attention
+from landmark_memory.app.evaluate import passkey_accuracy, perplexity
+from landmark_memory.models.infini import InfiniState, LayerState, infini_attention
 
 
 def oracle(q, k, v, N, beta, update):

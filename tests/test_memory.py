@@ -194,7 +194,7 @@ def test_memory_usage_counts_fast_and_store_bytes(model, text):
 
 
 def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkeypatch):
-    from landmark_memory import evaluate
+    from landmark_memory.app import evaluate
 
     ids = text[0].tolist() if text.dim() == 2 else text.tolist()
     opts = dict(chunk_size=model.config.block_size * 2, top_k=2)

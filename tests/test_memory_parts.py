@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from landmark_memory.decode import decode, next_token
+from landmark_memory.core.decode import decode, next_token
 from landmark_memory.memory import BlockMemory, Manifest, MemoryFileError, MemoryOptions, ModelShape
 from landmark_memory.memory.manifest import InputRecord, ModelRecord, RowLayout, StateFile
 from landmark_memory.memory.retrieval import chunk_base, select_blocks
-from landmark_memory.rope import RotaryEmbedding
+from landmark_memory.core.rope import RotaryEmbedding
 
 NEG = float("-inf")
 

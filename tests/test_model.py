@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.train import build_optimizer, TrainConfig
+from landmark_memory.training.train import build_optimizer, TrainConfig
 
 
 def tiny(**kw):

@@ -15,12 +15,12 @@ import ray
 import torch
 
 from landmark_memory import load_tokenizer
-from landmark_memory.build import encode_document
-from landmark_memory.cli import main
-from landmark_memory.data import SAMPLE_DIR
+from landmark_memory.app.build import encode_document
+from landmark_memory.app.cli import main
+from landmark_memory.training.data import SAMPLE_DIR
 from test_corpus import files_of
 
-CLI = [sys.executable, "-m", "landmark_memory.cli"]
+CLI = [sys.executable, "-m", "landmark_memory.app.cli"]
 
 
 @pytest.fixture
@@ -127,8 +127,8 @@ class Bar:
 
 def test_the_bar_follows_the_tokens_workers_read_before_any_commit(own_ray, tmp_path):
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.build import DocumentJob
-    from landmark_memory.distributed import RayReader
+    from landmark_memory.app.build import DocumentJob
+    from landmark_memory.app.distributed import RayReader
 
     tok, text = load_tokenizer(), (SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[:100_000]
     with LandmarkMemory(LandmarkGPT.from_pretrained(), path=tmp_path / "m", store="lmdb", documents=True) as mem:

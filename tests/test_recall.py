@@ -10,11 +10,11 @@ import torch
 from transformers import AttentionInterface
 
 from landmark_memory import load_tokenizer
-from landmark_memory.data import SAMPLE_DIR, WindowSampler
-from landmark_memory.drills import RetrievalDrills
-from landmark_memory.hf.convert import ATTENTION, landmark_attention_forward, normal_logits
-from landmark_memory.hf.backbone import HFBackbone
-from landmark_memory.recall import recall_loss, recall_queries
+from landmark_memory.training.data import SAMPLE_DIR, WindowSampler
+from landmark_memory.training.drills import RetrievalDrills
+from landmark_memory.models.hf.convert import ATTENTION, landmark_attention_forward, normal_logits
+from landmark_memory.models.hf.backbone import HFBackbone
+from landmark_memory.training.recall import recall_loss, recall_queries
 
 from test_hf import text, tiny, tokenizer_object  # noqa: F401 (fixtures)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from landmark_memory import RotaryEmbedding
-from landmark_memory.rope import rotary
+from landmark_memory.core.rope import rotary
 
 
 def test_position_zero_is_identity_and_norms_are_kept():

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
-from landmark_memory.cli import main
+from landmark_memory.app.cli import main
 from landmark_memory.memory.inspect import describe
 
 KEY, MODEL = "test-key", "landmark-memory-tiny"

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from landmark_memory import LandmarkGPT, load_tokenizer
-from landmark_memory import serve as served
-from landmark_memory.cli import API_KEY_VARIABLE, main
+from landmark_memory.app import serve as served
+from landmark_memory.app.cli import API_KEY_VARIABLE, main
 
 KEY, MODEL = "kéy-ü", "landmark-memory-tiny"  # not ASCII: clients send it as UTF-8 bytes
 ALLOWED = "memory.example"

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.answer import Message, converse, say
-from landmark_memory.cli import main
+from landmark_memory.memory.answer import Message, converse, say
+from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.session import Session, SessionError, check_name, delete_session, list_sessions
 
@@ -60,7 +60,7 @@ def in_new_process(corpus, name, turns, kill_after=None):
     script = f"""
 import os, signal, sys
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.answer import say
+from landmark_memory.memory.answer import say
 from landmark_memory.memory.session import Session
 turns, kill = {turns!r}, {kill_after!r}
 with LandmarkMemory.open({str(corpus)!r}, LandmarkGPT.from_pretrained(), readonly=True, top_k=2) as mem:
@@ -314,7 +314,7 @@ def test_chat_on_a_terminal_streams_answers_and_shows_passages_and_sessions(corp
     import select
 
     main_fd, child_fd = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.entry", "chat", str(corpus), "--raw",
+    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.app.entry", "chat", str(corpus), "--raw",
                              "--session", "tty", "--max-new-tokens", "6"], stdin=child_fd, stdout=child_fd,
                             stderr=child_fd, close_fds=True)
     os.close(child_fd)

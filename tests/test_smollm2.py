@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from landmark_memory.hf import smollm2
-from landmark_memory.hf.convert import convert, normal_logits
-from landmark_memory.hf.lora import adapter_settings
-from landmark_memory.hf.tokenizer import TextTokenizer
-from landmark_memory.kinds import load_model
+from landmark_memory.models.hf import smollm2
+from landmark_memory.models.hf.convert import convert, normal_logits
+from landmark_memory.models.hf.lora import adapter_settings
+from landmark_memory.models.hf.tokenizer import TextTokenizer
+from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
 
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
@@ -78,7 +78,7 @@ def test_ask_answers_in_words_through_the_chat_template(tmp_path):
     book = tmp_path / "book.txt"
     book.write_text(BOOK.read_text()[40_000:41_500])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "landmark_memory.cli"]
+    cli = [sys.executable, "-m", "landmark_memory.app.cli"]
     r = subprocess.run([*cli, "build", tmp_path / "mem", "--input", book, "--model", smollm2.LANDMARK, "--quiet",
                         "--chunk-size", "126"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

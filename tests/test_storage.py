@@ -5,7 +5,7 @@ import lmdb
 import pytest
 import torch
 
-from landmark_memory.quant import dequantize, quantize
+from landmark_memory.core.quant import dequantize, quantize
 from landmark_memory.storage import DTYPES, STORES, CorruptBlockError, HotCache, LmdbStore, MemoryStore, open_store
 
 SHAPE = (2, 3, 6, 8)  # (k/v, H, block_size + 1, D)

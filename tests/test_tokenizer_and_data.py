@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
-from landmark_memory.data import Answer, PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
-from landmark_memory.evaluate import parse_lengths
-from landmark_memory.passkey import PasskeyPrompts, first_int, run_passkey
-from landmark_memory.layout import IGNORE_INDEX
-from landmark_memory.tokenizer import LANDMARK_TOKEN, SPECIAL_TOKENS
+from landmark_memory.training.data import Answer, PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
+from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.core.passkey import PasskeyPrompts, first_int, run_passkey
+from landmark_memory.core.layout import IGNORE_INDEX
+from landmark_memory.core.tokenizer import LANDMARK_TOKEN, SPECIAL_TOKENS
 
 LM = 1
 

@@ -26,7 +26,7 @@ import time
 import faiss
 import numpy as np
 
-from ..names import INDEX_KINDS
+from ..core.names import INDEX_KINDS
 from .lists import ListIndex, level_of
 from .rows import KeyRows
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from numba import prange
 
-from ..jit import njit
+from ..core.jit import njit
 from .rows import KeyFileError, KeyRows
 
 RETRAIN_GROWTH = 4

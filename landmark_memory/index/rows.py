@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fileio import reserve
+from ..core.fileio import reserve
 
 MIN_ROWS = 64  # the least a file or a buffer grows to
 

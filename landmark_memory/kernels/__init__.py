@@ -2,9 +2,9 @@
 
 import torch
 
-from ..layout import check_block_size
-from ..quant import dequantize_kv
-from ..rope import RotaryEmbedding
+from ..core.layout import check_block_size
+from ..core.quant import dequantize_kv
+from ..core.rope import RotaryEmbedding
 from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 

@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..rope import as_rotary, rotation_dtype
+from ..core.rope import as_rotary, rotation_dtype
 
 NEG_INF = float("-inf")
 QUERY_TILE = 256  # queries per tile of the in-sequence path (256 measured best on CPUs, T = 512-4096)

@@ -21,8 +21,8 @@ import math
 import numpy as np
 import torch
 
-from ..jit import njit
-from ..rope import as_rotary
+from ..core.jit import njit
+from ..core.rope import as_rotary
 from .dense import pool_rows
 
 # reductions may be reordered (and so vectorised); infinities and NaN keep their meaning

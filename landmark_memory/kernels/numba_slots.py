@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from numba import prange
 
-from ..jit import njit
-from ..rope import as_rotary, rotation_dtype
+from ..core.jit import njit
+from ..core.rope import as_rotary, rotation_dtype
 from .dense import pool_rows
 
 # reductions may be reordered (and so vectorised); infinities and NaN keep their meaning

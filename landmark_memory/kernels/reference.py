@@ -24,7 +24,7 @@ get weight 0.
 
 import torch
 
-from ..layout import landmark_mask
+from ..core.layout import landmark_mask
 
 
 def landmark_positions(T, block_size, device=None):
@@ -121,7 +121,7 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
     its landmark joins the query's own group and gates its normal tokens. With a CMT key the
     retrieved landmarks are the CMT-controlled ones (appendix D) and local landmarks are free.
     See ``landmark_attention_inference`` for the arguments."""
-    from ..rope import as_rotary
+    from ..core.rope import as_rotary
 
     B, H, Tq, D = q.shape
     Tk, n_slots, L = k.shape[-2], block_table.shape[-1], block_size + 1

@@ -405,7 +405,7 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
                               scale=None, cmt_k=None, pool_scale=None):
     """Chunk attention over local keys and retrieved blocks; same contract as
     ``landmark_attention_inference``. Inference only: no autograd."""
-    from ..rope import as_rotary
+    from ..core.rope import as_rotary
 
     scale = _check_backend(q) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -13,6 +13,8 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     session.py    a session: a named conversation in a memory of its own over a memory
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
     inspect.py    a saved memory read without its model: describe (info) and verify
+    answer.py     asking a memory: the answer and the passages it read; a session's turns
+    hf_cache.py   LandmarkMemoryCache: a memory as a transformers Cache for ``generate``
 """
 
 from .blocks import BlockMemory

@@ -21,10 +21,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..core.rope import RotaryEmbedding
 from ..index import ON_ROWS, LandmarkIndex, derived_from_rows
 from ..index.lists import stale_files
 from ..index.rows import KeyFileError, KeyRows
-from ..rope import RotaryEmbedding
 from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors

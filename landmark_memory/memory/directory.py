@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from ..fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
+from ..core.fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
 from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile, WriterBusyError

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..decode import decode
+from ..core.decode import decode
+from ..core.layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
+from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K
+from ..core.rope import rotation_dtype
 from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
-from ..kinds import backbone_for
-from ..layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
-from ..rope import rotation_dtype
-from ..names import DEFAULT_INDEX, DEFAULT_TOP_K
+from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
 from .manifest import TOKENS, InputRecord, Manifest, ModelShape
@@ -44,7 +44,7 @@ class LandmarkMemory(SavedMemory):
     Parameters
     ----------
     model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM converted by
-        ``landmark_memory.hf.convert`` (``kinds.py``).
+        ``landmark_memory.models.hf.convert`` (``kinds.py``).
     index : str, landmark index kind per (stream, layer, key/value head): flat, hnsw, ivf, ivfpq (+ -gpu).
     store : str, block store: memory, lmdb or mmap (the latter two need ``path``).
     path : str or Path, folder of a saved memory (created; reopen it with ``LandmarkMemory.open``).

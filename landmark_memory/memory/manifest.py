@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..core.layout import landmarked_length
 from ..index.lists import level_files
-from ..layout import landmarked_length
 from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
 

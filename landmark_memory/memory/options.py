@@ -8,8 +8,8 @@ may change when a saved memory is reopened (``with_query``).
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 from ..index import LandmarkIndex, default_train_size
-from ..names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff", "sink_blocks", "local_blocks",
                  "centre")

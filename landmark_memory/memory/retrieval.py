@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..jit import njit
+from ..core.jit import njit
 
 
 def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int, retrieval: str) -> torch.Tensor:

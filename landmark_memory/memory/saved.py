@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..index.lists import FILE_NAME
 from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
-from ..index.lists import FILE_NAME
 from .manifest import LANDMARKS, TOKENS, Manifest, MemoryFileError, ModelRecord
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fileio import TMP_MARK
-from ..names import SESSION_NAME
+from ..core.fileio import TMP_MARK
+from ..core.names import SESSION_NAME
 from .blocks import BlockMemory
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..fileio import open_nofollow, reserve
-from ..names import STORE_DTYPES, STORES
-from ..quant import dequantize, quantize, scale_shape
+from ..core.fileio import open_nofollow, reserve
+from ..core.names import STORE_DTYPES, STORES
+from ..core.quant import dequantize, quantize, scale_shape
 from .hot_cache import HotCache  # noqa: F401  (the cache over any store below)
 
 

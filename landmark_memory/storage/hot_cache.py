@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from ..quant import dequantize, scale_shape
+from ..core.quant import dequantize, scale_shape
 
 if TYPE_CHECKING:
     from . import BlockStore

@@ -1,0 +1,286 @@
+"""Building a memory from text files: each file a document, read apart, and one corpus over
+all of them (``memory/corpus.py``).
+
+A document is read from its own first token and sees only its own blocks while it is read,
+so documents can be read in any order, by any number of workers (``distributed.py`` runs them
+on Ray), and give the same blocks. Each is read into its own folder, committing every
+``commit_every`` seconds: a reader killed or stopped goes on from its last commit, and a
+document read to its end is never read again. The driver (``build``) merges documents into the
+corpus in the inputs' order, each as soon as it and every document before it are read, so the
+same inputs give the same memory bit for bit however many workers read them.
+"""
+
+import hashlib
+import signal
+import threading
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..core.tokenizer import EOS_TOKEN
+from ..memory import LandmarkMemory, MemoryFileError
+from ..memory.corpus import (committed_tokens, document_manifest, document_states, drop_merged_rows, finished,
+                             merge_document)
+from ..memory.manifest import document_folder
+from ..memory.options import MemoryOptions
+from ..training.data import list_text_files, read_text, strip_gutenberg
+
+
+@dataclass
+class TextInput:
+    """A text file to read: ``sha256`` names its content (``content_sha256``), ``bytes_sha256``
+    its text as read, which is how builds before content hashes named a document."""
+
+    path: Path
+    text: str
+    sha256: str
+    bytes_sha256: str = ""
+
+
+def content_sha256(text: str) -> str:
+    """The SHA-256 that names a text as a document: of the text without a byte-order mark and
+    with CRLF and CR line ends as LF, so that the same text saved another way is the same
+    document (the document reads the text as given)."""
+    normal = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    return hashlib.sha256(normal.encode()).hexdigest()
+
+
+def read_inputs(paths: list[str | Path]) -> list[TextInput]:
+    """Every text file named or found under ``paths``, read and checked before anything is
+    written (empty, binary and non-UTF-8 files raise ``ValueError``)."""
+    out = []
+    for f in list_text_files(paths):
+        text = read_text(f)
+        out.append(TextInput(f, text, content_sha256(text), hashlib.sha256(text.encode()).hexdigest()))
+    return out
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of a text as the memory holds it: Gutenberg licence stripped, end-of-text after."""
+    return tokenizer.encode(strip_gutenberg(text)).ids + [tokenizer.token_to_id(EOS_TOKEN)]
+
+
+def encode_document(tokenizer, text: str, block_size: int) -> np.ndarray:
+    """int32 (n * block_size,) a document's token ids: ``encode``'s, then end-of-text tokens up
+    to the end of its last block, so that every token of it is in a block."""
+    ids = encode(tokenizer, text)
+    ids += [ids[-1]] * (-len(ids) % block_size)
+    return np.array(ids, np.int32)
+
+
+@dataclass(frozen=True)
+class DocumentJob:
+    """One document to read: into ``folder`` (absolute), with the corpus's ``options``."""
+
+    folder: Path
+    path: str
+    sha256: str
+    ids: np.ndarray  # int32 (n * block_size,), ``encode_document``
+    options: MemoryOptions
+    commit_every: float
+
+
+@dataclass(frozen=True)
+class DocumentResult:
+    folder: Path
+    added: int  # tokens read now
+    done: bool  # read to its end (else stopped)
+
+
+def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], bool] = lambda: False,
+                  on_tokens: Callable[[int], None] = lambda n: None) -> DocumentResult:
+    """Read one document into its folder, from its last commit on: a memory of its own, its
+    blocks in its own store. Commits every ``job.commit_every`` seconds and at its end; when
+    ``stop()`` turns true, commits and returns unfinished."""
+    if (job.folder / "manifest.json").is_file():
+        mem = LandmarkMemory.open(job.folder, model)
+    else:
+        init = {f.name: getattr(job.options, f.name) for f in fields(MemoryOptions) if f.name != "block_checksums"}
+        mem = LandmarkMemory(model, path=job.folder, **init)
+    try:
+        if not mem.inputs:
+            mem.add_input(Path(job.path), job.sha256, len(job.ids))
+        entry = mem.inputs[0]
+        if entry.sha256 != job.sha256 or entry.tokens != len(job.ids):
+            raise MemoryFileError(f"{job.folder} holds another document than {job.path} (or the tokenizer changed); "
+                                  "remove that folder and build again")
+        added, last_commit = 0, time.monotonic()
+        while entry.ingested < entry.tokens:
+            pos = entry.ingested
+            n = min(mem.options.chunk_size - mem.pending_count, entry.tokens - pos)
+            mem.forward(torch.from_numpy(job.ids[None, pos:pos + n]).long(), logits="none")
+            entry.ingested, added = pos + n, added + n
+            on_tokens(n)
+            if stop() or time.monotonic() - last_commit >= job.commit_every:
+                mem.commit()
+                last_commit = time.monotonic()
+            if stop():
+                return DocumentResult(job.folder, added, False)
+        if mem.pending_count or added:
+            mem.end_document()
+            mem.commit()
+        return DocumentResult(job.folder, added, True)
+    finally:
+        mem.close(commit=False)  # everything fed was committed above
+
+
+class DocumentReader(Protocol):
+    """Where documents are read: ``LocalReader`` (this process) or ``distributed.RayReader``."""
+
+    def run(self, jobs: list[DocumentJob], stop: Callable[[], bool], bar: tqdm) -> Iterator[DocumentResult]:
+        """Read ``jobs``, yielding each result as it comes (any order); after ``stop()`` turns
+        true, the documents under way commit and stop, and no more start."""
+
+
+class LocalReader:
+    """Documents read one after another in this process."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def run(self, jobs, stop, bar):
+        for job in jobs:
+            if stop():
+                return
+            yield read_document(job, self.model, stop, bar.update)
+
+
+class _StopOnSignal:
+    """Ctrl-C (SIGINT) and SIGTERM (what ``kill``, systemd and container runtimes send) set a
+    flag that the build checks between chunks; it then commits and stops."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.signum, self._old = None, {}
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+@dataclass
+class BuildSummary:
+    """What a build did: ``added`` tokens read now in ``seconds`` (reading and merging, after
+    the model and the workers are up), documents ``merged`` into the corpus now, inputs
+    ``skipped`` (already in it), documents ``left`` unfinished, and the signal that
+    ``interrupted`` it (or None)."""
+
+    added: int = 0
+    seconds: float = 0.0
+    merged: int = 0
+    skipped: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    interrupted: str | None = None
+
+
+def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: DocumentReader | None = None,
+          commit_every: float = 60.0, progress: bool = True, leave_unfinished: bool = False) -> BuildSummary:
+    """Read ``inputs`` as documents into the corpus ``mem`` (writable, ``documents=True``) and
+    merge them, in the inputs' order, as they are read; ``reader`` reads them (default: in this
+    process). The corpus commits at most every ``commit_every`` seconds and at the end.
+
+    A document an earlier build left unfinished is finished when its file is among the
+    inputs; when it is not (its file changed or was dropped), ``leave_unfinished`` merges what
+    was read of it, and otherwise the build stops before reading anything and says what to do.
+    """
+    if not mem.documents:
+        raise ValueError(f"{mem.dir.path} reads its inputs in one context (a memory built before corpora); build "
+                         "now reads each file as its own document: build these files into a new memory (this one "
+                         "still opens for ask and generate)")
+    summary, bs = BuildSummary(), mem.shape.block_size
+    merged = {e.sha256 for e in mem.inputs}
+    given: dict[str, TextInput] = {}
+    for inp in inputs:
+        old = inp.bytes_sha256
+        if old and old != inp.sha256 and (old in merged or (mem.dir.path / document_folder(old)).is_dir()):
+            inp = replace(inp, sha256=old)  # a document an earlier version named by its bytes: keep its name
+        if inp.sha256 in merged or inp.sha256 in given:
+            summary.skipped.append(str(inp.path))
+        else:
+            given[inp.sha256] = inp
+    root = mem.dir.path.resolve()  # workers elsewhere (Ray) find documents by absolute paths
+    queue = _unmerged_documents(mem, given, leave_unfinished)  # folders still to merge, read ones first
+    jobs, ready, read_before = [], set(), 0
+    for folder in queue:  # read to their end, or left as they are
+        m = document_manifest(mem.dir, folder)
+        ready.add(folder)
+        if not finished(m):
+            summary.left.append(m.inputs[0].path)
+    for sha, inp in given.items():
+        folder = document_folder(sha)
+        queue.append(folder)
+        m = document_manifest(mem.dir, folder)
+        if m is not None and finished(m):  # read by an earlier build: never read again
+            ready.add(folder)
+        else:
+            read_before += committed_tokens(m)
+            jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha,
+                                    encode_document(tokenizer, inp.text, bs), mem.options, commit_every))
+    started = last_commit = time.monotonic()
+    for e in mem.inputs:  # copies an earlier build (or version) left: the committed corpus holds these rows
+        drop_merged_rows(mem.dir, e.document)
+    uncommitted: list[str] = []  # merged since the last commit: their own rows go once it is made
+
+    def merge_ready(force=False):
+        nonlocal last_commit
+        while queue and queue[0] in ready:
+            uncommitted.append(queue.pop(0))
+            merge_document(mem, uncommitted[-1])
+            summary.merged += 1
+        if uncommitted and (force or time.monotonic() - last_commit >= commit_every):
+            mem.commit()
+            last_commit = time.monotonic()
+            while uncommitted:
+                drop_merged_rows(mem.dir, uncommitted.pop(0))
+
+    with _StopOnSignal() as stop, tqdm(total=sum(len(j.ids) for j in jobs), initial=read_before,
+                                       unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
+                                       desc=f"{len(jobs)} documents") as bar:
+        merge_ready()
+        for result in (reader or LocalReader(mem.model)).run(jobs, stop, bar):
+            summary.added += result.added
+            if result.done:
+                ready.add(str(result.folder.relative_to(root)))
+                merge_ready()
+        merge_ready(force=True)
+        if stop():
+            summary.interrupted = signal.Signals(stop.signum).name
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_unfinished: bool) -> list[str]:
+    """Folders under ``docs/`` of documents not merged yet whose files are not among the inputs
+    (by content): read ones are merged first; an unfinished one stops the build unless
+    ``leave_unfinished``."""
+    out = []
+    for s in document_states(mem.dir, mem.inputs):
+        if s.status in ("done", "left") or s.sha256 in given:
+            continue
+        if s.status == "damaged":
+            raise MemoryFileError(f"{s.problem}; or remove {mem.dir.path / s.folder} to drop that document")
+        if s.status == "partial" and not leave_unfinished:
+            changed = any(str(i.path.resolve()) == s.path for i in given.values())
+            raise ValueError(
+                f"{s.path} has changed since its build began ({s.read:,} of its {s.tokens:,} tokens are read): "
+                "restore its old content to finish it, or build with --leave-unfinished to keep those tokens and "
+                "go on (the new content is then read as a new document)" if changed else
+                f"the memory holds an unfinished document, {s.path} ({s.read:,} of {s.tokens:,} tokens); build "
+                "again with that file among the inputs to finish it first, or with --leave-unfinished to leave it")
+        out.append(s.folder)
+    return out

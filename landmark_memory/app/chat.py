@@ -1,0 +1,117 @@
+"""``landmark-memory chat``: a session over a memory, in a terminal or a pipe.
+
+On a terminal: a prompt with line editing and history (``readline``), each answer streamed as
+it is generated, and a few commands (``/passages``, ``/sessions``, ``/help``, ``/quit``). From a
+pipe: each input line is one user turn, and each answer is printed when it is done (one JSON
+object per line with ``--json``). Every turn is committed to the session before the next is
+read, so a chat stopped at any point resumes with ``--session NAME`` at its last answer.
+"""
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import TextIO
+
+from ..memory import LandmarkMemory
+from ..memory.answer import Answer, say
+from ..memory.session import Session, list_sessions
+
+HELP = """/passages  the passages the last answer read
+/sessions  the sessions of this memory
+/help      this list
+/quit      end the chat (so does Ctrl-D); Ctrl-C stops an answer, the session stays at its last turn"""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How each turn is answered (``answer.converse``'s options)."""
+
+    raw: bool = False
+    max_new_tokens: int = 128
+    passages: int = 3
+
+
+def answer_json(a: Answer) -> dict:
+    """An answer as one line of ``chat --json``."""
+    return {"session": a.session, "text": a.text, "tokens": a.tokens, "passages": [asdict(p) for p in a.passages]}
+
+
+def passages_text(a: Answer | None) -> str:
+    """The passages of an answer, as the terminal shows them."""
+    if a is None or not a.passages:
+        return "(no passages: ask something first)" if a is None else "(the answer read no passage of the memory)"
+    out = []
+    for p in a.passages:
+        where = (f"session {p.session}, turn {p.turn + 1}" if p.session else f"{p.source or 'the memory'}") + \
+            f" at token {p.token_offset:,}"
+        out.append(f"--- block {p.block} ({100 * p.share:.0f}% of lookups), {where}:\n{p.text.strip()}")
+    return "\n".join(out)
+
+
+def sessions_text(memory) -> str:
+    """The sessions of a memory, one line each (``landmark-memory sessions``)."""
+    rows = list_sessions(memory)
+    if not rows:
+        return "(no sessions yet)"
+    return "\n".join(f"{s.name:<24} {s.turns:>6,} turns {s.tokens:>10,} tokens  {s.updated or s.problem}" for s in rows)
+
+
+def chat(session: Session, tokenizer, options: ChatOptions, *, as_json: bool = False, stdin: TextIO = sys.stdin,
+         stdout: TextIO = sys.stdout) -> int:
+    """Hold the chat of ``session`` (over its memory, opened read-only) until the input ends;
+    the exit status."""
+    if stdin.isatty():
+        return _terminal(session, tokenizer, options, stdout)
+    for line in stdin:
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        a = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
+                passages=options.passages)
+        print(json.dumps(answer_json(a), ensure_ascii=False) if as_json else a.text.strip(), file=stdout, flush=True)
+    return 0
+
+
+def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) -> int:
+    import readline  # noqa: F401 - line editing and history for input()
+
+    mem: LandmarkMemory = session.mem
+    print(f"session {session.name}: {session.n_turns} turns so far over {mem.dir.path} "
+          "(/help for commands, Ctrl-D ends)", file=out)
+    last = None
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=out)
+            return 0
+        except KeyboardInterrupt:
+            print(file=out)
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/quit", "/exit"):
+            return 0
+        if command.startswith("/"):
+            print({"/passages": lambda: passages_text(last), "/sessions": lambda: sessions_text(mem.dir.path),
+                   "/help": lambda: HELP}.get(command, lambda: f"unknown command {command}\n{HELP}")(), file=out)
+            continue
+        shown, tokens = "", []
+
+        def show(t):  # stream the answer (a character split over tokens waits for its last one)
+            nonlocal shown
+            tokens.append(t)
+            text = tokenizer.decode(tokens)
+            if not text.endswith("\ufffd"):
+                print(text[len(shown):], end="", file=out, flush=True)
+                shown = text
+
+        print("memory> ", end="", file=out, flush=True)
+        try:
+            last = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
+                       passages=options.passages, on_token=show)
+            print(last.text[len(shown):], file=out)
+        except KeyboardInterrupt:  # the turn is not committed: the session goes back to its last one
+            print("\n(stopped: this turn is forgotten, the session stays at its last answer)", file=out)
+            session = session.reopen()

@@ -1,0 +1,327 @@
+"""The ``landmark-memory`` command: each sub-command's work (``cli_args.py`` holds the command
+line, ``entry.py`` the entry point that parses it before the heavy imports)."""
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+
+from ..index import KINDS
+from ..memory import LandmarkMemory, MemoryDir, default_chunk_size
+from ..memory.answer import ask
+from ..memory.inspect import describe, verify
+from ..memory.saved import wrong_model
+from ..memory.session import Session, delete_session, list_sessions
+from ..models.kinds import backbone_for, is_landmark, load_model, model_name, reading_mode
+from ..models.model import BUNDLED_MODEL
+from .build import build, encode, read_inputs
+from .cli_args import parser
+from .distributed import RayReader, WorkerError
+from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
+
+
+class UsageError(ValueError):
+    pass
+
+
+# ---- shared helpers ---------------------------------------------------------------------
+def emit(args, doc, text):
+    """One JSON document with --json, else human-readable text."""
+    print(json.dumps(doc, indent=1) if args.json else text)
+
+
+def memory_options(args, model):
+    """LandmarkMemory options from the command line (the chunk size resolved for ``model``)."""
+    chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
+    opts = {"top_k": args.top_k, "chunk_size": chunk, "index": args.index, "retrieval": args.retrieval,
+            "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None),
+            "store_dtype": args.store_dtype}
+    index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
+    return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options}
+
+
+def read_one_text(path):
+    inputs = read_inputs([path])
+    if len(inputs) != 1:
+        raise UsageError(f"--input takes one text file, {path} holds {len(inputs)}")
+    return inputs[0]
+
+
+# ---- commands ---------------------------------------------------------------------------
+def saved_model(args, required=True):
+    """The manifest of the memory ``args.memory`` (unless ``required``, None where there is none
+    yet), refused in one line, before any model loads, when it records another model than
+    ``--model``."""
+    if not required and not (Path(args.memory) / "manifest.json").exists():
+        return None
+    saved = MemoryDir(args.memory, writable=False).read_manifest()
+    if saved.model.name and saved.model.name != model_name(args.model):
+        raise UsageError(wrong_model(args.memory, saved.model, model_name(args.model)))
+    return saved
+
+
+def cmd_build(args):
+    inputs = read_inputs(args.input)  # every input checked before the memory is touched
+    path = Path(args.memory)
+    if args.ray_address and not args.workers:
+        raise UsageError("--ray-address needs --workers: how many workers read documents on the cluster")
+    fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
+    saved = saved_model(args, required=False)
+    if saved is not None:
+        if not saved.documents:
+            raise UsageError(f"{path} reads its inputs in one context (a memory built before corpora); build now "
+                             "reads each file as its own document: build into a new memory (this one still opens "
+                             "for ask)")
+        was = {**{k: getattr(saved.options, k) for k in fixed}, "block_size": saved.model.shape.block_size,
+               "train_size": saved.options.index_options.get("train_size")}
+        given = {**fixed, "block_size": args.block_size, "train_size": args.train_size}
+        changed = [k for k, v in given.items() if v and v != was[k]]
+        if changed:
+            raise UsageError(f"{path} was built with " + ", ".join(f"{k}={was[k]}" for k in changed)
+                             + "; these cannot change: drop the flags or build a new memory")
+    block_size = saved.model.shape.block_size if saved else args.block_size
+    model, tok = load_model(args.model, args.device, block_size)
+    reader = (RayReader(args.workers, args.ray_address, args.model, args.device, block_size, args.worker_threads)
+              if args.workers else contextlib.nullcontext())
+    with reader:  # Ray is up and every worker sees the folder before anything is written
+        if args.workers:
+            reader.check_reaches(path)
+        if saved is not None:
+            mem = LandmarkMemory.open(path, model, **({"top_k": args.top_k} if args.top_k else {}))
+        else:
+            opts = {k: v for k, v in fixed.items() if v is not None}
+            if args.train_size:
+                opts["index_options"] = {"train_size": args.train_size}
+            if args.top_k:
+                opts["top_k"] = args.top_k
+            mem = LandmarkMemory(model, path=path, documents=True, **{"store": "lmdb", **opts})
+        try:
+            summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,
+                            progress=not args.quiet, leave_unfinished=args.leave_unfinished)
+        finally:
+            mem.close(commit=False)  # build() committed everything it merged
+    doc = {"memory": str(path), "created": saved is None, **asdict(summary), "documents": len(mem.inputs),
+           "tokens": mem.n_tokens, "blocks": mem.n_blocks, "commit": mem.commit_count,
+           "workers": args.workers or 0}
+    lines = [f"{'updated' if saved else 'created'} {path}: {len(mem.inputs):,} documents, {mem.n_tokens:,} tokens in "
+             f"{mem.n_blocks:,} blocks (commit {mem.commit_count}); {summary.added:,} tokens read now in "
+             f"{summary.seconds:,.1f} s ({summary.added / max(summary.seconds, 1e-9):,.0f} tokens/s)"]
+    lines += [f"skipped (already in memory): {s}" for s in summary.skipped]
+    lines += [f"left unfinished: {s}" for s in summary.left]
+    if summary.interrupted:
+        lines.append(f"interrupted ({summary.interrupted}): every document read so far is committed; run the same "
+                     "build again to continue")
+    emit(args, doc, "\n".join(lines))
+    return 128 + signal.Signals[summary.interrupted].value if summary.interrupted else 0
+
+
+def cmd_info(args):
+    if args.verify:
+        return cmd_verify(args)
+    info = describe(args.memory)
+    kind = "documents" if info["documents"] else "inputs"
+    lines = [f"memory      {info['memory']} (commit {info['commit']}, {info['updated']})",
+             f"tokens      {info['tokens']:,} in {info['blocks']:,} blocks of {info['block_size']} "
+             f"(+{info['pending_tokens']} in the open chunk)",
+             f"index       {info['index']} ({info['index_search']}), store {info['store']} ({info['store_dtype']}), "
+             f"chunk {info['chunk_size']}, top-k {info['top_k']}",
+             f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB" + (
+                 f" ({info['bytes_per_token']:,.0f} bytes per token read)" if info["bytes_per_token"] else ""),
+             f"sessions    {info['sessions']:,} ({info['sessions_bytes'] / 2**20:,.1f} MiB)",
+             f"{kind:11s} {len(info['inputs'])}"]
+    lines += [f"  {e['status']:7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
+    emit(args, info, "\n".join(lines))
+    return 0
+
+
+def cmd_verify(args):
+    report = verify(args.memory)
+    doc = {"memory": str(args.memory), "ok": report.ok, "problems": report.problems,
+           "damaged_blocks": [dict(zip(("stream", "layer", "block"), k)) for k in report.damaged_blocks],
+           "blocks_checked": report.blocks_checked, "indexes_checked": report.indexes_checked}
+    head = (f"{args.memory}: sound ({report.blocks_checked:,} stored blocks and {report.indexes_checked:,} indexes "
+            "checked)" if report.ok else f"{args.memory}: damaged, {len(report.problems)} problem(s); restore the "
+            "memory from a backup or rebuild it")
+    emit(args, doc, "\n".join([head, *(f"  {p}" for p in report.problems)]))
+    return 0 if report.ok else 2
+
+
+def cmd_ask(args):
+    saved = saved_model(args)
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
+    with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
+        answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     seed=args.seed, raw=args.raw, passages=args.passages)
+    doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
+           "retrieved": [asdict(p) for p in answer.passages], "memory_tokens": answer.memory_tokens}
+    lines = [f"Q: {args.prompt}\nA: {answer.text.strip()}" if answer.chat else args.prompt + answer.text]
+    if args.show_retrieved:
+        for p in answer.passages:
+            lines.append(f"\n--- retrieved block {p.block} ({100 * p.share:.0f}% of lookups), "
+                         f"{p.source} at token {p.token_offset:,}:\n{p.text.strip()}")
+    emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def cmd_chat(args):
+    from .chat import ChatOptions, chat
+
+    saved = saved_model(args)
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    query = {"top_k": args.top_k} if args.top_k is not None else {}
+    with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
+        with Session.open(mem, args.session) as session:
+            if args.session is None:
+                print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)
+            return chat(session, tok, ChatOptions(args.raw, args.max_new_tokens, args.passages), as_json=args.json)
+
+
+def cmd_sessions(args):
+    from .chat import sessions_text
+
+    MemoryDir(args.memory, writable=False).read_manifest()  # a memory, or one line saying why not
+    if args.delete:
+        delete_session(args.memory, args.delete)
+        emit(args, {"deleted": args.delete}, f"deleted the session {args.delete}")
+        return 0
+    emit(args, [asdict(s) for s in list_sessions(args.memory)], sessions_text(args.memory))
+    return 0
+
+
+API_KEY_VARIABLE = "LANDMARK_MEMORY_API_KEY"
+
+
+def cmd_serve(args):
+    from .serve import ServeConfig, create_app, serve
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    if key is not None and not key.strip():
+        raise UsageError(f"{API_KEY_VARIABLE} is set but empty: an empty key would turn authentication off; set a "
+                         "key, or unset it to serve without one")
+    saved = saved_model(args)
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), api_key=key, host=args.host,
+                      allowed_hosts=tuple(args.allowed_host), parallel=args.parallel, max_tokens=args.max_tokens,
+                      max_body=args.max_body)
+    app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
+    print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",
+          file=sys.stderr)
+    serve(app, args.host, args.port)
+    return 0
+
+
+def cmd_eval(args):
+    inp = read_one_text(args.input)
+    model, tok = load_model(args.model, args.device)
+    ids = encode(tok, inp.text)
+    mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
+    res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
+    mode = "memory" if mem else reading_mode(model)
+    doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length, **({"memory": mem} if mem else {}),
+           **{k: res[k] for k in ("perplexity", "loss", "tokens", "segments", "seconds")}}
+    emit(args, doc, f"{inp.path.name}: perplexity {res['perplexity']:.3f} over {res['tokens']:,} tokens "
+                    f"({res['segments']} segments of {args.eval_length}, {mode}), {res['seconds']:.1f} s")
+    return 0
+
+
+def cmd_compare(args):
+    inp = read_one_text(args.input)
+    model, tok = load_model(args.model, args.device)
+    if not is_landmark(model):
+        raise UsageError("compare measures retrieval: give a landmark model")
+    kinds = [k.strip() for k in args.index.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise UsageError(f"unknown index kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
+    ids = encode(tok, inp.text)
+    length = args.eval_length or len(ids) - 1
+    opts = memory_options(args, model)
+    opts.pop("index")
+    rows = compare_indexes(model, ids, kinds, length, opts, max_segments=args.max_segments, progress=not args.quiet)
+    if args.plot:
+        from .plots import plot_compare
+
+        plot_compare(rows, args.plot, title=f"{inp.path.name}: {length:,}-token segments, top-{args.top_k}")
+    doc = {"input": str(inp.path), "eval_length": length, "top_k": args.top_k, "chunk_size": opts["chunk_size"],
+           "index_options": opts["index_options"], "rows": rows}
+    lines = [f"{inp.path.name}: segments of {length:,} tokens, top-{args.top_k}, chunk {opts['chunk_size']}",
+             f"{'index':8s} {'perplexity':>10s} {'vs exact':>9s} {'recall@k':>9s} {'search ms':>10s} {'searches':>9s}"]
+    lines += [f"{r['index']:8s} {r['perplexity']:10.3f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
+              f"{r['search_ms']:10.3f} {r['searches']:9,}" for r in rows]
+    emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def cmd_passkey(args):
+    model, tok = load_model(args.model, args.device)
+    lengths = parse_lengths(args.lengths)
+    mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
+    rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
+    label = "landmark + memory" if mem else reading_mode(model)
+    if args.plot:
+        from .plots import plot_passkey
+
+        plot_passkey({label: rows}, args.plot)
+    doc = {"model": str(args.model or BUNDLED_MODEL), "mode": label, "trials": args.trials, "seed": args.seed,
+           **({"memory": mem} if mem else {}), "results": rows}
+    lines = [f"passkey, {label}, {args.trials} trials per length (seed {args.seed})"]
+    lines += [f"{r['length']:>9,} tokens: {100 * r['accuracy']:5.1f}% ({r['correct']}/{r['trials']})" for r in rows]
+    emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def cmd_demo(args):
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_train(argv):
+    from ..training.train import main as train_main
+
+    train_main(argv, prog="landmark-memory train")
+    return 0
+
+
+COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "chat": cmd_chat, "sessions": cmd_sessions,
+            "serve": cmd_serve, "eval": cmd_eval,
+            "compare": cmd_compare, "passkey": cmd_passkey, "demo": cmd_demo}
+ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (MemoryFileError), files that cannot be
+# read or written, a worker dying again and again
+
+
+def os_error_text(e: OSError) -> str:
+    """What an error of the operating system means for the command, and what to do."""
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno == errno.EROFS:
+        return (f"the file system is read-only{where}: build into a folder on a writable disk (ask, info and serve "
+                "read a memory without writing it)")
+    if e.errno == errno.EACCES:
+        return f"permission denied{where}: run as a user who may write there, or choose another folder"
+    return str(e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "train":
+        return cmd_train(argv[1:])
+    args = parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ERRORS as e:
+        print(f"landmark-memory {args.command}: error: {os_error_text(e) if isinstance(e, OSError) else e}",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"landmark-memory {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

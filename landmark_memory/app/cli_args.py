@@ -1,0 +1,251 @@
+"""The ``landmark-memory`` command's arguments: every sub-command, its options and their
+checks (a value out of range is refused by argparse with exit status 2). Nothing here imports
+torch or FAISS: the entry point parses the command line before the heavy imports, so ``--help``
+and a wrong option answer at once."""
+
+import argparse
+
+from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS,
+                    SESSION_NAME, STORE_DTYPES)
+
+
+def _number(kind, low, what, high=None):
+    """An argparse type: ``kind`` (int or float) at least ``low`` (and at most ``high``), finite."""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not low <= x <= (high if high is not None else float("inf")) or x == float("inf"):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return x
+    return parse
+
+
+positive = _number(int, 1, "a positive integer")
+count = _number(int, 0, "an integer >= 0")
+nonnegative = _number(float, 0.0, "a finite number >= 0")
+port = _number(int, 1, "a port number (1 to 65535)", 65535)
+seed = _number(int, 0, "a seed (an integer from 0 to 2**64 - 1)", 2**64 - 1)
+MAX_BLOCK_SIZE = 1024  # the paper's blocks are 50 and 63 tokens; a chunk holds at least one block
+block_size = _number(int, 1, f"a block size (1 to {MAX_BLOCK_SIZE} tokens)", MAX_BLOCK_SIZE)
+top_k = _number(int, 1, f"a number of blocks (1 to {MAX_TOP_K})", MAX_TOP_K)
+
+
+def api_key(text):
+    """An argparse type: a key that is not empty (``--api-key "$UNSET"`` must not turn authentication off)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: an empty key would turn authentication off; give a key, or leave "
+                                         "the option out (and LANDMARK_MEMORY_API_KEY unset) to serve without one")
+    return text
+
+
+def session_name(text):
+    """An argparse type: a session name (``names.SESSION_NAME``), never a path."""
+    if not SESSION_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError("is no session name: use 1 to 100 letters, digits, '_', '.' or '-', starting "
+                                         "with a letter, digit or '_' (a name, never a path)")
+    return text
+
+
+def add_model_args(p):
+    p.add_argument("--model", help="model directory (save_pretrained layout) or a name: "
+                   + "; ".join(f"{k}: {v}" for k, v in NAMED_MODELS.items()) + " (default: the bundled model)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+
+
+CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
+
+
+def add_retrieval_args(p, index_default=DEFAULT_INDEX, top_k_default=DEFAULT_TOP_K):
+    p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
+    p.add_argument("--top-k", type=top_k, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
+    p.add_argument("--index", default=index_default,
+                   help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
+    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
+    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
+    p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
+
+
+def add_store_dtype(p, saved=False):
+    p.add_argument("--store-dtype", choices=STORE_DTYPES,
+                   help="stored key/value dtype; int8: a quarter of float32's bytes, scales per block, head and "
+                        "key channel or value row (default: " + ("int8" if saved else "the model's, in memory") + ")")
+
+
+CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT share is below this retrieves "
+            "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
+
+
+TRAIN_SIZES = "1024 ivf-rows, 4096 ivf, 16384 ivfpq"  # index.default_train_size
+
+
+def add_index_tuning(p, train_size=None):
+    p.add_argument("--train-size", type=positive, default=train_size,
+                   help=f"landmarks before IVF indexes train (default {train_size or TRAIN_SIZES})")
+    p.add_argument("--nprobe", type=positive, help="IVF lists visited per query (default 16)")
+    p.add_argument("--ef-search", type=positive, help="HNSW search breadth (default 128)")
+
+
+DESCRIPTION = """The landmark-memory command: build, inspect, query, serve and measure persistent memories.
+
+    landmark-memory demo                                   # the whole story in a few minutes
+    landmark-memory build my-memory --input books/         # each file a document (resumable, Ctrl-C commits)
+    landmark-memory build my-memory --input books/ --workers 4   # the same, documents read on Ray
+    landmark-memory info my-memory
+    landmark-memory ask my-memory "Who is Mr Hyde?" --show-retrieved
+    landmark-memory chat my-memory --session mine          # a conversation kept in memory, resumed by name
+    landmark-memory sessions my-memory                     # the sessions held over it (--delete NAME)
+    landmark-memory eval --input book.txt --eval-length 2048
+    landmark-memory compare --input book.txt --index flat,ivf-rows,hnsw,ivf,ivfpq --plot compare.png
+    landmark-memory passkey --lengths 1k,4k,16k --trials 20 --plot passkey.png
+    landmark-memory train --preset tiny                    # experiments/train.py's options
+
+Every command takes ``--help``; ``--json`` prints one JSON document on stdout (progress bars
+go to stderr). ``--model`` defaults to the bundled model. Errors exit with status 2 and a
+message saying what to do; a build stopped by Ctrl-C (or SIGTERM) commits and exits with 130
+(143).
+"""
+
+
+def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
+    """The command line of every sub-command; ``args.command`` names the one given."""
+    ap = argparse.ArgumentParser(prog="landmark-memory", description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    sub.add_parser("train", help="train a model (the options of experiments/train.py; see `train --help`)",
+                   add_help=False)
+
+    p = sub.add_parser("build", parents=[common], help="build or extend a saved memory from text files")
+    p.add_argument("memory", help="memory directory (created if absent, extended if present)")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=".txt files or folders of them")
+    add_model_args(p)
+    p.add_argument("--index", choices=INDEX_KINDS, help=f"landmark index of a new memory (default {DEFAULT_INDEX})")
+    p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
+    add_store_dtype(p, saved=True)
+    p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
+    p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
+    p.add_argument("--top-k", type=top_k, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
+    p.add_argument("--train-size", type=positive, metavar="N",
+                   help=f"landmarks per layer and head before an IVF index trains (default {TRAIN_SIZES}); fixed "
+                        "when the memory is created")
+    p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
+                   help="commit at least this often (default 60; the end of each document commits too)")
+    p.add_argument("--leave-unfinished", action="store_true",
+                   help="leave a document an earlier build did not finish as it is (what was read of it stays), "
+                        "e.g. when its file has changed since")
+    p.add_argument("--workers", type=_number(int, 1, "a number of workers >= 1"), metavar="N",
+                   help="read documents in parallel on Ray with N workers (default: one after another in this "
+                        "process); without --ray-address a local Ray instance runs them")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="join a running Ray cluster: auto, or the HOST:PORT `ray start --head` printed; the memory "
+                        "folder must be on a filesystem every machine reaches")
+    p.add_argument("--worker-threads", type=positive, metavar="T",
+                   help="cores (torch, numba and FAISS threads) per worker (default: the cores shared out)")
+
+    p = sub.add_parser("info", parents=[common], help="what a memory holds")
+    p.add_argument("memory")
+    p.add_argument("--verify", action="store_true",
+                   help="check every file and stored block (checksums, lengths, indexes); exit 2 if any is damaged")
+
+    p = sub.add_parser("ask", parents=[common], help="continue from a memory's end with a prompt")
+    p.add_argument("memory")
+    p.add_argument("prompt")
+    add_model_args(p)
+    p.add_argument("--max-new-tokens", type=count, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed when temperature > 0")
+    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
+    p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
+    p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
+    p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
+    p.add_argument("--raw", action="store_true",
+                   help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
+                        "template and its answer ends at its end-of-turn token")
+
+    p = sub.add_parser("chat", help="a conversation over a memory, kept as a named session")
+    p.add_argument("memory")
+    add_model_args(p)
+    p.add_argument("--session", type=session_name, metavar="NAME",
+                   help="the session to resume or start (default: a new one with a generated name, printed first)")
+    p.add_argument("--max-new-tokens", type=count, default=128, help="the most tokens of an answer (default 128)")
+    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
+    p.add_argument("--passages", type=positive, default=3, help="passages to report per answer (default 3)")
+    p.add_argument("--raw", action="store_true",
+                   help="turns are plain text continued as written (a model without a chat template, such as the "
+                        "bundled one); by default a chat model gets each as a user turn of its template")
+    p.add_argument("--json", action="store_true",
+                   help="from a pipe: one JSON object per answer on its own line (session, text, tokens, passages)")
+
+    p = sub.add_parser("sessions", parents=[common], help="list the sessions of a memory, or delete one")
+    p.add_argument("memory")
+    p.add_argument("--delete", type=session_name, metavar="NAME", help="delete this session (refused while it is in use)")
+
+    p = sub.add_parser("serve", help="serve a memory over HTTP: an OpenAI-compatible API and a page")
+    p.add_argument("memory")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=port, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", type=api_key,
+                   help="require `Authorization: Bearer KEY` on every /v1 request (default: the environment variable "
+                        "LANDMARK_MEMORY_API_KEY, which keeps the key out of the process list; neither: no key)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="a Host header to answer besides the address served (127.0.0.1, localhost, [::1] and --host); "
+                        "repeat it for more, or '*' for any (other hosts get 403, so that no web page reaches the "
+                        "server by DNS rebinding)")
+    p.add_argument("--parallel", type=positive, default=2, help="answers computed at once; more wait (default 2)")
+    p.add_argument("--max-tokens", type=positive, default=512,
+                   help="the most new tokens a request may ask (default 512)")
+    p.add_argument("--max-body", type=positive, default=1 << 20,
+                   help="the largest request body in bytes (default 1 MiB)")
+
+    p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
+    p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")
+    add_model_args(p)
+    p.add_argument("--eval-length", type=positive, default=2048, help="tokens per segment (default 2048)")
+    p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
+    p.add_argument("--full-attention", action="store_true",
+                   help="each segment in one forward, no memory (the model's own attention)")
+    add_retrieval_args(p)
+    add_store_dtype(p)
+    add_index_tuning(p)
+
+    p = sub.add_parser("compare", parents=[common], help="exact vs approximate retrieval: perplexity, recall, latency")
+    p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")
+    add_model_args(p)
+    p.add_argument("--index", default="flat,ivf-rows,hnsw,ivf,ivfpq",
+                   help="index kinds, comma-separated (default all CPU kinds)")
+    p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
+    p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
+    p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
+    p.add_argument("--top-k", type=top_k, default=DEFAULT_TOP_K, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
+    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
+    p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
+    add_store_dtype(p)
+    add_index_tuning(p, train_size=1024)
+    p.add_argument("--plot", metavar="FILE.png", help="bar charts of the table")
+
+    p = sub.add_parser("passkey", parents=[common], help="the paper's passkey retrieval test")
+    add_model_args(p)
+    p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths in tokens (default 1k,2k,4k,8k; k = 1024)")
+    p.add_argument("--trials", type=positive, default=10, help="prompts per length (default 10)")
+    p.add_argument("--seed", type=seed, default=0, help="keys and depths are reproducible from it")
+    p.add_argument("--full-attention", action="store_true", help="whole prompt in one forward, no memory")
+    p.add_argument("--plot", metavar="FILE.png", help="accuracy vs length")
+    add_retrieval_args(p)
+    add_store_dtype(p)
+    add_index_tuning(p)
+
+    p = sub.add_parser("demo", parents=[common], help="build, save, reopen and query a memory over the sample book")
+    p.add_argument("--out", help="where to keep the memory (default: a temporary folder, removed afterwards)")
+    p.add_argument("--seed", type=seed, help="where the passkey goes and what it is (default: random)")
+    p.add_argument("--book", metavar="FILE", help="a text file to use instead of the bundled sample book")
+    p.add_argument("--book-tokens", type=positive,
+                   help="read only the book's first N tokens (default: all of it for the bundled model, "
+                        "8192 for others, which read about 100 times slower on a CPU)")
+    add_model_args(p)
+    return ap

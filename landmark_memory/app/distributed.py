@@ -1,0 +1,248 @@
+"""Reading documents on Ray: across processes and machines, the build's driver merging them.
+
+``RayReader`` is a context manager: without an address it starts a local Ray instance sized
+for its workers and shuts it down at the end; with one (``"auto"`` or ``HOST:PORT``) it joins a
+running cluster (``ray start --head``, then ``ray start --address HOST:PORT`` on each other
+machine); a program that called ``ray.init`` itself keeps its own Ray. Each worker is a Ray
+actor that loads the model once and sets torch, numba and FAISS to its share of the cores
+(``threads``, what Ray reserves for it: never more threads than cores). Documents go to idle
+workers in the inputs' order. A worker that dies (killed, its machine lost) is restarted by
+Ray, which runs its document again: the document goes on from its last commit.
+
+The memory folder must be on a filesystem every worker reaches (on one machine any local
+disk; across machines a shared one): each worker checks that it sees a probe file the driver
+put beside the memory, before anything is written.
+"""
+
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..memory import MemoryDir
+from ..memory.corpus import committed_tokens
+from .build import DocumentJob, DocumentResult, read_document
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # as the build command (entry.py): no spinning on shared cores
+RESTARTS = 3  # a worker (and the document it was reading) is restarted this many times, then the build fails
+
+
+class WorkerError(RuntimeError):
+    """A worker died more often than Ray restarts it."""
+
+
+def available_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def set_threads(n: int) -> None:
+    """torch, FAISS (OpenMP) and numba use ``n`` threads in this process."""
+    import faiss
+    import numba
+    import torch
+
+    torch.set_num_threads(n)
+    faiss.omp_set_num_threads(n)
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+class _Worker:
+    """A Ray actor (made remote in ``RayReader``): the model, loaded once, reads documents."""
+
+    def __init__(self, model: str | None, device: str, block_size: int | None, threads: int):
+        from ..models.kinds import load_model
+
+        set_threads(threads)
+        self.model, _ = load_model(model, device, block_size)
+
+    def sees(self, probe: str, token: str) -> bool:
+        try:
+            return Path(probe).read_text() == token
+        except OSError:
+            return False
+
+    def read(self, job: DocumentJob, progress=None) -> DocumentResult:
+        import ray
+
+        context = ray.get_runtime_context()
+        return read_document(job, self.model, stop=context.is_canceled, on_tokens=_Reporter(progress, job.folder))
+
+
+class _Reporter:
+    """A worker's tokens read, sent to the driver's progress queue (a Ray ``Queue``) at most every
+    ``every`` seconds, so that the build's bar moves between commits."""
+
+    def __init__(self, progress, folder: Path, every: float = 1.0):
+        self.progress, self.folder, self.every = progress, str(folder), every
+        self.unsent, self.last = 0, time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        import ray
+
+        self.unsent += n
+        if self.progress is not None and time.monotonic() - self.last >= self.every:
+            try:
+                self.progress.put_nowait((self.folder, self.unsent))
+            except ray.exceptions.RayError:  # the bar is a courtesy: reading goes on without it
+                self.progress = None
+            self.unsent, self.last = 0, time.monotonic()
+
+
+def check_address(address: str) -> None:
+    """Refuse a ``HOST:PORT`` nothing answers at, in seconds rather than after Ray's own retries."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address takes auto or HOST:PORT (what `ray start --head` printed), got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"cannot reach a Ray cluster at {address} ({e.strerror or e}); start one with "
+                         "`ray start --head` and pass the address it prints, or drop --ray-address to run "
+                         "on this machine") from None
+
+
+class RayReader:
+    """``workers`` Ray actors reading documents with ``threads`` cores each (default: this
+    machine's cores shared out when Ray is local, else the cluster's CPUs shared out, at most
+    the smallest machine's)."""
+
+    def __init__(self, workers: int, address: str | None, model: str | None, device: str = "cpu",
+                 block_size: int | None = None, threads: int | None = None):
+        if workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {workers}")
+        self.workers, self.address, self.threads = workers, address, threads
+        self.model_args = (model, device, block_size)
+        self._started, self.actors = False, []
+
+    def __enter__(self) -> "RayReader":
+        if self.address is not None and "ray" not in sys.modules:  # (a program that imported Ray set it up)
+            # Ray 2.52+ clusters authenticate their members with a token (~/.ray/auth_token), which
+            # a driver joining by HOST:PORT sends only in token mode, read when Ray is imported
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("--workers reads documents on Ray, which is not installed here: install the package's "
+                             "ray extra (pip install -e '.[ray]')") from None
+
+        if not ray.is_initialized():
+            if self.address is None:
+                cores = available_cores()
+                if self.workers > cores:
+                    raise ValueError(f"--workers {self.workers} on a machine with {cores} cores: give at most {cores} "
+                                     "(one core each), or join a cluster with --ray-address")
+                self.threads = self.threads or cores // self.workers
+                ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False,
+                         log_to_driver=False, logging_level="ERROR")
+            else:
+                check_address(self.address)
+                try:
+                    ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
+                except (ConnectionError, RuntimeError) as e:
+                    raise ValueError(f"cannot join the Ray cluster at {self.address} ({e}); start one with "
+                                     "`ray start --head`, or drop --ray-address to run on this machine") from None
+            self._started = True
+        try:
+            self._start_workers(ray)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start_workers(self, ray):
+        cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]]
+        threads = self.threads or max(1, min(int(sum(cpus)) // self.workers, int(max(cpus, default=1))))
+        if self.workers * threads > sum(cpus):
+            raise ValueError(f"{self.workers} workers of {threads} cores need {self.workers * threads} CPUs; the Ray "
+                             f"cluster has {sum(cpus):g}: give fewer --workers")
+        self.threads = threads
+        worker = ray.remote(_Worker).options(
+            num_cpus=threads, max_restarts=RESTARTS, max_task_retries=RESTARTS, scheduling_strategy="SPREAD",
+            runtime_env={"env_vars": {**WORKER_ENV, **{v: str(threads) for v in THREAD_VARIABLES}}})
+        self.actors = [worker.remote(*self.model_args, threads) for _ in range(self.workers)]
+
+    def check_reaches(self, memory: Path) -> None:
+        """Refuse a memory folder some worker cannot see (a path on this machine's own disk
+        while workers run on others): a probe file beside it, removed again."""
+        import ray
+
+        where = next(p for p in [memory.resolve(), *memory.resolve().parents] if p.is_dir())
+        probe, token = where / f".landmark-memory-probe.{secrets.token_hex(8)}", secrets.token_hex(16)
+        probe.write_text(token)
+        try:
+            seen = ray.get([a.sees.remote(str(probe), token) for a in self.actors])
+        finally:
+            probe.unlink(missing_ok=True)
+        if not all(seen):
+            raise ValueError(f"{sum(not s for s in seen)} of {len(seen)} workers cannot see {where}: the memory folder "
+                             "must be on a filesystem every worker reaches (a shared disk mounted at the same path "
+                             "on every machine)")
+
+    def run(self, jobs, stop, bar):
+        import ray
+
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        todo, running = list(jobs), {}  # ref -> (actor, job)
+        shown, first = {}, {}  # per document folder: tokens the bar counts, tokens committed when it started
+        idle, cancelled = list(self.actors), False
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # workers' tokens read since they last said, on this machine (a worker's machine may be lost)
+        progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        try:
+            while todo or running:
+                while idle and todo and not cancelled:
+                    actor, job = idle.pop(0), todo.pop(0)
+                    shown[job.folder] = first[job.folder] = _committed(job.folder)
+                    running[actor.read.remote(job, progress)] = (actor, job)
+                if stop() and not cancelled:  # the documents under way commit and return
+                    for ref in running:
+                        ray.cancel(ref)
+                    cancelled, todo = True, []
+                for folder, n in progress.get_nowait_batch(progress.qsize()):  # the bar moves as documents are read
+                    if Path(folder) in shown:  # (a finished document's count is its commit's, below)
+                        shown[Path(folder)] += n
+                        bar.update(n)
+                done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+                for ref in done:
+                    actor, job = running.pop(ref)
+                    try:
+                        result = ray.get(ref)
+                    except ray.exceptions.TaskCancelledError:  # stopped: what it read is what it committed
+                        result = DocumentResult(job.folder, _committed(job.folder) - first[job.folder], False)
+                    except ray.exceptions.RayTaskError as e:  # the document's own error, as this process would give it
+                        raise e.cause if isinstance(e.cause, (ValueError, OSError)) else e from None
+                    except ray.exceptions.RayActorError as e:
+                        raise WorkerError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
+                                          "committed is kept: run the build again") from None
+                    idle.append(actor)
+                    bar.update(_committed(job.folder) - shown.pop(job.folder))
+                    yield result
+        finally:
+            ray.kill(progress.actor)
+
+    def __exit__(self, *exc):
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self._started:
+            ray.shutdown()
+            self._started = False
+
+
+def _committed(folder: Path) -> int:
+    """Tokens of the document in ``folder`` its last commit holds (0 before its first, or while
+    its manifest is being replaced)."""
+    try:
+        return committed_tokens(MemoryDir(folder, writable=False).read_manifest())
+    except (OSError, ValueError):
+        return 0

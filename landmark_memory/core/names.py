@@ -1,0 +1,24 @@
+"""The names the command line offers, importable without torch or FAISS (so that ``--help``
+and a wrong option answer at once): index kinds, stores and their dtypes, retrieval modes,
+position mappings, session names, and the named models. Each is owned here and used by the module that
+implements it."""
+
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]
+ASSETS, SAMPLES = PACKAGE / "assets", PACKAGE / "samples"  # shipped models and tokenizer; sample texts
+
+INDEX_KINDS = ("ivf-rows", "flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
+DEFAULT_TOP_K = 4  # memory/options.py: blocks retrieved per query (the paper's k)
+MAX_TOP_K = 1024  # memory/options.py: blocks per query; the arrays of a chunk's choices grow with it
+DEFAULT_INDEX = "ivf-rows"  # exact until 1024 blocks, then lists over the key rows (experiments/results/scale.md)
+STORES = ("memory", "lmdb", "mmap")  # storage/__init__.py
+STORE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # storage/__init__.py, quant.py
+RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2
+MAPPINGS = ("stingy", "exact")  # paper 3.2.1
+SESSION_NAME = re.compile(r"\w[\w.-]{0,99}")  # memory/session.py: a name, never a path (no separator, no leading
+# dot or dash, no control character)
+NAMED_MODELS = {  # hf/smollm2.py
+    "smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",
+    "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}

@@ -1,0 +1,222 @@
+"""Asking a memory: the answer, and the passages it read.
+
+``ask`` feeds a question after everything the memory holds (through the model's chat template
+where it has one) and generates the answer, counting which memory blocks the answer's tokens
+retrieved: the passages of the answer, most read first, each named by its document and token
+offset (the paper's interpretability claim), or by its session's turn. ``converse`` does the
+same for a conversation sent whole (a server's stateless request), ``say`` for a turn of a
+session kept in memory (``memory/session.py``). The memory reads the question and the answer
+too, as any text fed to it; for an answer that no earlier question sees, ``rewind()`` a
+read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between questions.
+"""
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from .engine import LandmarkMemory
+from .manifest import MemoryFileError
+from .session import ROLES, Session, Turn
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A memory block an answer read: its ``text``, its ``source`` (the document's file, None
+    where the memory does not know it), the ``token_offset`` of its first token in that
+    source, and its ``share`` of the answer's lookups. A block of a session names the
+    ``session`` and its ``turn`` instead (the offset is then in that turn)."""
+
+    block: int
+    source: str | None
+    token_offset: int
+    text: str
+    share: float
+    session: str | None = None
+    turn: int | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message of a conversation: ``role`` is system, user or assistant."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """``text``: the answer (without the end-of-turn token); ``tokens``: its token ids;
+    ``chat``: whether the question went through the chat template; ``passages``: most read
+    first; ``memory_tokens``: the tokens the memory held before the question; ``stop``: the
+    stop string that ended it (cut from ``text``; its tokens stay in ``tokens``), or None."""
+
+    question: str
+    text: str
+    tokens: list[int]
+    chat: bool
+    passages: list[Passage] = field(default_factory=list)
+    memory_tokens: int = 0
+    stop: str | None = None
+    session: str | None = None  # the session it was said in (``say``)
+    prompt_tokens: int = 0  # the tokens the question was read as (through the chat template)
+    end_of_turn: int | None = None  # the end-of-turn token that ended it (read by the memory, not in ``tokens``)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class QuestionError(ValueError):
+    """A question ``ask`` refuses; ``field`` says what is wrong: "empty", "text" (not Unicode),
+    "seed", "stop" or "role"."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) -> None:
+    """Raise ``QuestionError`` for what ``ask`` cannot answer: an empty question, one that is no
+    Unicode text, a seed outside 0..2**64 - 1, an empty stop string (a server checks a request
+    here before it answers)."""
+    if not question.strip():
+        raise QuestionError("empty", "the question is empty")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")
+        raise QuestionError("text", f"the question is not valid text: {question[e.start:e.end]!r} at character "
+                            f"{e.start} is no Unicode character (text must be UTF-8)") from None
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise QuestionError("seed", f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise QuestionError("stop", f"stop strings must be non-empty strings, got {list(stop)!r}")
+
+
+def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage:
+    """The block ``block`` of the memory as a ``Passage``."""
+    bs, ids = mem.shape.block_size, mem.tokens(0, block, block + 1)
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < mem.backbone.vocab_size:  # read, not checked, at open
+        raise MemoryFileError(f"the token rows of {mem.dir.path if mem.dir else 'the memory'} hold ids outside the "
+                              f"model's vocabulary at block {block}; the memory is damaged: restore it from a backup "
+                              "or rebuild it (`landmark-memory info --verify` checks every file)")
+    at, text = block * bs, tokenizer.decode(ids.tolist())
+    s = mem.attached
+    if s is not None and block >= mem.blocks.base:
+        turn, offset = s.locate(block - mem.blocks.base)
+        return Passage(block, None, offset, text, share, s.name, turn)
+    for e in mem.inputs:
+        if e.start <= at < e.start + e.ingested:
+            return Passage(block, e.path, at - e.start, text, share)
+    return Passage(block, None, at, text, share)
+
+
+def ask(mem: LandmarkMemory, tokenizer, question: str, **options) -> Answer:
+    """Answer ``question`` from the memory ``mem`` read by its model (``tokenizer`` its own):
+    ``converse`` with one user message (its options: raw, max_new_tokens, temperature, seed,
+    passages, stop, on_token)."""
+    return converse(mem, tokenizer, [Message("user", question)], **options)
+
+
+def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max_new_tokens: int = 32,
+             temperature: float = 0.0, seed: int = 0, raw: bool = False, passages: int = 3,
+             stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None, first: bool = True) -> Answer:
+    """Read ``messages`` after everything the memory ``mem`` holds and generate the answer.
+
+    Parameters
+    ----------
+    raw : bool, continue the messages' text as written (joined by new lines); by default a
+        chat model (a tokenizer with ``chat_text``) gets them as turns of its chat template,
+        and its answer ends at any of its end-of-turn tokens (``end_of_turn_ids``).
+    passages : int, how many of the passages read to report.
+    stop : strings that end the answer where it first produces one of them (cut from its text).
+    on_token : called with each new token id of the answer as it is generated (streaming; not
+        with an end-of-turn token).
+    first : the messages open the conversation (the template's opening, e.g. a default system
+        message, goes first); else they follow turns the memory has read.
+    """
+    check_messages(messages, seed=seed, stop=stop)
+    if max_new_tokens < 0 or passages < 0:
+        raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")
+    question = messages[-1].content
+    chat = None if raw else getattr(tokenizer, "chat_text", lambda *a, **k: None)(
+        [asdict(m) for m in messages], first=first, answer=True)
+    prompt = chat if chat is not None else "\n".join(m.content for m in messages)
+    n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
+    uses = Counter()
+    stops = set(tokenizer.end_of_turn_ids) if chat else set()
+
+    def read(retrieved):  # per layer (1, H, 1, k): the blocks a position read
+        for r in retrieved:
+            uses.update(b for b in r[0].flatten().tolist() if 0 <= b < n_saved)
+
+    def told(t):  # (1,): a new token, streamed unless it ends the turn
+        if on_token is not None and int(t[0]) not in stops:
+            on_token(int(t[0]))
+
+    def stopped(tokens):  # the answer so far holds a stop string
+        text = tokenizer.decode([t for t in tokens if t not in stops])
+        return any(s in text for s in stop)
+
+    ids = tokenizer.encode(prompt).ids
+    new = mem.generate(torch.tensor([ids], device=mem.device), max_new_tokens, temperature=temperature,
+                       generator=torch.Generator().manual_seed(seed), stop_ids=stops,
+                       until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
+    total = sum(uses.values()) or 1
+    most_read = [passage(mem, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
+    answer = new[:-1] if new and new[-1] in stops else new
+    text, cut = tokenizer.decode(answer), None
+    hits = [(text.find(s), s) for s in stop if s in text]
+    if hits:
+        at, cut = min(hits)
+        text = text[:at]
+    return Answer(question, text, answer, chat is not None, most_read, n_tokens, cut, prompt_tokens=len(ids),
+                  end_of_turn=new[-1] if new and new[-1] in stops else None)
+
+
+def check_messages(messages: Sequence[Message], *, seed: int = 0, stop: Sequence[str] = ()) -> None:
+    """Raise ``QuestionError`` for a conversation ``converse`` cannot answer: none, a role that
+    is not system, user or assistant, a message that is no text, an empty last message."""
+    if not messages:
+        raise QuestionError("empty", "there is no message to answer")
+    for m in messages:
+        if m.role not in ROLES:
+            raise QuestionError("role", f"a message's role must be one of {', '.join(ROLES)}, got {m.role!r}")
+        check_question(m.content or ".", seed=seed, stop=stop)
+    check_question(messages[-1].content, seed=seed, stop=stop)
+
+
+def say(session: Session, tokenizer, messages: str | Sequence[Message], **options) -> Answer:
+    """A turn of ``session``: ``messages`` (a string: one user message) read after the
+    conversation so far, over the memory at its newest commit, and answered (``converse``'s
+    options); the turn is committed to the session before this returns."""
+    messages = [Message("user", messages)] if isinstance(messages, str) else list(messages)
+    check_messages(messages, seed=options.get("seed", 0), stop=options.get("stop", ()))
+    raw, mem = options.get("raw", False), session.mem
+    mem.refresh()  # every document committed before the turn (a new commit lets the session go: attach again)
+    session.attach()
+    first, said, turns = not session.n_turns, time.strftime("%Y-%m-%dT%H:%M:%S%z"), []
+    chat_text = None if raw else getattr(tokenizer, "chat_text", None)
+    for m in messages[:-1]:  # messages that ask for no answer: read, a turn each
+        start = session.n_tokens
+        text = chat_text([asdict(m)], first=first and not turns, answer=False) if chat_text else None
+        mem.forward(torch.tensor([tokenizer.encode(text if text is not None else m.content + "\n").ids]),
+                    logits="none")
+        turns.append(Turn(m.role, m.content, start, session.n_tokens - start, said))
+    start = session.n_tokens
+    a = converse(mem, tokenizer, messages[-1:], first=first and not turns, **options)
+    turns.append(Turn(messages[-1].role, messages[-1].content, start, a.prompt_tokens, said))
+    start += a.prompt_tokens
+    if a.chat:  # the assistant's turn closed as the template closes it (what its end token left of it)
+        opened = tokenizer.chat_text([], first=False, answer=True) + tokenizer.decode(a.tokens)
+        whole = tokenizer.chat_text([{"role": "assistant", "content": tokenizer.decode(a.tokens)}], first=False,
+                                    answer=False)
+        rest = whole[len(opened):] if whole.startswith(opened) else ""
+        end = "" if a.end_of_turn is None else tokenizer.decode([a.end_of_turn])
+        rest = rest[len(end):] if rest.startswith(end) else ""
+        if rest:
+            mem.forward(torch.tensor([tokenizer.encode(rest).ids]), logits="none")
+    turns.append(Turn("assistant", a.text, start, session.n_tokens - start, said, [asdict(p) for p in a.passages]))
+    session.commit(turns)
+    return replace(a, session=session.name)

@@ -1,0 +1,180 @@
+"""The kinds of model the package runs, in one place: telling them apart, loading them, their
+in-sequence logits, and the backbone a memory drives.
+
+- ``LandmarkGPT`` (``model.py``) with ``attention="landmark"`` (reads through a memory),
+  ``"full"`` (the baseline) or ``"infini"`` (Infini-attention, streamed);
+- a Hugging Face causal LM converted by ``landmark_memory.models.hf.convert`` (reads through a
+  memory), or a plain one (full attention).
+
+The Hugging Face side is imported only when a Hugging Face model is at hand: importing
+transformers takes seconds, and a LandmarkGPT needs none of it.
+"""
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+from ..core.names import NAMED_MODELS
+from ..core.tokenizer import load_tokenizer
+from .backbone import Backbone, GPTBackbone
+from .model import BUNDLED_MODEL, LandmarkGPT
+
+
+def is_converted(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model converted by ``landmark_memory.models.hf.convert``."""
+    if isinstance(model, LandmarkGPT):
+        return False
+    from .hf.convert import is_converted as converted
+
+    return converted(model)
+
+
+def is_landmark(model: torch.nn.Module) -> bool:
+    """Whether ``model`` uses landmark attention (and so can read through a memory)."""
+    if isinstance(model, LandmarkGPT):
+        return model.config.attention == "landmark"
+    return is_converted(model)
+
+
+def is_infini(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a LandmarkGPT with Infini-attention (read by streaming its state)."""
+    return isinstance(model, LandmarkGPT) and model.config.attention == "infini"
+
+
+def is_plain_hf(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM with its own attention (not converted)."""
+    return not isinstance(model, LandmarkGPT) and not is_converted(model)
+
+
+def kv_cache_decoder(model: torch.nn.Module, idx: torch.Tensor):
+    """``(logits, feed)`` for ``decode.decode``: a plain Hugging Face model reads ``idx`` (B, T)
+    into a ``DynamicCache``, and ``feed`` extends it by one token at a time."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    # transformers 5.24 renamed the forward's past_key_values to cache (the old name goes in 5.40)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def feed(nxt):  # (B, 1) -> (B, vocab)
+        return model(input_ids=nxt, use_cache=True, **{name: cache}).logits[:, -1]
+
+    return feed(idx), feed
+
+
+def reading_mode(model: torch.nn.Module) -> str:
+    """How ``model`` reads a text without a landmark memory."""
+    if is_landmark(model):
+        return "in-sequence"
+    if is_infini(model):
+        return "infini-attention (streamed)"
+    return "full attention"
+
+
+def backbone_for(model: torch.nn.Module) -> Backbone:
+    """The layer stack a memory drives: a ``LandmarkGPT`` with landmark attention, or a Hugging
+    Face causal LM converted by ``landmark_memory.models.hf.convert``."""
+    if isinstance(model, LandmarkGPT):
+        if model.config.attention != "landmark":
+            raise ValueError("a memory needs a model with landmark attention; this LandmarkGPT has "
+                             f"attention={model.config.attention!r}")
+        return GPTBackbone(model)
+    if is_converted(model):
+        from .hf.backbone import HFBackbone
+
+        return HFBackbone(model)
+    raise ValueError(f"a memory needs a LandmarkGPT or a Hugging Face model converted with "
+                     f"landmark_memory.models.hf.convert, got {type(model).__name__}")
+
+
+def in_sequence_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, vocab) of one forward over normal token ids ``idx`` (B, T), no memory:
+    a LandmarkGPT, a converted Hugging Face model (landmarks inserted), or a plain one."""
+    if isinstance(model, LandmarkGPT):
+        return model(idx)
+    if is_converted(model):
+        from .hf.convert import normal_logits
+
+        return normal_logits(model, idx)
+    return model(input_ids=idx, use_cache=False).logits
+
+
+def hf_config(path: str | Path) -> dict | None:
+    """The config.json of a Hugging Face model directory (it names a model_type), else None:
+    tells a landmark model (``landmark_block_size`` set) from a plain one without loading it."""
+    f = Path(path) / "config.json"
+    try:
+        doc = json.loads(f.read_text()) if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and "model_type" in doc else None
+
+
+
+def _hf_ready(model, tokenizer, name, device: str, block_size: int | None):
+    """A loaded Hugging Face model in eval mode on ``device`` with its ``TextTokenizer``, once
+    ``block_size`` (if given) is found to be its own."""
+    from .hf.tokenizer import TextTokenizer
+
+    saved_block = getattr(model.config, "landmark_block_size", None)
+    if block_size and block_size != saved_block:
+        raise ValueError(f"{name} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
+                         if saved_block else "--block-size applies to landmark models only")
+    return model.to(device).eval(), TextTokenizer(tokenizer)
+
+
+def model_name(path: str | Path | None) -> str:
+    """A model as memories record it: "bundled", a name of ``NAMED_MODELS``, or a folder's
+    absolute path."""
+    if path is None:
+        return "bundled"
+    return str(path) if str(path) in NAMED_MODELS and not Path(path).exists() else str(Path(path).resolve())
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch knows it and this machine has it; else ``ValueError`` saying so."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: give cpu, cuda, cuda:1 ... or auto") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"device {device!r} is not on this machine ({torch.cuda.device_count()} CUDA devices): "
+                         "use --device cpu or auto")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: give cpu, cuda, cuda:1 ... or auto")
+    return device
+
+
+def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None):
+    """``(model, tokenizer)`` from ``path``: a LandmarkGPT directory (default: the bundled
+    model) with the shipped tokenizer, a Hugging Face model directory (converted or plain)
+    with its own tokenizer (a ``hf.TextTokenizer``), or a name of ``NAMED_MODELS``
+    (``hf/smollm2.py``), in eval mode on ``device`` ("auto": cuda when available), tagged
+    with its ``model_name`` as ``landmark_name``. ``block_size`` must match a landmark model's
+    own, except that a LandmarkGPT may be read with another (its trained blocks may suit it less)."""
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else check_device(device)
+    config = hf_config(path) if path else None
+    named = path in NAMED_MODELS and not Path(path).exists()
+    if config is not None or named:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from .hf.convert import from_pretrained
+        from .hf.smollm2 import LANDMARK, load_base, load_landmark
+
+        hf_logging.disable_progress_bar()  # our own bars report the work
+        if named:
+            model, tok = load_landmark() if path == LANDMARK else load_base()
+        else:
+            load = from_pretrained if config.get("landmark_block_size") else AutoModelForCausalLM.from_pretrained
+            model, tok = load(path), AutoTokenizer.from_pretrained(path)
+        model, tok = _hf_ready(model, tok, path, dev, block_size)
+    else:
+        model, tok = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev).eval(), load_tokenizer()
+        if block_size and block_size != model.config.block_size:
+            if model.config.attention != "landmark":
+                raise ValueError("--block-size applies to landmark models only")
+            model.config.block_size = block_size  # shared by every layer
+    model.landmark_name = model_name(path)  # what a memory built with it records
+    return model, tok

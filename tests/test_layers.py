@@ -1,0 +1,82 @@
+"""The package's layers: each folder imports only from the folders below it, and no two modules
+import each other, however indirectly (imports inside functions count)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "landmark_memory"
+# a folder's rank: it may import from lower ranks and from itself, never from its own rank's others
+LAYERS = {"core": 0, "kernels": 1, "index": 1, "storage": 1, "models": 2, "memory": 3, "training": 4, "app": 5}
+PUBLIC = {"__init__.py", "hf.py"}  # the package's face at its root: it names what users import
+
+
+def modules():
+    """{dotted name: path} of every module of the package."""
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(name, path, known):
+    """The package's modules that module ``name`` imports (at any depth of its code)."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            heads = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        elif isinstance(node, ast.Import):
+            heads = [a.name for a in node.names]
+        else:
+            continue
+        found |= {h for h in heads if h.split(".")[0] == "landmark_memory" and h != name}
+    return found
+
+
+def test_every_import_points_down_a_layer_or_stays_in_its_folder():
+    known, wrong = modules(), []
+    for name, path in known.items():
+        parts = name.split(".")
+        if name in ("landmark_memory", "landmark_memory.hf"):  # the public face
+            continue
+        own = parts[1]
+        for target in imports(name, path, known):
+            layer = target.split(".")[1] if "." in target else None
+            if layer != own and (layer not in LAYERS or LAYERS[layer] >= LAYERS[own]):
+                wrong.append(f"{name} ({own}) imports {target}")
+    assert not wrong, "imports that do not point down a layer:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_package_root_holds_only_its_public_face_and_the_layers():
+    files = {f.name for f in PACKAGE.glob("*.py")}
+    folders = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").exists()}
+    assert files == PUBLIC
+    assert folders == set(LAYERS)
+
+
+def test_no_module_imports_itself_through_others():
+    known = modules()
+    face = {"landmark_memory", "landmark_memory.hf"}
+    graph = {name: {t for t in imports(name, path, known) if t in known and not name.startswith(t + ".")}
+             for name, path in known.items() if name not in face}  # a package's modules may use its __init__
+    state = {}
+
+    def visit(node, trail):  # depth first; a node met again on the trail closes a cycle
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
