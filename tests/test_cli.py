@@ -130,6 +130,10 @@ def test_passkey_reports_accuracy_per_length(capsys, tmp_path):
 def test_demo_runs_end_to_end_on_a_short_book(texts, capsys, tmp_path):
     doc = run_json(capsys, "demo", "--book", str(texts / "a.txt"), "--seed", "3", "--out", str(tmp_path / "d"))
     assert doc["tokens"] > 1000 and isinstance(doc["correct"], bool) and doc["retrieved"]
+    rank = doc["key_passage_rank"]  # where the key's passage stands among every passage the answer read
+    assert rank is None or 1 <= rank <= doc["passages_read"]
+    if rank is not None and rank <= len(doc["retrieved"]):
+        assert str(doc["key"]) in doc["retrieved"][rank - 1]["text"]
     assert [r["index"] for r in doc["compare"]] == ["flat", "ivf-rows", "hnsw", "ivf", "ivfpq"]
     assert (tmp_path / "d" / "memory" / "manifest.json").is_file()
 

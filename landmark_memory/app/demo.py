@@ -81,19 +81,20 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
 
         say(f"2. Reopening it from disk and asking:{QUESTION}")
-        with LandmarkMemory.open(mem_path, model, readonly=True) as mem:
-            asked = ask(mem, tok, QUESTION, raw=True, max_new_tokens=8, passages=PASSAGES).to_json()
-        asked["retrieved"] = asked.pop("passages")
+        with LandmarkMemory.open(mem_path, model, readonly=True) as mem:  # every block read, most read first
+            asked = ask(mem, tok, QUESTION, raw=True, max_new_tokens=8, passages=mem.n_blocks).to_json()
+        read = asked.pop("passages")
+        asked["retrieved"] = read[:PASSAGES]
         answer = first_int(asked["text"])
-        top = asked["retrieved"][0] if asked["retrieved"] else None
+        top = read[0] if read else None
         say(f"   answer:{asked['text']!r} -> {answer} ({'correct' if answer == key else f'wrong, the key is {key}'})")
-        holder = next((p for p in asked["retrieved"] if str(key) in p["text"]), None)
+        rank = next((i + 1 for i, p in enumerate(read) if str(key) in p["text"]), None)  # the key's passage
         if top:
-            say(passage_line("most-read passage", top, "holds the key" if top is holder else "does not hold the key"))
-        if holder is not None and holder is not top:
-            say(passage_line("passage holding the key", holder))
-        elif top and holder is None:
-            say(f"   the key's passage is not among the {PASSAGES} most-read")
+            say(passage_line("most-read passage", top, "holds the key" if rank == 1 else "does not hold the key"))
+        if rank is not None and rank > 1:
+            say(passage_line(f"passage holding the key, read {rank}th most of {len(read)}", read[rank - 1]))
+        elif top and rank is None:
+            say(f"   the key's passage was not among the {len(read)} the answer read")
 
         ids = encode(tok, text)
         bundled = isinstance(model, LandmarkGPT)  # IVF kinds need 256 landmarks a layer-head: 16K tokens of blocks
@@ -109,7 +110,8 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"done in {time.time() - t0:.0f} s")
         if args.json:
             print(json.dumps({"seed": seed, "key": key, "depth": depth, "tokens": n_tokens, "answer": answer,
-                              "correct": answer == key, "retrieved": asked["retrieved"], "compare": rows,
+                              "correct": answer == key, "retrieved": asked["retrieved"], "key_passage_rank": rank,
+                              "passages_read": len(read), "compare": rows,
                               "seconds": time.time() - t0, "memory": str(mem_path) if args.out else None}, indent=1))
         return 0
     finally:

@@ -1,0 +1,423 @@
+"""Which blocks a question retrieves: the rank of the planted fact's block, not what the model copies.
+
+    python experiments/exp_retrieval.py --books BOOKS                          # every part at its defaults
+    python experiments/exp_retrieval.py --books BOOKS --parts questions --lengths 8k --haystacks 2
+    python experiments/exp_retrieval.py --books BOOKS --parts ppl --ppl-variants k4,"k4 sink local"
+    python experiments/exp_retrieval.py --report                              # retrieval.md from the state
+
+``questions``: ``--haystacks`` stretches of held-out book text per length, each with ten facts
+planted as plain sentences (one per tenth of the text, at a random full stop in it). The text is
+read into a saved memory at the defaults; then each fact's question is asked as ``ask`` asks it
+(the chat template, greedy, ``ASK_NEW`` tokens) from the memory opened read-only in each variant,
+rewound between questions. For every question: where the fact's block ranks among the blocks the
+question's last token and the answer's tokens chose (by their share of the lookups, every layer
+and head: the order of ``ask``'s passages), overall and per layer; whether it is among the 5
+passages ``ask`` reports (recall@5); the share of the chosen lookups on the memory's first block
+and its last three; and whether the answer holds the fact's words.
+
+``passkey``, ``ruler``: ``exp_diagnose.py``'s book-text passkey and RULER single-needle trials
+(the same prompts), the prompt up to its question read into a memory at the defaults, the question
+and the teacher-forced answer read in each variant: right when the greedy answer is the key
+(the prompt is not read in sequence here: ``exp_diagnose.py`` does that).
+
+``ppl``: perplexity through memory (the variant read while reading every token) over
+``--ppl-tokens`` of the first ``--ppl-books`` held-out books in segments of each length.
+
+A variant is named by its words: ``kN`` (top-k N), ``sink`` (the memory's first block read by
+every query besides its top-k), ``local`` (its last two blocks likewise), ``centred`` (blocks
+chosen by scores against the landmark keys less their mean), ``per_head`` (one set per head for
+a step's tokens: the question's tokens pooled), ``exact`` (every landmark scored at its true
+position, by brute force, instead of stingy's slot 0). Every trial is kept in ``--state`` as soon as it
+is done, so a run resumes and later runs add trials.
+"""
+
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from _common import (ADAPTER, PLANTED_FACTS, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main,
+                     write_result)
+from exp_diagnose import passkey_trial, ruler_trial
+from exp_realtext import is_right
+from exp_smollm2 import held_out
+from landmark_memory.memory.answer import ask
+from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.core.passkey import PasskeyPrompts
+
+PARTS = ("questions", "oracle", "passkey", "ruler", "ppl")
+FACTS = PLANTED_FACTS + [
+    ("The blacksmith's grey mare was called Juniper.", "What was the blacksmith's mare called?", ["Juniper"]),
+    ("The schoolmaster hid the key to the cellar inside a green teapot.",
+     "Where did the schoolmaster hide the key to the cellar?", ["teapot"]),
+    ("The widow's cottage had exactly seventeen windows.", "How many windows did the widow's cottage have?",
+     ["seventeen"]),
+    ("The fisherman's favourite song was called The Silver Herring.", "What was the fisherman's favourite song called?",
+     ["Silver Herring"])]
+VARIANTS = ("k4,k4 sink,k4 local,k4 sink local,k4 centred,k4 sink local centred,k4 per_head,k4 sink local per_head,"
+            "k4 exact,k8,k8 sink local,k8 sink local centred,k16,k16 sink local,k16 sink local centred")
+ASK_NEW = 16  # answer tokens: the facts' words come first
+EDGE = 3  # the last blocks before the question counted with the first one
+LOCAL = 2  # blocks ``local`` reads besides the top-k
+WORDS = {"sink": {"sink_blocks": 1}, "local": {"local_blocks": LOCAL}, "centred": {"centre": True},
+         "per_head": {"retrieval": "per_head"}, "exact": {"position_mapping": "exact"}}
+
+
+def variant_options(name: str) -> dict:
+    """``LandmarkMemory`` query options of a variant's name ("k8 sink local centred")."""
+    opts = {}
+    for word in name.split():
+        if word[0] == "k" and word[1:].isdigit():
+            opts["top_k"] = int(word[1:])
+        elif word in WORDS:
+            opts.update(WORDS[word])
+        else:
+            raise SystemExit(f"variant {name!r}: {word!r} is none of kN, {', '.join(WORDS)}")
+    return opts
+
+
+def variants(text):
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    for v in names:
+        variant_options(v)
+    return names
+
+
+def haystack(tok, books, n, h, seed):
+    """Haystack ``h`` at ``n`` tokens: (book, ids, [(fact, question, words, span)]) with the ten
+    ``FACTS`` (in a random order) after a random full stop in each tenth of the text."""
+    rng = random.Random(f"{seed}|haystack|{n}|{h}")
+    name, _, ids = books[rng.randrange(len(books))]
+    facts = rng.sample(FACTS, len(FACTS))
+    planted = [tok.encode(" " + s).ids for s, _, _ in facts]
+    start = rng.randrange(0, len(ids) - n)
+    hay = list(ids[start:start + n - sum(map(len, planted))])
+    out, spans, last, tenth = [], [], 0, len(hay) / len(facts)
+    for i, fact in enumerate(planted):
+        cut = int(tenth * (i + rng.uniform(0.05, 0.95)))
+        while cut < len(hay) and not tok.decode(hay[cut - 1:cut]).endswith("."):
+            cut += 1
+        out += hay[last:cut]
+        spans.append((len(out), len(out) + len(fact)))
+        out += fact
+        last = cut
+    out += hay[last:]
+    return name, out, [(*f, span) for f, span in zip(facts, spans)]
+
+
+def build(model, ids, folder, **options):
+    """The haystack read into a saved memory at the defaults (and ``options``); its block count."""
+    with LandmarkMemory(model, path=folder, store="lmdb", **options) as mem:
+        mem.forward(torch.tensor([ids]), logits="none")
+        mem.commit()
+        return mem.n_blocks
+
+
+class Lookups:
+    """Per layer, how often each memory block was chosen at the last position of each forward
+    (what ``ask`` counts: the question's last token, then each answer token)."""
+
+    def __init__(self, mem, n_blocks):
+        self.layers, forward = [Counter() for _ in range(mem.shape.n_layer)], mem.forward
+
+        def counting(idx, *a, **kw):
+            out = forward(idx, *a, **kw)
+            for c, r in zip(self.layers, out.retrieved):
+                c.update(b for b in r[0, :, -1].flatten().tolist() if 0 <= b < n_blocks)
+            return out
+
+        mem.forward = counting
+
+    @staticmethod
+    def rank(counts, blocks):
+        """1-based rank of the first of ``blocks`` by lookups (None: never chosen)."""
+        return next((i + 1 for i, (b, _) in enumerate(counts.most_common()) if b in blocks), None)
+
+    def total(self):
+        return sum(self.layers, Counter())
+
+
+def question_rows(model, tok, folder, n_blocks, facts, variant, bs):
+    """One row per fact of a haystack asked from its memory in ``variant``."""
+    rows = []
+    with LandmarkMemory.open(folder, model, readonly=True, **variant_options(variant)) as m:
+        for sentence, question, words, (a, b) in facts:
+            m.rewind()
+            blocks = set(range(a // bs, (b - 1) // bs + 1))
+            looks = Lookups(m, n_blocks)
+            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5)
+            del m.forward  # the class's again
+            total = looks.total()
+            n = sum(total.values()) or 1
+            edge = sum(c for blk, c in total.items() if blk == 0 or blk >= n_blocks - EDGE) / n
+            in_memory = max(blocks) < n_blocks
+            rows.append({"question": question, "answer": got.text.strip(), "right": is_right(got.text, words),
+                         "blocks": sorted(blocks), "in_memory": in_memory,
+                         "rank": Lookups.rank(total, blocks),
+                         "recall5": any(p.block in blocks for p in got.passages),
+                         "layer_ranks": [Lookups.rank(c, blocks) for c in looks.layers],
+                         "edge": round(edge, 4), "share": round(sum(total[x] for x in blocks) / n, 4)})
+    return rows
+
+
+def part_questions(args, state, model, tok, books):
+    bs = model.config.landmark_block_size
+    for n in parse_lengths(args.lengths):
+        for h in range(args.haystacks):
+            todo = [v for v in args.variants if len(state.cell(f"questions|{n}|{v}")) < (h + 1) * len(FACTS)]
+            if not todo:
+                continue
+            name, ids, facts = haystack(tok, books, n, h, args.seed)
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.perf_counter()
+                n_blocks = build(model, ids, Path(tmp) / "m")
+                print(f"haystack {h} @{n}: {name}, {n_blocks} blocks read in {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+                for v in todo:
+                    key = f"questions|{n}|{v}"
+                    if len(state.cell(key)) != h * len(FACTS):  # another run is filling it
+                        continue
+                    t0 = time.perf_counter()
+                    for i, row in enumerate(question_rows(model, tok, Path(tmp) / "m", n_blocks, facts, v, bs)):
+                        state.add(key, {"haystack": h, "book": name, **row}, at=h * len(FACTS) + i)
+                    rows = state.cell(key)[-len(FACTS):]
+                    print(f"  {v}: recall@5 {np.mean([r['recall5'] for r in rows]):.0%}, right "
+                          f"{np.mean([r['right'] for r in rows]):.0%}, edge {np.mean([r['edge'] for r in rows]):.0%} "
+                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+class Queries:
+    """Per layer, the rotated query (H, D) at the last position of each step of ``_retrieve``
+    (what ``Lookups`` counts the choices of), and every query of the first step, the prompt
+    (H, T, D)."""
+
+    def __init__(self, mem):
+        self.layers, retrieve = [[] for _ in range(mem.shape.n_layer)], mem._retrieve
+        self.prompt = [None] * mem.shape.n_layer
+
+        def recording(layer, q, qr, *a):
+            self.layers[layer].append(qr[0, :, -1].float())
+            if self.prompt[layer] is None:
+                self.prompt[layer] = qr[0].float()
+            return retrieve(layer, q, qr, *a)
+
+        mem._retrieve = recording
+
+
+def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
+    """Per fact, how three scores of every memory block, all at stingy's slot 0 (the same
+    distance for every block), rank the fact's block for the queries ``ask`` reads with (the
+    question's last token, each answer token; every layer and head): the landmark's score
+    (what the index searches), the best of its tokens' scores (an oracle of what the model's own
+    keys tell), and their mean. For each: the share of (layer, head, query) whose top ``k``
+    holds the fact's block, and its rank by how many of them chose it. The same for the
+    question's own tokens ("question" scores: a question pooled to choose the answer's blocks)."""
+    rows = []
+    with LandmarkMemory.open(folder, model, readonly=True) as m:
+        G, scale, every = m.group, m.shape.head_dim ** -0.5, torch.arange(n_blocks).view(1, 1, 1, -1)
+        keys = []
+        for layer in range(m.shape.n_layer):  # (n_blocks, H, L, D) keys rotated by their offset in the block
+            table, pool_k, _, _ = m.blocks.pool(layer, every)
+            keys.append(pool_k[table[0, 0, 0]].float().repeat_interleave(G, 1))
+        for sentence, question, words, (a, b) in facts:
+            m.rewind()
+            blocks = set(range(a // bs, (b - 1) // bs + 1))
+            qs = Queries(m)
+            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
+            del m._retrieve  # the class's again
+            prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
+            at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)  # the question's tokens
+            assert got.prompt_tokens == len(prompt)
+            hits, counts = {}, {}
+            for layer, q in enumerate(qs.layers):
+                q = torch.stack(q)  # (N, H, D)
+                s = torch.einsum("nhd,chld->nhcl", q, keys[layer]) * scale  # (N, H, n_blocks, L)
+                s_q = torch.einsum("htd,chld->thcl", qs.prompt[layer][:, at:at + len(asked)], keys[layer]) * scale
+                for name, score in (("landmark", s[..., bs]), ("best token", s[..., :bs].amax(-1)),
+                                    ("mean token", s[..., :bs].mean(-1)), ("question landmark", s_q[..., bs]),
+                                    ("question best token", s_q[..., :bs].amax(-1))):
+                    top = score.topk(min(k, n_blocks), -1).indices  # (N, H, k)
+                    chosen = torch.isin(top, torch.tensor(sorted(blocks)))
+                    hits.setdefault(name, []).append(float(chosen.any(-1).float().mean()))
+                    counts.setdefault(name, Counter()).update(top.flatten().tolist())
+            rows.append({"question": question, "blocks": sorted(blocks), "in_memory": max(blocks) < n_blocks,
+                         **{f"{name} hits": round(float(np.mean(h)), 4) for name, h in hits.items()},
+                         **{f"{name} layer hits": [round(x, 3) for x in h] for name, h in hits.items()},
+                         **{f"{name} rank": Lookups.rank(c, blocks) for name, c in counts.items()}})
+    return rows
+
+
+def part_oracle(args, state, model, tok, books):
+    bs = model.config.landmark_block_size
+    for n in parse_lengths(args.lengths):
+        for h in range(args.oracle_haystacks):
+            key = f"oracle|{n}|k4"
+            if len(state.cell(key)) >= (h + 1) * len(FACTS):
+                continue
+            name, ids, facts = haystack(tok, books, n, h, args.seed)
+            with tempfile.TemporaryDirectory() as tmp:
+                n_blocks = build(model, ids, Path(tmp) / "m", store_dtype="float32")  # every key as the model made it
+                for i, row in enumerate(oracle_rows(model, tok, Path(tmp) / "m", n_blocks, facts, bs)):
+                    state.add(key, {"haystack": h, "book": name, **row}, at=h * len(FACTS) + i)
+            rows = state.cell(key)[-len(FACTS):]
+            print(f"oracle haystack {h} @{n}: " + ", ".join(
+                f"{s} hits {np.mean([r[s + ' hits'] for r in rows]):.1%} top-5 "
+                f"{np.mean([(r[s + ' rank'] or 10 ** 6) <= 5 for r in rows]):.0%}"
+                for s in ("landmark", "best token", "mean token", "question landmark", "question best token")),
+                flush=True)
+
+
+def part_needles(args, state, model, tok, books, part):
+    """``passkey`` or ``ruler`` trials at ``--needle-length``, every variant on the same prompt."""
+    n, ways = args.needle_length, {v: variant_options(v) for v in args.variants}
+    prompts, rng = PasskeyPrompts(tok), random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in range(args.needle_trials):
+            folder = Path(tmp) / str(t)
+            if part == "passkey":  # the draws of trial t follow those of the trials before it
+                row = passkey_trial(model, tok, prompts, books[t % len(books)], rng, n, folder, ways, in_sequence=False)
+            elif all(len(state.cell(f"{part}|{n}|{v}")) > t for v in ways):
+                continue
+            else:
+                row = ruler_trial(model, tok, books, t, n, args.seed, folder, ways, in_sequence=False)
+            for v in ways:
+                if len(state.cell(f"{part}|{n}|{v}")) == t:
+                    state.add(f"{part}|{n}|{v}", {"book": row["book"], "key": row["key"], "answer": row[v],
+                                                  "right": row[v] == row["key"], "hits": row[f"{v} hits"]}, at=t)
+            print(f"{part} trial {t}: key {row['key']}; " + ", ".join(f"{v} {row[v]}" for v in ways), flush=True)
+
+
+def part_ppl(args, state, model, tok, books):
+    named = [(b, ids) for b, _, ids in books[:args.ppl_books]]
+    for n in parse_lengths(args.lengths):
+        for v in args.ppl_variants:
+            key = f"ppl|{n}|{v}"
+            if state.cell(key):
+                continue
+            t0 = time.perf_counter()
+            ppl, count = books_perplexity(model, named, n, args.ppl_tokens, memory=variant_options(v))
+            state.add(key, {"perplexity": round(ppl, 4), "tokens": count}, at=0)
+            print(f"ppl @{n} {v}: {ppl:.4f} over {count} tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def run(args):
+    state = Trials(args.state, args.command)
+    model, tok = load_smollm2(args.adapter)
+    books = held_out(args.books, tok)
+    if "questions" in args.parts:
+        part_questions(args, state, model, tok, books)
+    if "oracle" in args.parts:
+        part_oracle(args, state, model, tok, books)
+    for part in ("passkey", "ruler"):
+        if part in args.parts:
+            part_needles(args, state, model, tok, books, part)
+    if "ppl" in args.parts:
+        part_ppl(args, state, model, tok, books)
+
+
+def summary(rows):
+    """recall@5, mean rank (never chosen: counted as 100), right, edge share of question rows in memory."""
+    kept = [r for r in rows if r["in_memory"]]
+    return {"n": len(kept), "recall5": np.mean([r["recall5"] for r in kept]),
+            "top1": np.mean([r["rank"] == 1 for r in kept]),
+            "median_rank": float(np.median([r["rank"] or 10 ** 6 for r in kept])),
+            "right": np.mean([r["right"] for r in kept]), "edge": np.mean([r["edge"] for r in kept]),
+            "layers": np.mean([[x is not None and x <= 5 for x in r["layer_ranks"]] for r in kept], 0)}
+
+
+def report(args):
+    trials = Trials(args.state)
+    cells = trials.cells
+    keys = [k.split("|") for k in cells]
+    lengths = sorted({int(n) for p, n, _ in keys if p == "questions"})
+    names = list(dict.fromkeys(v for p, _, v in keys if p == "questions"))
+    body = ["Planted facts in held-out book text (SmolLM2 with the shipped landmark adapter), each asked as `ask` asks "
+            "it from a memory read at the defaults; the variants change only how the question and its answer choose "
+            "blocks. recall@5: the fact's block among the 5 passages `ask` reports (the blocks chosen most by the "
+            "question's last token and the answer's tokens over every layer and head); rank: its place in that order "
+            "(median; a block never chosen counts as last); edge: the share of chosen lookups on the memory's first "
+            f"block and its last {EDGE}; right: the answer holds the fact's words. Questions whose fact stood in the "
+            "open chunk after the memory's last block are left out (n counts the rest).", "",
+            "| variant | " + " | ".join(f"{n // 1024}K recall@5 | rank | edge | right | n" for n in lengths) + " |",
+            "|---|" + "---|---|---|---|---|" * len(lengths)]
+    got = {}
+    for v in names:
+        cells_v = []
+        for n in lengths:
+            rows = cells.get(f"questions|{n}|{v}", [])
+            if not rows:
+                cells_v.append("- | - | - | - | 0")
+                continue
+            s = got[v, n] = summary(rows)
+            rank = "never" if s["median_rank"] >= 10 ** 6 else f"{s['median_rank']:.0f}"
+            cells_v.append(f"{s['recall5']:.0%} | {rank} | {s['edge']:.0%} | {s['right']:.0%} | {s['n']}")
+        body.append(f"| {v} | " + " | ".join(cells_v) + " |")
+    needles = [(p, n) for p, n in dict.fromkeys((p, int(n)) for p, n, _ in keys) if p in ("passkey", "ruler")]
+    if needles:
+        body += ["", "Needles at their length, the prompt up to the question read at the defaults, the question and "
+                 "the teacher-forced answer in each variant (right: the greedy answer is the key; hits: the share of "
+                 "lookups whose top-k held the key's sentence).", "",
+                 "| variant | " + " | ".join(f"{p} {n // 1024}K right | hits" for p, n in needles) + " |",
+                 "|---|" + "---|---|" * len(needles)]
+        for v in dict.fromkeys(v for p, _, v in keys if p in ("passkey", "ruler")):
+            cols = []
+            for p, n in needles:
+                rows = cells.get(f"{p}|{n}|{v}", [])
+                cols.append(f"{sum(r['right'] for r in rows)}/{len(rows)} | {np.mean([r['hits'] for r in rows]):.0%}"
+                            if rows else "- | -")
+            body.append(f"| {v} | " + " | ".join(cols) + " |")
+    ppl = sorted({int(n) for p, n, _ in keys if p == "ppl"})
+    if ppl:
+        body += ["", "Perplexity through memory (the variant read while reading every token), held-out books.", "",
+                 "| variant | " + " | ".join(f"{n // 1024}K" for n in ppl) + " |", "|---|" + "---|" * len(ppl)]
+        for v in dict.fromkeys(v for p, _, v in keys if p == "ppl"):
+            row = [cells.get(f"ppl|{n}|{v}") for n in ppl]
+            body.append(f"| {v} | " + " | ".join(f"{r[0]['perplexity']:.3f}" if r else "-" for r in row) + " |")
+    if got:
+        pyplot = plt()
+        fig, axes = pyplot.subplots(1, 2, figsize=(11, 0.32 * len(names) + 1.5))
+        for i, n in enumerate(lengths):
+            xs = [got[v, n]["recall5"] if (v, n) in got else 0 for v in names]
+            axes[0].barh(np.arange(len(names)) + 0.4 * i, xs, height=0.4, label=f"{n // 1024}K")
+        axes[0].set_yticks(np.arange(len(names)) + 0.2, names, fontsize=8)
+        axes[0].invert_yaxis()
+        axes[0].set_xlabel("recall@5 of the fact's block")
+        axes[0].legend(fontsize=8)
+        for v in names[:1] + [v for v in names[1:] if (v, lengths[-1]) in got][:5]:
+            if (v, lengths[-1]) in got:
+                axes[1].plot(got[v, lengths[-1]]["layers"], label=v)
+        axes[1].set_xlabel("layer")
+        axes[1].set_ylabel(f"fact's block in the layer's top 5 ({lengths[-1] // 1024}K)")
+        axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(Path(args.results) / "retrieval.png", dpi=110)
+        body += ["", "![recall@5 by variant, and per layer](retrieval.png)", ""]
+    write_result("retrieval", "Retrieval that depends on the question: where the fact's block ranks", body,
+                 results=args.results, commands=trials.commands)
+
+
+def options(ap):
+    ap.add_argument("--adapter", default=str(ROOT / ADAPTER.partition("=")[2]), help="the LoRA landmark adapter (default: shipped)")
+    ap.add_argument("--parts", type=some_of(PARTS), default=list(PARTS), help=f"some of {','.join(PARTS)}")
+    ap.add_argument("--variants", type=variants, default=variants(VARIANTS), help="comma-separated variant names")
+    ap.add_argument("--haystacks", type=int, default=4, help=f"haystacks per length, {len(FACTS)} questions each")
+    ap.add_argument("--oracle-haystacks", type=int, default=2, help="haystacks per length the oracle reads")
+    ap.add_argument("--needle-length", type=int, default=8192)
+    ap.add_argument("--needle-trials", type=int, default=10)
+    ap.add_argument("--ppl-variants", type=variants, default=variants("k4,k4 sink local"))
+    ap.add_argument("--ppl-tokens", type=int, default=16384, help="tokens predicted per perplexity cell, at least "
+                                                                  "a segment per book")
+    ap.add_argument("--ppl-books", type=int, default=2, help="held-out books the perplexity reads")
+
+
+def main(argv=None):
+    suite_main(__doc__, "retrieval", "8k,32k", run, report, argv, extra=options)
+
+
+if __name__ == "__main__":
+    main()
