@@ -406,3 +406,19 @@ def test_a_wrong_answer_read_the_key_when_it_holds_four_of_its_digits_in_a_row()
     assert diagnose.read_the_key(221540, 2215408) and diagnose.read_the_key(26301, 5630163)
     assert not diagnose.read_the_key(2185, 2215408) and not diagnose.read_the_key(None, 2215408)
     assert not diagnose.read_the_key(4000, 2215408)
+
+
+def test_retrieval_suite_plants_ten_facts_one_a_tenth_and_names_variants_by_their_words():
+    from landmark_memory import load_tokenizer
+
+    retrieval, tok = script("exp_retrieval"), load_tokenizer()
+    book = tok.encode(" The quiet river ran past the mill." * 400).ids
+    name, ids, facts = retrieval.haystack(tok, [("river", None, book)], 2000, 0, seed=0)
+    assert name == "river" and len(ids) == 2000 and len(facts) == len(retrieval.FACTS) == 10
+    for i, (sentence, question, words, (a, b)) in enumerate(facts):
+        assert tok.decode(ids[a:b]) == " " + sentence and all(w in sentence for w in words)
+        assert i / 10 <= a / len(ids) < (i + 1) / 10 + 0.02  # in its own tenth (its full stop may follow it)
+    assert retrieval.variant_options("k8 sink local centred") == {"top_k": 8, "sink_blocks": 1, "local_blocks": 2,
+                                                                  "centre": True}
+    with pytest.raises(SystemExit, match="'loud' is none of kN"):
+        retrieval.variant_options("k4 loud")
