@@ -53,6 +53,14 @@ PLANTED_FACTS = [
      "What colour did the lighthouse keeper paint his door?", ["orange"])]
 
 
+def sentence_end(tok, ids, at):
+    """The first position at or after ``at`` that follows a token ending in a full stop (or
+    ``len(ids)``): where a planted sentence goes."""
+    while at < len(ids) and not tok.decode(ids[at - 1:at]).endswith("."):
+        at += 1
+    return at
+
+
 def parser(doc):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus the models were trained on (held-out books "

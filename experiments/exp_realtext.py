@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from _common import (ADAPTER, BASE, BASE_WINDOW, PLANTED_FACTS, Trials, adapter_specs, books_perplexity, load_smollm2,
-                     some_of, suite_main, top_k_label, top_k_memory, top_k_option, write_result)
+                     sentence_end, some_of, suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from exp_smollm2 import held_out
 from landmark_memory.memory.answer import ask
 from landmark_memory.app.evaluate import greedy_continuation, parse_lengths
@@ -83,9 +83,7 @@ def planted(tok, ids, n, sentence, depth):
     ``depth`` of the way; (the ids, the sentence's token span [start, end))."""
     fact = tok.encode(" " + sentence).ids
     hay = list(ids[:n - len(fact)])
-    cut = round(depth * len(hay))
-    while cut < len(hay) and not tok.decode(hay[cut - 1:cut]).endswith("."):
-        cut += 1
+    cut = sentence_end(tok, hay, round(depth * len(hay)))
     return hay[:cut] + fact + hay[cut:], (cut, cut + len(fact))
 
 

@@ -28,8 +28,8 @@ every query besides its top-k), ``local`` (its last two blocks likewise), ``cent
 chosen by scores against the landmark keys less their mean), ``per_head`` (one set per head for
 a step's tokens: the question's tokens pooled), ``exact`` (every landmark scored at its true
 position, by brute force, instead of stingy's slot 0); ``deep`` reads as the rest of its name says
-and ranks the passages by the lookups of the deeper half of the layers alone. Every trial is kept in ``--state`` as soon as it
-is done, so a run resumes and later runs add trials.
+and ranks the passages by the lookups of the deeper half of the layers alone. Every trial is kept
+in ``--state`` as soon as it is done, so a run resumes and later runs add trials.
 """
 
 import random
@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import (ADAPTER, PLANTED_FACTS, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main,
-                     write_result)
+from _common import (ADAPTER, PLANTED_FACTS, ROOT, Trials, books_perplexity, load_smollm2, plt, sentence_end, some_of,
+                     suite_main, write_result)
 from exp_diagnose import passkey_trial, ruler_trial
 from exp_realtext import is_right
 from exp_smollm2 import held_out
@@ -102,9 +102,7 @@ def haystack(tok, books, n, h, seed):
     hay = list(ids[start:start + n - sum(map(len, planted))])
     out, spans, last, tenth = [], [], 0, len(hay) / len(facts)
     for i, fact in enumerate(planted):
-        cut = int(tenth * (i + rng.uniform(0.05, 0.95)))
-        while cut < len(hay) and not tok.decode(hay[cut - 1:cut]).endswith("."):
-            cut += 1
+        cut = sentence_end(tok, hay, int(tenth * (i + rng.uniform(0.05, 0.95))))
         out += hay[last:cut]
         spans.append((len(out), len(out) + len(fact)))
         out += fact
@@ -481,7 +479,8 @@ def verdict(cells, got, names, lengths):
 
 
 def options(ap):
-    ap.add_argument("--adapter", default=str(ROOT / ADAPTER.partition("=")[2]), help="the LoRA landmark adapter (default: shipped)")
+    ap.add_argument("--adapter", default=str(ROOT / ADAPTER.partition("=")[2]),
+                    help="the LoRA landmark adapter (default: the shipped one)")
     ap.add_argument("--parts", type=some_of(PARTS), default=list(PARTS), help=f"some of {','.join(PARTS)}")
     ap.add_argument("--variants", type=variants, default=variants(VARIANTS), help="comma-separated variant names")
     ap.add_argument("--haystacks", type=int, default=4, help=f"haystacks per length, {len(FACTS)} questions each")

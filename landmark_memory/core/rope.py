@@ -15,7 +15,7 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     """Rotates (..., T, D) tensors by position-dependent angles ``pos * inv_freq``, by default
     ``inv_freq[d] = base^(-2d/D)``; a scaled RoPE (Llama 3's, linear, YaRN) passes its own
-    ``inv_freq`` (D/2,), as ``hf/backbone.py`` has transformers compute it. Only a rotation:
+    ``inv_freq`` (D/2,), as ``models/hf/families.rotary_of`` has transformers compute it. Only a rotation:
     a scaling that also multiplies cos and sin (YaRN's attention factor) belongs in the
     attention's scale.
 
@@ -29,8 +29,9 @@ class RotaryEmbedding(nn.Module):
         if inv_freq is not None and tuple(inv_freq.shape) != (head_dim // 2,):
             raise ValueError(f"inv_freq must have head_dim / 2 = {head_dim // 2} entries, got {tuple(inv_freq.shape)}")
         self.head_dim, self.base = head_dim, base
-        self._given = None if inv_freq is None else inv_freq.detach().to("cpu", torch.float64)
-        self._inv_freq = {}  # per device, float64 (D/2,): computed once, not at every call
+        d = torch.arange(0, head_dim, 2, dtype=torch.float64)
+        self._freq = base ** (-d / head_dim) if inv_freq is None else inv_freq.detach().to("cpu", torch.float64)
+        self._inv_freq = {}  # per device, float64 (D/2,): moved once, not at every call
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *more: torch.Tensor):
         """Rotate ``x`` (..., T, D) at ``positions``, any shape that broadcasts to (..., T);
@@ -73,11 +74,7 @@ class RotaryEmbedding(nn.Module):
         unless given."""
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
-            if self._given is not None:
-                inv_freq = self._inv_freq[device] = self._given.to(device)
-            else:
-                d = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
-                inv_freq = self._inv_freq[device] = self.base ** (-d / self.head_dim)
+            inv_freq = self._inv_freq[device] = self._freq.to(device)
         return inv_freq
 
 

@@ -121,7 +121,8 @@ class LandmarkMemory(SavedMemory):
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
         self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
-        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D)), for centre
+        self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
+        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
         self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
@@ -340,7 +341,10 @@ class LandmarkMemory(SavedMemory):
         # every query; the top-k are chosen among the candidates [c_lo, c_hi) between them
         c_lo = min(lo + o.sink_blocks, nb)
         c_hi = max(c_lo, nb - o.local_blocks)
-        forced = torch.tensor(sorted({*range(lo, c_lo), *range(c_hi, nb)}), dtype=torch.long, device=self.device)
+        if self._forced is None or self._forced[0] != (lo, nb):  # changes only when a chunk enters memory
+            ids = np.array(sorted({*range(lo, c_lo), *range(c_hi, nb)}), np.int64)
+            self._forced = (lo, nb), ids, torch.from_numpy(ids).to(self.device)
+        _, forced_np, forced = self._forced
         stats = self.retrieval_stats
         stats.queries += B * H * Tq
         if skip is not None:
@@ -383,7 +387,7 @@ class LandmarkMemory(SavedMemory):
             if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
-                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced.numpy(), W)
+                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W)
             S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype), S], -1)
             I = torch.cat([torch.from_numpy(I_old).to(self.device), recent.expand(B, H, Tq, -1)], -1)
         if skip is not None:

@@ -225,6 +225,7 @@ class SavedMemory:
         self.pending_ids, self.pending_kv = self._saved_pending
         self._recent_keys.clear()
         self._mean_keys.clear()
+        self._forced = None
         self.attached = None
 
     def model_record(self) -> ModelRecord:
