@@ -28,7 +28,9 @@ every query besides its top-k), ``local`` (its last two blocks likewise), ``cent
 chosen by scores against the landmark keys less their mean), ``per_head`` (one set per head for
 a step's tokens: the question's tokens pooled), ``exact`` (every landmark scored at its true
 position, by brute force, instead of stingy's slot 0); ``deep`` reads as the rest of its name says
-and ranks the passages by the lookups of the deeper half of the layers alone. Every trial is kept
+and ranks the passages by the lookups of the deeper half of the layers alone, as ``ask`` does
+now (``k4 centred deep`` is ``ask``'s default; every variant asks with ``centre=False``, so that
+only its own options decide what is read). Every trial is kept
 in ``--state`` as soon as it is done, so a run resumes and later runs add trials.
 """
 
@@ -152,7 +154,7 @@ def question_rows(model, tok, folder, n_blocks, facts, variant, bs):
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             looks = Lookups(m, n_blocks)
-            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5)
+            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5, centre=False)
             del m.forward  # the class's again
             total = looks.total()
             deep = "deep" in variant.split()  # the passages ranked by the deeper half of the layers
@@ -163,8 +165,7 @@ def question_rows(model, tok, folder, n_blocks, facts, variant, bs):
             rows.append({"question": question, "answer": got.text.strip(), "right": is_right(got.text, words),
                          "blocks": sorted(blocks), "in_memory": in_memory,
                          "rank": Lookups.rank(ranked, blocks),
-                         "recall5": (Lookups.rank(ranked, blocks) or 6) <= 5 if deep else
-                         any(p.block in blocks for p in got.passages),
+                         "recall5": (Lookups.rank(ranked, blocks) or 6) <= 5,
                          "layer_ranks": [Lookups.rank(c, blocks) for c in looks.layers],
                          "edge": round(edge, 4), "share": round(sum(total[x] for x in blocks) / n, 4)})
     return rows
@@ -233,7 +234,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
-            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
+            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
             del m._retrieve  # the class's again
             prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
             at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)  # the question's tokens

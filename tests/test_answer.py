@@ -1,11 +1,14 @@
 """The library's ask: the answer and the passages it read, as the command gives them."""
 
 import json
+from collections import Counter
 
 import pytest
+import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app.cli import main
+from landmark_memory.models.config import AskPolicy
 
 QUESTION = "What did the captain say?"
 
@@ -67,3 +70,45 @@ def test_bad_questions_are_refused(corpus, question, options, words):
     model = LandmarkGPT.from_pretrained()
     with LandmarkMemory.open(corpus, model, readonly=True) as mem, pytest.raises(ValueError, match=words):
         ask(mem, load_tokenizer(), question, **options)
+
+
+def test_ask_centres_the_question_and_answer_and_leaves_the_memorys_options_as_they_were(corpus):
+    model = LandmarkGPT.from_pretrained()
+    with LandmarkMemory.open(corpus, model, readonly=True, centre=True) as mem:
+        want = ask(mem, load_tokenizer(), QUESTION, max_new_tokens=6)  # the memory centres already
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        got = ask(mem, load_tokenizer(), QUESTION, max_new_tokens=6, centre=True)
+        assert mem.options.centre is False
+        mem.rewind()
+        plain = ask(mem, load_tokenizer(), QUESTION, max_new_tokens=6)  # the bundled model's policy: no centring
+        model.ask_policy = AskPolicy(centre=True)
+        mem.rewind()
+        told = ask(mem, load_tokenizer(), QUESTION, max_new_tokens=6)
+    assert got == want == told
+    assert got.passages != plain.passages  # centring changed what was read
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_passages_are_ranked_by_the_layers_the_models_policy_names(corpus, deep):
+    model = LandmarkGPT.from_pretrained()
+    model.ask_policy = AskPolicy(deep_passages=deep)
+    tok = load_tokenizer()
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        got = ask(mem, tok, QUESTION, max_new_tokens=6, passages=50)
+        mem.rewind()
+        n, half, first, rest = mem.n_blocks, mem.shape.n_layer // 2 if deep else 0, Counter(), Counter()
+
+        def read(retrieved):
+            for layer, r in enumerate(retrieved):
+                (rest if layer >= half else first).update(b for b in r[0].flatten().tolist() if 0 <= b < n)
+
+        mem.generate(torch.tensor([tok.encode(QUESTION).ids]), 6, on_read=read)
+    total = sum(rest.values())
+    assert [(p.block, p.share) for p in got.passages] == [(b, c / total) for b, c in rest.most_common(50)]
+    assert not deep or first.most_common(3) != rest.most_common(3)  # the first layers chose otherwise
+
+
+def test_a_bad_ask_policy_in_an_adapter_is_explained():
+    with pytest.raises(ValueError, match="landmark.json: 'ask' must map"):
+        AskPolicy.from_dict({"centre": "yes"}, "landmark.json")
+    assert AskPolicy.from_dict({"deep_passages": True}, "x") == AskPolicy(False, True)

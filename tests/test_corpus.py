@@ -211,13 +211,13 @@ def test_a_corrupted_block_of_a_shard_is_named_as_the_union_numbers_it(tmp_path)
 
 
 # ---- one copy of every row ---------------------------------------------------------------------
-def row_bytes(path, everywhere):
-    """Bytes of token rows, landmark keys and index state: the corpus's own, or ``everywhere``
-    (its documents' too)."""
+def row_bytes(path, everywhere, states=True):
+    """Bytes of token rows, landmark keys and (``states``) index state: the corpus's own, or
+    ``everywhere`` (its documents' too)."""
     files = path.rglob("*") if everywhere else [*path.iterdir(), *(path / "keys").iterdir()]
     return sum(f.stat().st_size for f in files if f.is_file() and (
         f.name in ("tokens.bin", "landmarks.bin") or f.suffix in (".f32", ".lists", ".centroids")
-        or f.name.startswith("state.")))
+        or (states and f.name.startswith("state."))))
 
 
 @pytest.mark.parametrize("index", ["flat", "hnsw", "ivf-rows"])
@@ -248,10 +248,12 @@ def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, docu
     with monkeypatch.context() as m:  # a build from before one copy, or one stopped before it dropped them
         m.setattr(building, "drop_merged_rows", lambda corpus, folder: None)
         corpus(model, path, files)
-    assert row_bytes(path, everywhere=True) == 2 * row_bytes(path, everywhere=False)  # the documents' copies
+    assert row_bytes(path, True, states=False) == 2 * row_bytes(path, False, states=False)  # the documents' copies
+    assert row_bytes(path, True) > row_bytes(path, True, states=False)  # (and their states: each its keys' sums)
     doc = sorted((path / "docs").iterdir())[0]  # one stopped between marking its manifest and removing its rows
     manifest = json.loads((doc / "manifest.json").read_text())
-    (doc / "manifest.json").write_text(json.dumps({**manifest, "rows_merged": True}))
+    marked = {**manifest, "rows_merged": True, "files": {}}  # as drop_merged_rows marks it: no state, no rows
+    (doc / "manifest.json").write_text(json.dumps(marked))
     before = files_of(path)
     summary = corpus(model, path, files)
     assert summary.added == 0 and len(summary.skipped) == len(files)

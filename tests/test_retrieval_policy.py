@@ -1,10 +1,12 @@
 """Sink and local blocks (read by every query besides its top-k) and centred landmark scores."""
 
+import numpy as np
 import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory.key_sums import KeySums
 from landmark_memory.memory.retrieval import block_positions, select_blocks, top_k_stingy, with_forced
 
 
@@ -120,3 +122,64 @@ def test_bad_sink_local_and_centre_options_are_explained(model):
                     ({"centre": "yes"}, "centre")]:
         with pytest.raises(ValueError, match=msg):
             LandmarkMemory(model, **kw)
+
+
+def test_key_sums_give_the_mean_of_the_keys_of_any_run_of_blocks_as_they_move():
+    rows = np.random.default_rng(0).standard_normal((2, 3, 40, 4)).astype(np.float32)  # (B, H_kv, blocks, D)
+    read = []
+
+    def rows_of(layer, first, last):
+        read.append(last - first)
+        return rows[:, :, first:last] + layer
+
+    sums = KeySums(2)
+    for lo, hi in [(0, 5), (0, 17), (3, 17), (9, 40), (2, 30), (0, 1), (12, 13)]:  # forward, back, both
+        for layer in range(2):
+            np.testing.assert_allclose(sums.mean(layer, lo, hi, rows_of), rows[:, :, lo:hi].mean(2) + layer, rtol=0,
+                                       atol=1e-6)
+    saved = sums.state(30, rows_of)
+    assert set(saved) == {"landmark_sum.0", "landmark_sum.1"}
+    fresh = KeySums(2)
+    fresh.load(30, saved, (2, 3, 4))
+    read.clear()
+    np.testing.assert_allclose(fresh.mean(1, 0, 32, rows_of), rows[:, :, :32].mean(2) + 1, rtol=0, atol=1e-6)
+    assert read == [2]  # from the saved sums: only the blocks past them are read
+    fresh.mean(1, 0, 40, rows_of)
+    fresh.reset()  # (a rewind) back to the saved sums
+    read.clear()
+    fresh.mean(0, 0, 30, rows_of)
+    assert read == []
+    with pytest.raises(ValueError, match="landmark_sum.0"):
+        fresh.load(30, {**saved, "landmark_sum.0": saved["landmark_sum.0"][:1]}, (2, 3, 4))
+
+
+def test_a_saved_memory_centres_from_its_committed_sums_as_from_every_key(model, text, tmp_path):
+    with LandmarkMemory(model, path=tmp_path / "m", store="lmdb", chunk_size=10) as mem:
+        mem.forward(text[:, :60], logits="none")
+    outs, reads = [], []
+    for seeded in (True, False):
+        with LandmarkMemory.open(tmp_path / "m", model, readonly=True, centre=True, top_k=3) as mem:
+            if not seeded:  # as a memory saved before the sums were kept: every key file is read
+                mem.blocks.sums.load(mem.n_blocks, {}, None)
+            rows = mem.blocks._key_run
+            mem.blocks._key_run = lambda layer, first, last: reads.append((seeded, first, last)) or rows(layer, first, last)
+            outs.append(mem.forward(text[:, 60:]))
+    assert all(first >= 10 for seeded, first, _ in reads if seeded)  # past the 10 saved blocks only
+    assert any(first == 0 for seeded, first, _ in reads if not seeded)
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].retrieved, outs[1].retrieved))
+
+
+def test_querying_changes_query_options_inside_its_block_only(model, text):
+    mem = LandmarkMemory(model, top_k=2, chunk_size=10)
+    with pytest.raises(RuntimeError):
+        with mem.querying(centre=True, sink_blocks=1):
+            assert mem.options.centre and mem.options.sink_blocks == 1 and mem.options.reads == 3
+            raise RuntimeError("the block fails")
+    assert not mem.options.centre and mem.options.sink_blocks == 0
+    with pytest.raises(ValueError, match="nprobe"):
+        with mem.querying(nprobe=4):
+            pass
+    with pytest.raises(ValueError, match="top_k"):
+        with mem.querying(top_k=0):
+            pass

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf import smollm2
 from landmark_memory.models.hf.convert import convert, normal_logits
 from landmark_memory.models.hf.lora import adapter_settings
@@ -61,6 +62,7 @@ def test_the_shipped_adapter_is_small_and_changes_the_converted_model(landmark, 
     emb, plain_emb = model.get_input_embeddings().weight, plain.get_input_embeddings().weight
     assert not torch.equal(emb[lm], plain_emb[lm]) and torch.equal(emb[:lm], plain_emb[:lm])  # one row trained
     assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()  # still tied
+    assert model.ask_policy == AskPolicy(centre=True, deep_passages=True)  # as measured for it
 
 
 def test_the_landmark_model_reads_a_book_through_memory_and_generates(landmark, passage):

@@ -13,10 +13,12 @@ read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between q
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from ..models.config import AskPolicy
 from .engine import LandmarkMemory
 from .manifest import MemoryFileError
 from .session import ROLES, Session, Turn
@@ -121,7 +123,8 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, **options) -> Answer:
 
 def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max_new_tokens: int = 32,
              temperature: float = 0.0, seed: int = 0, raw: bool = False, passages: int = 3,
-             stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None, first: bool = True) -> Answer:
+             stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None, first: bool = True,
+             centre: bool | None = None) -> Answer:
     """Read ``messages`` after everything the memory ``mem`` holds and generate the answer.
 
     Parameters
@@ -135,8 +138,17 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         with an end-of-turn token).
     first : the messages open the conversation (the template's opening, e.g. a default system
         message, goes first); else they follow turns the memory has read.
+    centre : the messages and the answer choose their blocks by landmark scores centred
+        (``MemoryOptions.centre``), whatever the memory reads other text with; False: as it
+        reads; None: as the model's ``AskPolicy`` says.
+
+    The passages are ranked by the lookups of every layer, or of the deeper half of them where
+    the model's ``AskPolicy`` says so (SmolLM2's first layers' choices say little of the
+    question: ``experiments/results/retrieval.md``).
     """
     check_messages(messages, seed=seed, stop=stop)
+    policy = getattr(mem.model, "ask_policy", None) or AskPolicy()
+    centre = policy.centre if centre is None else centre
     if max_new_tokens < 0 or passages < 0:
         raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")
     question = messages[-1].content
@@ -148,7 +160,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     stops = set(tokenizer.end_of_turn_ids) if chat else set()
 
     def read(retrieved):  # per layer (1, H, 1, k): the blocks a position read
-        for r in retrieved:
+        for r in retrieved[mem.shape.n_layer // 2 if policy.deep_passages else 0:]:
             uses.update(b for b in r[0].flatten().tolist() if 0 <= b < n_saved)
 
     def told(t):  # (1,): a new token, streamed unless it ends the turn
@@ -160,9 +172,10 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         return any(s in text for s in stop)
 
     ids = tokenizer.encode(prompt).ids
-    new = mem.generate(torch.tensor([ids], device=mem.device), max_new_tokens, temperature=temperature,
-                       generator=torch.Generator().manual_seed(seed), stop_ids=stops,
-                       until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
+    with mem.querying(centre=True) if centre else nullcontext():
+        new = mem.generate(torch.tensor([ids], device=mem.device), max_new_tokens, temperature=temperature,
+                           generator=torch.Generator().manual_seed(seed), stop_ids=stops,
+                           until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
     total = sum(uses.values()) or 1
     most_read = [passage(mem, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
     answer = new[:-1] if new and new[-1] in stops else new

@@ -28,6 +28,7 @@ from ..index.rows import KeyFileError, KeyRows
 from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors
+from .key_sums import KeySums
 from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, ModelShape, RowLayout, key_file
 from .options import MemoryOptions
 from .token_rows import TokenRows
@@ -68,6 +69,7 @@ class BlockMemory:
         # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``upper``; None: all in ``indexes``
         self.base: int | None = 0 if readonly else None
         self.upper: BlockMemory | None = None  # a read-only memory's blocks past ``base``, as its blocks 0 on
+        self.sums = KeySums(shape.n_layer)  # (``mean_key``, ``key_sums``)
         try:
             with disk_errors(f"the block store of {self.where}"):
                 store = (self._documents(shards, shard_path) if shards is not None else
@@ -203,6 +205,21 @@ class BlockMemory:
     def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
         """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``, in the model's dtype."""
         ids = np.arange(self.n_blocks)[blocks] if isinstance(blocks, slice) else blocks.cpu().numpy()
+        return torch.from_numpy(self._key_rows(layer, ids)).to(self.device, self.dtype)
+
+    def mean_key(self, layer: int, lo: int, hi: int) -> np.ndarray:
+        """float64 (B, H_kv, D): the mean landmark key of blocks ``[lo, hi)`` of ``layer``."""
+        return self.sums.mean(layer, lo, hi, self._key_run)
+
+    def key_sums(self) -> dict[str, np.ndarray]:
+        """Per layer the sum of every block's landmark key, as a commit's state file keeps it."""
+        return self.sums.state(self.n_blocks, self._key_run)
+
+    def _key_run(self, layer: int, first: int, last: int) -> np.ndarray:
+        return self._key_rows(layer, np.arange(first, last))
+
+    def _key_rows(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """float32 (B, H_kv, n, D): the landmark keys of blocks ``ids`` of ``layer``."""
         base = self.n_blocks if self.base is None else self.base
         saved, fed = ids < base, ids >= base
         out = np.empty((self.streams, self.shape.n_kv_head, len(ids), self.shape.head_dim), np.float32)
@@ -211,7 +228,7 @@ class BlockMemory:
                 out[b, h, saved] = self.keys[b][layer][h].array()[ids[saved]]
                 if fed.any():
                     out[b, h, fed] = self.upper.keys[b][layer][h].array()[ids[fed] - base]
-        return torch.from_numpy(out).to(self.device, self.dtype)
+        return out
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int,
                group: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -418,6 +435,11 @@ class BlockMemory:
         except StoreDamagedError as e:
             raise MemoryFileError(f"the block store of {where} is damaged ({e}); restore the memory from a backup "
                                   "or rebuild it") from None
+        try:
+            self.sums.load(n_blocks, state, (B, cfg.n_kv_head, cfg.head_dim))
+        except ValueError as e:
+            raise MemoryFileError(f"the state file of {where} garbles the landmark keys' sums ({e}); the memory is "
+                                  "damaged: restore it from a backup or rebuild it") from None
         if self.base is not None:
             self.base = self.n_blocks
 
@@ -429,6 +451,7 @@ class BlockMemory:
             return
         self.n_blocks, self.upper = self.base, None
         self.store.forget()
+        self.sums.reset()
         base = self.base
         self.cache.forget(lambda key: key[2] >= base)
 

@@ -14,6 +14,7 @@ commit, open, close.
 """
 
 from collections.abc import Callable, Collection
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
 from .manifest import TOKENS, InputRecord, Manifest, ModelShape
-from .options import MemoryOptions
+from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import block_positions, chunk_base, recent_slots, select_blocks, top_k_stingy, with_forced
 from .saved import SavedMemory
@@ -249,6 +250,29 @@ class LandmarkMemory(SavedMemory):
         in memory (default: every block)."""
         return self.blocks.tokens(stream, first, last)
 
+    @contextmanager
+    def querying(self, **changes):
+        """Query options (``QUERY_OPTIONS``, e.g. ``centre=True``) changed for what is fed
+        inside the ``with`` block, the memory's own again after it (the indexes' search
+        breadths are set when a memory opens: ``LandmarkMemory.open(..., nprobe=...)``)."""
+        if set(changes) - set(QUERY_OPTIONS):
+            raise ValueError(f"only {', '.join(QUERY_OPTIONS)} change while a memory is open, not "
+                             f"{', '.join(sorted(set(changes) - set(QUERY_OPTIONS)))}")
+        own = self.options
+        new = own.with_query(**changes).resolved(self.shape.block_size, DTYPE_NAMES[self.dtype],
+                                                  self.cmt_k is not None, self.shape.head_dim)
+        self._use(new)
+        try:
+            yield self
+        finally:
+            self._use(own)
+
+    def _use(self, options: MemoryOptions) -> None:
+        if options != self.options:  # what the caches hold depends on the options
+            self.options, self._forced = options, None
+            self._recent_keys.clear()
+            self._mean_keys.clear()
+
     def end_document(self) -> None:
         """Put the open chunk's blocks into memory now, unfinished as the chunk is: a document
         ends here and nothing follows it. Its tokens must fill whole blocks."""
@@ -399,10 +423,11 @@ class LandmarkMemory(SavedMemory):
 
     def _mean_landmark(self, layer, lo, nb):
         """The mean landmark key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):
-        what every query's landmark scores share, which ``centre`` takes out of them."""
+        what every query's landmark scores share, which ``centre`` takes out of them (from the
+        running sums, ``BlockMemory.sums``: the cost of the blocks since it was last asked)."""
         cached = self._mean_keys.get(layer)
         if cached is None or cached[0] != (lo, nb):
-            lms = self.blocks.landmark_keys(layer, slice(lo, nb)).float().mean(2, keepdim=True)  # (B, H_kv, 1, D)
-            cached = (lo, nb), (lms.repeat_interleave(self.group, 1) if self.group > 1 else lms).to(self.dtype)
+            mean = torch.from_numpy(self.blocks.mean_key(layer, lo, nb)).to(self.device, self.dtype)[:, :, None]
+            cached = (lo, nb), (mean.repeat_interleave(self.group, 1) if self.group > 1 else mean)
             self._mean_keys[layer] = cached
         return cached[1]

@@ -275,8 +275,9 @@ class Manifest:
             if e.start + e.ingested > self.tokens:
                 raise bad(f"the input {e.name!r}", f"ending at token {e.start + e.ingested:,}, past the memory's "
                           f"{self.tokens:,}")
-        if self.state is not None and (type(self.state.bytes) is not int or not isinstance(self.state.sha256, str)):
-            raise bad("files.state", "with a size that is no integer or a sha256 that is no string")
+        if self.state is not None and (type(self.state.bytes) is not int or not isinstance(self.state.sha256, str)
+                                       or not isinstance(self.state.name, str)):
+            raise bad("files.state", "with a name or sha256 that is no string, or a size that is no integer")
         r = self.session
         if r is not None:
             if not isinstance(r.name, str) or not isinstance(r.over.digest, str) or self.documents or self.inputs \

@@ -45,7 +45,7 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
         kept = blocks.sync_keys(keys_committed, rows_crc)
         manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (an older level's lists go)
                              if not FILE_NAME.fullmatch(Path(name).name)} | kept
-        state = blocks.index_state()
+        state = blocks.index_state() | {name: torch.from_numpy(s) for name, s in blocks.key_sums().items()}
         if pending_ids is not None:
             state["pending_ids"] = pending_ids.cpu()
             for layer, (k, _, v) in enumerate(pending_kv):
@@ -246,12 +246,14 @@ class SavedMemory:
         (``commit=False`` drops what was fed since the last commit)."""
         if self._closed:
             return
-        if commit and self.dir is not None and not self.readonly:
-            self.commit()
-        self._closed = True
-        self.blocks.close()
-        if self.dir is not None:
-            self.dir.close()
+        try:
+            if commit and self.dir is not None and not self.readonly:
+                self.commit()
+        finally:  # a commit that failed (a full disk) leaves the last one standing: the files are let go all the same
+            self._closed = True
+            self.blocks.close()
+            if self.dir is not None:
+                self.dir.close()
 
     def __enter__(self) -> "LandmarkMemory":
         return self

@@ -8,6 +8,25 @@ from .infini import UPDATES
 ATTENTIONS = ("landmark", "full", "infini")
 
 
+@dataclass(frozen=True)
+class AskPolicy:
+    """How ``memory.answer.ask`` reads a question through a memory for one model, as measured
+    for it (``experiments/results/retrieval.md``): ``centre``, the question and its answer
+    choose blocks by centred landmark scores; ``deep_passages``, the passages are ranked by
+    the lookups of the deeper half of the layers. A model says so as its ``ask_policy``
+    attribute (a landmark adapter in its ``landmark.json``); the default changes nothing."""
+
+    centre: bool = False
+    deep_passages: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "AskPolicy":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) - names or not all(isinstance(v, bool) for v in d.values()):
+            raise ValueError(f"{where}: 'ask' must map some of {sorted(names)} to true or false, got {d!r}")
+        return cls(**d)
+
+
 @dataclass
 class LandmarkConfig:
     """A GPT-style decoder with RoPE and pre-LayerNorm.

@@ -6,6 +6,8 @@ import json
 import warnings
 from pathlib import Path
 
+from ..config import AskPolicy
+
 ADAPTER_CONFIG = "adapter_config.json"  # peft's
 LANDMARK_FILE = "landmark.json"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -24,7 +26,8 @@ def add_lora(model, rank: int, alpha: int):
 
 
 def adapter_settings(adapter: str | Path) -> dict:
-    """The conversion an adapter was trained on (``{"block_size": ...}``), from its ``landmark.json``."""
+    """The conversion an adapter was trained on (``{"block_size": ...}``), and how to ask
+    through it where that was measured (``"ask"``: ``AskPolicy``), from its ``landmark.json``."""
     f = Path(adapter) / LANDMARK_FILE
     if not f.is_file() or not (Path(adapter) / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"{adapter} is not a landmark adapter: it needs {ADAPTER_CONFIG} and {LANDMARK_FILE}")
@@ -45,7 +48,11 @@ def apply_adapter(model, adapter: str | Path, trainable: bool = False):
         warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
-    return model if trainable else model.merge_and_unload()
+    if trainable:
+        return model
+    model = model.merge_and_unload()
+    model.ask_policy = AskPolicy.from_dict(adapter_settings(adapter).get("ask", {}), str(Path(adapter) / LANDMARK_FILE))
+    return model
 
 
 def write_settings(folder: str | Path, block_size: int) -> None:
