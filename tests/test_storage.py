@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from landmark_memory.core.quant import dequantize, quantize
-from landmark_memory.storage import DTYPES, STORES, CorruptBlockError, HotCache, LmdbStore, MemoryStore, open_store
+from landmark_memory.core.names import DISK_STORES
+from landmark_memory.storage import (DTYPES, STORE_KINDS, STORES, CorruptBlockError, HotCache, LmdbStore, MemoryStore,
+                                    MmapStore, open_store)
 
 SHAPE = (2, 3, 6, 8)  # (k/v, H, block_size + 1, D)
 
@@ -37,6 +39,18 @@ def test_disk_stores_persist_across_reopening(kind, tmp_path):
     again = open_store(kind, SHAPE, tmp_path, "float32")
     assert all(torch.equal(a, blocks[k]) for k, a in zip(blocks, again.get(list(blocks))))
     again.close()
+
+
+def test_the_store_registry_is_what_the_command_line_offers_and_each_kind_opens_its_own_store(tmp_path):
+    assert tuple(STORE_KINDS) == STORES and tuple(k for k in STORES if STORE_KINDS[k].on_disk) == DISK_STORES
+    for kind, cls in [("memory", MemoryStore), ("lmdb", LmdbStore), ("mmap", MmapStore)]:
+        store = open_store(kind, SHAPE, tmp_path, "float32")
+        assert type(store) is cls and (tmp_path / kind).is_dir() == STORE_KINDS[kind].on_disk
+        store.close()
+    with pytest.raises(ValueError, match="pass a path"):
+        open_store("mmap", SHAPE)
+    with pytest.raises(ValueError, match="unknown store 'tape'"):
+        open_store("tape", SHAPE, tmp_path)
 
 
 def test_lmdb_grows_its_map_when_full(tmp_path):

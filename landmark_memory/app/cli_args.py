@@ -5,7 +5,7 @@ and a wrong option answer at once."""
 
 import argparse
 
-from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS,
+from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS,
                     SESSION_NAME, STORE_DTYPES)
 
 
@@ -125,7 +125,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR", help=".txt files or folders of them")
     add_model_args(p)
     p.add_argument("--index", choices=INDEX_KINDS, help=f"landmark index of a new memory (default {DEFAULT_INDEX})")
-    p.add_argument("--store", choices=("lmdb", "mmap"), help="block store of a new memory (default lmdb)")
+    p.add_argument("--store", choices=DISK_STORES, help=f"block store of a new memory (default {DISK_STORES[0]})")
     add_store_dtype(p, saved=True)
     p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")

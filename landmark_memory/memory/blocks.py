@@ -25,7 +25,7 @@ from ..core.rope import RotaryEmbedding
 from ..index import ON_ROWS, LandmarkIndex, derived_from_rows
 from ..index.lists import stale_files
 from ..index.rows import KeyFileError, KeyRows
-from ..storage import HotCache, OverlayStore, StoreDamagedError, open_store
+from ..storage import STORE_KINDS, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import disk_errors
 from .key_sums import KeySums
@@ -99,7 +99,7 @@ class BlockMemory:
                 return open_store(o.store, shape.block_entry, shard_path(name), o.store_dtype, readonly=True,
                                   checksums=o.block_checksums, sealed=True)
 
-        fds = 1 if o.store == "lmdb" else shape.n_layer  # a sealed environment; a map per layer
+        fds = STORE_KINDS[o.store].files(shape.n_layer)
         return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums, open_shard, open_budget(fds))
 
     def add_shard(self, shard: Shard) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..core.decode import decode
 from ..core.layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
-from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K
+from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES
 from ..core.rope import rotation_dtype
 from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
 from ..models.kinds import backbone_for
@@ -101,7 +101,7 @@ class LandmarkMemory(SavedMemory):
             raise ValueError("a corpus of documents is a saved memory: pass a path")
         if path is not None:
             if store == "memory":
-                raise ValueError("a memory saved at a path keeps its blocks on disk: pass store='lmdb' or 'mmap'")
+                raise ValueError(f"a memory saved at a path keeps its blocks on disk: pass store= one of {DISK_STORES}")
             self.dir = MemoryDir.create(path, Manifest(model=self.model_record(), options=self.options,
                                                        documents=documents))
         self.blocks = self._new_blocks(readonly=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.names import DISK_STORES
 from ..index.lists import FILE_NAME
 from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
@@ -109,7 +110,7 @@ class SavedMemory:
         protocol"); returns the commit number. A process killed at any instant leaves the
         memory at its last commit."""
         if self.dir is None:
-            raise ValueError("this memory has no directory: create it with a path (and store='lmdb' or 'mmap') "
+            raise ValueError(f"this memory has no directory: create it with a path (and store= one of {DISK_STORES}) "
                              "to save it")
         if self.readonly:
             raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")

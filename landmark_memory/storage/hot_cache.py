@@ -10,7 +10,7 @@ import torch
 from ..core.quant import dequantize, scale_shape
 
 if TYPE_CHECKING:
-    from . import BlockStore
+    from .base import BlockStore
 
 
 class HotCache:

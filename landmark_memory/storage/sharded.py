@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from . import BlockStore, CorruptBlockError
+from .base import BlockStore, CorruptBlockError
 
 RESERVED_FDS = 512  # descriptors left for everything else the process opens
 FD_CEILING = 1 << 16  # the soft limit is raised at most this far

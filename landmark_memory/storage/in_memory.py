@@ -1,0 +1,20 @@
+"""The ``memory`` store: blocks in a dict in their stored form, nothing on disk."""
+
+from .base import BlockStore, Stored
+
+
+class MemoryStore(BlockStore):
+    """Blocks in a dict, in their stored form: no serialisation."""
+
+    def __init__(self, shape, dtype="float16"):
+        super().__init__(shape, dtype)
+        self._data: dict[tuple[int, int, int], Stored] = {}
+
+    def put(self, items):
+        self._data.update(self._stored(items))
+
+    def _blocks(self, keys):
+        missing = [k for k in keys if k not in self._data]
+        if missing:
+            raise KeyError(f"blocks {missing[:3]} missing in the store")
+        return [self._data[k] for k in keys]
