@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.training.train import build_optimizer, TrainConfig
+from landmark_memory.training.optim import build_optimizer
+from landmark_memory.training.train import TrainConfig
 
 
 def tiny(**kw):

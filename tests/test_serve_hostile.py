@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from landmark_memory import LandmarkGPT, load_tokenizer
 from landmark_memory.app import serve as served
+from landmark_memory.app import serve_routes
 from landmark_memory.app.cli import API_KEY_VARIABLE, main
 
 KEY, MODEL = "kéy-ü", "landmark-memory-tiny"  # not ASCII: clients send it as UTF-8 bytes
@@ -183,7 +184,7 @@ def in_process(corpus, **options):
 
 
 def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
-    generated, ask = [], served.converse
+    generated, ask = [], serve_routes.converse
 
     def counted(*args, on_token=None, **kwargs):
         def tap(t):
@@ -191,7 +192,7 @@ def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
             on_token(t)
         return ask(*args, on_token=tap if on_token else None, **kwargs)
 
-    monkeypatch.setattr(served, "converse", counted)
+    monkeypatch.setattr(serve_routes, "converse", counted)
     with in_process(corpus, max_tokens=512, parallel=1) as url:
         u = urlparse(url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
@@ -211,13 +212,13 @@ def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
 
 
 def test_cheap_routes_answer_while_answers_wait_their_turn(corpus, monkeypatch):
-    release, ask = threading.Event(), served.converse
+    release, ask = threading.Event(), serve_routes.converse
 
     def held(*args, **kwargs):  # an answer that holds its turn until the test lets it go
         release.wait(60)
         return ask(*args, **kwargs)
 
-    monkeypatch.setattr(served, "converse", held)
+    monkeypatch.setattr(serve_routes, "converse", held)
     with in_process(corpus, parallel=1) as url, ThreadPoolExecutor(48) as pool:
         queued = [pool.submit(call, url, "/v1/completions", COMPLETION, key=None) for _ in range(45)]
         time.sleep(0.5)

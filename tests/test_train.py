@@ -9,7 +9,8 @@ import torch
 
 from landmark_memory import LandmarkGPT
 from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.training.train import PRESETS, TrainConfig, Trainer, lr_at, parse_args
+from landmark_memory.training.optim import lr_at
+from landmark_memory.training.train import PRESETS, TrainConfig, Trainer, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--ffn-hidden", "64", "--seq-len", "64",

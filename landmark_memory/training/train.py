@@ -32,6 +32,7 @@ from ..models.config import LandmarkConfig
 from ..models.model import LandmarkGPT
 from .data import SAMPLE_DIR, PasskeyMix, WindowSampler, list_text_files, split_books, tokenize_books
 from .drills import RetrievalDrills
+from .optim import build_optimizer, load_optimizer, lr_at, optimizer_tensors
 
 STATE_NAME, OPTIM_NAME, LOG_NAME = "trainer_state.json", "optimizer.safetensors", "train_log.jsonl"
 
@@ -103,39 +104,6 @@ PRESETS = {
     "hf": dict(block_size=63, seq_len=504, batch_size=2, grad_accum=64, max_iters=15_000, lr=2e-5, min_lr=0.0,
                warmup_frac=0.03, weight_decay=0.1, beta2=0.999, eval_interval=500, eval_iters=10),
 }
-
-
-def lr_at(step, cfg):
-    """Linear warmup over ``warmup_frac`` of training, then cosine from lr to min_lr."""
-    warmup = max(1, int(cfg.warmup_frac * cfg.max_iters))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, cfg.max_iters - warmup))
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def build_optimizer(model, cfg, device_type):
-    """AdamW with weight decay on matrices and embeddings only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device_type == "cuda")
-
-
-def _optimizer_tensors(opt):
-    """Optimizer state as flat tensors (safetensors) plus JSON-able hyperparameters."""
-    sd = opt.state_dict()
-    tensors = {f"{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).contiguous()
-               for i, st in sd["state"].items() for k, v in st.items()}
-    return tensors, sd["param_groups"]
-
-
-def _load_optimizer(opt, tensors, param_groups):
-    state = {}
-    for key, t in tensors.items():
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = t
-    opt.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 class Trainer:
@@ -294,7 +262,7 @@ class Trainer:
         """Latest model, optimizer and trainer state; the state file is written last, so
         ``--resume`` always finds a consistent checkpoint."""
         self.model.save_pretrained(self.out)
-        tensors, groups = _optimizer_tensors(self.opt)
+        tensors, groups = optimizer_tensors(self.opt)
         atomic_write(self.out / OPTIM_NAME, lambda f: save_file(tensors, f))
         state = {"step": self.step, "best_val": self.best_val, "first_val": self.first_val,
                  "sampler_rng": self.sampler.rng.getstate(), "param_groups": groups,
@@ -313,7 +281,7 @@ class Trainer:
                 raise ValueError(f"--resume: the checkpoint in {self.out} has model config {saved.config}, "
                                  f"this run asks for {self.model.config}; use the same flags or another --out-dir")
             self.model.load_state_dict(saved.state_dict())
-        _load_optimizer(self.opt, load_file(self.out / OPTIM_NAME, device=str(self.device)), state["param_groups"])
+        load_optimizer(self.opt, load_file(self.out / OPTIM_NAME, device=str(self.device)), state["param_groups"])
         self.step, self.best_val, self.first_val = state["step"], state["best_val"], state["first_val"]
         rng = state["sampler_rng"]
         self.sampler.rng.setstate((rng[0], tuple(rng[1]), rng[2]))

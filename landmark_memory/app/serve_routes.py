@@ -1,0 +1,263 @@
+"""The routes of ``serve.py`` in OpenAI's shapes: plain functions on a router, whose state
+(settings, the kept memories, the model's tokenizer, the limits on answers at once, the
+sessions' locks) is one ``Served`` object the application holds (``served``)."""
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from ..memory.answer import Answer, Message, QuestionError, check_messages, converse, say
+from ..memory.session import Session
+from .serve_guard import APIError
+from .serve_readers import Readers, ServeConfig
+from .serve_sessions import SessionLocks, existing, session_errors
+
+
+@dataclass
+class Served:
+    """What the routes answer from: ``cfg``, the memory kept open (``readers``), the model's
+    ``tokenizer``, how many answers run at once (``answering``) and apart from them
+    (``inspecting``), the sessions' ``locks`` and the ``page``."""
+
+    cfg: ServeConfig
+    readers: Readers
+    tokenizer: object
+    answering: anyio.CapacityLimiter
+    inspecting: anyio.CapacityLimiter
+    locks: SessionLocks
+    page: str
+
+
+def served(request: Request) -> Served:
+    """The state of the application serving ``request`` (a dependency of every route)."""
+    return request.app.state.served
+
+
+router = APIRouter()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The content as text (OpenAI's content parts joined), refused when a part is no text."""
+        if isinstance(self.content, list) and not all(
+                part.get("type") == "text" and isinstance(part.get("text"), str) for part in self.content):
+            raise APIError(400, "a message's content parts must all be {\"type\": \"text\", \"text\": a string}: "
+                           "this server reads text only", "invalid_content")
+        return self.content if isinstance(self.content, str) else " ".join(p["text"] for p in self.content or [])
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    seed: int | None = None
+    stream: bool = False
+    passages: int = 3
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    def stops(self) -> list[str]:
+        """The stop strings (OpenAI: a string or up to 4; ``check_question`` refuses empty ones)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise APIError(400, f"stop holds at most 4 strings, got {len(stops)}", "invalid_stop")
+        return stops
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    session: str | None = None  # read the messages into this session (``serve_sessions.py``)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+
+
+@router.get("/v1/models")
+async def models(s: Served = Depends(served)):
+    return {"object": "list", "data": [{"id": s.cfg.model_name, "object": "model", "created": 0,
+                                        "owned_by": "landmark-memory"}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat(req: ChatRequest, s: Served = Depends(served)):
+    if not any(m.role == "user" for m in req.messages):
+        raise APIError(400, "messages hold no user message to answer", "invalid_request")
+    messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
+    session = None if req.session is None else existing(s.cfg.memory, req.session)
+    n = check(s, req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+              messages)
+    return await respond(s, "chat", messages, False, req, n, session)
+
+
+@router.post("/v1/completions")
+async def complete(req: CompletionRequest, s: Served = Depends(served)):
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if len(prompts) != 1:
+        raise APIError(400, f"one prompt per request, got {len(prompts)}", "invalid_request")
+    n = check(s, req, req.max_tokens, [Message("user", prompts[0])])
+    return await respond(s, "completion", [Message("user", prompts[0])], True, req, n, None)
+
+
+@router.get("/v1/memory")
+async def memory(s: Served = Depends(served)):
+    return await anyio.to_thread.run_sync(s.readers.describe, limiter=s.inspecting)
+
+
+@router.get("/", response_class=HTMLResponse)
+async def index(s: Served = Depends(served)):
+    return s.page.replace("{{MODEL}}", json.dumps(s.cfg.model_name))
+
+
+def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]) -> int:
+    """The request's new-token count, everything else about it checked before any answer
+    (a streamed answer has sent its status by the time it runs)."""
+    if req.model != s.cfg.model_name:
+        raise APIError(404, f"model {req.model!r} is not served here; GET /v1/models lists the one that is",
+                       "model_not_found")
+    n = limit if limit is not None else 16
+    if not 0 <= n <= s.cfg.max_tokens:
+        raise APIError(400, f"max_tokens must be between 0 and {s.cfg.max_tokens}, got {n}", "invalid_max_tokens")
+    if not (math.isfinite(req.temperature) and 0 <= req.temperature <= 2):
+        raise APIError(400, f"temperature must be a number from 0 to 2, got {req.temperature}",
+                       "invalid_temperature")
+    if req.n not in (None, 1):
+        raise APIError(400, f"n must be 1: this server gives one choice per request, got {req.n}", "invalid_n")
+    if req.logprobs not in (None, False, 0) or req.top_logprobs is not None:
+        raise APIError(400, "logprobs and top_logprobs are not supported: leave them out", "invalid_logprobs")
+    try:  # what converse would refuse, refused before a stream sends its status
+        check_messages(messages, seed=req.seed or 0, stop=req.stops())
+    except QuestionError as e:
+        code = {"empty": "invalid_request", "text": "invalid_prompt", "seed": "invalid_seed",
+                "stop": "invalid_stop", "role": "invalid_role"}[e.field]
+        raise APIError(400, str(e), code) from None
+    return n
+
+def answer(s: "Served", messages: list[Message], raw: bool, req: _Request, n: int, session: str | None,
+           on_token=None) -> Answer:
+    """The answer to ``messages``: read into the ``session`` named, or after the memory alone."""
+    options = dict(max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0, raw=raw,
+                   passages=max(0, req.passages), stop=req.stops(), on_token=on_token)
+    with s.readers.take() as mem:
+        if session is None:
+            return converse(mem, s.tokenizer, messages, **options)
+        with session_errors():
+            kept = Session.open(mem, session, create=False)
+        try:
+            return say(kept, s.tokenizer, messages, **options)
+        finally:
+            kept.close()
+
+async def respond(s: "Served", kind: str, messages: list[Message], raw: bool, req: _Request, n: int,
+                  session: str | None):
+    ident, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
+    head = {"id": ident, "created": created, "model": s.cfg.model_name, **({"session": session} if session else {})}
+    if req.stream:
+        return StreamingResponse(stream(s, kind, head, messages, raw, req, n, session), media_type="text/event-stream")
+    async with turn_of(s, session):
+        a = await anyio.to_thread.run_sync(answer, s, messages, raw, req, n, session, limiter=s.answering)
+    choice = ({"message": {"role": "assistant", "content": a.text}} if kind == "chat" else
+              {"text": a.text, "logprobs": None})
+    return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(a),
+            "passages": [asdict(p) for p in a.passages]}
+
+def turn_of(s: "Served", session: str | None):
+    """The session's lock (answers on one session one after the other), or nothing to wait for."""
+    return s.locks.hold(session) if session is not None else contextlib.nullcontext()
+
+async def stream(s: "Served", kind, head, messages, raw, req, n, session):
+    """Server-sent events: each new piece of text as it is generated, then the finish reason
+    and the passages, then ``[DONE]``; an error midway is an error event, then ``[DONE]``. A
+    client that leaves stops the answer at its next token."""
+    loop, pieces, done = asyncio.get_running_loop(), asyncio.Queue(), object()
+    left, result = threading.Event(), {}
+    stops = req.stops()
+    hold = max(map(len, stops), default=1) - 1  # text that may yet become a stop string waits
+
+    def on_token(t):
+        if left.is_set():
+            raise _ClientLeft
+        loop.call_soon_threadsafe(pieces.put_nowait, t)
+
+    def run():
+        try:
+            result["answer"] = answer(s, messages, raw, req, n, session, on_token=on_token)
+        except _ClientLeft:
+            pass
+        except APIError as e:
+            result["error"] = e
+        except Exception as e:  # noqa: BLE001 - a stream has sent 200: the error goes in an event
+            result["error"] = APIError(500, f"the server failed ({type(e).__name__}); its log says more",
+                                       "server_error")
+            logging.getLogger(__name__).exception("answer failed")
+        finally:
+            loop.call_soon_threadsafe(pieces.put_nowait, done)
+
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def event(text="", finish_reason=None, extra=None, delta=None):
+        choice = ({"delta": delta or ({"content": text} if text else {})} if kind == "chat" else
+                  {"text": text, "logprobs": None})
+        doc = {**head, "object": obj, "choices": [{"index": 0, **choice, "finish_reason": finish_reason}],
+               **(extra or {})}
+        return f"data: {json.dumps(doc)}\n\n"
+
+    tokens, shown = [], ""
+    try:
+        if kind == "chat":
+            yield event(delta={"role": "assistant"})
+        async with turn_of(s, session), s.answering:  # a turn, waited for without a thread
+            threading.Thread(target=run, daemon=True).start()
+            while (t := await pieces.get()) is not done:
+                tokens.append(t)
+                text = s.tokenizer.decode(tokens)
+                ready = min([text.find(s) for s in stops if s in text] or [len(text) - hold])
+                if not text.endswith("\ufffd") and ready > len(shown):  # a split character waits for its last byte
+                    yield event(text[len(shown):ready])
+                    shown = text[:ready]
+        if "error" in result:
+            e = result["error"]
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'code': e.code}})}\n\n"
+        else:
+            a = result["answer"]
+            if a.text[len(shown):]:
+                yield event(a.text[len(shown):])
+            yield event(finish_reason=finish(a, n), extra={"passages": [asdict(p) for p in a.passages],
+                                                         "usage": usage(a)})
+        yield "data: [DONE]\n\n"
+    finally:  # the client left (or the stream ended): the answer stops at its next token
+        left.set()
+
+def usage(a: Answer) -> dict:
+    asked = a.prompt_tokens
+    return {"prompt_tokens": asked, "completion_tokens": len(a.tokens), "total_tokens": asked + len(a.tokens)}
+
+
+class _ClientLeft(Exception):
+    """Raised in an answer's thread when its stream's client has gone."""
+
+
+def finish(a: Answer, n: int) -> str:
+    """OpenAI's finish reason: the answer ran into ``max_tokens``, or ended by itself or at a
+    stop string."""
+    return "length" if a.stop is None and len(a.tokens) >= n and n > 0 else "stop"

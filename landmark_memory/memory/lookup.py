@@ -1,0 +1,94 @@
+"""Which blocks each query reads: the half of ``LandmarkMemory`` (``engine.py``) that scores
+the landmarks (the index for the older blocks, exactly for the latest ones), applies the
+retrieval policy (``retrieval.py``: top-k, sink and local blocks, centring) and says where the
+chosen blocks sit. Everything here needs the attributes ``LandmarkMemory._setup`` makes."""
+
+import numpy as np
+import torch
+
+from .retrieval import block_positions, recent_slots, select_blocks, top_k_stingy, with_forced
+
+
+class BlockLookup:
+    def _retrieve(self, layer, q, qr, at_search, skip=None):
+        """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` chosen
+        first, then the sink and local blocks every query reads; and the positions their first
+        rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries ``q``
+        search older blocks from; ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
+        B, H, Tq, D = q.shape
+        o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
+        K, W = o.top_k, o.reads
+        lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
+        empty = q.new_full((B, H, Tq, W), -1, dtype=torch.long)
+        if nb == lo:
+            return empty, torch.zeros_like(empty)
+        # the retrievable blocks [lo, nb): the first sink_blocks and the last local_blocks are read by
+        # every query; the top-k are chosen among the candidates [c_lo, c_hi) between them
+        c_lo = min(lo + o.sink_blocks, nb)
+        c_hi = max(c_lo, nb - o.local_blocks)
+        if self._forced is None or self._forced[0] != (lo, nb):  # changes only when a chunk enters memory
+            ids = np.array(sorted({*range(lo, c_lo), *range(c_hi, nb)}), np.int64)
+            self._forced = (lo, nb), ids, torch.from_numpy(ids).to(self.device)
+        _, forced_np, forced = self._forced
+        stats = self.retrieval_stats
+        stats.queries += B * H * Tq
+        if skip is not None:
+            stats.skipped_queries += int(skip.sum())
+            if skip.all():  # nothing to search, score or fetch
+                stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - W > c_lo else 0
+                return empty, torch.zeros_like(empty)
+        scale, rope = self.backbone.scale, self.rope
+        centre = self._mean_landmark(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
+
+        def landmarks(blocks):  # (B, H, n, D): key/value head h // G serves query head h
+            lms = self.blocks.landmark_keys(layer, blocks)
+            lms = lms.repeat_interleave(self.group, 1) if self.group > 1 else lms
+            return lms if centre is None else lms - centre
+
+        if o.position_mapping == "exact":
+            ids = torch.arange(c_lo, c_hi, device=self.device)
+            S = (qr @ rope(landmarks(ids), ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
+            I = ids.expand(B, H, Tq, -1)
+        else:
+            first = min(max(c_lo, nb - W), c_hi)  # the latest candidates, scored exactly at their own slots
+            cached = self._recent_keys.get(layer)
+            if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
+                recent = torch.arange(first, c_hi, device=self.device)
+                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, W) * L + bs).transpose(-2, -1)
+                self._recent_keys[layer] = cached
+            _, recent, keys = cached
+            S = (qr @ keys) * scale  # (B, H, Tq, r)
+            if first > c_lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
+                xq = rope.rotate(at_search, q).to("cpu", torch.float32).numpy()  # (B, H, Tq, D)
+                need = None if skip is None else ~skip.cpu().numpy()
+                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, c_lo, first, self.group)
+                if centre is not None:  # the index holds raw keys: q . (k - mean) = q . k - q . mean
+                    S_old -= np.einsum("bhtd,bhd->bht", xq, centre[:, :, 0].to("cpu", torch.float32).numpy())[..., None]
+                S_old *= scale
+                stats.searches += B * H - skipped
+                stats.skipped_searches += skipped
+            else:
+                S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
+            if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
+                if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
+                    S = S.masked_fill(skip[..., None], float("-inf"))
+                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W)
+            S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype), S], -1)
+            I = torch.cat([torch.from_numpy(I_old).to(self.device), recent.expand(B, H, Tq, -1)], -1)
+        if skip is not None:
+            S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
+        ids = with_forced(select_blocks(S, I, c_lo, max(c_lo, c_hi), K, o.retrieval), forced, W)
+        if skip is not None:  # shared selections (per head, per token) and forced blocks must not reach skipped queries
+            ids = ids.masked_fill(skip[..., None], -1)
+        return ids, block_positions(ids, nb, W, L, o.position_mapping)
+
+    def _mean_landmark(self, layer, lo, nb):
+        """The mean landmark key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):
+        what every query's landmark scores share, which ``centre`` takes out of them (from the
+        running sums, ``BlockMemory.sums``: the cost of the blocks since it was last asked)."""
+        cached = self._mean_keys.get(layer)
+        if cached is None or cached[0] != (lo, nb):
+            mean = torch.from_numpy(self.blocks.mean_key(layer, lo, nb)).to(self.device, self.dtype)[:, :, None]
+            cached = (lo, nb), (mean.repeat_interleave(self.group, 1) if self.group > 1 else mean)
+            self._mean_keys[layer] = cached
+        return cached[1]
