@@ -83,9 +83,9 @@ def test_grouped_query_pool_equals_pool_repeated_per_query_head(backend):
 
 
 def test_inference_outputs_are_fully_overwritten(monkeypatch):
-    from landmark_memory.kernels import triton_landmark
+    from landmark_memory.kernels import triton_inference
 
-    monkeypatch.setattr(triton_landmark, "_empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    monkeypatch.setattr(triton_inference, "_empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
     m = memory_setup(2, 2, 32, 5, 3, 20, torch.float32, seed=4)
     table, pos = all_blocks_table(2, 2, 7, 3, 5)
     out = landmark_attention_inference(m["q"][:, :, -7:], m["k"][:, :, 18:], m["v"][:, :, 18:], 5, pool_k=m["pool_k"],

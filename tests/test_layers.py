@@ -80,3 +80,8 @@ def test_no_module_imports_itself_through_others():
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def test_every_module_is_at_most_400_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines (split them by concern): {long}"

@@ -131,7 +131,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
         block_table, block_pos = block_table[..., :0], block_pos[..., :0]
     if backend == "triton" or (backend == "auto" and q.is_cuda):
-        from .triton_landmark import landmark_inference_triton
+        from .triton_inference import landmark_inference_triton
 
         return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope, scale,
                                          cmt_k, pool_scale)
