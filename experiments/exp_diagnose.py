@@ -43,16 +43,13 @@ import numpy as np
 import torch
 
 from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, some_of, write_result
-from exp_realtext import ask_case, ask_in_memory, book_filler, is_right, trial_rng
-from exp_ruler import trial_prompt
-from exp_smollm2 import held_out
+from _needles import CONFIGS, key_hits, passkey_trial, ruler_trial, spanned_blocks
+from _texts import ask_case, ask_in_memory, held_out, is_right, trial_rng
 from landmark_memory.memory.answer import ask
 from landmark_memory.training.data import read_text
-from landmark_memory.models.kinds import in_sequence_logits
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.core.passkey import MAX_KEY, PasskeyPrompts, answer, fact, first_int
+from landmark_memory.core.passkey import PasskeyPrompts
 
-CONFIGS = [(4, "stingy"), (8, "stingy"), (16, "stingy"), (4, "exact"), (8, "exact"), (16, "exact")]
 FACTS = PLANTED_FACTS[:4]  # (sentence planted, question, the words a right answer holds)
 DEPTHS = (0.2, 0.45, 0.65, 0.85)
 RUN = 4  # digits of the key in a row that an answer holds only by reading the key
@@ -63,78 +60,6 @@ def read_the_key(got, key):
     """Whether the answer ``got`` (an int or None) holds ``RUN`` digits of ``key`` in a row."""
     a, k = str(got), str(key)
     return got is not None and any(k[i:i + RUN] in a for i in range(len(k) - RUN + 1))
-
-
-def greedy_answer(logits, tok):
-    """The first integer of the greedy tokens at each answer position (teacher forced)."""
-    return first_int(tok.decode(logits.argmax(-1).tolist()))
-
-
-def key_hits(retrieved, positions, blocks):
-    """Share of (layer, head, position) lookups at ``positions`` whose top-k held one of ``blocks``,
-    overall and per layer."""
-    per_layer = []
-    for r in retrieved:  # (1, H, T, k)
-        got = r[0][:, positions]  # (H, P, k)
-        per_layer.append(float(np.isin(got.numpy(), blocks).any(-1).mean()))
-    return float(np.mean(per_layer)), per_layer
-
-
-@torch.no_grad()
-def read_ways(model, tok, ids, q0, ans, key_blocks, folder, ways=None, in_sequence=True):
-    """The answer ``ans`` (token ids) to the prompt ``ids`` read in sequence and through memory in
-    each of ``ways`` ({name: query options}, default ``CONFIGS`` named "k4 stingy" and so on;
-    the memory holds ``ids[:q0]``, the question and answer read from it; ``in_sequence``: read the
-    prompt whole too):
-    {way: the greedy answer's first integer, way + " hits": the share of lookups of the
-    question's last token and the answer's tokens that held one of ``key_blocks``, way + "
-    layers": that share per layer}."""
-    seq, n_p = torch.tensor([ids + ans]), len(ids)
-    row = {}
-    if in_sequence:
-        logits = in_sequence_logits(model, seq[:, :-1])[0, n_p - 1:]  # the answer's positions
-        row["in sequence"] = greedy_answer(logits, tok)
-    mem = LandmarkMemory(model, path=folder, store="lmdb")
-    mem.forward(seq[:, :q0], logits="none")
-    mem.commit()
-    mem.close()
-    asked = list(range(n_p - 1 - q0, seq.shape[1] - 1 - q0))
-    ways = ways or {f"k{k} {mapping}": {"top_k": k, "position_mapping": mapping} for k, mapping in CONFIGS}
-    for name, options in ways.items():
-        with LandmarkMemory.open(folder, model, readonly=True, **options) as m:
-            out = m.forward(seq[:, q0:-1])
-        row[name] = greedy_answer(out.logits[0, asked], tok)
-        row[f"{name} hits"], row[f"{name} layers"] = key_hits(out.retrieved, asked, key_blocks)
-    return row
-
-
-def spanned_blocks(start, end, bs):
-    """The memory blocks that hold tokens [start, end)."""
-    return list(range(start // bs, (end - 1) // bs + 1))
-
-
-def passkey_trial(model, tok, prompts, book, rng, length, folder, ways=None, in_sequence=True):
-    name, _, ids = book
-    key, depth = rng.randint(1, MAX_KEY), rng.random()
-    n_key = len(prompts.ids(fact(key)))
-    n_fill = length - len(prompts.intro) - n_key - len(prompts.question)
-    start = rng.randrange(0, len(ids) - n_fill)
-    prompt = prompts.prompt(length, key, depth, book_filler(ids, start))
-    fact_at = len(prompts.intro) + round(depth * n_fill)
-    blocks = spanned_blocks(fact_at, fact_at + n_key, model.config.landmark_block_size)
-    row = read_ways(model, tok, prompt, len(prompt) - len(prompts.question), tok.encode(answer(key)).ids, blocks,
-                    folder, ways, in_sequence)
-    return {"book": name, "key": key, "depth": round(depth, 3), **row}
-
-
-def ruler_trial(model, tok, books, i, length, seed, folder, ways=None, in_sequence=True):
-    """Trial ``i`` of the RULER-style suite's single needle (``exp_ruler``: the same prompt)."""
-    name, p = trial_prompt(tok, books, length, "single", i, seed)
-    (start, end), value = p.needles[0], p.want[0]
-    blocks = spanned_blocks(start, end, model.config.landmark_block_size)
-    row = read_ways(model, tok, p.ids, p.question_at, tok.encode(f" {value}.").ids, blocks, folder, ways,
-                    in_sequence)
-    return {"book": name, "key": int(value), "depth": round(start / p.question_at, 3), **row}
 
 
 WAYS = ["in sequence"] + [f"k{k} {m}" for k, m in CONFIGS]

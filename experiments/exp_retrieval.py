@@ -45,9 +45,8 @@ import torch
 
 from _common import (ADAPTER, PLANTED_FACTS, ROOT, Trials, books_perplexity, load_smollm2, plt, sentence_end, some_of,
                      suite_main, write_result)
-from exp_diagnose import passkey_trial, ruler_trial
-from exp_realtext import is_right
-from exp_smollm2 import held_out
+from _needles import passkey_trial, ruler_trial
+from _texts import held_out, is_right
 from landmark_memory.memory.answer import ask
 from landmark_memory.app.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory

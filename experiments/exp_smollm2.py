@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from _common import ROOT, command_line, machine, plt, top_k_label
+from _texts import held_out
 from landmark_memory.memory.answer import ask
-from landmark_memory.app.build import build, encode, read_inputs
+from landmark_memory.app.build import build, read_inputs
 from landmark_memory.app.cli_args import positive
-from landmark_memory.training.data import list_text_files, read_text, split_books
 from landmark_memory.core.decode import decode
 from landmark_memory.app.evaluate import parse_lengths, passkey_accuracy, perplexity
 from landmark_memory.models.hf import smollm2
@@ -56,12 +56,6 @@ ASK_QUESTION = "What school did the author of this book found?"
 TARGETS = ("in-sequence perplexity at 2K within 5% of the base model's",  # the issue's, as the report words them
            "passkey through memory at 64K at least 95%",
            "perplexity through memory at 32K below the base model's in context at 8K")
-
-
-def held_out(books, tok):
-    """[(name, path, token ids)] of the books the fine-tuning held out (its default split)."""
-    _, val = split_books(list_text_files([books]))
-    return [(f.stem, f, encode(tok, read_text(f))) for f in val]
 
 
 def part_convert(args, tok, books):

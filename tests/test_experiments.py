@@ -133,10 +133,10 @@ def test_ruler_prompts_have_their_length_every_needle_where_they_say_and_a_chain
 
     from landmark_memory import load_tokenizer
 
-    ruler, tok = script("exp_ruler"), load_tokenizer()
+    ruler, tasks, tok = script("exp_ruler"), script("_ruler_tasks"), load_tokenizer()
     book = tok.encode(" The quiet river ran past the mill." * 400).ids
-    for task in ruler.TASKS:
-        p = ruler.prompt(tok, book, 1000, task, random.Random(task))
+    for task in tasks.TASKS:
+        p = tasks.prompt(tok, book, 1000, task, random.Random(task))
         text = tok.decode(p.ids)
         assert len(p.ids) == 1000 and p.want and all(w in text for w in p.want if task != "qa")
         assert ruler.score(" ".join(p.want), p.want) == 1.0 and ruler.score("nothing", p.want) == 0.0
@@ -147,7 +147,7 @@ def test_ruler_prompts_have_their_length_every_needle_where_they_say_and_a_chain
             task == "vartrack"))
         assert all(b <= a2 for (_, b), (a2, _) in zip(p.needles, p.needles[1:])) and p.needles[-1][1] <= p.question_at
         assert tok.decode(p.ids[p.question_at:]).startswith(("\nWhat", "\nQuestion", "\nAnswer"))
-    p = ruler.prompt(tok, book, 1000, "vartrack", random.Random(1))
+    p = tasks.prompt(tok, book, 1000, "vartrack", random.Random(1))
     text = tok.decode(p.ids)
     assert all(text.index(f"VAR {a} ") < text.index(f"VAR {b} = VAR {a}.") for a, b in zip(p.want, p.want[1:]))
 
@@ -159,7 +159,7 @@ def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_p
 
     realtext, tok = script("exp_realtext"), load_tokenizer()
     book = tok.encode(" The quiet river ran past the mill." * 100).ids
-    ids, (a, b) = realtext.planted(tok, book, 300, "The captain's parrot was named Admiral Biscuit.", 0.5)
+    ids, (a, b) = script("_texts").planted(tok, book, 300, "The captain's parrot was named Admiral Biscuit.", 0.5)
     text = tok.decode(ids)
     assert tok.decode(ids[a:b]) == " The captain's parrot was named Admiral Biscuit."
     assert len(ids) == 300 and "mill. The captain's parrot was named Admiral Biscuit. The quiet" in text
@@ -217,7 +217,7 @@ def test_realtext_base_model_reads_asks_tokens_whole_within_its_window_and_stops
 
     fed = []
     monkeypatch.setattr(realtext, "greedy_continuation", lambda model, ids, n: fed.append(ids) or [7, 8, 0, 9])
-    case = realtext.AskCase("book", 0.5, list(range(1, 8191)), (5, 9), "Q?", ["x"])
+    case = script("_texts").AskCase("book", 0.5, list(range(1, 8191)), (5, 9), "Q?", ["x"])
     assert realtext.ask_in_context(None, Tok(), case) == "7,8"
     assert fed == [list(range(2, 8191)) + [8] * 3]  # 8,193 tokens: the text's first one dropped
 
@@ -229,7 +229,7 @@ def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_pa
     monkeypatch.setattr(ruler, "load_smollm2", lambda folder: (folder, tok))
     monkeypatch.setattr(ruler, "held_out", lambda books, tok: [])
     monkeypatch.setattr(ruler, "trial_prompt", lambda tok, books, n, t, i, seed: (
-        "b", ruler.Prompt([0] * n, ["1234567"], [], n)))
+        "b", script("_ruler_tasks").Prompt([0] * n, ["1234567"], [], n)))
     monkeypatch.setattr(ruler, "greedy_continuation", lambda model, ids, n_new, memory: seen.append(
         (model, len(ids), memory)) or [])
     state = tmp_path / "state.json"
