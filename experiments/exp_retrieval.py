@@ -455,9 +455,10 @@ def verdict(cells, got, names, lengths):
                f"layers and {float(np.mean(layers[:len(layers) // 2])):.0%} over the first half, against "
                f"{got['k4', n]['recall5']:.0%} for every layer's lookups pooled, as `ask` ranks its passages.")
 
-    def needles_kept(v):
+    def needles_kept(v):  # (``deep`` reads as its name without it: its needles are that variant's)
         right = lambda u, p: sum(r["right"] for r in cells.get(f"{p}|8192|{u}", []))
-        return all(right(v, p) >= right("k4", p) for p in ("passkey", "ruler"))
+        u = " ".join(w for w in v.split() if w != "deep")
+        return all(cells.get(f"{p}|8192|{u}") and right(u, p) >= right("k4", p) for p in ("passkey", "ruler"))
 
     def ppl_kept(v):
         pairs = [(cells.get(f"ppl|{n}|{v}"), cells.get(f"ppl|{n}|k4")) for n in lengths]
@@ -475,6 +476,10 @@ def verdict(cells, got, names, lengths):
         f"{v} (net " + ", ".join(f"{net(v, n):+d}" for n in lengths) + " questions)" for v in raised) or "none")
         + "; of them keeping the needles and perplexity through memory within 1% (one not measured is not kept): "
         + (", ".join(kept) or "none") + ".")
+    asked = [v for v in raised if needles_kept(v)]
+    out.append("- As `ask`'s policy for the question and its answer alone (the memory read at the defaults, so that "
+               "perplexity through memory is the defaults'), keeping the needles: " + (", ".join(asked) or "none")
+               + ".")
     return out
 
 

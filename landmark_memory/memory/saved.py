@@ -134,8 +134,9 @@ class SavedMemory:
         readonly : bool, read without the writer lock (any number of readers); text fed
             afterwards stays in this process and is never saved: ``rewind()`` forgets it,
             ``refresh()`` follows later commits.
-        options : query-time settings to change: top_k, retrieval, position_mapping,
-            max_blocks, cmt_cutoff, nprobe, ef_search. The rest was fixed when the memory was built.
+        options : query-time settings to change (``QUERY_OPTIONS``: top_k, retrieval,
+            position_mapping, max_blocks, cmt_cutoff, sink_blocks, local_blocks, centre; and the
+            index's nprobe, ef_search). The rest was fixed when the memory was built.
         """
         fingerprint = model_fingerprint(model)
         d, mem = MemoryDir(path, writable=not readonly), None
