@@ -127,7 +127,7 @@ def test_chat_questions_are_user_turns_answered_before_the_end_of_turn(book):
 
 
 def test_training_words_never_name_what_the_evaluations_ask():
-    ruler, common = script("exp_ruler"), script("_common")
+    ruler, common = script("_ruler_tasks"), script("_common")
     assert not set(ADJECTIVES) & set(ruler.WORDS) and not set(THINGS) & set(ruler.NOUNS)
     evaluated = " ".join(s + " " + q for s, q, _ in common.PLANTED_FACTS).lower()
     assert not [w for w in ROLES + FIRST + LAST + TITLES + PET_WORDS if re.search(rf"\b{w.lower()}\b", evaluated)]
