@@ -1,12 +1,12 @@
 """Where the demo's pass-key passage ranks among the passages ``ask`` reports, for each way of
-asking, on the bundled model (4 layers): the passages counted over every layer or over the
-deeper half alone, the question and answer choosing blocks as the memory reads or centred.
+asking: the passages counted over every layer or over the deeper half alone, the question and
+answer choosing blocks as the memory reads or centred.
 
-    python experiments/exp_passage_layers.py                 # seeds 0-7, the demo's book
-    python experiments/exp_passage_layers.py --seeds 0-15
+    python experiments/exp_passage_layers.py                 # the bundled model, seeds 0-7
+    python experiments/exp_passage_layers.py --model smollm2-landmark --seeds 0-3 --out passage_layers_smollm2
 
-Each seed plants the demo's pass key in the bundled sample book as the demo does, builds the
-memory as the demo builds it, and asks the demo's question once per way of centring; the
+Each seed plants the demo's pass key in the bundled sample book as the demo does (the book's
+first 8,192 tokens for a model other than the bundled one), builds the memory as the demo builds it, and asks the demo's question once per way of centring; the
 lookups of every layer (the question's last token and each answer token, as ``ask`` counts
 them) rank the blocks. A rank is the place of the first block holding the key's digits among
 the blocks read most; "-" where no block holding them was read. SmolLM2's 30 layers were
@@ -25,8 +25,10 @@ import numpy as np
 from _common import write_result
 from landmark_memory import LandmarkMemory, ask
 from landmark_memory.app.build import build, read_inputs
-from landmark_memory.app.demo import MAX_KEY, QUESTION, SAMPLE_BOOK, plant_passkey, read_text, strip_gutenberg
+from landmark_memory.app.demo import (LARGE_MODEL_TOKENS, MAX_KEY, QUESTION, SAMPLE_BOOK, plant_passkey, read_text,
+                                      strip_gutenberg)
 from landmark_memory.models.kinds import load_model
+from landmark_memory.models.model import LandmarkGPT
 
 WAYS = ("every layer", "deeper half", "centred, every layer", "centred, deeper half")
 
@@ -35,7 +37,10 @@ def ranks(model, tok, seed):
     """(key, depth, {way: rank of the key's passage or None}, {centred: answer right})."""
     rng = random.Random(seed)
     key = rng.randint(1, MAX_KEY)
-    text, depth = plant_passkey(strip_gutenberg(read_text(SAMPLE_BOOK)), key, rng)
+    text = strip_gutenberg(read_text(SAMPLE_BOOK))
+    if not isinstance(model, LandmarkGPT):  # as the demo reads it
+        text = tok.decode(tok.encode(text).ids[:LARGE_MODEL_TOKENS])
+    text, depth = plant_passkey(text, key, rng)
     out, right = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         book = Path(tmp) / "book.txt"
@@ -68,21 +73,29 @@ def ranks(model, tok, seed):
     return key, depth, out, right
 
 
+def model_layers(model):
+    return model.config.n_layer if isinstance(model, LandmarkGPT) else model.config.num_hidden_layers
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0-7", help="a range of demo seeds, FIRST-LAST")
+    ap.add_argument("--model", default=None, help="a model name or folder (default: the bundled model)")
+    ap.add_argument("--out", default="passage_layers", help="the results file's name")
     ap.add_argument("--results", default=None, help="folder of the results (default experiments/results)")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
-    model, tok = load_model(None, "cpu")
+    model, tok = load_model(args.model, "cpu")
     t0, rows = time.time(), []
     for seed in range(first, last + 1):
         key, depth, got, right = ranks(model, tok, seed)
         rows.append((seed, key, depth, got, right))
         print(seed, key, f"{depth:.2f}", got, flush=True)
     show = lambda r: "-" if r is None else str(r)
-    body = ["Rank of the pass key's passage among the blocks the demo's answer read, by the lookups counted "
-            "(every layer, or the deeper half: layers 2-3 of 4) and by how the question and answer chose blocks "
+    half = f"layers {model_layers(model) // 2}-{model_layers(model) - 1} of {model_layers(model)}"
+    body = [f"Model: {args.model or 'the bundled model'}. Rank of the pass key's passage among the blocks the demo's "
+            f"answer read, by the lookups counted (every layer, or the deeper half: {half}) and by how the question "
+            "and answer chose blocks "
             "(as the memory reads, or centred). '-': no block holding the key was read by those layers.", "",
             "| seed | key | depth | " + " | ".join(WAYS) + " | right (plain / centred) |",
             "|---|---|---|" + "---|" * len(WAYS) + "---|"]
@@ -95,7 +108,7 @@ def main(argv=None):
         r = [got[w] or big for *_, got, _ in rows]
         body.append(f"| {w} | {np.median(r):.1f} | {sum(x <= 5 for x in r)}/{len(r)} | "
                     f"{sum(got[w] is None for *_, got, _ in rows)} |")
-    write_result("passage_layers", "The demo's pass key: its passage's rank by the layers counted", body,
+    write_result(args.out, "The demo's pass key: its passage's rank by the layers counted", body,
                  **({"results": args.results} if args.results else {}), started=t0, argv=argv)
 
 
