@@ -29,11 +29,11 @@ from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
+from .lookup import BlockLookup
 from .manifest import TOKENS, InputRecord, Manifest, ModelShape
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import chunk_base
-from .lookup import BlockLookup
 from .saved import SavedMemory
 
 
@@ -256,9 +256,9 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         """Query options (``QUERY_OPTIONS``, e.g. ``centre=True``) changed for what is fed
         inside the ``with`` block, the memory's own again after it (the indexes' search
         breadths are set when a memory opens: ``LandmarkMemory.open(..., nprobe=...)``)."""
-        if set(changes) - set(QUERY_OPTIONS):
-            raise ValueError(f"only {', '.join(QUERY_OPTIONS)} change while a memory is open, not "
-                             f"{', '.join(sorted(set(changes) - set(QUERY_OPTIONS)))}")
+        fixed = sorted(set(changes) - set(QUERY_OPTIONS))
+        if fixed:
+            raise ValueError(f"only {', '.join(QUERY_OPTIONS)} change while a memory is open, not {', '.join(fixed)}")
         own = self.options
         new = own.with_query(**changes).resolved(self.shape.block_size, DTYPE_NAMES[self.dtype],
                                                   self.cmt_k is not None, self.shape.head_dim)
