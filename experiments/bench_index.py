@@ -16,7 +16,7 @@ import time
 import faiss
 import numpy as np
 
-from landmark_memory.index import LandmarkIndex, recall_at_k
+from landmark_memory.index import new_index, recall_at_k
 
 
 def clustered(n, dim, rng, n_clusters=256):
@@ -54,7 +54,7 @@ def main(argv=None):
         else:
             xb, xq = clustered(n, dim, rng), clustered(args.queries, dim, rng)
         n = len(xb)
-        flat = LandmarkIndex("flat", dim)
+        flat = new_index("flat", dim)
         flat.add(xb)
         flat_ms, I_exact = timed_search(flat, xq, args.k)
         print(f"| {n} | flat | exact | - | {flat_ms:.1f} | 1.000 | 1.00x |")
@@ -63,7 +63,7 @@ def main(argv=None):
                     "ivfpq": [("nprobe", p) for p in (4, 16, 64)]}
         for kind, options in settings.items():
             t0 = time.perf_counter()
-            index = LandmarkIndex(kind, dim, train_size=min(n, 100_000))
+            index = new_index(kind, dim, train_size=min(n, 100_000))
             for part in np.array_split(xb, max(1, n // 50_000)):  # incremental, as memory grows
                 index.add(part)
             build = time.perf_counter() - t0

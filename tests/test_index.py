@@ -3,14 +3,14 @@ import numpy as np
 import pytest
 import torch
 
-from landmark_memory.index import KINDS, LandmarkIndex, gpu_available, recall_at_k
+from landmark_memory.index import KINDS, gpu_available, index_from_bytes, new_index, recall_at_k
 from landmark_memory.index.rows import KeyFileError, KeyRows
 
 
 def test_flat_top_k_equals_torch_brute_force():
     g = torch.Generator().manual_seed(0)
     xb, xq = torch.randn(500, 32, generator=g), torch.randn(20, 32, generator=g)
-    index = LandmarkIndex("flat", 32)
+    index = new_index("flat", 32)
     for part in xb.split(64):  # incremental adds
         index.add(part.numpy())
     for lo, hi in [(0, 500), (100, 350), (490, 500)]:
@@ -29,7 +29,7 @@ def test_flat_search_over_mapped_key_rows_equals_faiss_index_flat_ip_bit_for_bit
     for part in np.array_split(xb, 7):  # appended in place, the file grown as it goes
         writer.append(part)
     writer.sync()
-    mapped = LandmarkIndex("flat", 64, rows=KeyRows(64, tmp_path / "keys.f32", writable=False, n=len(xb)))
+    mapped = new_index("flat", 64, rows=KeyRows(64, tmp_path / "keys.f32", writable=False, n=len(xb)))
     reference = faiss.IndexFlatIP(64)
     reference.add(xb)
     for lo, hi in [(0, 3000), (95, 2990), (100, 108)]:
@@ -51,7 +51,7 @@ def test_a_reader_refuses_key_rows_its_file_does_not_hold(tmp_path):
 
 
 def test_search_pads_with_minus_one_when_range_is_small():
-    index = LandmarkIndex("flat", 8)
+    index = new_index("flat", 8)
     index.add(np.random.rand(10, 8).astype(np.float32))
     D, I = index.search(np.random.rand(3, 8).astype(np.float32), 4, 5, 7)
     assert (I[:, 2:] == -1).all() and np.isneginf(D[:, 2:]).all() and set(I[:, :2].ravel()) <= {5, 6}
@@ -62,7 +62,7 @@ def test_search_pads_with_minus_one_when_range_is_small():
 def test_a_range_searched_again_after_training_searches_the_trained_index():
     rng = np.random.default_rng(1)
     xb, xq = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((5, 16)).astype(np.float32)
-    index, exact = LandmarkIndex("ivf", 16, train_size=260, nprobe=1000), LandmarkIndex("flat", 16)
+    index, exact = new_index("ivf", 16, train_size=260, nprobe=1000), new_index("flat", 16)
     index.add(xb[:250])
     exact.add(xb)
     untrained = index.index
@@ -76,7 +76,7 @@ def test_a_range_searched_again_after_training_searches_the_trained_index():
 def test_ivf_searches_exactly_until_trained_then_trains_once(kind):
     rng = np.random.default_rng(0)
     xb, xq = rng.standard_normal((800, 16)).astype(np.float32), rng.standard_normal((10, 16)).astype(np.float32)
-    index, exact = LandmarkIndex(kind, 16, train_size=700), LandmarkIndex("flat", 16)
+    index, exact = new_index(kind, 16, train_size=700), new_index("flat", 16)
     index.add(xb[:600])
     exact.add(xb[:600])
     assert not index.trained
@@ -93,14 +93,29 @@ def test_recall_at_k_counts_exact_ids_found():
 
 def test_bad_kind_and_dims_are_explained():
     with pytest.raises(ValueError, match="unknown index kind"):
-        LandmarkIndex("annoy", 8)
-    index = LandmarkIndex("flat", 8)
+        new_index("annoy", 8)
+    index = new_index("flat", 8)
     with pytest.raises(ValueError, match=r"\(n, 8\)"):
         index.add(np.zeros((3, 7), np.float32))
     if not gpu_available():
         with pytest.raises(ValueError, match="faiss-gpu"):
-            LandmarkIndex("flat-gpu", 8)
-    assert set(KINDS) >= {"flat", "hnsw", "ivf", "ivfpq"}
+            new_index("flat-gpu", 8)
+    with pytest.raises(TypeError, match="refine"):  # an option its kind does not take
+        new_index("flat", 8, refine=4)
+
+
+def test_the_index_registry_is_what_the_command_line_offers_and_each_kind_makes_its_own_index():
+    from landmark_memory.core.names import INDEX_KINDS
+    from landmark_memory.index import ON_ROWS, derived_from_rows
+    from landmark_memory.index.faiss_kinds import FaissIndex
+    from landmark_memory.index.on_rows import ListsIndex, RowsIndex
+
+    assert tuple(KINDS) == INDEX_KINDS and ON_ROWS == ("ivf-rows", "flat")
+    for kind in (k for k in KINDS if gpu_available() or not KINDS[k].gpu):
+        index = new_index(kind, 8)
+        assert type(index) is KINDS[kind].make and index.kind == kind
+        assert derived_from_rows(kind) == (isinstance(index, RowsIndex) or kind == "flat-gpu")
+    assert [type(new_index(k, 8)) for k in ("ivf-rows", "flat", "hnsw")] == [ListsIndex, RowsIndex, FaissIndex]
 
 
 def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
@@ -132,11 +147,11 @@ def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
         for head in range(cfg.n_head):
             xb = heads[layer][:, is_lm, 1, head].reshape(-1, D).numpy()
             xq = heads[layer][:, ~is_lm, 0, head].reshape(-1, D)[::40].numpy()
-            exact = LandmarkIndex("flat", D)
+            exact = new_index("flat", D)
             exact.add(xb)
             I_exact = exact.search(xq, 4)[1]
             for kind in recalls:
-                index = LandmarkIndex(kind, D, train_size=256)
+                index = new_index(kind, D, train_size=256)
                 index.add(xb)
                 assert index.trained
                 recalls[kind].append(recall_at_k(index.search(xq, 4)[1], I_exact))
@@ -148,20 +163,20 @@ def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
 def test_ivf_indexes_train_again_as_they_grow_and_resume_exactly(kind):
     rng = np.random.default_rng(3)
     xb, xq = rng.standard_normal((1100, 16)).astype(np.float32), rng.standard_normal((20, 16)).astype(np.float32)
-    grown = LandmarkIndex(kind, 16, train_size=64)
+    grown = new_index(kind, 16, train_size=64)
     lists = []
     for a in range(0, 1100, 10):
         grown.add(xb[a:a + 10])
         lists.append(faiss.extract_index_ivf(grown.index).nlist if grown.trained else 0)
     assert 0 < lists[10] < lists[30] < lists[-1]  # trained at 64 keys, again at 256 and 1024
-    resumed = LandmarkIndex(kind, 16, train_size=64)
+    resumed = new_index(kind, 16, train_size=64)
     for a in range(0, 500, 10):
         resumed.add(xb[a:a + 10])
-    resumed = LandmarkIndex.from_bytes(kind, 16, resumed.to_bytes(), train_size=64)
+    resumed = index_from_bytes(kind, 16, resumed.to_bytes(), train_size=64)
     for a in range(500, 1100, 10):
         resumed.add(xb[a:a + 10])
     for a, b in zip(grown.search(xq, 4), resumed.search(xq, 4)):
         np.testing.assert_array_equal(a, b)
-    exact = LandmarkIndex("flat", 16)
+    exact = new_index("flat", 16)
     exact.add(xb)
     assert recall_at_k(grown.search(xq, 4)[1], exact.search(xq, 4)[1]) > 0.5

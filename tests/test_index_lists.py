@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.index import LandmarkIndex, recall_at_k
+from landmark_memory.index import new_index, recall_at_k
 from landmark_memory.index.lists import list_count
 from landmark_memory.memory import LandmarkMemory, MemoryFileError
 from landmark_memory.memory.inspect import describe, verify
@@ -24,7 +24,7 @@ def clustered(n, d, seed):
 
 def test_it_searches_as_flat_until_trained_then_its_lists_over_the_same_rows():
     xb, xq = clustered(3000, 16, 0), clustered(50, 16, 1)
-    index, flat = LandmarkIndex("ivf-rows", 16, train_size=256), LandmarkIndex("flat", 16)
+    index, flat = new_index("ivf-rows", 16, train_size=256), new_index("flat", 16)
     for part in np.array_split(xb[:250], 9):
         index.add(part)
         flat.add(part)
@@ -52,7 +52,7 @@ def test_lists_depend_on_the_keys_alone_not_on_how_they_were_added():
     xb, xq = clustered(1500, 8, 2), clustered(30, 8, 3)
     made = []
     for step in (1, 7, 1500):  # one at a time, chunks, and two trainings in one add
-        index = LandmarkIndex("ivf-rows", 8, train_size=64)
+        index = new_index("ivf-rows", 8, train_size=64)
         for a in range(0, len(xb), step):
             index.add(xb[a:a + step])
         made.append(index)

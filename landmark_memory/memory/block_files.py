@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..index import LandmarkIndex, derived_from_rows
+from ..index import derived_from_rows, index_from_bytes
 from ..index.lists import stale_files
 from ..storage import StoreDamagedError
 from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, RowLayout, key_file
@@ -83,9 +83,9 @@ class BlockFiles:
                 self.n_blocks += self.ids.add(ids)
         if not derived:
             try:
-                self.indexes = [[[LandmarkIndex.from_bytes(self.options.index, cfg.head_dim,
-                                                           state[f"index.{b}.{layer}.{h}"].numpy(),
-                                                           **self.options.index_options)
+                self.indexes = [[[index_from_bytes(self.options.index, cfg.head_dim,
+                                                   state[f"index.{b}.{layer}.{h}"].numpy(),
+                                                   **self.options.index_options)
                                   for h in range(cfg.n_kv_head)] for layer in range(cfg.n_layer)] for b in range(B)]
             except (KeyError, RuntimeError, ValueError) as e:  # a missing entry, or bytes FAISS cannot read
                 raise MemoryFileError(f"the state file of {where} lacks or garbles a landmark index ({e}); the "

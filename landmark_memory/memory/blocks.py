@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..core.rope import RotaryEmbedding
-from ..index import ON_ROWS, LandmarkIndex
+from ..index import ON_ROWS, LandmarkIndex, new_index
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import STORE_KINDS, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
@@ -117,8 +117,8 @@ class BlockMemory(BlockFiles):
     def _grid(self) -> list[list[list[LandmarkIndex]]]:
         """Empty indexes per [stream][layer][key/value head] (a flat one over the keys)."""
         o, D = self.options, self.shape.head_dim
-        return [[[LandmarkIndex(o.index, D, rows=self.keys[b][layer][h] if o.index in ON_ROWS else None,
-                                **o.index_options) for h in range(self.shape.n_kv_head)]
+        return [[[new_index(o.index, D, **({"rows": self.keys[b][layer][h]} if o.index in ON_ROWS else {}),
+                            **o.index_options) for h in range(self.shape.n_kv_head)]
                  for layer in range(self.shape.n_layer)] for b in range(self.streams)]
 
     # ---- the blocks past a read-only memory's saved ones -----------------------------------

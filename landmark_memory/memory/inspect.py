@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..index import LandmarkIndex, derived_from_rows
+from ..index import LandmarkIndex, derived_from_rows, index_from_bytes
 from ..index.lists import summary
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
@@ -198,7 +198,7 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport, rows_sound: boo
             for h in range(shape.n_kv_head):
                 name = f"index.{b}.{layer}.{h}"
                 try:
-                    n = LandmarkIndex.from_bytes(o.index, shape.head_dim, state[name].numpy(), **o.index_options).ntotal
+                    n = index_from_bytes(o.index, shape.head_dim, state[name].numpy(), **o.index_options).ntotal
                 except KeyError:
                     report.problems.append(f"the state file {m.state.name} lacks {name}")
                     continue

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
-from ..index import LandmarkIndex, default_train_size
+from ..index import default_train_size, new_index
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff", "sink_blocks", "local_blocks",
                  "centre")
@@ -82,7 +82,7 @@ class MemoryOptions:
         if not isinstance(self.index_options, dict):
             raise ValueError(f"index_options must be a dict, got {self.index_options!r}")
         try:  # fail now on a bad kind or option
-            LandmarkIndex(self.index, head_dim, **self.index_options)
+            new_index(self.index, head_dim, **self.index_options)
         except TypeError as e:
             raise ValueError(f"index_options has an option the index {self.index!r} does not take ({e})") from None
         store_dtype = self.store_dtype or (dtype_name if self.store == "memory" else SAVED_STORE_DTYPE)

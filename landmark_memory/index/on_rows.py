@@ -1,0 +1,77 @@
+"""Kinds that search the landmark key rows where they lie (``rows.KeyRows``: a memory-mapped
+file in a saved memory), so a memory's state file keeps nothing of them and opening one reads
+no key:
+
+- ``flat``: exact, FAISS's brute-force inner products over the range (the same results, bit for
+  bit, as an IndexFlatIP with an IDSelectorRange);
+- ``ivf-rows`` (the default): exact the same way until ``train_size`` keys, then lists of block
+  ids over the rows (``lists.ListIndex``, in files beside them): a search costs about the same
+  however many blocks a memory holds, and a commit writes only what it appends.
+"""
+
+import faiss
+import numpy as np
+
+from .base import LandmarkIndex
+from .lists import ListIndex
+from .rows import KeyRows
+
+
+class RowsIndex(LandmarkIndex):
+    """``flat``: exact search over ``rows`` (default: rows of its own, in memory), which it
+    appends to."""
+
+    def __init__(self, kind: str, dim: int, *, rows: KeyRows | None = None, **options):
+        super().__init__(kind, dim, **options)
+        self.rows = rows if rows is not None else KeyRows(dim)
+
+    @property
+    def ntotal(self) -> int:
+        return self.rows.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    def add(self, xb: np.ndarray) -> None:
+        self.rows.append(self._check(xb, "xb"))
+
+    def to_bytes(self) -> np.ndarray:
+        """The rows as a serialised IndexFlatIP (what ``verify`` and older memories read)."""
+        index = faiss.IndexFlatIP(self.dim)
+        index.add(self.rows.array())
+        return faiss.serialize_index(index)
+
+    def restore(self, index) -> None:
+        self.rows.append(index.reconstruct_n(0, index.ntotal))
+
+    def _search(self, xq, k, lo, hi):
+        D, I = faiss.knn(xq, self.rows.array()[lo:hi], k, metric=faiss.METRIC_INNER_PRODUCT)
+        I[I >= 0] += lo
+        return D, I
+
+
+class ListsIndex(RowsIndex):
+    """``ivf-rows``: ``flat`` until its rows reach ``train_size``, then lists over them."""
+
+    def __init__(self, kind: str, dim: int, **options):
+        super().__init__(kind, dim, **options)
+        self.lists = ListIndex(self.rows, self.train_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.lists.nbytes
+
+    def follow(self, n: int) -> None:
+        """Map the lists of the level the first ``n`` rows reach."""
+        self.lists.follow(n)
+
+    def add(self, xb: np.ndarray) -> None:
+        n_before = self.rows.n
+        super().add(xb)
+        self.lists.add(n_before)
+
+    def _search(self, xq, k, lo, hi):
+        if self.lists.level:
+            return self.lists.search(xq, k, lo, hi, self.nprobe)
+        return super()._search(xq, k, lo, hi)
