@@ -24,7 +24,7 @@ from landmark_memory.app.cli_args import positive
 from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.app.evaluate import perplexity
 from landmark_memory.core.fileio import atomic_write
-from landmark_memory.memory import RetrievalStats
+from landmark_memory.memory import MemoryOptions, RetrievalStats
 from landmark_memory.models.model import LandmarkGPT
 from landmark_memory.core.tokenizer import load_tokenizer
 
@@ -221,8 +221,8 @@ def top_k_option(ap, reads):
 
 
 def top_k_memory(top_k):
-    """``LandmarkMemory`` options for ``--top-k`` (none given: the memory's defaults)."""
-    return {} if top_k is None else {"top_k": top_k}
+    """A memory's options for ``--top-k`` (none given: the defaults)."""
+    return MemoryOptions() if top_k is None else MemoryOptions(top_k=top_k)
 
 
 def top_k_label(name, top_k):

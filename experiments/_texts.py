@@ -77,10 +77,10 @@ def is_right(answer, words):
 
 @torch.no_grad()
 def ask_in_memory(model, tok, case, passages=3, memory=None):
-    """``case``'s question asked of a fresh memory of its text (``memory``: ``LandmarkMemory``
-    options, None for the defaults): (the ``Answer`` with its ``passages`` most read, every block
+    """``case``'s question asked of a fresh memory of its text (``memory``: its ``MemoryOptions``,
+    None for the defaults): (the ``Answer`` with its ``passages`` most read, every block
     it read for None; the blocks the memory held before the question)."""
-    with LandmarkMemory(model, **(memory or {})) as mem:
+    with LandmarkMemory(model, memory) as mem:
         mem.forward(torch.tensor([case.ids]), logits="none")
         n_blocks = mem.n_blocks
         return ask(mem, tok, case.question, max_new_tokens=ASK_NEW,

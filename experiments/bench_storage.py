@@ -26,7 +26,7 @@ from _common import book_tokens, write_result
 from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.app.evaluate import passkey_accuracy, perplexity
 from landmark_memory.models.kinds import load_model
-from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory import LandmarkMemory, MemoryOptions
 from landmark_memory.memory.inspect import describe
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"
@@ -80,11 +80,12 @@ def quality(model, tok, ids, dtypes, args):
     for d in dtypes:
         out[d] = {}
         for n in args.lengths:
-            r = perplexity(model, ids[0, :max(args.lengths) + 1], n, memory={"store_dtype": d}, progress=not args.quiet,
+            r = perplexity(model, ids[0, :max(args.lengths) + 1], n, memory=MemoryOptions(store_dtype=d),
+                           progress=not args.quiet,
                            desc=f"{d} @{n}")
             out[d][n] = r["perplexity"]
         rows = passkey_accuracy(model, tok, [args.passkey_length], args.trials, args.seed,
-                                memory={"store_dtype": d}, progress=not args.quiet)
+                                memory=MemoryOptions(store_dtype=d), progress=not args.quiet)
         out[d]["passkey"] = [a["answer"] == a["key"] for r in rows for a in r["answers"]]
         out[d]["answers"] = [a["answer"] for r in rows for a in r["answers"]]
     return out

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from _common import BASE_MODEL, CMT_MODEL, books_eval, held_out_books, load, parse, parser, plt, publish
-from landmark_memory.memory import LandmarkMemory, RetrievalStats
+from landmark_memory.memory import LandmarkMemory, MemoryOptions, RetrievalStats
 
 CUTOFFS = (0.0, 0.1, 0.3, 0.5, 1.0)
 
@@ -59,7 +59,8 @@ def main(argv=None):
     rows = []
     for label, model, cutoff in [("baseline (no CMT)", base, None)] + [(f"{c:g}", cmt, c) for c in CUTOFFS]:
         opts = memory if cutoff is None else {**memory, "cmt_cutoff": cutoff}
-        ppl, n, stats = books_eval(model, books, args.eval_length, args.tokens, progress=not args.quiet, memory=opts)
+        ppl, n, stats = books_eval(model, books, args.eval_length, args.tokens, progress=not args.quiet,
+                                   memory=MemoryOptions.of(**opts))
         ms, dec = decode_ms(model, longest[1], args.decode_context, args.decode_steps, **opts)
         rows.append(dict(label=label, cutoff=cutoff, ppl=ppl, tokens=n, drop=saved(stats)[0],
                          searches_saved=saved(stats)[1], ms=ms, decode_saved=saved(dec)[1]))

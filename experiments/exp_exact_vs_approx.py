@@ -7,10 +7,12 @@ latency, and passkey accuracy through memory.
 """
 
 import time
+from dataclasses import replace
 
 from _common import held_out_books, load, parse, parser, write_result
 from landmark_memory.app.evaluate import compare_indexes, parse_lengths, passkey_accuracy
 from landmark_memory.index import KINDS
+from landmark_memory.memory import MemoryOptions
 from landmark_memory.app.plots import plot_compare
 from landmark_memory.core.tokenizer import load_tokenizer
 
@@ -32,12 +34,12 @@ def main(argv=None):
         ids = ids[:args.max_tokens + 1]
     kinds = [k.strip() for k in args.indexes.split(",")]
     index_options = {"train_size": args.train_size, "nprobe": args.nprobe, "ef_search": args.ef_search}
-    memory = dict(chunk_size=250, top_k=4, index_options=index_options)
+    memory = MemoryOptions(chunk_size=250, top_k=4, index_options=index_options)
     rows = compare_indexes(model, ids, kinds, len(ids) - 1, memory, progress=not args.quiet)
     tok, lengths = load_tokenizer(), parse_lengths(args.passkey_lengths)
     for r in rows:
-        pk = passkey_accuracy(model, tok, lengths, args.passkey_trials, seed=0, memory={**memory, "index": r["index"]},
-                              progress=not args.quiet)
+        pk = passkey_accuracy(model, tok, lengths, args.passkey_trials, seed=0,
+                              memory=replace(memory, index=r["index"]), progress=not args.quiet)
         r["passkey"] = {p["length"]: p["accuracy"] for p in pk}
     blocks = (len(ids) - 1) // model.config.block_size
     body = [f"`{args.landmark_model}` reading all of {name} ({len(ids) - 1:,} tokens, {blocks:,} blocks per layer and "

@@ -14,6 +14,7 @@ exact positions.
 import time
 
 from _common import BASE_MODEL, JUMP_MODEL, books_perplexity, held_out_books, load, parse, parser, plt, publish
+from landmark_memory.memory import MemoryOptions
 
 
 def lengths(text):
@@ -43,8 +44,8 @@ def main(argv=None):
         for mapping in ("stingy", "exact"):
             for n in args.memory_lengths:
                 mem[name, mapping, n], _ = books_perplexity(model, books, n, args.tokens, progress=not args.quiet,
-                                                            memory=dict(chunk_size=250, top_k=4,
-                                                                        position_mapping=mapping))
+                                                            memory=MemoryOptions(chunk_size=250, top_k=4,
+                                                                                 position_mapping=mapping))
                 print(name, mapping, n, round(mem[name, mapping, n], 2))
     body = [f"Models `{args.base_model}` (p_jump = 1) and `{args.jump_model}` (p_jump = 100), same size, data and "
             f"steps, trained on windows of 512; held-out books {', '.join(n for n, _ in books)}; about "

@@ -68,7 +68,7 @@ def ask_in_context(model, tok, case) -> str:
 
 
 def ask_trial(model, tok, books, n, rng, memory):
-    """``memory``: ``LandmarkMemory`` options, or None for the model's own context."""
+    """``memory``: a memory's ``MemoryOptions``, or None for the model's own context."""
     case = ask_case(tok, books, n, rng)
     got = (ask_in_context(model, tok, case) if memory is None
            else ask_in_memory(model, tok, case, memory=memory)[0].text).strip()

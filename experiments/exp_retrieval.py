@@ -49,7 +49,7 @@ from _needles import passkey_trial, ruler_trial
 from _texts import held_out, is_right
 from landmark_memory.memory.answer import ask
 from landmark_memory.app.evaluate import parse_lengths
-from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory import LandmarkMemory, MemoryOptions
 from landmark_memory.core.passkey import PasskeyPrompts
 
 PARTS = ("questions", "oracle", "passkey", "ruler", "ppl")
@@ -304,7 +304,8 @@ def part_ppl(args, state, model, tok, books):
             if state.cell(key):
                 continue
             t0 = time.perf_counter()
-            ppl, count = books_perplexity(model, named, n, args.ppl_tokens, memory=variant_options(v))
+            ppl, count = books_perplexity(model, named, n, args.ppl_tokens,
+                                          memory=MemoryOptions.of(**variant_options(v)))
             state.add(key, {"perplexity": round(ppl, 4), "tokens": count}, at=0)
             print(f"ppl @{n} {v}: {ppl:.4f} over {count} tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
 

@@ -38,6 +38,7 @@ from landmark_memory.app.build import build, read_inputs
 from landmark_memory.app.cli_args import positive
 from landmark_memory.core.decode import decode
 from landmark_memory.app.evaluate import parse_lengths, passkey_accuracy, perplexity
+from landmark_memory.memory import MemoryOptions
 from landmark_memory.models.hf import smollm2
 from landmark_memory.models.hf.convert import convert
 from landmark_memory.models.hf.lora import adapter_settings
@@ -137,7 +138,7 @@ def part_passkey(args, tok, books):
         return save
 
     for label, name, lengths, trials, kw in (
-            ("landmark + memory", smollm2.LANDMARK, args.lengths, args.trials, {"memory": MEMORY}),
+            ("landmark + memory", smollm2.LANDMARK, args.lengths, args.trials, {"memory": MemoryOptions.of(**MEMORY)}),
             ("base in context", smollm2.BASE, args.base_lengths, args.base_trials, {})):
         loaded = []
 
@@ -163,7 +164,8 @@ def part_ppl(args, tok, books):
     landmark = load_model(smollm2.LANDMARK)[0]
     for length in parse_lengths(args.memory_lengths):
         for k in args.memory_top_ks:
-            r = perplexity(landmark, ids, length, memory={**MEMORY, "top_k": k}, progress=not args.quiet,
+            r = perplexity(landmark, ids, length, memory=MemoryOptions.of(**{**MEMORY, "top_k": k}),
+                           progress=not args.quiet,
                            desc=f"memory @{length}, top-k {k}")
             rows.append({"model": "landmark + memory", "eval_length": length, "top_k": k,
                          "perplexity": r["perplexity"], "tokens": r["tokens"], "seconds": r["seconds"]})

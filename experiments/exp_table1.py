@@ -16,6 +16,7 @@ its start (the paper's protocol). Rows:
 import time
 
 from _common import books_perplexity, held_out_books, load, load_optional, parse, parser, plt, publish
+from landmark_memory.memory import MemoryOptions
 
 LENGTHS = (512, 2048, 4096)
 
@@ -33,7 +34,7 @@ def rows_of(landmark, full, infini):
         for cap in (20, 40, 80):
             size = 250 + 10 + 50 * k  # counted as the paper does: 250 local tokens, 10 landmarks, k retrieved blocks
             rows.append((f"landmark, chunk 250, k={k}, {cap} blocks", landmark, size,
-                         dict(memory=dict(chunk_size=250, top_k=k, max_blocks=cap))))
+                         dict(memory=MemoryOptions(chunk_size=250, top_k=k, max_blocks=cap))))
     return rows
 
 
@@ -49,7 +50,7 @@ def main(argv=None):
     table = {}
     for label, model, size, opts in rows_of(landmark, full, infini):
         for n in lengths:
-            if "memory" in opts and n == 512 and opts["memory"]["max_blocks"] != 20:
+            if "memory" in opts and n == 512 and opts["memory"].max_blocks != 20:
                 continue  # a 512-token segment never holds more than 10 blocks: every cap is the same
             table[label, n], tokens = books_perplexity(model, books, n, args.tokens, progress=not args.quiet, **opts)
         print(label, {n: round(table.get((label, n), float("nan")), 2) for n in lengths})

@@ -8,6 +8,7 @@ by all heads), at k = 2 and 4, chunks of 250, memory unbounded.
 import time
 
 from _common import books_perplexity, held_out_books, load, parse, parser, plt, publish
+from landmark_memory.memory import MemoryOptions
 
 SETTINGS = ((2048, 2), (2048, 4), (4096, 4))  # the paper's (evaluation length, k) pairs
 MODES = (("per_token_head", "per token and head"), ("per_head", "per head"), ("per_token", "per token"))
@@ -33,7 +34,7 @@ def main(argv=None):
     for mode, label in MODES:
         for n, k in SETTINGS:
             ppl, _ = books_perplexity(model, books, n, args.tokens, progress=not args.quiet,
-                                      memory=dict(chunk_size=250, top_k=k, retrieval=mode))
+                                      memory=MemoryOptions(chunk_size=250, top_k=k, retrieval=mode))
             results[mode, n, k] = ppl
             body.append(f"| {label} | {n} | {k} | {blocks_formula(mode, k, heads)} | {ppl:.2f} |")
             print(label, n, k, round(ppl, 2))

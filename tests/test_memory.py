@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory import LandmarkMemory, MemoryOptions
 from landmark_memory.memory.retrieval import block_positions, select_blocks, stingy_slots, top_k_stingy
 
 
@@ -197,7 +197,7 @@ def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkey
     from landmark_memory.app import evaluate
 
     ids = text[0].tolist() if text.dim() == 2 else text.tolist()
-    opts = dict(chunk_size=model.config.block_size * 2, top_k=2)
+    opts = MemoryOptions(chunk_size=model.config.block_size * 2, top_k=2)
     whole = evaluate.perplexity(model, ids, len(ids) - 1, memory=opts, keep_retrieved=True, progress=False)
     monkeypatch.setattr(evaluate, "PIECE", 7)
     pieces = evaluate.perplexity(model, ids, len(ids) - 1, memory=opts, keep_retrieved=True, progress=False)

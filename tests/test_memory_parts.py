@@ -77,6 +77,21 @@ def test_options_are_resolved_for_the_model_and_bad_ones_explained():
         MemoryOptions(cmt_cutoff=0.5).resolved(50, "float32", False, 32)
 
 
+def test_a_memory_takes_its_options_as_one_object_or_as_settings_never_both():
+    from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory
+
+    model = LandmarkGPT(LandmarkConfig(vocab_size=32, n_layer=1, n_head=2, n_embd=16, ffn_hidden=32, block_size=5,
+                                       landmark_id=1)).eval()
+    given = MemoryOptions(top_k=3, chunk_size=10, index="flat", index_options={"nprobe": 2})
+    assert LandmarkMemory(model, given).options == LandmarkMemory(model, top_k=3, chunk_size=10, index="flat",
+                                                                  index_options={"nprobe": 2}).options
+    assert LandmarkMemory(model, index_options=None).options.index_options == {}  # none given: the default
+    with pytest.raises(TypeError, match="not both"):
+        LandmarkMemory(model, given, top_k=2)
+    with pytest.raises(TypeError, match="topk: no memory option; the options are index, index_options"):
+        LandmarkMemory(model, topk=2)
+
+
 def manifest():
     shape = ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5)
     return Manifest(model=ModelRecord("ab" * 32, {"n_layer": 2}, shape, "float32"),

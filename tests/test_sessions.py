@@ -368,14 +368,25 @@ def test_a_session_with_every_block_retrieved_reads_as_one_forward_over_the_memo
     text = torch.randint(4, 64, (1, 80), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = small(text)
+    s = turns_read_as_one_forward(small, text, full, tmp_path, chunk_size=10, turns=((33, 51), (51, 80)), rtol=1e-5)
+    assert s.mem.blocks.base == 6 and s.blocks.n_blocks == 10 and s.manifest.pending_tokens == 0
+
+
+@torch.no_grad()
+def turns_read_as_one_forward(model, text, full, tmp_path, chunk_size, turns, rtol):
+    """A memory of ``text`` up to the first turn with every block retrieved at its own position,
+    then each turn (``(start, end)``) held in a session closed and opened again between them:
+    each turn's logits equal ``full``'s, the in-sequence forward's (within ``rtol``, 1e-5
+    absolute). Returns the last turn's session."""
     exact = dict(top_k=64, position_mapping="exact")  # every block retrieved at its own position
-    with LandmarkMemory(small, store="lmdb", path=tmp_path / "m", store_dtype="float32", chunk_size=10, **exact) as mem:
-        mem.forward(text[:, :33], logits="none")  # three tokens left in the open chunk: the session takes them
-    with LandmarkMemory.open(tmp_path / "m", small, readonly=True) as mem:
-        for a, b in ((33, 51), (51, 80)):  # two turns, the session closed and opened again between them
+    with LandmarkMemory(model, store="lmdb", path=tmp_path / "m", store_dtype="float32", chunk_size=chunk_size,
+                        **exact) as mem:
+        mem.forward(text[:, :turns[0][0]], logits="none")  # tokens left in the open chunk: the session takes them
+    with LandmarkMemory.open(tmp_path / "m", model, readonly=True) as mem:
+        for a, b in turns:
             with Session.open(mem, "s") as s:
                 s.attach()
                 out = mem.forward(text[:, a:b]).logits
                 s.commit([])
-                torch.testing.assert_close(out, full[:, a:b], rtol=1e-5, atol=1e-5)
-        assert mem.blocks.base == 6 and s.blocks.n_blocks == 10 and s.manifest.pending_tokens == 0
+                torch.testing.assert_close(out, full[:, a:b], rtol=rtol, atol=1e-5)
+        return s

@@ -14,7 +14,7 @@ import hashlib
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -100,8 +100,7 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
     if (job.folder / "manifest.json").is_file():
         mem = LandmarkMemory.open(job.folder, model)
     else:
-        init = {f.name: getattr(job.options, f.name) for f in fields(MemoryOptions) if f.name != "block_checksums"}
-        mem = LandmarkMemory(model, path=job.folder, **init)
+        mem = LandmarkMemory(model, job.options, path=job.folder)
     try:
         if not mem.inputs:
             mem.add_input(Path(job.path), job.sha256, len(job.ids))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..index import KINDS
 from ..memory import LandmarkMemory, MemoryDir, default_chunk_size
+from ..memory.options import MemoryOptions
 from ..memory.answer import ask
 from ..memory.inspect import describe, verify
 from ..memory.saved import wrong_model
@@ -35,14 +36,16 @@ def emit(args, doc, text):
     print(json.dumps(doc, indent=1) if args.json else text)
 
 
-def memory_options(args, model):
-    """LandmarkMemory options from the command line (the chunk size resolved for ``model``)."""
+def memory_options(args, model) -> MemoryOptions:
+    """The memory's options from the command line, what it leaves out the defaults (the chunk
+    size resolved for ``model``)."""
     chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
-    opts = {"top_k": args.top_k, "chunk_size": chunk, "index": args.index, "retrieval": args.retrieval,
-            "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None),
-            "store_dtype": args.store_dtype}
+    given = {"top_k": args.top_k, "index": args.index, "retrieval": args.retrieval,
+             "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None),
+             "store_dtype": args.store_dtype}
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
-    return {**{k: v for k, v in opts.items() if v is not None}, "index_options": index_options}
+    return MemoryOptions.of(**{k: v for k, v in given.items() if v is not None}, chunk_size=chunk,
+                            index_options=index_options)
 
 
 def read_one_text(path):
@@ -94,12 +97,10 @@ def cmd_build(args):
         if saved is not None:
             mem = LandmarkMemory.open(path, model, **({"top_k": args.top_k} if args.top_k else {}))
         else:
-            opts = {k: v for k, v in fixed.items() if v is not None}
-            if args.train_size:
-                opts["index_options"] = {"train_size": args.train_size}
-            if args.top_k:
-                opts["top_k"] = args.top_k
-            mem = LandmarkMemory(model, path=path, documents=True, **{"store": "lmdb", **opts})
+            given = {**fixed, "store": args.store or "lmdb", "top_k": args.top_k,
+                     "index_options": {"train_size": args.train_size} if args.train_size else None}
+            mem = LandmarkMemory(model, MemoryOptions.of(**{k: v for k, v in given.items() if v is not None}),
+                                 path=path, documents=True)
         try:
             summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,
                             progress=not args.quiet, leave_unfinished=args.leave_unfinished)
@@ -120,6 +121,15 @@ def cmd_build(args):
     return 128 + signal.Signals[summary.interrupted].value if summary.interrupted else 0
 
 
+def _layers(info: dict) -> str:
+    """Which layers keep a memory, in words."""
+    n, kept, windows = info["layers"], info["memory_layers"], sorted(set(info["windows"].values()))
+    if kept == n:
+        return f"{n}, each with a memory"
+    return (f"{kept} of {n} with a memory (the other {n - kept} attend to a sliding window of "
+            f"{' or '.join(map(str, windows))} positions and keep only it)")
+
+
 def cmd_info(args):
     if args.verify:
         return cmd_verify(args)
@@ -130,6 +140,7 @@ def cmd_info(args):
              f"(+{info['pending_tokens']} in the open chunk)",
              f"index       {info['index']} ({info['index_search']}), store {info['store']} ({info['store_dtype']}), "
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
+             f"layers      {_layers(info)}; {info['store_bytes_per_token']:,.0f} bytes per token in the store",
              f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB" + (
                  f" ({info['bytes_per_token']:,.0f} bytes per token read)" if info["bytes_per_token"] else ""),
              f"sessions    {info['sessions']:,} ({info['sessions_bytes'] / 2**20:,.1f} MiB)",
@@ -223,7 +234,8 @@ def cmd_eval(args):
     mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
     mode = "memory" if mem else reading_mode(model)
-    doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length, **({"memory": mem} if mem else {}),
+    doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length,
+           **({"memory": mem.to_dict()} if mem else {}),
            **{k: res[k] for k in ("perplexity", "loss", "tokens", "segments", "seconds")}}
     emit(args, doc, f"{inp.path.name}: perplexity {res['perplexity']:.3f} over {res['tokens']:,} tokens "
                     f"({res['segments']} segments of {args.eval_length}, {mode}), {res['seconds']:.1f} s")
@@ -242,15 +254,14 @@ def cmd_compare(args):
     ids = encode(tok, inp.text)
     length = args.eval_length or len(ids) - 1
     opts = memory_options(args, model)
-    opts.pop("index")
     rows = compare_indexes(model, ids, kinds, length, opts, max_segments=args.max_segments, progress=not args.quiet)
     if args.plot:
         from .plots import plot_compare
 
-        plot_compare(rows, args.plot, title=f"{inp.path.name}: {length:,}-token segments, top-{args.top_k}")
-    doc = {"input": str(inp.path), "eval_length": length, "top_k": args.top_k, "chunk_size": opts["chunk_size"],
-           "index_options": opts["index_options"], "rows": rows}
-    lines = [f"{inp.path.name}: segments of {length:,} tokens, top-{args.top_k}, chunk {opts['chunk_size']}",
+        plot_compare(rows, args.plot, title=f"{inp.path.name}: {length:,}-token segments, top-{opts.top_k}")
+    doc = {"input": str(inp.path), "eval_length": length, "top_k": opts.top_k, "chunk_size": opts.chunk_size,
+           "index_options": opts.index_options, "rows": rows}
+    lines = [f"{inp.path.name}: segments of {length:,} tokens, top-{opts.top_k}, chunk {opts.chunk_size}",
              f"{'index':8s} {'perplexity':>10s} {'vs exact':>9s} {'recall@k':>9s} {'search ms':>10s} {'searches':>9s}"]
     lines += [f"{r['index']:8s} {r['perplexity']:10.3f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
               f"{r['search_ms']:10.3f} {r['searches']:9,}" for r in rows]
@@ -269,7 +280,7 @@ def cmd_passkey(args):
 
         plot_passkey({label: rows}, args.plot)
     doc = {"model": str(args.model or BUNDLED_MODEL), "mode": label, "trials": args.trials, "seed": args.seed,
-           **({"memory": mem} if mem else {}), "results": rows}
+           **({"memory": mem.to_dict()} if mem else {}), "results": rows}
     lines = [f"passkey, {label}, {args.trials} trials per length (seed {args.seed})"]
     lines += [f"{r['length']:>9,} tokens: {100 * r['accuracy']:5.1f}% ({r['correct']}/{r['trials']})" for r in rows]
     emit(args, doc, "\n".join(lines))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..core.passkey import MAX_KEY, QUESTION, fact, first_int
-from ..memory import LandmarkMemory
+from ..memory import LandmarkMemory, MemoryOptions
 from ..memory.answer import ask
 from ..models.kinds import load_model
 from ..models.model import LandmarkGPT
@@ -32,7 +32,7 @@ DEMO_INDEXES = ("flat", "ivf-rows", "hnsw", "ivf", "ivfpq")
 PASSAGES = 8  # retrieved passages the ask step reports, most-read first
 COMPARE_TOKENS = 32768  # the book's opening read once per index kind: a fraction of the whole keeps the demo short
 LARGE_MODEL_TOKENS = 8192  # of the book, for a model other than the bundled one (CPU minutes, not hours)
-COMPARE_OPTIONS = {"top_k": 4, "index_options": {"train_size": 256, "nprobe": 2}}
+COMPARE_OPTIONS = MemoryOptions(top_k=4, index_options={"train_size": 256, "nprobe": 2})
 
 
 def plant_passkey(text, key, rng):

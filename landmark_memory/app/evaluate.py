@@ -3,6 +3,7 @@ without memory: the measurements behind the CLI's eval, compare and passkey comm
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from ..core.decode import decode, decode_rereading
 from ..core.passkey import run_passkey
 from ..index import recall_at_k
 from ..memory import LandmarkMemory, RetrievalStats
+from ..memory.options import MemoryOptions
 from ..models.infini import InfiniState
 from ..models.kinds import in_sequence_logits, is_infini, is_landmark, is_plain_hf, kv_cache_decoder
 
@@ -43,7 +45,8 @@ def uses_memory(model: torch.nn.Module, in_sequence: bool = False) -> bool:
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: dict | None = None, context: int | None = None,
+def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: MemoryOptions | None = None,
+               context: int | None = None,
                max_segments: int | None = None, keep_retrieved: bool = False, progress: bool = True,
                desc: str = "perplexity") -> dict:
     """Perplexity of ``ids`` cut into segments of ``eval_length`` predicted tokens (paper Table 1):
@@ -55,8 +58,8 @@ def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: dict | 
         in-sequence runs).
     ids : list or int array (n,), token ids.
     eval_length : int, tokens predicted per segment (the segment holds one more).
-    memory : dict or None, ``LandmarkMemory`` options to read each segment chunk by chunk with
-        retrieval; None runs each segment through the model in one forward (in sequence).
+    memory : MemoryOptions or None, the options of a memory that reads each segment chunk by
+        chunk with retrieval; None runs each segment through the model in one forward (in sequence).
     context : int, optional, without memory: read each segment in pieces of ``context``
         tokens, each alone (attention limited to its piece; the paper's l_local without memory).
     max_segments : int, optional, evaluate only the first segments.
@@ -86,7 +89,7 @@ def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: dict | 
             logits = torch.cat([in_sequence_logits(model, x[:, a:a + step]) for a in range(0, x.shape[1], step)], 1)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         else:
-            mem, loss, got = LandmarkMemory(model, **memory), 0.0, []
+            mem, loss, got = LandmarkMemory(model, memory), 0.0, []
             # whole chunks at a time: the logits of a book would not fit at once, and chunk-aligned
             # pieces read exactly as one call (equal landmark scores, as every layer-0 landmark
             # key is, may be ordered differently by a search over fewer queries)
@@ -114,10 +117,11 @@ def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: dict | 
     return res
 
 
-def compare_indexes(model: torch.nn.Module, ids, kinds: list[str], eval_length: int, memory: dict, *,
+def compare_indexes(model: torch.nn.Module, ids, kinds: list[str], eval_length: int, memory: MemoryOptions, *,
                     max_segments: int | None = None, progress: bool = True) -> list[dict]:
     """Perplexity, recall@k of the retrieved blocks against exact search, and FAISS search
-    latency, per index kind (``flat`` is always measured first: it is the reference).
+    latency, per index kind (``flat`` is always measured first: it is the reference), the
+    other options ``memory``'s.
 
     Returns a list of dicts: ``index``, ``perplexity``, ``ppl_delta_pct`` (vs flat),
     ``recall`` (mean over segments, layers, heads and tokens), ``search_ms`` (per call),
@@ -125,7 +129,7 @@ def compare_indexes(model: torch.nn.Module, ids, kinds: list[str], eval_length: 
     kinds = ["flat"] + [k for k in kinds if k != "flat"]
     rows, exact = [], None
     for kind in kinds:
-        res = perplexity(model, ids, eval_length, memory={**memory, "index": kind}, max_segments=max_segments,
+        res = perplexity(model, ids, eval_length, memory=replace(memory, index=kind), max_segments=max_segments,
                          keep_retrieved=True, progress=progress, desc=kind)
         if exact is None:
             exact = res
@@ -140,9 +144,9 @@ def compare_indexes(model: torch.nn.Module, ids, kinds: list[str], eval_length: 
 
 @torch.no_grad()
 def greedy_continuation(model: torch.nn.Module, ids: list[int], max_new_tokens: int,
-                        memory: dict | None = None) -> list[int]:
-    """The greedy continuation of the prompt ``ids``: through a fresh memory (``memory``:
-    ``LandmarkMemory`` options) or, with ``memory=None``, as the model reads on its own (an
+                        memory: MemoryOptions | None = None) -> list[int]:
+    """The greedy continuation of the prompt ``ids``: through a fresh memory with the options
+    ``memory`` or, with ``memory=None``, as the model reads on its own (an
     Infini-attention model streamed, a plain Hugging Face model with its KV cache, any other
     re-reading the whole context for each new token)."""
     idx = torch.tensor([ids], device=next(model.parameters()).device)
@@ -154,15 +158,16 @@ def greedy_continuation(model: torch.nn.Module, ids: list[int], max_new_tokens: 
     elif memory is None:  # no cache: the whole context is re-read for each new token
         new = decode_rereading(lambda x: in_sequence_logits(model, x), idx, max_new_tokens)
     else:
-        with LandmarkMemory(model, **memory) as mem:
+        with LandmarkMemory(model, memory) as mem:
             new = mem.generate(idx, max_new_tokens)
     return new[0].tolist()
 
 
 def passkey_accuracy(model: torch.nn.Module, tokenizer, lengths: list[int], trials: int, seed: int,
-                     memory: dict | None = None, max_new_tokens: int = 8, progress: bool = True) -> list[dict]:
+                     memory: MemoryOptions | None = None, max_new_tokens: int = 8,
+                     progress: bool = True) -> list[dict]:
     """The passkey test (``passkey.run_passkey``) with greedy decoding, through a fresh memory
-    per prompt (``memory``: ``LandmarkMemory`` options) or, with ``memory=None``, in sequence."""
+    per prompt with the options ``memory`` or, with ``memory=None``, in sequence."""
     bar = tqdm(total=len(lengths) * trials, desc="passkey", unit="trial", disable=not progress, dynamic_ncols=True)
     try:
         return run_passkey(lambda ids: tokenizer.decode(greedy_continuation(model, ids, max_new_tokens, memory)),

@@ -73,9 +73,8 @@ class FaissIndex(LandmarkIndex):
         xb = self._check(xb, "xb")
         n_before = self.ntotal
         self.index.add(xb)
-        if not self.trained and self.ntotal >= self.train_size:
-            self._train()
-        elif self.trained and self.retrains and level_of(self.ntotal, self.train_size) > level_of(n_before, self.train_size):
+        grown = level_of(self.ntotal, self.train_size) > level_of(n_before, self.train_size)
+        if (not self.trained and self.ntotal >= self.train_size) or (self.trained and self.retrains and grown):
             self._train()
 
     def _keys(self):

@@ -7,6 +7,7 @@ from ..core.quant import dequantize_kv
 from ..core.rope import RotaryEmbedding
 from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
+from .window import sliding_window_attention
 
 BACKENDS = ("auto", "reference", "dense", "triton", "numba")
 FEW_QUERIES = 16  # queries per head below which (decoding) "auto" takes the compiled CPU kernel
@@ -233,4 +234,5 @@ def _check_common(q, k, v, block_size, backend):
 
 
 __all__ = ["landmark_attention", "landmark_attention_inference", "cmt_share", "landmark_inference_reference",
-           "landmark_attention_dense", "landmark_inference_dense", "landmark_attention_reference", "landmark_weights", "grouped_softmax", "BACKENDS"]
+           "landmark_attention_dense", "landmark_inference_dense", "landmark_attention_reference", "landmark_weights",
+           "grouped_softmax", "sliding_window_attention", "BACKENDS"]

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from ..core.decode import decode
 from ..core.layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
-from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES
+from ..core.names import DISK_STORES
 from ..core.rope import rotation_dtype
-from ..kernels import BACKENDS, cmt_share, landmark_attention_inference
+from ..kernels import BACKENDS, cmt_share, landmark_attention_inference, sliding_window_attention
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
@@ -34,7 +34,7 @@ from .manifest import TOKENS, InputRecord, Manifest, ModelShape
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import chunk_base
-from .saved import SavedMemory
+from .saved import OpenChunk, Opened, SavedMemory
 
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
@@ -47,61 +47,40 @@ class LandmarkMemory(SavedMemory, BlockLookup):
     ----------
     model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM converted by
         ``landmark_memory.models.hf.convert`` (``kinds.py``).
-    index : str, landmark index kind per (stream, layer, key/value head): flat, hnsw, ivf, ivfpq (+ -gpu).
-    store : str, block store: memory, lmdb or mmap (the latter two need ``path``).
+    options : MemoryOptions, how the memory searches, stores and reads (``memory/options.py``
+        says what each option means); or, instead, the options as keyword ``settings``
+        (``LandmarkMemory(model, top_k=8, store="lmdb", path=...)``), the rest default.
     path : str or Path, folder of a saved memory (created; reopen it with ``LandmarkMemory.open``).
-    top_k : int, blocks retrieved per query.
-    chunk_size : int, normal tokens per chunk, a multiple of the model's block size; default the
-        multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
-    retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
-    position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
-        their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
-        true positions (for models trained with positional jumps) and scores every landmark
-        exactly by brute force.
-    max_blocks : int, optional, only the newest ``max_blocks`` blocks can be retrieved.
-    store_dtype : str, optional, float32 / float16 / bfloat16 / int8 (``quant.py``: a quarter of
-        float32's bytes); default int8 for a saved memory (lmdb, mmap), the model's dtype in memory.
     cache_bytes : int, hot-block cache budget on the model's device.
-    index_options : dict, optional, passed to ``LandmarkIndex`` (train_size, nprobe, ef_search).
-    cmt_cutoff : float, models with a Context Miss Token only (appendix D): a query whose CMT
-        share is below this retrieves nothing, and a layer-head whose queries in a step are
-        all below it searches no index and fetches no block. 0 = always retrieve.
-    sink_blocks : int, the memory's first blocks (of those ``max_blocks`` leaves), read by every
-        query besides its ``top_k`` (attention sinks, as StreamingLLM and InfLLM keep the
-        first tokens), so that they take no retrieval slot.
-    local_blocks : int, the memory's last blocks, read by every query besides its ``top_k``, as
-        if the local window were that much longer.
-    centre : bool, choose blocks by landmark scores against the landmark keys less their mean
-        over the memory (per layer and head), so that what every landmark shares, which RoPE
-        favours near the query, does not decide; the attention reads the blocks as they are.
     backend : str, attention backend ("auto": Triton on CUDA, dense PyTorch elsewhere).
     documents : bool, a saved corpus: its blocks are documents read apart and merged in
         (``memory/corpus.py``), read from their own stores; it takes no text of its own.
+    opened : a saved memory's folder as ``LandmarkMemory.open`` found it (``saved.Opened``),
+        which the memory takes instead of being made empty; ``open``'s to pass.
 
     Attributes
     ----------
-    options : MemoryOptions, the options above, resolved for the model.
+    options : MemoryOptions, resolved for the model (defaults filled in).
     blocks : BlockMemory, landmark keys, indexes, block store and hot cache.
     retrieval_stats : RetrievalStats.
     inputs : list of InputRecord, the text files ``build`` ingested.
     """
 
-    def __init__(self, model: torch.nn.Module, *, index: str = DEFAULT_INDEX, store: str = "memory",
-                 path: str | Path | None = None, top_k: int = DEFAULT_TOP_K, chunk_size: int | None = None,
-                 retrieval: str = "per_token_head", position_mapping: str = "stingy", max_blocks: int | None = None,
-                 store_dtype: str | None = None, cache_bytes: int = 256 << 20, index_options: dict | None = None,
-                 cmt_cutoff: float = 0.0, sink_blocks: int = 0, local_blocks: int = 0, centre: bool = False,
-                 backend: str = "auto", documents: bool = False):
-        options = MemoryOptions(index=index, index_options=dict(index_options or {}), store=store,
-                                store_dtype=store_dtype, top_k=top_k, chunk_size=chunk_size, retrieval=retrieval,
-                                position_mapping=position_mapping, max_blocks=max_blocks, cmt_cutoff=cmt_cutoff,
-                                sink_blocks=sink_blocks, local_blocks=local_blocks, centre=centre)
-        self._setup(model, options, cache_bytes, backend)
+    def __init__(self, model: torch.nn.Module, options: MemoryOptions | None = None, *,
+                 path: str | Path | None = None, cache_bytes: int = 256 << 20, backend: str = "auto",
+                 documents: bool = False, opened: Opened | None = None, **settings):
+        if options is not None and settings:
+            raise TypeError(f"give the memory's options as one MemoryOptions or as keyword settings, not both "
+                            f"({', '.join(settings)})")
+        self._setup(model, options if options is not None else MemoryOptions.of(**settings), cache_bytes, backend)
+        if opened is not None:
+            self._take(opened)
+            return
         self.dir, self.documents = None, documents
         if documents and path is None:
             raise ValueError("a corpus of documents is a saved memory: pass a path")
         if path is not None:
-            if store == "memory":
+            if self.options.store == "memory":
                 raise ValueError(f"a memory saved at a path keeps its blocks on disk: pass store= one of {DISK_STORES}")
             self.dir = MemoryDir.create(path, Manifest(model=self.model_record(), options=self.options,
                                                        documents=documents))
@@ -116,7 +95,9 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         param = next(model.parameters())
         self.options = options.resolved(bb.block_size, DTYPE_NAMES[param.dtype], cmt_keys is not None, bb.head_dim)
         self.model, self.backbone, self.backend = model.eval(), bb, backend
-        self.shape = ModelShape(bb.n_layer, bb.n_kv_head, bb.head_dim, bb.block_size)
+        windows = tuple(bb.windows) if any(bb.windows) else ()
+        self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, bb.block_size, windows)
+        self.memory_layer = {layer: m for m, layer in enumerate(self.shape.memory_layers)}  # model layer: memory layer
         self.device, self.dtype, self.cache_bytes = param.device, param.dtype, cache_bytes
         self.group = bb.n_head // bb.n_kv_head  # query heads per key/value head
         self.rope = bb.rope
@@ -127,8 +108,11 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
-        self.pending_kv = [None] * bb.n_layer  # per layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
-        self._saved_pending = self.pending_ids, self.pending_kv  # the open chunk of the commit a reader holds
+        # per memory layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
+        self.pending_kv = [None] * self.shape.n_layer
+        # per sliding-window layer (k, v) of the last positions its window reads, (B, H_kv, < window, D), no RoPE
+        self.window_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saved_chunk = OpenChunk()  # the open chunk of the commit a reader holds
         self.manifest: Manifest | None = None  # the last commit this memory wrote or read (None: never saved)
         self.inputs: list[InputRecord] = []
         self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
@@ -240,10 +224,11 @@ class LandmarkMemory(SavedMemory, BlockLookup):
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
-        chunk's keys and values: what must sit near the compute) and ``store`` (every block's
-        keys and values, wherever the store keeps them)."""
+        chunk's keys and values, the sliding-window layers' windows: what must sit near the
+        compute) and ``store`` (every block's keys and values, wherever the store keeps them)."""
         fast, store = self.blocks.usage()
-        fast += sum(t.numel() * t.element_size() for kv in self.pending_kv if kv for t in kv)
+        held = [kv for kv in self.pending_kv if kv] + list(self.window_kv.values())
+        fast += sum(t.numel() * t.element_size() for kv in held for t in kv)
         return {"fast": fast, "store": store}
 
     def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
@@ -303,22 +288,27 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         h = bb.embed(x[:, p0:])  # (B, Tq, C)
         # the new positions that are normal tokens: all of them unless the step closes a block
         normal = slice(None) if Tk - p0 == new.shape[1] else ~landmark_mask(Tk, bs, self.device)[p0:]
-        retrieved, new_kv = [], []
-        for layer in range(self.shape.n_layer):
+        retrieved, new_kv, windows = [], [], {}
+        for layer in range(bb.n_layer):
             q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
+            if bb.windows[layer]:  # a sliding-window layer: no memory, its last positions only
+                y, windows[layer] = self._window(layer, q, k, v)
+                h = bb.finish(layer, h, y)
+                continue
+            m = self.memory_layer[layer]
             qr, kr = self.rope.rotate(at_q, q, k)
             if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
-                pk, pkr, pv = self.pending_kv[layer]
+                pk, pkr, pv = self.pending_kv[m]
                 k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
             new_kv.append((k, kr, v))
             local_k, local_v = (kr, v) if G == 1 else (kr.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
             cmt_k, skip = None, None
             if self.cmt_k is not None:
-                cmt_k = self.cmt_k[layer].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
+                cmt_k = self.cmt_k[m].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
                 if self.options.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
                     skip = cmt_share(qr, local_k, bs, cmt_k) < self.options.cmt_cutoff  # (B, H, Tq)
-            ids_used, block_pos = self._retrieve(layer, q, qr, at_search, skip)
-            table, pool_k, pool_v, pool_scale = self.blocks.pool(layer, ids_used)
+            ids_used, block_pos = self._retrieve(m, q, qr, at_search, skip)
+            table, pool_k, pool_v, pool_scale = self.blocks.pool(m, ids_used)
             y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
                                              block_pos=block_pos, rope=self.rope, scale=bb.scale, cmt_k=cmt_k,
                                              pool_scale=pool_scale, backend=self.backend, check=False)
@@ -328,11 +318,26 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         if logits != "all":  # "last": the step's last token; "none": no head at all
             h = h[:, h.shape[1] - (logits == "last"):]
         logits = bb.head(h) if h.shape[1] else h.new_zeros((h.shape[0], 0, bb.vocab_size))  # (B, n, V)
-        self.pending_ids, self.pending_kv = ids, new_kv
+        self.pending_ids, self.pending_kv, self.window_kv = ids, new_kv, windows
         if self.pending_count == self.options.chunk_size:  # the chunk is complete: its blocks go to memory
             self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)
             self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
         return logits, retrieved
+
+    def _window(self, layer, q, k, v):
+        """A sliding-window layer's attention for the step's queries ``q`` (B, H, Tq, D) over the
+        positions its window still reads and the step's ``k``, ``v`` (B, H_kv, Tq, D), no RoPE;
+        and what its window reads after the step. Keys are rotated where they sit in the window
+        (RoPE scores depend only on position differences), so where the memory puts the chunk
+        does not matter to these layers."""
+        bb, past = self.backbone, self.window_kv.get(layer)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, H_kv, Tk, D)
+        Tk, Tq, W = k.shape[2], q.shape[2], bb.windows[layer]
+        pos = torch.arange(Tk, device=self.device)
+        y = sliding_window_attention(bb.window_rope(q, pos[Tk - Tq:]), bb.window_rope(k, pos), v, W, bb.window_scale)
+        keep = max(Tk - (W - 1), 0)  # the next query reads W - 1 positions before it
+        return y, (k[:, :, keep:], v[:, :, keep:])
 
     def _angles(self, p0, Tk):
         """RoPE angles every layer shares for the open chunk's positions ``[p0, Tk)``: at the

@@ -31,7 +31,7 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
         d.check_key_files(m)  # present and long enough
     sessions = sessions_folder(path)
     disk = _folder_bytes(Path(path), skip=sessions)
-    o = m.options
+    o, shape = m.options, m.model.shape
     if m.documents:
         starts = {e.document: e.start for e in m.inputs}
         inputs = [{"path": s.path, "tokens": s.tokens, "ingested": s.read, "start": starts.get(s.folder),
@@ -47,7 +47,10 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
             "streams": m.streams, "index": o.index, "index_search": _index_search(m), "store": o.store,
             "store_dtype": o.store_dtype,
             "block_bytes": m.block_bytes, "chunk_size": o.chunk_size, "top_k": o.top_k,
-            "block_size": m.model.shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
+            "layers": len(shape.windows) or shape.n_layer, "memory_layers": shape.n_layer,
+            "windows": {str(layer): w for layer, w in shape.window_layers.items()},
+            "store_bytes_per_token": round(m.block_bytes / shape.block_size, 1),
+            "block_size": shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
             "tokens_read": read, "bytes_per_token": round(disk / read, 1) if read else None,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
             "documents": m.documents, "inputs": inputs,
@@ -211,6 +214,9 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport, rows_sound: boo
     for name, s in m.pending_shapes().items():
         if name not in state or tuple(state[name].shape) != s:
             report.problems.append(f"the state file {m.state.name if m.state else '(none)'} lacks or misshapes {name} (want {s})")
+    for name in m.window_entries(state)[1]:
+        report.problems.append(f"the state file {m.state.name} holds {name}, which is no sliding-window layer's window "
+                               "of this model's shape")
 
 
 def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport) -> None:

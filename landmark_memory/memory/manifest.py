@@ -38,6 +38,9 @@ def document_folder(sha256: str) -> str:
     return f"docs/{sha256[:16]}"
 
 
+WINDOW = "window."  # a sliding-window layer's window in a state file: window.<model layer>.k and .v
+
+
 class MemoryFileError(ValueError):
     """A memory directory that cannot be opened as asked; the message says why and what to do."""
 
@@ -48,12 +51,30 @@ class WriterBusyError(MemoryFileError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes a memory's files depend on."""
+    """The sizes a memory's files depend on.
+
+    n_layer : layers that keep a memory (every layer of the model, unless ``windows`` says).
+    windows : per layer of the model, 0 for one that keeps a memory, else the positions a
+        sliding-window layer attends to (it keeps only them, in the state file: Gemma 3's local
+        layers); empty when every layer keeps a memory.
+    """
 
     n_layer: int
     n_kv_head: int
     head_dim: int
     block_size: int
+    windows: tuple[int, ...] = ()
+
+    @property
+    def memory_layers(self) -> list[int]:
+        """The model's layers that keep a memory, in order (memory layer ``i`` is model layer
+        ``memory_layers[i]``)."""
+        return [layer for layer, w in enumerate(self.windows) if not w] if self.windows else list(range(self.n_layer))
+
+    @property
+    def window_layers(self) -> dict[int, int]:
+        """``{model layer: window}`` of the layers that keep no memory."""
+        return {layer: w for layer, w in enumerate(self.windows) if w}
 
     @property
     def block_entry(self) -> tuple[int, int, int, int]:
@@ -175,6 +196,23 @@ class Manifest:
         kv = (B, s.n_kv_head, landmarked_length(P, s.block_size), s.head_dim)
         return {"pending_ids": (B, P), **{f"pending.{layer}.{n}": kv for layer in range(s.n_layer) for n in "kv"}}
 
+    def window_entries(self, state: dict) -> tuple[dict[int, tuple[str, str]], list[str]]:
+        """The sliding-window layers' windows in a commit's ``state``: ``({model layer: (key
+        entry, value entry)}, entries that do not fit)``; one fits when it is a layer's that
+        keeps no memory, with both entries (streams, H_kv, 1 to window - 1, D)."""
+        s, found, wrong = self.model.shape, {}, []
+        for name in sorted(k for k in state if k.startswith(WINDOW) and k.endswith(".k")):
+            layer, v = name[len(WINDOW):-2], f"{name[:-2]}.v"
+            W = s.window_layers.get(int(layer), 0) if layer.isdigit() else 0
+            shape = tuple(state[name].shape)
+            if W and v in state and tuple(state[v].shape) == shape and len(shape) == 4 and 0 < shape[2] < W and (
+                    shape[0], shape[1], shape[3]) == (self.streams, s.n_kv_head, s.head_dim):
+                found[int(layer)] = name, v
+            else:
+                wrong.append(name)
+        lone = [k for k in state if k.startswith(WINDOW) and k.endswith(".v") and k[:-2] + ".k" not in state]
+        return found, wrong + lone
+
     @property
     def block_bytes(self) -> int:
         """Stored bytes of one block of one stream, all layers."""
@@ -211,6 +249,7 @@ class Manifest:
             shape = model.get("shape") if version >= 2 else {  # format 1: LandmarkGPT, one key/value head per head
                 "n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"], "head_dim": cfg["n_embd"] // cfg["n_head"],
                 "block_size": cfg["block_size"]}
+            shape = {**shape, "windows": tuple(shape.get("windows", ()))}  # (JSON gives a list; none before Gemma 3)
             m = cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"],
                                       model.get("name", "")),
                     options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
@@ -245,6 +284,11 @@ class Manifest:
         s = self.model.shape
         for name in ("n_layer", "n_kv_head", "head_dim", "block_size"):
             count(f"model.shape.{name}", getattr(s, name), 1)
+        for w in s.windows:
+            count("an entry of model.shape.windows", w)
+        if s.windows and len(s.memory_layers) != s.n_layer:
+            raise bad(f"model.shape.windows = {list(s.windows)}", f"(it must name n_layer = {s.n_layer} layers with a "
+                      "memory, 0 each)")
         if not isinstance(self.model.fingerprint, str) or not isinstance(self.model.config, dict):
             raise bad("model", "with a fingerprint that is no string or a config that is no object")
         if self.model.dtype not in DTYPES:

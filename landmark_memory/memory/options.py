@@ -29,7 +29,36 @@ def default_chunk_size(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """How a memory searches, stores and reads (see ``LandmarkMemory`` for each field).
+    """How a memory searches, stores and reads: the one place of each option's default and
+    meaning, from the command line (``app/cli.py``) to the engine and the manifest.
+
+    index : str, landmark index kind per (stream, layer, key/value head), one of
+        ``index.KINDS`` (default ivf-rows: exact until 1024 blocks, then lists over the keys).
+    index_options : dict, passed to ``index.new_index``: train_size, nprobe, ef_search.
+    store : str, block store: memory, lmdb or mmap (the latter two need a memory's ``path``).
+    store_dtype : str, float32 / float16 / bfloat16 / int8 (``quant.py``: a quarter of float32's
+        bytes); default int8 for a saved memory (lmdb, mmap), the model's dtype in memory.
+    top_k : int, blocks retrieved per query.
+    chunk_size : int, normal tokens per chunk, a multiple of the model's block size; default the
+        multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
+    retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
+    position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
+        their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
+        true positions (for models trained with positional jumps) and scores every landmark
+        exactly by brute force.
+    max_blocks : int, optional, only the newest ``max_blocks`` blocks can be retrieved.
+    cmt_cutoff : float, models with a Context Miss Token only (appendix D): a query whose CMT
+        share is below this retrieves nothing, and a layer-head whose queries in a step are
+        all below it searches no index and fetches no block. 0 = always retrieve.
+    sink_blocks : int, the memory's first blocks (of those ``max_blocks`` leaves), read by every
+        query besides its ``top_k`` (attention sinks, as StreamingLLM and InfLLM keep the
+        first tokens), so that they take no retrieval slot.
+    local_blocks : int, the memory's last blocks, read by every query besides its ``top_k``, as
+        if the local window were that much longer.
+    centre : bool, choose blocks by landmark scores against the landmark keys less their mean
+        over the memory (per layer and head), so that what every landmark shares, which RoPE
+        favours near the query, does not decide; the attention reads the blocks as they are.
+    block_checksums : bool, every stored block carries a CRC-32 that reads verify.
 
     ``chunk_size`` and ``store_dtype`` may be None until ``resolved`` fills them in for a model.
     """
@@ -47,7 +76,19 @@ class MemoryOptions:
     sink_blocks: int = 0
     local_blocks: int = 0
     centre: bool = False
-    block_checksums: bool = True  # every stored block carries a CRC-32 that reads verify
+    block_checksums: bool = True
+
+    @classmethod
+    def of(cls, **settings: Any) -> "MemoryOptions":
+        """Options from keyword settings (``LandmarkMemory(model, top_k=8)``), the rest default;
+        ``TypeError`` naming the options for a name that is none."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise TypeError(f"{', '.join(unknown)}: no memory option; the options are {', '.join(names)}")
+        if settings.get("index_options", {}) is None:
+            settings.pop("index_options")
+        return cls(**settings)
 
     def resolved(self, block_size: int, dtype_name: str, has_cmt: bool, head_dim: int) -> "MemoryOptions":
         """These options checked for a model (its block size, dtype, Context Miss Token, head

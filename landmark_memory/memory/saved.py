@@ -6,6 +6,7 @@ documents', read from their stores (``memory/corpus.py`` merges them).
 """
 
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
-from .manifest import LANDMARKS, TOKENS, Manifest, MemoryFileError, ModelRecord
+from .manifest import LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
@@ -28,16 +29,38 @@ def wrong_model(path, saved: ModelRecord, given: str) -> str:
     return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"
 
 
-Pending = tuple[torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]  # an open chunk: ids, per layer (k, v)
+@dataclass
+class OpenChunk:
+    """What a commit keeps of the text past the memory's last block, no RoPE applied: the open
+    chunk's token ids (streams, P) and per memory layer its keys and values (streams, H_kv, P
+    with landmarks, D); per sliding-window layer the keys and values of the positions its window
+    still reads (streams, H_kv, at most window - 1, D)."""
+
+    ids: torch.Tensor | None = None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class Opened:
+    """A saved memory's folder as ``LandmarkMemory.open`` found it, for the memory it makes to
+    take: the folder (its lock held), its last commit and state, how it is open, and the
+    fingerprint of the model, checked against the commit's."""
+
+    dir: MemoryDir
+    manifest: Manifest
+    state: dict[str, torch.Tensor]
+    readonly: bool
+    fingerprint: str
 
 
 def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: int, keys_committed: int,
-                 rows_crc: dict[str, int], pending_ids: torch.Tensor | None, pending_kv: list) -> None:
+                 rows_crc: dict[str, int], chunk: OpenChunk) -> None:
     """Commit ``manifest`` (its counts filled in, ``commit`` the last one's) to ``d``: the rows of
     ``blocks`` past block ``first`` (their CRC-32s carried on from ``rows_crc``; the key files'
-    from block ``keys_committed``), the indexes and the open chunk (``pending_ids``, per layer
-    ``(k, k rotated, v)``) in a state file, then the manifest (docs/DESIGN.md, "Commit protocol").
-    ``manifest`` ends as committed: its commit number, state file and CRC-32s."""
+    from block ``keys_committed``), the indexes and the open ``chunk`` in a state file, then the
+    manifest (docs/DESIGN.md, "Commit protocol"). ``manifest`` ends as committed: its commit
+    number, state file and CRC-32s."""
     if manifest.streams is not None:
         layout = manifest.rows
         for name, data in blocks.rows_since(layout, first).items():
@@ -47,10 +70,12 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
         manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (an older level's lists go)
                              if not FILE_NAME.fullmatch(Path(name).name)} | kept
         state = blocks.index_state() | {name: torch.from_numpy(s) for name, s in blocks.key_sums().items()}
-        if pending_ids is not None:
-            state["pending_ids"] = pending_ids.cpu()
-            for layer, (k, _, v) in enumerate(pending_kv):
+        if chunk.ids is not None:
+            state["pending_ids"] = chunk.ids.cpu()
+            for layer, (k, v) in enumerate(chunk.kv):
                 state[f"pending.{layer}.k"], state[f"pending.{layer}.v"] = k.cpu(), v.cpu()
+        for layer, (k, v) in chunk.windows.items():
+            state[f"{WINDOW}{layer}.k"], state[f"{WINDOW}{layer}.v"] = k.cpu(), v.cpu()
         manifest.state = d.write_state(manifest.commit + 1, state) if state else None
     manifest.commit += 1
     d.write_manifest(manifest)
@@ -73,19 +98,22 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     return {**(manifest.rows_crc or {}), **crcs}
 
 
-def saved_pending(d: MemoryDir, manifest: Manifest, state: dict[str, torch.Tensor], device: torch.device,
-                  dtype: torch.dtype) -> Pending:
-    """The open chunk of the commit ``manifest`` from its ``state``: its token ids (streams, P)
-    and per layer its un-rotated keys and values (streams, H_kv, P', D); ``(None, [])`` if none."""
+def saved_chunk(d: MemoryDir, manifest: Manifest, state: dict[str, torch.Tensor], device: torch.device,
+                dtype: torch.dtype) -> OpenChunk:
+    """The open chunk of the commit ``manifest`` from its ``state`` (``OpenChunk``), its shapes
+    checked; ``MemoryFileError`` if the state file lacks or misshapes an entry."""
     expected = manifest.pending_shapes()
-    wrong = [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
+    windows, wrong = manifest.window_entries(state)
+    wrong += [k for k, shape in expected.items() if k not in state or tuple(state[k].shape) != shape]
     if wrong:
         raise MemoryFileError(f"the state file of {d.path} lacks or misshapes {', '.join(wrong[:3])}; the "
                               "memory is damaged: restore it from a backup or rebuild it")
-    if not expected:
-        return None, []
-    return state["pending_ids"].to(device), [tuple(state[f"pending.{layer}.{n}"].to(device, dtype) for n in "kv")
-                                             for layer in range(manifest.model.shape.n_layer)]
+    chunk = OpenChunk(windows={layer: tuple(state[n].to(device, dtype) for n in kv) for layer, kv in windows.items()})
+    if expected:
+        chunk.ids = state["pending_ids"].to(device)
+        chunk.kv = [tuple(state[f"pending.{layer}.{n}"].to(device, dtype) for n in "kv")
+                    for layer in range(manifest.model.shape.n_layer)]
+    return chunk
 
 
 class SavedMemory:
@@ -116,7 +144,7 @@ class SavedMemory:
             raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
         manifest = self._manifest()
         write_commit(self.dir, self.blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc,
-                     self.pending_ids, self.pending_kv)
+                     self.open_chunk())
         self.manifest = manifest
         self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
         self._keys_committed = self.n_blocks
@@ -139,7 +167,7 @@ class SavedMemory:
             index's nprobe, ef_search). The rest was fixed when the memory was built.
         """
         fingerprint = model_fingerprint(model)
-        d, mem = MemoryDir(path, writable=not readonly), None
+        d = MemoryDir(path, writable=not readonly)
         try:
             manifest, state = d.read_commit()
             if manifest.session is not None:
@@ -152,17 +180,23 @@ class SavedMemory:
             saved = manifest.model
             if saved.fingerprint != fingerprint:
                 raise MemoryFileError(wrong_model(path, saved, getattr(model, "landmark_name", "")))
-            mem = cls.__new__(cls)
-            mem._setup(model, manifest.options.with_query(**options), cache_bytes, backend)
-            mem.dir, mem.readonly, mem._fingerprint, mem.documents = d, readonly, fingerprint, manifest.documents
-            mem.blocks = mem._new_blocks(readonly, key_files=manifest.version >= 5 or not readonly)
-            mem._follow(manifest, state)
+            return cls(model, manifest.options.with_query(**options), cache_bytes=cache_bytes, backend=backend,
+                       opened=Opened(d, manifest, state, readonly, fingerprint))
         except BaseException:
-            if mem is not None and hasattr(mem, "blocks"):
-                mem.blocks.close()
             d.close()
             raise
-        return mem
+
+    def _take(self, opened: Opened) -> None:
+        """Become the saved memory ``opened`` (``LandmarkMemory.__init__`` for ``open``)."""
+        m = opened.manifest
+        self.dir, self.readonly, self._fingerprint, self.documents = opened.dir, opened.readonly, opened.fingerprint, \
+            m.documents
+        self.blocks = self._new_blocks(opened.readonly, key_files=m.version >= 5 or not opened.readonly)
+        try:
+            self._follow(m, opened.state)
+        except BaseException:
+            self.blocks.close()
+            raise
 
     def refresh(self) -> bool:
         """Follow the memory's writer: take the blocks committed since this read-only memory
@@ -205,17 +239,23 @@ class SavedMemory:
                                          self.backbone.vocab_size, mapped=self.readonly)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
         self.inputs, self._committed_blocks = list(manifest.inputs), manifest.blocks
-        self.pending_ids, self.pending_kv = self.rotated(saved_pending(self.dir, manifest, state, self.device, self.dtype))
-        self._saved_pending = self.pending_ids, self.pending_kv
+        self._saved_chunk = saved_chunk(self.dir, manifest, state, self.device, self.dtype)
+        self.take(self._saved_chunk)
 
-    def rotated(self, pending: Pending) -> tuple[torch.Tensor | None, list]:
-        """``(pending_ids, pending_kv)`` of an open chunk saved as ``pending``, its keys rotated
-        to where the chunk sits now."""
-        ids, kv = pending
-        if ids is None:
-            return None, [None] * self.shape.n_layer
-        pos = self._base() + torch.arange(kv[0][0].shape[2], device=self.device)
-        return ids, [(k, self.rope(k, pos), v) for k, v in kv]
+    def open_chunk(self) -> OpenChunk:
+        """What was fed past the last block, as a commit keeps it."""
+        kv = [(k, v) for k, _, v in self.pending_kv] if self.pending_ids is not None else []
+        return OpenChunk(self.pending_ids, kv, dict(self.window_kv))
+
+    def take(self, chunk: OpenChunk) -> None:
+        """Continue after ``chunk`` (``open_chunk`` of this memory or of one that read the same
+        blocks): its keys rotated to where the open chunk sits now."""
+        self.window_kv = dict(chunk.windows)
+        if chunk.ids is None:
+            self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
+            return
+        pos = self._base() + torch.arange(chunk.kv[0][0].shape[2], device=self.device)
+        self.pending_ids, self.pending_kv = chunk.ids, [(k, self.rope(k, pos), v) for k, v in chunk.kv]
 
     def rewind(self) -> None:
         """Forget what was fed to this read-only memory since it opened or last refreshed: it
@@ -224,7 +264,7 @@ class SavedMemory:
             raise ValueError("only a memory opened read-only rewinds; a writer keeps what it was fed (close it "
                              "with commit=False to drop what was fed since its last commit)")
         self.blocks.rewind()
-        self.pending_ids, self.pending_kv = self._saved_pending
+        self.take(self._saved_chunk)
         self._recent_keys.clear()
         self._mean_keys.clear()
         self._forced = None

@@ -38,7 +38,7 @@ from .blocks import BlockMemory
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
 from .manifest import TOKENS, BaseRecord, Manifest, MemoryFileError, SessionRecord, WriterBusyError
-from .saved import Pending, load_blocks, saved_pending, write_commit
+from .saved import OpenChunk, load_blocks, saved_chunk, write_commit
 
 SESSIONS, TURNS, STARTS = "sessions", "turns.jsonl", "turns.idx"
 ROLES = ("system", "user", "assistant")
@@ -137,7 +137,7 @@ class Session:
             if manifest.streams is not None:
                 self._rows_crc = load_blocks(d, self.blocks, manifest, state, self._rows_crc,
                                              mem.backbone.vocab_size, mapped=False)
-            self.pending: Pending = saved_pending(d, manifest, state, mem.device, mem.dtype)
+            self.pending: OpenChunk = saved_chunk(d, manifest, state, mem.device, mem.dtype)
             self._starts = committed_starts(d, manifest).tolist()  # where each turn starts, for ``locate``
             for name, nbytes in ((TURNS, manifest.session.turns_bytes), (STARTS, 8 * manifest.session.turns)):
                 f = d.path / name  # what a stopped turn left after the committed turns is cut
@@ -207,7 +207,7 @@ class Session:
     @property
     def n_tokens(self) -> int:
         """Tokens of the session (its blocks' and its open chunk's)."""
-        ids = self.mem.pending_ids if self.mem.attached is self else self.pending[0]
+        ids = self.mem.pending_ids if self.mem.attached is self else self.pending.ids
         return self.blocks.n_blocks * self.mem.shape.block_size + (0 if ids is None else ids.shape[1])
 
     def attach(self) -> None:
@@ -220,7 +220,7 @@ class Session:
         _check_over(mem, self.manifest, self.dir.path)
         mem.blocks.attach(self.blocks)
         if self.manifest.commit:  # (a session before its first turn takes the memory's open chunk, if any)
-            mem.pending_ids, mem.pending_kv = mem.rotated(self.pending)
+            mem.take(self.pending)
         mem.attached = self
 
     def commit(self, turns: list[Turn]) -> None:
@@ -240,9 +240,9 @@ class Session:
                     tokens=self.blocks.n_blocks * mem.shape.block_size + P, rows_crc=crcs,
                     session=replace(r, over=base_record(mem.manifest), turns=r.turns + len(turns),
                                     turns_bytes=r.turns_bytes + len(data)))
-        write_commit(self.dir, self.blocks, m, committed, committed, self._rows_crc, mem.pending_ids, mem.pending_kv)
-        self.manifest, self._rows_crc = m, m.rows_crc
-        self.pending = (mem.pending_ids, [(k, v) for k, _, v in mem.pending_kv]) if P else (None, [])
+        chunk = mem.open_chunk()
+        write_commit(self.dir, self.blocks, m, committed, committed, self._rows_crc, chunk)
+        self.manifest, self._rows_crc, self.pending = m, m.rows_crc, chunk
         if self._turns is not None:
             self._turns += turns
         self._starts += [t.start for t in turns]

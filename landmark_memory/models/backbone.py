@@ -14,7 +14,10 @@ landmark_id, vocab_size``, the model's ``rope`` (a ``RotaryEmbedding``: the posi
 rotation, with the model's frequencies) and ``scale``, the attention's score scale (``D**-0.5``
 unless the model says otherwise; a RoPE that multiplies cos and sin, as YaRN does, multiplies
 it by that factor squared). ``n_kv_head < n_head`` is grouped-query attention:
-query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``. ``kinds.backbone_for``
+query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``. ``windows`` says per
+layer whether it reads the memory (0) or attends only to its last ``windows[layer]`` positions
+(a sliding-window layer, Gemma 3's local layers: it keeps no memory), with its own RoPE and
+scale, ``window_rope`` and ``window_scale``. ``kinds.backbone_for``
 picks the backbone of a model; ``hf/backbone.py`` is the Hugging Face one.
 """
 
@@ -38,6 +41,9 @@ class Backbone(Protocol):
     vocab_size: int
     rope: RotaryEmbedding
     scale: float
+    windows: tuple[int, ...]
+    window_rope: RotaryEmbedding | None
+    window_scale: float
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -60,6 +66,7 @@ class GPTBackbone:
         self.n_layer, self.n_head, self.n_kv_head, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_head, cfg.head_dim
         self.block_size, self.landmark_id, self.vocab_size = cfg.block_size, cfg.landmark_id, cfg.vocab_size
         self.rope, self.scale = model.blocks[0].attn.rope, cfg.head_dim ** -0.5
+        self.windows, self.window_rope, self.window_scale = (0,) * cfg.n_layer, None, 0.0  # every layer reads memory
 
     def embed(self, ids):
         return self.model.wte(ids)

@@ -2,7 +2,9 @@
 ``landmark_memory/backbone.py``): the stock modules, called one piece at a time in the order
 its family (``hf/families.py``) says."""
 
-from .families import family_of, rotary_of
+import torch
+
+from .families import FULL, SLIDING, family_of, layer_types, rotary_of
 
 
 class HFBackbone:
@@ -14,9 +16,17 @@ class HFBackbone:
         self.n_layer, self.n_head, self.n_kv_head = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.block_size, self.landmark_id = cfg.landmark_block_size, cfg.landmark_token_id
-        self.rope, factor = rotary_of(cfg, self.head_dim)
-        self.scale = self.layers[0].self_attn.scaling * factor ** 2  # a factor on cos and sin scales every score
+        types = layer_types(cfg)
+        self.windows = tuple(cfg.sliding_window if t == SLIDING else 0 for t in types)
+        self.rope, self.scale = self._rope(types.index(FULL), FULL)
+        self.window_rope, self.window_scale = (self._rope(types.index(SLIDING), SLIDING) if SLIDING in types
+                                               else (None, 0.0))
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def _rope(self, layer, layer_type):
+        rope, factor = rotary_of(self.config, self.head_dim, layer_type)
+        return rope, self.layers[layer].self_attn.scaling * factor ** 2  # a factor on cos and sin scales every score
 
     def embed(self, ids):
         return self.decoder.embed_tokens(ids)
@@ -25,7 +35,7 @@ class HFBackbone:
         """q (B, H, T, D), k and v (B, H_kv, T, D) of the layer's input ``h`` (B, T, C), no RoPE."""
         B, T, _ = h.shape
         f, block = self.family, self.layers[layer]
-        attn, x = block.self_attn, h if f.post_norms else block.input_layernorm(h)
+        attn, x = block.self_attn, h if f.norms == "post" else block.input_layernorm(h)
         if f.fused_qkv:
             q, k, v = attn.qkv_proj(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                               self.n_kv_head * self.head_dim], -1)
@@ -41,16 +51,20 @@ class HFBackbone:
     def finish(self, layer, h, y):
         """The layer's output from its input ``h`` (B, T, C) and attention ``y`` (B, H, T, D)."""
         B, H, T, D = y.shape
-        block = self.layers[layer]
+        norms, block = self.family.norms, self.layers[layer]
         a = block.self_attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
-        if self.family.post_norms:
-            h = h + block.post_attention_layernorm(a)
-            return h + block.post_feedforward_layernorm(block.mlp(h))
-        h = h + a
-        return h + block.mlp(block.post_attention_layernorm(h))
+        if norms == "pre":
+            h = h + a
+            return h + block.mlp(block.post_attention_layernorm(h))
+        h = h + block.post_attention_layernorm(a)
+        x = block.pre_feedforward_layernorm(h) if norms == "sandwich" else h
+        return h + block.post_feedforward_layernorm(block.mlp(x))
 
     def head(self, h):
-        return self.model.lm_head(self.decoder.norm(h))
+        logits = self.model.lm_head(self.decoder.norm(h))
+        if self.softcap:  # as the model's own forward caps them
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def cmt_keys(self):
         return None  # converted models have no Context Miss Token

@@ -1,5 +1,5 @@
 """Landmark attention for Hugging Face causal LMs of the families in ``hf/families.py`` (Llama,
-Mistral, Qwen2, Qwen3, OLMo2, Phi-3; paper section 4.2).
+Mistral, Qwen2, Qwen3, OLMo2, Phi-3, Gemma 3; paper section 4.2).
 
 ``convert`` adds the landmark token and routes attention through our grouped-softmax kernels
 by transformers' own attention registry (``AttentionInterface``): embeddings, norms, MLPs,
@@ -22,8 +22,8 @@ from transformers.cache_utils import Cache
 
 from ...core.layout import check_block_size, insert_landmarks, normal_positions
 from ...core.tokenizer import LANDMARK_TOKEN
-from ...kernels import BACKENDS, landmark_attention, landmark_attention_inference
-from .families import family_of
+from ...kernels import BACKENDS, landmark_attention, landmark_attention_inference, sliding_window_attention
+from .families import SLIDING, family_of, layer_types
 
 ATTENTION = "landmark"
 
@@ -45,8 +45,12 @@ class MemoryBackedCache(Cache):
 
 def landmark_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                               **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function: grouped-softmax landmark attention (causal).
+                               sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: grouped-softmax landmark attention (causal); a layer of
+    type "sliding_attention" (Gemma 3's local layers) keeps its plain softmax over its
+    ``sliding_window``, landmarks read as any token, as it reads through a memory. (Mistral
+    passes a ``sliding_window`` for every layer: landmark attention replaces it there, the
+    memory being what reads beyond any window.)
 
     query (B, H, T_q, D), key and value (B, H_kv, T_k, D) with RoPE applied; the queries are
     the last T_q of T_k positions laid out in blocks from position 0. Returns (B, T_q, H, D)."""
@@ -56,6 +60,8 @@ def landmark_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if not query.dtype == key.dtype == value.dtype:  # under autocast RoPE may have upcast some of them
         dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if sliding_window and layer_types(cfg)[module.layer_idx] == SLIDING:
+        return sliding_window_attention(query, key, value, sliding_window, scaling).transpose(1, 2).contiguous(), None
     G = query.shape[1] // key.shape[1]
     if G > 1:  # grouped-query attention: each key/value head serves G query heads
         key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
@@ -86,7 +92,8 @@ def convert(model: PreTrainedModel, tokenizer, block_size: int = 63, backend: st
     Parameters
     ----------
     model : a transformers causal LM of a family in ``hf/families.py`` (Llama, Mistral, Qwen2,
-        Qwen3, OLMo2, Phi-3) with plain RoPE, any number of key/value heads.
+        Qwen3, OLMo2, Phi-3, Gemma 3 text) with a RoPE of fixed frequencies, any number of
+        key/value heads.
     tokenizer : its transformers tokenizer; gains the landmark token.
     block_size : int, normal tokens per landmark block (the paper's code: 63, so that a 512-token
         window holds 8 whole blocks).
