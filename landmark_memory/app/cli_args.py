@@ -5,8 +5,8 @@ and a wrong option answer at once."""
 
 import argparse
 
-from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, INDEX_KINDS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, RETRIEVALS,
-                    SESSION_NAME, STORE_DTYPES)
+from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, INDEX_KINDS, MAX_TOP_K, MAPPINGS,
+                          NAMED_MODELS, NPROBE, RETRIEVALS, SESSION_NAME, STORE_DTYPES, TRAIN_SIZES)
 
 
 def _number(kind, low, what, high=None):
@@ -77,14 +77,14 @@ CMT_HELP = ("models trained with a Context Miss Token (--cmt): a query whose CMT
             "nothing, and a step whose queries all are searches no index (default 0: always retrieve)")
 
 
-TRAIN_SIZES = "1024 ivf-rows, 4096 ivf, 16384 ivfpq"  # index.default_train_size
+DEFAULT_TRAIN_SIZES = ", ".join(f"{n} {kind}" for kind, n in TRAIN_SIZES.items())
 
 
 def add_index_tuning(p, train_size=None):
     p.add_argument("--train-size", type=positive, default=train_size,
-                   help=f"landmarks before IVF indexes train (default {train_size or TRAIN_SIZES})")
-    p.add_argument("--nprobe", type=positive, help="IVF lists visited per query (default 16)")
-    p.add_argument("--ef-search", type=positive, help="HNSW search breadth (default 128)")
+                   help=f"landmarks before IVF indexes train (default {train_size or DEFAULT_TRAIN_SIZES})")
+    p.add_argument("--nprobe", type=positive, help=f"IVF lists visited per query (default {NPROBE})")
+    p.add_argument("--ef-search", type=positive, help=f"HNSW search breadth (default {EF_SEARCH})")
 
 
 DESCRIPTION = """The landmark-memory command: build, inspect, query, serve and measure persistent memories.
@@ -131,7 +131,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     p.add_argument("--top-k", type=top_k, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
     p.add_argument("--train-size", type=positive, metavar="N",
-                   help=f"landmarks per layer and head before an IVF index trains (default {TRAIN_SIZES}); fixed "
+                   help=f"landmarks per layer and head before an IVF index trains (default {DEFAULT_TRAIN_SIZES}); fixed "
                         "when the memory is created")
     p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
                    help="commit at least this often (default 60; the end of each document commits too)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+from ..core.names import TRAIN_SIZES
 from .base import LandmarkIndex
 from .faiss_kinds import FaissIndex, gpu_available
 from .on_rows import ListsIndex, RowsIndex
@@ -38,14 +39,14 @@ class IndexKind:
 
 
 KINDS: dict[str, IndexKind] = {
-    "ivf-rows": IndexKind(ListsIndex, 1024, in_state=False),
+    "ivf-rows": IndexKind(ListsIndex, TRAIN_SIZES["ivf-rows"], in_state=False),
     "flat": IndexKind(RowsIndex, in_state=False),
     "hnsw": IndexKind(FaissIndex),
-    "ivf": IndexKind(FaissIndex),
-    "ivfpq": IndexKind(FaissIndex, 16384),
+    "ivf": IndexKind(FaissIndex, TRAIN_SIZES["ivf"]),
+    "ivfpq": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"]),
     "flat-gpu": IndexKind(FaissIndex, in_state=False, gpu=True),
-    "ivf-gpu": IndexKind(FaissIndex, gpu=True),
-    "ivfpq-gpu": IndexKind(FaissIndex, 16384, gpu=True),
+    "ivf-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivf"], gpu=True),
+    "ivfpq-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"], gpu=True),
 }
 ON_ROWS = tuple(k for k, spec in KINDS.items() if issubclass(spec.make, RowsIndex))  # search the key rows in place
 
@@ -58,7 +59,7 @@ def new_index(kind: str, dim: int, *, train_size: int | None = None, **options) 
     kind : str, one of ``KINDS``.
     dim : int, key dimension (the model's head dim).
     train_size : int, keys an IVF kind needs before it trains (default ``default_train_size``).
-    options : nprobe (IVF lists visited per query, default ``LandmarkIndex.NPROBE``), ef_search
+    options : nprobe (IVF lists visited per query, default ``core.names.NPROBE``), ef_search
         (HNSW search breadth); ``rows`` (``ON_ROWS`` kinds: the ``KeyRows`` it searches and
         appends to, default its own in memory); ``refine`` (FAISS kinds: IVF-PQ candidates
         re-ranked exactly per result, default 4).

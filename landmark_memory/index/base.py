@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 
+from ..core.names import EF_SEARCH, NPROBE
+
 
 class LandmarkIndex:
     """Inner-product search over the landmark keys of one (stream, layer, key/value head).
@@ -23,11 +25,10 @@ class LandmarkIndex:
     ef_search : int, HNSW search breadth.
     """
 
-    NPROBE = 16  # IVF lists a query visits unless told
     rows = None  # the ``rows.KeyRows`` it searches where they lie (``on_rows.py``); None: it holds its own keys
     lists = None  # the ``lists.ListIndex`` over those rows (ivf-rows)
 
-    def __init__(self, kind: str, dim: int, *, train_size: int, nprobe: int = NPROBE, ef_search: int = 128):
+    def __init__(self, kind: str, dim: int, *, train_size: int, nprobe: int = NPROBE, ef_search: int = EF_SEARCH):
         self.kind, self.dim, self.train_size = kind, dim, train_size
         self.nprobe, self.ef_search = nprobe, ef_search
         self.searches, self.search_seconds = 0, 0.0  # calls to search() and time spent searching

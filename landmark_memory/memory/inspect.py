@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..index import LandmarkIndex, derived_from_rows, index_from_bytes
+from ..core.names import NPROBE
+from ..index import derived_from_rows, index_from_bytes
 from ..index.lists import summary
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
@@ -63,7 +64,7 @@ def _index_search(m: Manifest) -> str:
     o = m.options
     if o.index != "ivf-rows":
         return "exact" if derived_from_rows(o.index) else "approximate (FAISS)"
-    return summary(m.blocks, o.train_size, o.index_options.get("nprobe") or LandmarkIndex.NPROBE)
+    return summary(m.blocks, o.train_size, o.index_options.get("nprobe") or NPROBE)
 
 
 def _folder_bytes(path: Path, skip: Path | None = None) -> int:
