@@ -30,6 +30,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                          f"(k {tuple(k.shape)}, q {tuple(q.shape)}) and H_kv dividing H")
     if G > 1:
         k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # (B, H, Tk, D)
+    if Tq == 1 and Tk <= window:  # a decoding step over its window: every key is seen, no mask to build
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     i = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]  # (Tq, 1) the queries' positions
     j = torch.arange(Tk, device=q.device)  # (Tk,)
     seen = (j <= i) & (j > i - window)  # (Tq, Tk)

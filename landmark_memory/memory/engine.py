@@ -104,6 +104,7 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
         self.retrieval_stats = RetrievalStats()
         self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
+        self._window_angles = None  # the sliding-window layers' rope.angles at positions 0, 1, ... of their windows
         self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
         self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
@@ -334,8 +335,14 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, H_kv, Tk, D)
         Tk, Tq, W = k.shape[2], q.shape[2], bb.windows[layer]
-        pos = torch.arange(Tk, device=self.device)
-        y = sliding_window_attention(bb.window_rope(q, pos[Tk - Tq:]), bb.window_rope(k, pos), v, W, bb.window_scale)
+        if self._window_angles is None or self._window_angles[0].shape[0] < Tk:  # made once: every step slices them
+            pos = torch.arange(max(Tk, W + landmarked_length(self.options.chunk_size, self.shape.block_size)),
+                               device=self.device)
+            self._window_angles = bb.window_rope.angles(pos, dtype=rotation_dtype(self.dtype))
+        cos, sin = self._window_angles
+        qr = bb.window_rope.rotate((cos[Tk - Tq:Tk], sin[Tk - Tq:Tk]), q)
+        kr = bb.window_rope.rotate((cos[:Tk], sin[:Tk]), k)
+        y = sliding_window_attention(qr, kr, v, W, bb.window_scale)
         keep = max(Tk - (W - 1), 0)  # the next query reads W - 1 positions before it
         return y, (k[:, :, keep:], v[:, :, keep:])
 
