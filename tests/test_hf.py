@@ -18,6 +18,7 @@ from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextCon
 
 from landmark_memory import hf
 from landmark_memory.models.hf.backbone import HFBackbone
+from landmark_memory.models.hf.families import FULL, SLIDING
 from landmark_memory.kernels import landmark_attention_reference
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.core.rope import RotaryEmbedding
@@ -30,7 +31,6 @@ FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwe
             "mistral": (MistralConfig, MistralForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
             "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
             "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
-SLIDING, FULL = "sliding_attention", "full_attention"
 # what a family's tiny config sets beyond the common sizes: Gemma 3 with local layers of a 12-position
 # window around a global one whose RoPE is scaled (as Gemma 3 4B's), its own score scale and a logit cap
 SETTINGS = {"gemma3": dict(num_hidden_layers=3, layer_types=[SLIDING, FULL, SLIDING], sliding_window=12,

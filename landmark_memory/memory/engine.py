@@ -34,7 +34,7 @@ from .manifest import TOKENS, InputRecord, Manifest, ModelShape
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import chunk_base
-from .saved import OpenChunk, Opened, SavedMemory
+from .saved import Opened, SavedMemory
 
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
@@ -113,7 +113,8 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         self.pending_kv = [None] * self.shape.n_layer
         # per sliding-window layer (k, v) of the last positions its window reads, (B, H_kv, < window, D), no RoPE
         self.window_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._saved_chunk = OpenChunk()  # the open chunk of the commit a reader holds
+        # the open chunk of the commit a reader holds, as ``take`` left it: (pending_ids, pending_kv, window_kv)
+        self._saved_chunk = self.pending_ids, self.pending_kv, {}
         self.manifest: Manifest | None = None  # the last commit this memory wrote or read (None: never saved)
         self.inputs: list[InputRecord] = []
         self.commit_count, self.readonly, self._committed_blocks = 0, False, 0

@@ -239,8 +239,8 @@ class SavedMemory:
                                          self.backbone.vocab_size, mapped=self.readonly)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
         self.inputs, self._committed_blocks = list(manifest.inputs), manifest.blocks
-        self._saved_chunk = saved_chunk(self.dir, manifest, state, self.device, self.dtype)
-        self.take(self._saved_chunk)
+        self.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
+        self._saved_chunk = self.pending_ids, self.pending_kv, dict(self.window_kv)  # as taken: rotated once
 
     def open_chunk(self) -> OpenChunk:
         """What was fed past the last block, as a commit keeps it."""
@@ -264,7 +264,8 @@ class SavedMemory:
             raise ValueError("only a memory opened read-only rewinds; a writer keeps what it was fed (close it "
                              "with commit=False to drop what was fed since its last commit)")
         self.blocks.rewind()
-        self.take(self._saved_chunk)
+        self.pending_ids, self.pending_kv, windows = self._saved_chunk
+        self.window_kv = dict(windows)
         self._recent_keys.clear()
         self._mean_keys.clear()
         self._forced = None
