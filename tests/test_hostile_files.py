@@ -12,12 +12,15 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from landmark_memory import LandmarkGPT, LandmarkMemory
+from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main, os_error_text
+from landmark_memory.memory.answer import say
+from landmark_memory.memory.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
@@ -35,6 +38,25 @@ def corpus(text, tmp_path_factory):
     """A corpus of one document; tests damage copies of it."""
     mem = tmp_path_factory.mktemp("corpus") / "m"
     assert main(["build", str(mem), "--input", str(text), "--chunk-size", "50", "--quiet"]) == 0
+    return mem
+
+
+@pytest.fixture(scope="module")
+def lists_corpus(text, tmp_path_factory):
+    """A corpus whose ``ivf-rows`` indexes have trained their lists (at 8 blocks)."""
+    mem = tmp_path_factory.mktemp("lists") / "m"
+    assert main(["build", str(mem), "--input", str(text), "--chunk-size", "50", "--train-size", "8", "--quiet"]) == 0
+    assert list(mem.glob("keys/*.ivf1.lists")) and list(mem.glob("keys/*.ivf1.centroids"))
+    return mem
+
+
+@pytest.fixture(scope="module")
+def session_corpus(corpus, tmp_path_factory):
+    """A copy of ``corpus`` with a session ``s`` of one turn."""
+    mem = tmp_path_factory.mktemp("session") / "m"
+    shutil.copytree(corpus, mem)
+    with LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True) as m, Session.open(m, "s") as s:
+        say(s, load_tokenizer(), "The captain said", raw=True, max_new_tokens=2)
     return mem
 
 
@@ -183,6 +205,42 @@ def test_a_truncated_mmap_store_is_named(text, tmp_path, capsys):
     assert f.name in capsys.readouterr().err
 
 
+def _flip(f, at, value=None):
+    """Write ``value`` (bytes) at byte ``at`` of ``f``, or flip that byte's bits."""
+    data = bytearray(f.read_bytes())
+    data[at:at + (len(value) if value else 1)] = value or bytes([data[at] ^ 0xFF])
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["another list", "a distance", "a centroid", "two layers swapped", "a key"])
+def test_a_writer_refuses_index_and_key_files_damaged_within_their_bounds_and_writes_nothing(lists_corpus, tmp_path,
+                                                                                            capsys, damage):
+    mem = tmp_path / "m"
+    shutil.copytree(lists_corpus, mem)
+    lists, other = mem / "keys" / "s0_l1_h1.ivf1.lists", mem / "keys" / "s0_l2_h1.ivf1.lists"
+    if damage == "another list":  # block 3's list id, still a list that exists
+        _flip(lists, 24, np.int32(int(np.frombuffer(lists.read_bytes(), np.int32)[6]) ^ 1).tobytes())
+    elif damage == "a distance":
+        _flip(lists, 28)
+    elif damage == "a centroid":
+        _flip(mem / "keys" / "s0_l1_h1.ivf1.centroids", 9)
+    elif damage == "two layers swapped":
+        a, b = lists.read_bytes(), other.read_bytes()
+        lists.write_bytes(b)
+        other.write_bytes(a)
+    else:
+        _flip(mem / "keys" / "s0_l1_h1.f32", 17)
+    book = tmp_path / "more.txt"
+    book.write_text((SAMPLE_DIR / "val" / "alice_excerpt.txt").read_text()[:1500])
+    before = snapshot(mem)
+    capsys.readouterr()
+    assert main(["build", str(mem), "--input", str(book), "--chunk-size", "50", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "CRC-32" in err and "keys/s0_l" in err, err
+    assert snapshot(mem) == before and len(list(mem.glob("docs/*"))) == 1  # no new document folder, no tail
+    assert main(["info", str(mem), "--verify"]) == 2
+
+
 # ---- property-based damage -------------------------------------------------------------------
 def _paths(doc, prefix=()):
     """Every (path to an entry) of a JSON document."""
@@ -214,13 +272,14 @@ def _edit(doc, path, how, value):
 
 
 def _outcomes(mem, text):
-    """``info``, ``info --verify``, ``ask`` and ``build`` on ``mem``: each exit 0, or exit 2 with
-    one line; no traceback (a signal would end the tests). A failed command leaves every file
-    as it was."""
+    """``info``, ``info --verify``, ``ask``, ``build``, and where the memory has one a turn of
+    its session ``s`` (``chat``) on ``mem``: each exit 0, or exit 2 with one line; no traceback
+    (a signal would end the tests). A failed command leaves every file as it was."""
+    chat = [["chat", mem, "--session", "s", "--raw", "--max-new-tokens", "1"]] if (mem / "sessions").is_dir() else []
     for argv in (["info", mem], ["info", mem, "--verify"], ["ask", mem, "The", "--max-new-tokens", "1", "--quiet"],
-                 ["build", mem, "--input", text, "--chunk-size", "50", "--quiet"]):
+                 ["build", mem, "--input", text, "--chunk-size", "50", "--quiet"], *chat):
         before, err, out = snapshot(mem), io.StringIO(), io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), _stdin("The captain said\n"):
             rc = main([str(a) for a in argv])
         err = err.getvalue()
         assert rc in (0, 2) and "Traceback" not in err, (argv, rc, err[-3000:])
@@ -245,14 +304,26 @@ def test_damaged_manifest_entries_are_exit_0_or_one_line(corpus, context_memory,
     _outcomes(mem, text)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data(), which=st.sampled_from(["corpus", "context"]),
+@contextlib.contextmanager
+def _stdin(text):
+    stdin, sys.stdin = sys.stdin, io.StringIO(text)
+    try:
+        yield
+    finally:
+        sys.stdin = stdin
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), which=st.sampled_from(["corpus", "context", "lists", "session"]),
        how=st.sampled_from(["truncate", "extend", "flip"]))
-def test_damaged_files_are_exit_0_or_one_line(corpus, context_memory, text, tmp_path_factory, data, which, how):
+def test_damaged_files_are_exit_0_or_one_line(corpus, context_memory, lists_corpus, session_corpus, text,
+                                              tmp_path_factory, data, which, how):
     mem = tmp_path_factory.mktemp("fuzz") / "m"
-    shutil.copytree(corpus if which == "corpus" else context_memory, mem)
+    shutil.copytree({"corpus": corpus, "context": context_memory, "lists": lists_corpus,
+                     "session": session_corpus}[which], mem)
     files = sorted(p for p in mem.rglob("*") if p.is_file() and p.name not in ("writer.lock", "lock.mdb")
-                   and p.stat().st_size)
+                   and p.stat().st_size and (which != "lists" or ".ivf" in p.name)
+                   and (which != "session" or "sessions" in p.parts))
     f = data.draw(st.sampled_from(files))
     size = f.stat().st_size
     if how == "truncate":

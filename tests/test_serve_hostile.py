@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -32,11 +32,13 @@ def server(corpus, serving):
         yield url
 
 
-def call(url, path, body=None, *, method=None, key=KEY, host=None, chunked=False, raw=None):
-    """``(status, body bytes)`` of one request, its headers as given (``host``: the Host header)."""
+def call(url, path, body=None, *, method=None, key=KEY, host=None, chunked=False, raw=None, headers=None):
+    """``(status, body bytes)`` of one request, its headers as given (``host``: the Host header;
+    ``headers``: others, None to leave one out)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+    headers = {k: v for k, v in {"Content-Type": "application/json", **({"Host": host} if host else {}),
+                                 **(headers or {})}.items() if v is not None}
     if key:
         headers["Authorization"] = b"Bearer " + key.encode()
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
@@ -74,6 +76,70 @@ def test_only_the_hosts_the_server_is_bound_as_and_those_allowed_are_answered(se
         status, data = call(server, "/v1/memory", host=host)
         assert status == 403 and "--allowed-host" in refusal(status, data, "host_not_allowed")["message"], host
         assert call(server, "/", host=host)[0] == 403  # the page too: it would run the rebinding page's script
+
+
+@pytest.mark.parametrize("headers, status, code", [
+    ({"Content-Type": None}, 415, "unsupported_media_type"),
+    ({"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
+    ({"Content-Type": "multipart/form-data; boundary=x"}, 415, "unsupported_media_type"),
+    ({"Origin": "http://evil.example"}, 403, "origin_not_allowed"),
+    ({"Origin": "null"}, 403, "origin_not_allowed"),
+    ({"Origin": "http://127.0.0.1:1"}, 403, "origin_not_allowed"),  # this machine, another port: another page
+    ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, 403, "origin_not_allowed")])
+@pytest.mark.parametrize("body", [None, b"", b'{"name": "from-a-page"}'])
+def test_a_web_page_of_another_origin_or_a_body_not_declared_json_changes_nothing(server, headers, status, code, body):
+    got, data = call(server, "/v1/sessions", method="POST", raw=body, headers=headers)
+    assert got == status
+    refusal(got, data, code)
+    got, data = call(server, "/v1/completions", COMPLETION, headers=headers)
+    assert got == status
+    assert json.loads(call(server, "/v1/sessions")[1])["data"] == []  # no session was made
+
+
+def test_the_servers_own_page_and_allowed_hosts_pages_may_change_what_they_ask(server):
+    port = urlparse(server).port
+    for origin, host, name in ((f"http://127.0.0.1:{port}", None, "own"), ("http://memory.example", ALLOWED, "named")):
+        status, data = call(server, "/v1/sessions", {"name": name}, host=host, headers={"Origin": origin})
+        assert status == 201, data
+        assert call(server, f"/v1/sessions/{name}", method="DELETE", host=host, headers={"Origin": origin})[0] == 200
+    assert call(server, "/v1/completions", COMPLETION, headers={"Content-Type": "application/json; charset=utf-8"}
+                )[0] == 200
+
+
+def test_a_session_name_is_bounded_in_bytes_and_every_session_made_can_be_deleted(server):
+    longest, over = "名" * 85, "名" * 86  # 255 and 258 bytes in UTF-8, both within 100 characters
+    status, data = call(server, "/v1/sessions", {"name": over})
+    assert status == 400 and "at most 255 bytes" in refusal(status, data, "invalid_session_name")["message"]
+    assert call(server, "/v1/sessions", {"name": longest})[0] == 201
+    status, data = call(server, "/v1/sessions/" + quote(longest), method="DELETE")
+    assert status == 200, data
+    assert json.loads(call(server, "/v1/sessions")[1])["data"] == []
+
+
+def test_a_session_whose_turn_log_is_a_link_or_damaged_is_503_and_nothing_is_written(server, corpus, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("x" * 22_000)
+    body = {**CHAT, "session": "linked"}
+    assert call(server, "/v1/sessions", {"name": "linked"})[0] == 201
+    assert call(server, "/v1/chat/completions", body)[0] == 200
+    log = corpus / "sessions" / "linked" / "turns.jsonl"
+    good = log.read_bytes()
+    log.unlink()
+    log.symlink_to(outside)
+    for stream in (False, True):
+        status, data = call(server, "/v1/chat/completions", {**body, "stream": stream})
+        error = refusal(status, data, "session_unavailable") if not stream else events(data)[-2]["error"]
+        assert (status == 503 or stream) and "symbolic link" in error["message"]
+    assert outside.read_text() == "x" * 22_000
+    log.unlink()
+    log.write_bytes(good[:len(good) // 2])
+    status, data = call(server, "/v1/chat/completions", body)
+    assert status == 503 and "truncated" in refusal(status, data, "session_unavailable")["message"]
+    assert log.read_bytes() == good[:len(good) // 2]
+    log.write_bytes(good)
+    assert call(server, "/v1/chat/completions", body)[0] == 200
+    assert call(server, "/v1/sessions/linked", method="DELETE")[0] == 200
 
 
 def test_a_key_that_is_not_ascii_authorizes_and_any_other_is_401(server):
@@ -183,24 +249,29 @@ def in_process(corpus, **options):
         sock.close()
 
 
-def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_stops_its_answer_streamed_or_not(corpus, monkeypatch, stream):
     generated, ask = [], serve_routes.converse
 
     def counted(*args, on_token=None, **kwargs):
         def tap(t):
             generated.append(t)
             on_token(t)
-        return ask(*args, on_token=tap if on_token else None, **kwargs)
+        return ask(*args, on_token=tap, **kwargs)
 
     monkeypatch.setattr(serve_routes, "converse", counted)
     with in_process(corpus, max_tokens=512, parallel=1) as url:
         u = urlparse(url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({**COMPLETION, "max_tokens": 512, "stream": True}),
+        conn.request("POST", "/v1/completions", body=json.dumps({**COMPLETION, "max_tokens": 512, "stream": stream}),
                      headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        while b'"text": "' not in r.readline():  # the first piece of text
-            pass
+        if stream:
+            r = conn.getresponse()
+            while b'"text": "' not in r.readline():  # the first piece of text
+                pass
+        while not generated:  # its answer under way
+            time.sleep(0.01)
+        conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()  # and leave
         seen = -1
         while seen != len(generated):  # until the answer stops
@@ -209,6 +280,25 @@ def test_a_client_that_leaves_a_stream_stops_its_answer(corpus, monkeypatch):
         assert 0 < len(generated) < 512
         status, data = call(url, "/v1/completions", COMPLETION, key=None)  # its turn is free again
         assert status == 200, data
+
+
+def test_after_a_dropped_stream_the_next_request_on_its_session_waits_its_turn(corpus, monkeypatch):
+    with in_process(corpus, max_tokens=512, parallel=2) as url:
+        assert call(url, "/v1/sessions", {"name": "dropped"}, key=None)[0] == 201
+        body = {**CHAT, "session": "dropped"}
+        u = urlparse(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "max_tokens": 512, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        while b'"content": "' not in r.readline():  # the first piece of text
+            pass
+        conn.close()  # and leave, the next request on the session at once
+        status, data = call(url, "/v1/chat/completions", body, key=None)
+        assert status == 200, data
+        turns = json.loads(call(url, "/v1/sessions/dropped", key=None)[1])["turns"]
+        assert [t["role"] for t in turns] == ["user", "assistant"]  # the dropped turn is not kept
+        assert call(url, "/v1/sessions/dropped", method="DELETE", key=None)[0] == 200
 
 
 def test_cheap_routes_answer_while_answers_wait_their_turn(corpus, monkeypatch):

@@ -19,7 +19,8 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.memory.answer import Message, converse, say
 from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
-from landmark_memory.memory.session import Session, SessionError, check_name, delete_session, list_sessions
+from landmark_memory.memory.session import Session
+from landmark_memory.memory.session_files import SessionError, check_name, delete_session, list_sessions
 
 TURNS = ["The captain came to the inn on a cold night, with his sea chest on a barrow, and he looked round the cove "
          "and whistled to himself as he did so, and then he said that",

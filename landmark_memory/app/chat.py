@@ -14,7 +14,8 @@ from typing import TextIO
 
 from ..memory import LandmarkMemory
 from ..memory.answer import Answer, say
-from ..memory.session import Session, list_sessions
+from ..memory.session import Session
+from ..memory.session_files import list_sessions
 
 HELP = """/passages  the passages the last answer read
 /sessions  the sessions of this memory
@@ -56,10 +57,11 @@ def sessions_text(memory) -> str:
     return "\n".join(f"{s.name:<24} {s.turns:>6,} turns {s.tokens:>10,} tokens  {s.updated or s.problem}" for s in rows)
 
 
-def chat(session: Session, tokenizer, options: ChatOptions, *, as_json: bool = False, stdin: TextIO = sys.stdin,
-         stdout: TextIO = sys.stdout) -> int:
-    """Hold the chat of ``session`` (over its memory, opened read-only) until the input ends;
-    the exit status."""
+def chat(session: Session, tokenizer, options: ChatOptions, *, as_json: bool = False, stdin: TextIO | None = None,
+         stdout: TextIO | None = None) -> int:
+    """Hold the chat of ``session`` (over its memory, opened read-only) until the input ends
+    (``stdin``, ``stdout``: the process's as they are when called); the exit status."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if stdin.isatty():
         return _terminal(session, tokenizer, options, stdout)
     for line in stdin:

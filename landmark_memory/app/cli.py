@@ -17,7 +17,8 @@ from ..memory.options import MemoryOptions
 from ..memory.answer import ask
 from ..memory.inspect import describe, verify
 from ..memory.saved import wrong_model
-from ..memory.session import Session, delete_session, list_sessions
+from ..memory.session import Session
+from ..memory.session_files import delete_session, list_sessions
 from ..models.kinds import backbone_for, is_landmark, load_model, model_name, reading_mode
 from ..models.model import BUNDLED_MODEL
 from .build import build, encode, read_inputs

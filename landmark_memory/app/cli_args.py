@@ -5,8 +5,9 @@ and a wrong option answer at once."""
 
 import argparse
 
-from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, INDEX_KINDS, MAX_TOP_K, MAPPINGS,
-                          NAMED_MODELS, NPROBE, RETRIEVALS, SESSION_NAME, STORE_DTYPES, TRAIN_SIZES)
+from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, INDEX_KINDS, MAX_NEW_TOKENS,
+                          MAX_TOP_K, MAPPINGS, NAMED_MODELS, NPROBE, RETRIEVALS, SESSION_NAME_RULE,
+                          STORE_DTYPES, TRAIN_SIZES, is_session_name)
 
 
 def _number(kind, low, what, high=None):
@@ -30,6 +31,7 @@ seed = _number(int, 0, "a seed (an integer from 0 to 2**64 - 1)", 2**64 - 1)
 MAX_BLOCK_SIZE = 1024  # the paper's blocks are 50 and 63 tokens; a chunk holds at least one block
 block_size = _number(int, 1, f"a block size (1 to {MAX_BLOCK_SIZE} tokens)", MAX_BLOCK_SIZE)
 top_k = _number(int, 1, f"a number of blocks (1 to {MAX_TOP_K})", MAX_TOP_K)
+new_tokens = _number(int, 0, f"a number of tokens (0 to {MAX_NEW_TOKENS:,})", MAX_NEW_TOKENS)
 
 
 def api_key(text):
@@ -41,10 +43,9 @@ def api_key(text):
 
 
 def session_name(text):
-    """An argparse type: a session name (``names.SESSION_NAME``), never a path."""
-    if not SESSION_NAME.fullmatch(text):
-        raise argparse.ArgumentTypeError("is no session name: use 1 to 100 letters, digits, '_', '.' or '-', starting "
-                                         "with a letter, digit or '_' (a name, never a path)")
+    """An argparse type: a session name (``names.is_session_name``), never a path."""
+    if not is_session_name(text):
+        raise argparse.ArgumentTypeError(f"is no session name: {SESSION_NAME_RULE}")
     return text
 
 
@@ -156,7 +157,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("memory")
     p.add_argument("prompt")
     add_model_args(p)
-    p.add_argument("--max-new-tokens", type=count, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--max-new-tokens", type=new_tokens, default=32,
+                   help=f"tokens to generate (default 32, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed when temperature > 0")
     p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
@@ -172,7 +174,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--session", type=session_name, metavar="NAME",
                    help="the session to resume or start (default: a new one with a generated name, printed first)")
-    p.add_argument("--max-new-tokens", type=count, default=128, help="the most tokens of an answer (default 128)")
+    p.add_argument("--max-new-tokens", type=new_tokens, default=128,
+                   help=f"the most tokens of an answer (default 128, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
     p.add_argument("--passages", type=positive, default=3, help="passages to report per answer (default 3)")
     p.add_argument("--raw", action="store_true",
@@ -198,8 +201,9 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "repeat it for more, or '*' for any (other hosts get 403, so that no web page reaches the "
                         "server by DNS rebinding)")
     p.add_argument("--parallel", type=positive, default=2, help="answers computed at once; more wait (default 2)")
-    p.add_argument("--max-tokens", type=positive, default=512,
-                   help="the most new tokens a request may ask (default 512)")
+    p.add_argument("--max-tokens", default=512,
+                   type=_number(int, 1, f"a number of tokens (1 to {MAX_NEW_TOKENS:,})", MAX_NEW_TOKENS),
+                   help=f"the most new tokens a request may ask (default 512, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--max-body", type=positive, default=1 << 20,
                    help="the largest request body in bytes (default 1 MiB)")
 

@@ -19,7 +19,8 @@ made since its last answer (a build running beside the server is seen at its com
 afterwards forgets what the question fed it, so answers never see each other and equal a fresh
 open's, while the hot cache stays warm. At most ``parallel`` answers are computed at once, the
 others wait their turn. With an API key, every ``/v1`` request needs ``Authorization: Bearer KEY``;
-only requests to the address served (or an allowed host) are answered (``serve_guard.py``).
+only requests to the address served (or an allowed host) are answered, and a request that
+changes something only from the server's own page or a program (``serve_guard.py``).
 """
 
 import contextlib
@@ -98,7 +99,8 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     app.include_router(sessions_router(cfg.memory, locks, started))
     hosts = None if "*" in cfg.allowed_hosts or cfg.host in ANY_ADDRESS else {
         h.strip("[]").lower() for h in (*LOCAL_HOSTS, cfg.host, *cfg.allowed_hosts)}
-    return Guard(app, cfg.max_body, hosts)
+    origins = None if "*" in cfg.allowed_hosts else {h.strip("[]").lower() for h in cfg.allowed_hosts}
+    return Guard(app, cfg.max_body, hosts, origins)
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000) -> None:

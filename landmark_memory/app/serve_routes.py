@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..memory.answer import Answer, Message, QuestionError, check_messages, converse, say
 from ..memory.session import Session
-from .serve_guard import APIError
+from .serve_guard import APIError, client_gone
 from .serve_readers import Readers, ServeConfig
 from .serve_sessions import SessionLocks, existing, session_errors
 
@@ -99,23 +99,23 @@ async def models(s: Served = Depends(served)):
 
 
 @router.post("/v1/chat/completions")
-async def chat(req: ChatRequest, s: Served = Depends(served)):
+async def chat(req: ChatRequest, request: Request, s: Served = Depends(served)):
     if not any(m.role == "user" for m in req.messages):
         raise APIError(400, "messages hold no user message to answer", "invalid_request")
     messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
     session = None if req.session is None else existing(s.cfg.memory, req.session)
     n = check(s, req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
               messages)
-    return await respond(s, "chat", messages, False, req, n, session)
+    return await respond(s, "chat", messages, False, req, n, session, request)
 
 
 @router.post("/v1/completions")
-async def complete(req: CompletionRequest, s: Served = Depends(served)):
+async def complete(req: CompletionRequest, request: Request, s: Served = Depends(served)):
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if len(prompts) != 1:
         raise APIError(400, f"one prompt per request, got {len(prompts)}", "invalid_request")
     n = check(s, req, req.max_tokens, [Message("user", prompts[0])])
-    return await respond(s, "completion", [Message("user", prompts[0])], True, req, n, None)
+    return await respond(s, "completion", [Message("user", prompts[0])], True, req, n, None, request)
 
 
 @router.get("/v1/memory")
@@ -168,18 +168,47 @@ def answer(s: "Served", messages: list[Message], raw: bool, req: _Request, n: in
             kept.close()
 
 async def respond(s: "Served", kind: str, messages: list[Message], raw: bool, req: _Request, n: int,
-                  session: str | None):
+                  session: str | None, request: Request):
     ident, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "model": s.cfg.model_name, **({"session": session} if session else {})}
     if req.stream:
         return StreamingResponse(stream(s, kind, head, messages, raw, req, n, session), media_type="text/event-stream")
-    async with turn_of(s, session):
-        a = await anyio.to_thread.run_sync(answer, s, messages, raw, req, n, session, limiter=s.answering)
+    a = await answered(s, messages, raw, req, n, session, request)
+    if a is None:  # nobody reads this
+        return APIError(499, "the client closed the request before its answer", "client_closed").response()
     choice = ({"message": {"role": "assistant", "content": a.text}} if kind == "chat" else
               {"text": a.text, "logprobs": None})
     return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(a),
             "passages": [asdict(p) for p in a.passages]}
+
+async def answered(s: "Served", messages: list[Message], raw: bool, req: _Request, n: int, session: str | None,
+                   request: Request) -> Answer | None:
+    """The answer (not streamed), computed in a thread after the answers before it on its
+    session and within ``parallel`` answers at once; None when the client left before it was
+    done: it stops at its next token, and the session's next request waits until it has."""
+    left = threading.Event()
+
+    def on_token(t):
+        if left.is_set():
+            raise _ClientLeft
+
+    def run():
+        on_token(None)  # (a client that left while the answer waited its turn)
+        return answer(s, messages, raw, req, n, session, on_token=on_token)
+
+    async def watch():
+        await client_gone(request.scope).wait()
+        left.set()
+
+    async with turn_of(s, session):
+        watcher = asyncio.create_task(watch())
+        try:  # (a thread is never abandoned: the turn is held until the answer has stopped)
+            return await anyio.to_thread.run_sync(run, limiter=s.answering)
+        except _ClientLeft:
+            return None
+        finally:
+            watcher.cancel()
 
 def turn_of(s: "Served", session: str | None):
     """The session's lock (answers on one session one after the other), or nothing to wait for."""
@@ -190,7 +219,7 @@ async def stream(s: "Served", kind, head, messages, raw, req, n, session):
     and the passages, then ``[DONE]``; an error midway is an error event, then ``[DONE]``. A
     client that leaves stops the answer at its next token."""
     loop, pieces, done = asyncio.get_running_loop(), asyncio.Queue(), object()
-    left, result = threading.Event(), {}
+    left, ended, result = threading.Event(), asyncio.Event(), {}
     stops = req.stops()
     hold = max(map(len, stops), default=1) - 1  # text that may yet become a stop string waits
 
@@ -212,6 +241,7 @@ async def stream(s: "Served", kind, head, messages, raw, req, n, session):
             logging.getLogger(__name__).exception("answer failed")
         finally:
             loop.call_soon_threadsafe(pieces.put_nowait, done)
+            loop.call_soon_threadsafe(ended.set)
 
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -228,13 +258,18 @@ async def stream(s: "Served", kind, head, messages, raw, req, n, session):
             yield event(delta={"role": "assistant"})
         async with turn_of(s, session), s.answering:  # a turn, waited for without a thread
             threading.Thread(target=run, daemon=True).start()
-            while (t := await pieces.get()) is not done:
-                tokens.append(t)
-                text = s.tokenizer.decode(tokens)
-                ready = min([text.find(s) for s in stops if s in text] or [len(text) - hold])
-                if not text.endswith("\ufffd") and ready > len(shown):  # a split character waits for its last byte
-                    yield event(text[len(shown):ready])
-                    shown = text[:ready]
+            try:
+                while (t := await pieces.get()) is not done:
+                    tokens.append(t)
+                    text = s.tokenizer.decode(tokens)
+                    ready = min([text.find(s) for s in stops if s in text] or [len(text) - hold])
+                    if not text.endswith("\ufffd") and ready > len(shown):  # a split character waits for its last byte
+                        yield event(text[len(shown):ready])
+                        shown = text[:ready]
+            finally:  # the client left, or the answer ended: the turn is held until its thread has
+                left.set()
+                with anyio.CancelScope(shield=True):
+                    await ended.wait()
         if "error" in result:
             e = result["error"]
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'code': e.code}})}\n\n"

@@ -20,8 +20,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from ..memory import MemoryFileError
-from ..memory.session import (SessionError, check_name, delete_session, list_sessions, new_name, read_session,
-                             require_session)
+from ..memory.session_files import (SessionError, check_name, delete_session, list_sessions, new_name,
+                                    read_session, require_session)
 from .serve_guard import APIError
 
 STATUS = {"name": (400, "invalid_session_name"), "missing": (404, "session_not_found"),

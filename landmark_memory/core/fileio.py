@@ -3,6 +3,7 @@ half-written, and nothing is written outside the folder named."""
 
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -10,17 +11,37 @@ TMP_MARK = ".tmp"  # temporary files are ".<name>.tmp<pid>": a cleanup can tell 
 
 
 class LinkError(OSError):
-    """A path that should be a plain file or folder is a symbolic link."""
+    """A path that should be a plain file or folder is a symbolic link, or no regular file (a
+    named pipe, a device, a socket)."""
 
 
 def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
-    """``os.open`` that refuses a symbolic link at ``path`` (its last component) with ``LinkError``."""
+    """``os.open`` of a regular file that refuses a symbolic link at ``path`` (its last
+    component) or anything but a regular file there (opened without blocking, so a named pipe
+    is refused, never waited on) with ``LinkError``."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise LinkError(errno.ELOOP, f"{path} is a symbolic link") from None
+        if e.errno == errno.ENXIO:  # a named pipe opened to write with no reader
+            raise LinkError(errno.ENXIO, f"{path} is no regular file") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LinkError(errno.EINVAL, f"{path} is no regular file")
+    return fd
+
+
+def cut(path: str | Path, nbytes: int) -> None:
+    """Cut the regular file ``path`` to ``nbytes`` where it is longer (never through a link;
+    ``LinkError`` for one)."""
+    fd = open_nofollow(path, os.O_WRONLY)
+    try:
+        if os.fstat(fd).st_size > nbytes:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(dest: str | Path, content: bytes | Callable[[str], None]) -> None:

@@ -21,8 +21,19 @@ STORES = ("memory", *DISK_STORES)
 STORE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # storage/__init__.py, quant.py
 RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2
 MAPPINGS = ("stingy", "exact")  # paper 3.2.1
+MAX_NEW_TOKENS = 8192  # app/cli_args.py: the most tokens of one answer (ask, chat, the server's --max-tokens)
+MAX_TURN_CHARS = 1 << 20  # memory/answer.py: characters of one message (as the server's default body limit bounds it)
 SESSION_NAME = re.compile(r"\w[\w.-]{0,99}")  # memory/session.py: a name, never a path (no separator, no leading
-# dot or dash, no control character)
+# dot or dash, no control character), and its folder's name: at most NAME_MAX bytes in UTF-8
+SESSION_NAME_BYTES = 255
+SESSION_NAME_RULE = ("use 1 to 100 letters, digits, '_', '.' or '-', starting with a letter, digit or '_', at most "
+                     f"{SESSION_NAME_BYTES} bytes in UTF-8 (a name, never a path)")
 NAMED_MODELS = {  # hf/smollm2.py
     "smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",
     "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
+
+
+def is_session_name(name) -> bool:
+    """Whether ``name`` is a session name (``SESSION_NAME_RULE``)."""
+    return isinstance(name, str) and SESSION_NAME.fullmatch(name) is not None and \
+        len(name.encode()) <= SESSION_NAME_BYTES

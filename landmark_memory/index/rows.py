@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.fileio import reserve
+from ..core.fileio import cut, reserve
 
 MIN_ROWS = 64  # the least a file or a buffer grows to
 
@@ -108,7 +108,7 @@ class KeyRows:
                 self._rows.flush()
             self._rows = np.empty((0, self.dim), self.dtype)  # the map goes with its last array
             if self.writable:
-                os.truncate(self.path, self.nbytes)
+                cut(self.path, self.nbytes)
 
     def _map(self, rows: int, grow: bool) -> None:
         """Map the file, at least ``rows`` rows of it; ``grow``: a writer makes room first."""

@@ -11,6 +11,7 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     engine.py     LandmarkMemory: forward, step, generate, end_document
     corpus.py     a corpus: documents read apart, merged into one memory; their states
     session.py    a session: a named conversation in a memory of its own over a memory
+    session_files.py  a memory's sessions as files: names, turn logs checked, list, delete
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
     inspect.py    a saved memory read without its model: describe (info) and verify
     answer.py     asking a memory: the answer and the passages it read; a session's turns

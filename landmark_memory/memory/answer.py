@@ -18,10 +18,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from ..core.names import MAX_TURN_CHARS
 from ..models.config import AskPolicy
 from .engine import LandmarkMemory
 from .manifest import MemoryFileError
-from .session import ROLES, Session, Turn
+from .session import Session
+from .session_files import ROLES, Turn
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,14 @@ class QuestionError(ValueError):
 
 
 def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) -> None:
-    """Raise ``QuestionError`` for what ``ask`` cannot answer: an empty question, one that is no
-    Unicode text, a seed outside 0..2**64 - 1, an empty stop string (a server checks a request
-    here before it answers)."""
+    """Raise ``QuestionError`` for what ``ask`` cannot answer: an empty question, one longer
+    than a turn (``MAX_TURN_CHARS``), one that is no Unicode text, a seed outside
+    0..2**64 - 1, an empty stop string (a server checks a request here before it answers)."""
     if not question.strip():
         raise QuestionError("empty", "the question is empty")
+    if len(question) > MAX_TURN_CHARS:
+        raise QuestionError("text", f"the message is {len(question):,} characters long, over the {MAX_TURN_CHARS:,} of "
+                            "one turn: send it in parts, or build the text into a memory (`landmark-memory build`)")
     try:
         question.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..index.rows import KeyRows
 from ..storage.sharded import Shard
-from .directory import MANIFEST, MemoryDir, disk_errors
+from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
 from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
 
@@ -107,11 +106,10 @@ def saved_landmarks(d: MemoryDir, m: Manifest, rows: dict[str, bytes], device: t
     whole) before format 5."""
     if LANDMARKS in rows:
         return m.rows.decode_landmarks(rows[LANDMARKS], device)
-    s, folder = m.model.shape, d.key_path()
-    with disk_errors(f"the landmark keys of {d.path}"):
-        return [torch.from_numpy(np.stack([np.stack([
-            KeyRows(s.head_dim, folder / key_file(b, layer, h), writable=False, n=m.blocks).array()
-            for h in range(s.n_kv_head)]) for b in range(m.streams)])).to(device) for layer in range(s.n_layer)]
+    s, keys = m.model.shape, dict(d.key_file_rows(m))  # (checked against their CRC-32: the corpus appends them)
+    return [torch.from_numpy(np.stack([np.stack([
+        np.frombuffer(keys[key_file(b, layer, h)], np.float32).reshape(m.blocks, s.head_dim)
+        for h in range(s.n_kv_head)]) for b in range(m.streams)])).to(device) for layer in range(s.n_layer)]
 
 
 @dataclass

@@ -30,10 +30,12 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 import weakref
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from ..core.fileio import TMP_MARK, LinkError, atomic_write, open_nofollow
+from ..core.fileio import TMP_MARK, LinkError, atomic_write, cut, open_nofollow
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
 from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile, WriterBusyError
@@ -88,8 +90,8 @@ def disk_errors(what: str):
     except KeyFileError as e:  # a key file that is a link, or shorter than its rows
         raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
     except LinkError as e:
-        raise MemoryFileError(f"{e.strerror}: a memory writes only its own files, never through a link; "
-                              "remove the link (or choose another folder)") from None
+        raise MemoryFileError(f"{e.strerror}: a memory reads and writes only its own plain files, never through a "
+                              "link or a pipe; remove it (or choose another folder)") from None
     except StoreWriteError as e:
         raise MemoryFileError(f"{e.strerror}: the disk may be full or failing; free some space (or check the "
                               "device) and run again: the memory stays at its last commit") from None
@@ -236,9 +238,9 @@ class MemoryDir:
     def _read(self, name: str, nbytes: int = -1) -> bytes:
         try:
             fd = open_nofollow(self.path / name, os.O_RDONLY)
-        except LinkError:
-            raise MemoryFileError(f"{self.path / name} is a symbolic link: a memory reads only its own files; "
-                                  "restore the memory from a backup") from None
+        except LinkError as e:
+            raise MemoryFileError(f"{e.strerror}: a memory reads only its own plain files; restore the memory from "
+                                  "a backup") from None
         with os.fdopen(fd, "rb") as f:
             return f.read(nbytes)
 
@@ -259,10 +261,15 @@ class MemoryDir:
         ``read_block_rows``' to cut, once the rows are checked); ``mapped``: a read-only map of
         them (uint8 (nbytes,)), read only where they are used, the file's size checked first."""
         f = self.path / name
-        if f.is_symlink():
-            raise MemoryFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the "
-                                  "link, or restore the memory from a backup")
-        size, end = f.stat().st_size if f.is_file() else -1, offset + nbytes
+        try:
+            st = os.lstat(f)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise MemoryFileError(f"{f} is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'no regular file'}: a "
+                                  "memory reads and writes only its own plain files; remove it, or restore the memory "
+                                  "from a backup")
+        size, end = -1 if st is None else st.st_size, offset + nbytes
         if end == 0 and size < 0:  # nothing committed yet: the file need not exist
             return b""
         if size < end:
@@ -298,10 +305,15 @@ class MemoryDir:
                                "the manifest are corrupted)")
         if self.writable:
             for name, n in sizes.items():
-                f, end = self.path / name, manifest.blocks * n
-                if f.is_file() and f.stat().st_size > end:
-                    os.truncate(f, end)
+                self.cut_rows(name, manifest.blocks * n)
         return rows, crcs
+
+    def cut_rows(self, name: str, nbytes: int) -> None:
+        """Cut what follows the committed ``nbytes`` of the row file ``name`` (an uncommitted
+        tail a stopped writer left), never through a link; a file not there yet is left so."""
+        if os.path.lexists(self.path / name):
+            with disk_errors(str(self.path / name)):
+                cut(self.path / name, nbytes)
 
     def check_key_files(self, manifest: Manifest) -> None:
         """Every key file of the commit ``manifest`` (and every file its index keeps beside them)
@@ -312,6 +324,20 @@ class MemoryDir:
                 KeyRows(manifest.model.shape.head_dim, self.path / name, writable=False, n=manifest.blocks)
             for name, nbytes in manifest.index_files().items():  # an ivf-rows index's centroids and lists
                 KeyRows(1, self.path / name, writable=False, n=nbytes // 4, dtype=np.int32)
+
+    def key_file_rows(self, manifest: Manifest) -> Iterator[tuple[str, bytes]]:
+        """``(file, bytes)``, one file at a time: the committed rows of every key file of the
+        commit ``manifest`` and of every file its index keeps beside them (an ``ivf-rows``
+        index's centroids and lists), each checked against its CRC-32 in the manifest (where
+        kept). A writer reads them all before it appends (``check_key_files`` checks sizes only)."""
+        sizes = {**{name: manifest.blocks * manifest.rows.key_row_bytes for name in manifest.key_files()},
+                 **manifest.index_files()}
+        for name, nbytes in sizes.items():
+            data = self.read_rows(name, nbytes)
+            if name in (manifest.rows_crc or {}) and zlib.crc32(data) != manifest.rows_crc[name]:
+                raise _damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the file or "
+                               "the manifest is corrupted)")
+            yield name, data
 
     def key_path(self) -> Path:
         """The memory's folder, whose ``keys/`` holds its key files; refused when ``keys/`` is a

@@ -16,7 +16,7 @@ from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
 from .manifest import TOKENS, Manifest, MemoryFileError
-from .session import committed_starts, committed_turns, list_sessions, sessions_folder
+from .session_files import committed_starts, committed_turns, list_sessions, sessions_folder
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
@@ -148,14 +148,9 @@ def all_rows(d: MemoryDir, m: Manifest) -> dict[str, tuple[bytes, int]]:
     if isinstance(vocab, int) and len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
         raise MemoryFileError(f"{d.path / TOKENS} holds token ids outside the model's vocabulary ({vocab:,}); the "
                               "memory is damaged: restore it from a backup or rebuild it")
-    out, size = {name: (data, m.rows.sizes[name]) for name, data in rows.items()}, m.rows.key_row_bytes
-    index_files = m.index_files()
-    files = {**{name: m.blocks * size for name in m.key_files()}, **index_files}
-    for name, nbytes in files.items():
-        data = d.read_rows(name, nbytes)
-        if name in (m.rows_crc or {}) and zlib.crc32(data) != m.rows_crc[name]:
-            raise MemoryFileError(f"{d.path / name} is corrupted (its CRC-32 differs from the manifest's); the "
-                                  "memory is damaged: restore it from a backup or rebuild it")
+    out, size, index_files = {name: (data, m.rows.sizes[name]) for name, data in rows.items()}, m.rows.key_row_bytes, \
+        m.index_files()
+    for name, data in d.key_file_rows(m):
         if name not in index_files:  # (an index's lists are its own: a document's differ from its corpus's)
             out[name] = data, size
     return out

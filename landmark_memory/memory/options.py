@@ -150,6 +150,15 @@ class MemoryOptions:
         search = {k: changes.pop(k) for k in SEARCH_OPTIONS if k in changes}
         return replace(self, **changes, index_options={**self.index_options, **search})
 
+    def built(self) -> dict:
+        """The options fixed when the memory was built (all but the query and search options),
+        as a dict: what a memory's blocks are stored as."""
+        d = asdict(self)
+        for name in QUERY_OPTIONS:
+            d.pop(name)
+        d["index_options"] = {k: v for k, v in self.index_options.items() if k not in SEARCH_OPTIONS}
+        return d
+
     def to_dict(self) -> dict:
         return asdict(self)
 

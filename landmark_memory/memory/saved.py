@@ -88,7 +88,11 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     """Take the blocks of the commit ``manifest`` (with its ``state``) that ``blocks`` lacks,
     from ``d``'s files; returns the CRC-32s of the rows, carried on from ``rows_crc``. A reader
     maps the token rows (``mapped``: checked where passages read them, and by ``verify``); a
-    writer, which appends to them, reads them and checks their CRC-32 and ids first."""
+    writer, which appends to them, reads them and checks their CRC-32 and ids first, and the
+    CRC-32 of every key file and index file (before any uncommitted tail is cut)."""
+    if not mapped:
+        for _ in d.key_file_rows(manifest):
+            pass
     rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped)
     tokens = np.frombuffer(rows[TOKENS], np.int32) if not mapped else np.zeros(0, np.int32)
     if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:

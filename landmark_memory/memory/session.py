@@ -16,89 +16,27 @@ What a session sees of a corpus that grows: a turn reads the corpus at the commi
 memory holds when the turn starts (``answer.say`` follows the memory's commits first, so every
 document committed before the turn), the session's blocks after it; its earlier turns stay as
 they were read. A memory changed otherwise than by appending documents, or another model, is
-refused.
+refused, and so is a session made over a memory built with other options, or found under
+another name than its own. Its files as files (names, turn logs, listing, deleting) are
+``session_files.py``'s.
 """
 
 import hashlib
 import json
-import os
-import secrets
-import shutil
-import time
 import zlib
 from bisect import bisect_right
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from ..core.fileio import TMP_MARK
-from ..core.names import SESSION_NAME
 from .blocks import BlockMemory
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
-from .manifest import TOKENS, BaseRecord, Manifest, MemoryFileError, SessionRecord, WriterBusyError
+from .manifest import TOKENS, BaseRecord, Manifest, SessionRecord, WriterBusyError
 from .saved import OpenChunk, load_blocks, saved_chunk, write_commit
-
-SESSIONS, TURNS, STARTS = "sessions", "turns.jsonl", "turns.idx"
-ROLES = ("system", "user", "assistant")
-
-
-class SessionError(ValueError):
-    """A session that cannot be used as asked; ``kind`` says why: "name" (not a name),
-    "missing", "exists" (one to start is there already), "busy" (another process holds it) or
-    "other" (of another model or memory)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass
-class Turn:
-    """One turn of a session: who said it (``role``: system, user or assistant), its ``text``,
-    where its tokens start among the session's and how many there are, when it was said, and an
-    answer's passages (``answer.Passage`` as JSON)."""
-
-    role: str
-    text: str
-    start: int
-    tokens: int
-    time: str
-    passages: list[dict] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """A session as ``landmark-memory sessions`` lists it; ``problem`` says why one cannot be read."""
-
-    name: str
-    turns: int
-    tokens: int
-    updated: str
-    problem: str = ""
-
-
-def check_name(name: str) -> str:
-    """``name`` if it is a session name (letters, digits, ``_ . -``, up to 100, not starting
-    with a dot or dash), else ``SessionError("name")``."""
-    if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
-        raise SessionError("name", f"{name!r} is no session name: use 1 to 100 letters, digits, '_', '.' or '-', "
-                           "starting with a letter, digit or '_' (a name, never a path)")
-    return name
-
-
-def new_name() -> str:
-    """A fresh session name: the time and four random hex digits."""
-    return time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-
-
-def sessions_folder(memory: str | Path) -> Path:
-    """The folder of a memory's sessions, refused when it is a symbolic link."""
-    folder = Path(memory) / SESSIONS
-    if folder.is_symlink():
-        raise MemoryFileError(f"{folder} is a symbolic link: a memory writes only its own files; remove the link")
-    return folder
+from .session_files import (STARTS, TURNS, SessionError, Turn, busy_error, check_record, committed_starts,
+                            committed_turns, missing_error, new_name, session_path, turn_bytes)
 
 
 def base_record(m: Manifest) -> BaseRecord:
@@ -133,16 +71,15 @@ class Session:
         self.blocks = BlockMemory(s, mem.options, store_path=d.store_path(), readonly=False, device=mem.device,
                                   dtype=mem.dtype, rope=mem.rope, cache_bytes=0, key_path=d.key_path())
         try:
+            turn_bytes(d, manifest)  # what a turn appends to, checked before anything is cut
+            self._starts = committed_starts(d, manifest).tolist()  # where each turn starts, for ``locate``
             self._rows_crc = {TOKENS: 0}
             if manifest.streams is not None:
                 self._rows_crc = load_blocks(d, self.blocks, manifest, state, self._rows_crc,
                                              mem.backbone.vocab_size, mapped=False)
             self.pending: OpenChunk = saved_chunk(d, manifest, state, mem.device, mem.dtype)
-            self._starts = committed_starts(d, manifest).tolist()  # where each turn starts, for ``locate``
             for name, nbytes in ((TURNS, manifest.session.turns_bytes), (STARTS, 8 * manifest.session.turns)):
-                f = d.path / name  # what a stopped turn left after the committed turns is cut
-                if f.is_file() and f.stat().st_size > nbytes:
-                    os.truncate(f, nbytes)
+                d.cut_rows(name, nbytes)  # what a stopped turn left after the committed turns
                 self._rows_crc[name] = (manifest.rows_crc or {}).get(name, 0)
         except BaseException:
             self.blocks.close()
@@ -168,21 +105,21 @@ class Session:
                                "name, or resume that one")
         if not (path / MANIFEST).is_file():
             if not create:
-                raise _missing(mem.dir.path, name)
+                raise missing_error(mem.dir.path, name)
             try:
                 d = MemoryDir.create(path, Manifest(model=mem.model_record(), options=mem.manifest.options,
                                                     session=SessionRecord(name, base_record(mem.manifest))))
             except WriterBusyError as e:
-                raise _busy(e, name) from None
+                raise busy_error(e, name) from None
             manifest, state = d.read_commit()
         else:
             try:
                 d = MemoryDir(path, writable=True)
             except WriterBusyError as e:
-                raise _busy(e, name) from None
+                raise busy_error(e, name) from None
             try:
                 manifest, state = d.read_commit()
-                _check_model(mem, manifest, path)
+                _check_identity(mem, manifest, path)
             except BaseException:
                 d.close()
                 raise
@@ -274,120 +211,25 @@ class Session:
         self.close()
 
 
-def _busy(e: WriterBusyError, name: str) -> SessionError:
-    return SessionError("busy", f"the session {name!r} is in use by another process ({e}); wait for its turn to end")
-
-
-def _check_model(mem: LandmarkMemory, m: Manifest, path: Path) -> None:
-    """Refuse what is no session, or a session of another model."""
-    if m.session is None:
-        raise MemoryFileError(f"{path} is no session (its manifest has no session record); remove it")
+def _check_identity(mem: LandmarkMemory, m: Manifest, path: Path) -> None:
+    """Refuse what is no session, a session under another name, of another model, or made
+    over a memory built with other options (its blocks are stored as that memory's are)."""
+    check_record(m, path)
     if m.model.fingerprint != mem.model_record().fingerprint:
         raise SessionError("other", f"the session {m.session.name!r} was held with another model (weights "
                            f"{m.model.fingerprint[:12]}) than the memory's; delete it or use its model")
+    ours, theirs = m.options.built(), mem.manifest.options.built()
+    if ours != theirs:
+        differ = ", ".join(f"{k} {ours.get(k)!r} against {theirs.get(k)!r}" for k in sorted(ours.keys() | theirs.keys())
+                           if ours.get(k) != theirs.get(k))
+        raise SessionError("other", f"the session {m.session.name!r} was made over a memory built with other options "
+                           f"than {mem.dir.path} ({differ}); delete it")
 
 
 def _check_over(mem: LandmarkMemory, m: Manifest, path: Path) -> None:
     """Refuse a session over a memory that no longer holds what the session read of it."""
-    _check_model(mem, m, path)
+    _check_identity(mem, m, path)
     if not holds(mem.manifest, m.session.over):
         raise SessionError("other", f"the session {m.session.name!r} was held over another memory: "
                            f"{mem.dir.path} no longer holds what it read (rebuilt, or changed otherwise than by "
                            "adding documents); delete the session")
-
-
-def committed_turns(d: MemoryDir, m: Manifest) -> list[Turn]:
-    """The turns the session in ``d`` committed (its manifest ``m``), checked against their CRC-32."""
-    f, r = d.path / TURNS, m.session
-    data = d.read_rows(TURNS, r.turns_bytes)
-    if zlib.crc32(data) != (m.rows_crc or {}).get(TURNS, 0):
-        raise MemoryFileError(f"{f} does not match its session's manifest (its CRC-32 differs); the session is "
-                              f"damaged: delete it (`landmark-memory sessions MEMORY --delete {r.name}`)")
-    try:
-        turns = [Turn(**json.loads(line)) for line in data.decode().splitlines()]
-    except (ValueError, TypeError) as e:
-        raise MemoryFileError(f"{f} holds a line that is no turn ({e}); the session is damaged") from None
-    if len(turns) != r.turns:
-        raise MemoryFileError(f"{f} holds {len(turns)} turns, its manifest {r.turns}; the session is damaged")
-    return turns
-
-
-def session_path(memory: str | Path, name: str) -> Path:
-    """The folder of the session ``name`` of the memory at ``memory`` (there or not), refused
-    when the name is no name or the folder a symbolic link."""
-    path = sessions_folder(memory) / check_name(name)
-    if path.is_symlink():
-        raise MemoryFileError(f"{path} is a symbolic link: a memory writes only its own files; remove the link")
-    return path
-
-
-def require_session(memory: str | Path, name: str) -> Path:
-    """The folder of the session ``name`` of the memory at ``memory``; ``SessionError`` if it has none."""
-    path = session_path(memory, name)
-    if not (path / MANIFEST).is_file():
-        raise _missing(memory, name)
-    return path
-
-
-def _missing(memory, name: str) -> SessionError:
-    return SessionError("missing", f"the memory {memory} has no session {name!r} (`landmark-memory sessions` "
-                        "lists them)")
-
-
-def committed_starts(d: MemoryDir, m: Manifest) -> np.ndarray:
-    """int64 (turns,): where each committed turn of the session in ``d`` starts (its manifest
-    ``m``), checked against their CRC-32."""
-    data = d.read_rows(STARTS, 8 * m.session.turns)
-    if zlib.crc32(data) != (m.rows_crc or {}).get(STARTS, 0):
-        raise MemoryFileError(f"{d.path / STARTS} does not match its session's manifest (its CRC-32 differs); the "
-                              f"session is damaged: delete it (`landmark-memory sessions MEMORY --delete "
-                              f"{m.session.name}`)")
-    return np.frombuffer(data, np.int64)
-
-
-def read_session(memory: str | Path, name: str) -> tuple[Manifest, list[Turn]]:
-    """The last commit of the session ``name`` of the memory at ``memory`` and its turns, read
-    without its model or its lock."""
-    path = require_session(memory, name)
-    d = MemoryDir(path, writable=False)
-    m = d.read_manifest()
-    if m.session is None:
-        raise MemoryFileError(f"{path} is no session (its manifest has no session record); remove it")
-    return m, committed_turns(d, m)
-
-
-def list_sessions(memory: str | Path) -> list[SessionInfo]:
-    """Every session of the memory at ``memory``, by name (read without the model)."""
-    folder, out = sessions_folder(memory), []
-    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if not SESSION_NAME.fullmatch(p.name) or p.is_symlink():
-            continue
-        try:
-            m = MemoryDir(p, writable=False).read_manifest()
-            if m.session is None:
-                raise MemoryFileError("its manifest has no session record")
-            out.append(SessionInfo(p.name, m.session.turns, m.tokens, m.updated))
-        except MemoryFileError as e:
-            out.append(SessionInfo(p.name, 0, 0, "", str(e)))
-    return out
-
-
-def delete_session(memory: str | Path, name: str) -> None:
-    """Remove the session ``name`` of the memory at ``memory`` (refused while in use). It is
-    first renamed out of the sessions, so a stop midway leaves no half session."""
-    path = session_path(memory, name)
-    if not path.is_dir():
-        raise _missing(memory, name)
-    try:
-        d = MemoryDir(path, writable=True)  # (the lock: a session in use is not removed)
-    except WriterBusyError as e:
-        raise _busy(e, name) from None
-    try:
-        gone = path.with_name(f".{name}{TMP_MARK}{os.getpid()}")
-        os.rename(path, gone)
-    finally:
-        d.close()
-    shutil.rmtree(gone)
-    for p in path.parent.iterdir():  # what an earlier deletion stopped midway left
-        if p.name.startswith(".") and TMP_MARK in p.name and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
