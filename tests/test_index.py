@@ -1,3 +1,5 @@
+import contextlib
+
 import faiss
 import numpy as np
 import pytest
@@ -110,12 +112,69 @@ def test_the_index_registry_is_what_the_command_line_offers_and_each_kind_makes_
     from landmark_memory.index.faiss_kinds import FaissIndex
     from landmark_memory.index.on_rows import ListsIndex, RowsIndex
 
-    assert tuple(KINDS) == INDEX_KINDS and ON_ROWS == ("ivf-rows", "flat")
+    assert tuple(KINDS) == INDEX_KINDS and ON_ROWS == ("ivf-rows", "flat", "flat-gpu")
     for kind in (k for k in KINDS if gpu_available() or not KINDS[k].gpu):
         index = new_index(kind, 8)
         assert type(index) is KINDS[kind].make and index.kind == kind
-        assert derived_from_rows(kind) == (isinstance(index, RowsIndex) or kind == "flat-gpu")
+        assert derived_from_rows(kind) == isinstance(index, RowsIndex)
     assert [type(new_index(k, 8)) for k in ("ivf-rows", "flat", "hnsw")] == [ListsIndex, RowsIndex, FaissIndex]
+
+
+@pytest.fixture
+def gpu_as_classic_faiss_gpu(monkeypatch):
+    """The GPU kinds' code paths on the CPU: faiss-gpu's calls replaced by CPU ones that, as
+    classic faiss-gpu does, ignore a search's ID selector."""
+    import landmark_memory.index as index_module
+    from landmark_memory.core.names import NPROBE
+    import landmark_memory.index.faiss_kinds as faiss_kinds
+    import landmark_memory.index.on_rows as on_rows
+
+    class SelectorIgnored:  # a "GPU" index: FAISS's CPU index, its searches unrestricted
+        def __init__(self, index):
+            self.inner = index
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def search(self, xq, k, params=None):  # the index's own settings (the defaults), no selector
+            ivf = faiss.SearchParametersIVF(nprobe=NPROBE)
+            refined = faiss.IndexRefineSearchParameters(k_factor=4, base_index_params=ivf)
+            return self.inner.search(xq, k, params=refined if isinstance(self.inner, faiss.IndexRefine) else ivf)
+
+        def honoured(self, xq, k, params):  # the search as cuVS would make it: the selector honoured
+            return self.inner.search(xq, k, params=params)
+
+    def knn_gpu(res, xq, xb, k, metric):  # the range's rows alone, as faiss.knn_gpu searches them
+        return faiss.knn(xq, xb, k, metric=metric)
+
+    monkeypatch.setattr(index_module, "gpu_available", lambda: True)
+    monkeypatch.setattr(faiss_kinds, "gpu_resources", lambda: None)
+    monkeypatch.setattr(on_rows, "gpu_resources", lambda: None)
+    monkeypatch.setattr(faiss, "index_cpu_to_gpu", lambda res, device, index: SelectorIgnored(index), raising=False)
+    monkeypatch.setattr(faiss, "knn_gpu", knn_gpu, raising=False)
+
+
+@pytest.mark.parametrize("kind", ["flat-gpu", "ivf-gpu", "ivfpq-gpu"])
+def test_a_gpu_kind_returns_the_top_k_of_the_range_searched_never_a_block_outside_it(gpu_as_classic_faiss_gpu, kind):
+    rng = np.random.default_rng(0)
+    xb = rng.standard_normal((600, 16)).astype(np.float32)
+    xq = rng.standard_normal((20, 16)).astype(np.float32)
+    gpu, flat = new_index(kind, 16, train_size=256), new_index("flat", 16)
+    gpu.add(xb)
+    flat.add(xb)
+    assert kind == "flat-gpu" or gpu.trained  # (an IVF kind searches its "GPU" index from here on)
+    for lo, hi in [(0, 600), (0, 590), (100, 400), (595, 600), (37, 38)]:
+        D, I = gpu.search(xq, 5, lo, hi)
+        assert ((I >= lo) & (I < hi) | (I == -1)).all(), (lo, hi)  # never a block outside the range
+        if kind == "flat-gpu":  # exact: as flat's search of the range
+            D_want, I_want = flat.search(xq, 5, lo, hi)
+        else:  # the range's top 5 among the lists visited: the same index's search with the range honoured
+            D_want, I_want = gpu.index.honoured(xq, 5, gpu._params(lo, hi))
+            D_want[I_want < 0] = -np.inf
+        np.testing.assert_array_equal(I, I_want)
+        np.testing.assert_allclose(D, D_want, rtol=1e-5)
+    with pytest.raises(ValueError, match="ignores a range") if kind != "flat-gpu" else contextlib.nullcontext():
+        gpu.search(xq, 2047, 0, 2)  # more results than faiss-gpu returns would be needed: refused, never wrong
 
 
 def test_approximate_indexes_reach_recall_on_trained_landmark_keys():

@@ -1,9 +1,9 @@
 """Landmark key search by inner product, one index per (stream, layer, key/value head), of a
 kind from the registry ``KINDS``.
 
-Kinds, by module: ``on_rows.py`` (``ivf-rows``, the default, and ``flat``: over the key rows
-where they lie, nothing in a memory's state file), ``faiss_kinds.py`` (``hnsw``, ``ivf``,
-``ivfpq`` and their GPU variants: FAISS's own indexes, serialised into the state file). Ids are
+Kinds, by module: ``on_rows.py`` (``ivf-rows``, the default, ``flat`` and ``flat-gpu``: over
+the key rows where they lie, nothing in a memory's state file), ``faiss_kinds.py`` (``hnsw``,
+``ivf``, ``ivfpq`` and their GPU variants: FAISS's own indexes, serialised into the state file). Ids are
 block numbers: blocks are added in order, so a search restricted to a block range is a range of
 ids. Adding a kind is a class (in one of those modules or one of its own), a line in ``KINDS``
 and its name in ``core/names.py`` (which the command line reads without importing FAISS).
@@ -17,7 +17,7 @@ import numpy as np
 from ..core.names import TRAIN_SIZES
 from .base import LandmarkIndex
 from .faiss_kinds import FaissIndex, gpu_available
-from .on_rows import ListsIndex, RowsIndex
+from .on_rows import GpuRowsIndex, ListsIndex, RowsIndex
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,7 @@ class IndexKind:
     make : the ``LandmarkIndex`` class that makes it, called ``make(kind, dim, **options)``.
     train_size : keys it needs before it trains, unless told (8-bit PQ codebooks want about
         10K points; what ``info`` reports for kinds that never train).
-    in_state : a memory's state file keeps it; else it follows from the key rows when a memory
-        opens (searched where they lie, or copied onto a GPU).
+    in_state : a memory's state file keeps it; else it searches the key rows where they lie.
     gpu : it needs faiss-gpu and a GPU.
     """
 
@@ -44,7 +43,7 @@ KINDS: dict[str, IndexKind] = {
     "hnsw": IndexKind(FaissIndex),
     "ivf": IndexKind(FaissIndex, TRAIN_SIZES["ivf"]),
     "ivfpq": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"]),
-    "flat-gpu": IndexKind(FaissIndex, in_state=False, gpu=True),
+    "flat-gpu": IndexKind(GpuRowsIndex, in_state=False, gpu=True),
     "ivf-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivf"], gpu=True),
     "ivfpq-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"], gpu=True),
 }
@@ -93,8 +92,7 @@ def default_train_size(kind: str) -> int:
 
 def derived_from_rows(kind: str) -> bool:
     """Whether an index of ``kind`` keeps nothing in a memory's state file: one that searches
-    the key rows where they lie (``ON_ROWS``; ``ivf-rows`` keeps its lists in files beside them),
-    or an exact flat index on a GPU, a copy of the rows made when the memory opens."""
+    the key rows where they lie (``ON_ROWS``; ``ivf-rows`` keeps its lists in files beside them)."""
     return not KINDS[kind].in_state
 
 

@@ -1,9 +1,12 @@
 """FAISS's own indexes, kept whole in a memory's state file: ``hnsw`` (HNSW32), ``ivf``
 (IVF-Flat), ``ivfpq`` (IVF-PQ, whose ``refine`` x k best candidates are re-ranked exactly by
 FAISS's IndexRefineFlat: PQ codes alone lose too much inner-product precision on landmark
-keys), and ``flat-gpu``, ``ivf-gpu``, ``ivfpq-gpu`` where faiss-gpu and a GPU are present. A
-search restricted to a block range is an ``IDSelectorRange`` (how ``max_blocks`` and the
-exact-scored recent blocks are kept out of it).
+keys), and ``ivf-gpu``, ``ivfpq-gpu`` where faiss-gpu and a GPU are present (``flat-gpu``
+searches the key rows: ``on_rows.py``). A search restricted to a block range is an
+``IDSelectorRange`` (how ``max_blocks`` and the exact-scored recent blocks are kept out of it).
+Classic faiss-gpu ignores the selector (only its cuVS backend honours it: FAISS issues #3114,
+#3924), so a GPU index searches for as many more results as ids lie outside the range and keeps
+the first ``k`` inside it: the range's top-k among the lists it visits, as on the CPU.
 
 The IVF kinds need training: they search an exact flat index until ``train_size`` keys exist,
 then train on all keys seen so far and move them over. They train again, on all their keys,
@@ -12,6 +15,7 @@ lists keep about the same length and a search costs about the same however large
 grows. The points of training follow from the key count alone, so a saved index resumes exactly.
 """
 
+import functools
 import math
 
 import faiss
@@ -21,9 +25,28 @@ from .base import LandmarkIndex
 from .lists import level_of
 
 
+GPU_MAX_K = 2048  # the most results a faiss-gpu search returns per query
+
+
 def gpu_available() -> bool:
     """True when faiss-gpu is installed and sees a GPU."""
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+@functools.cache
+def gpu_resources():
+    """The one ``faiss.StandardGpuResources`` every GPU index of this process shares (its
+    temporary memory is reserved once)."""
+    return faiss.StandardGpuResources()
+
+
+def in_range(D: np.ndarray, I: np.ndarray, k: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``k`` results of each row of a search (``D`` float32, ``I`` int64 (nq, k'), best
+    first) whose ids lie in ``[lo, hi)``, in their order; -inf and -1 where fewer are."""
+    keep = (I >= lo) & (I < hi)
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]  # kept first, each in its place
+    D, I, keep = (np.take_along_axis(a, order, 1) for a in (D, I, keep))
+    return np.where(keep, D, -np.inf).astype(np.float32), np.where(keep, I, -1)
 
 
 class FaissIndex(LandmarkIndex):
@@ -46,8 +69,7 @@ class FaissIndex(LandmarkIndex):
     def _build(self, factory):
         index = faiss.index_factory(self.dim, factory, faiss.METRIC_INNER_PRODUCT)
         if self.kind.endswith("-gpu") and self.trained:
-            self._res = getattr(self, "_res", None) or faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(self._res, 0, index)
+            index = faiss.index_cpu_to_gpu(gpu_resources(), 0, index)
         return index
 
     def to_bytes(self) -> np.ndarray:
@@ -58,8 +80,7 @@ class FaissIndex(LandmarkIndex):
         self.trained = self.trained or not isinstance(index, faiss.IndexFlat)  # IVF kinds search flat until trained
         self.index = index
         if self.kind.endswith("-gpu") and self.trained:
-            self._res = faiss.StandardGpuResources()
-            self.index = faiss.index_cpu_to_gpu(self._res, 0, index)
+            self.index = faiss.index_cpu_to_gpu(gpu_resources(), 0, index)
 
     @property
     def ntotal(self) -> int:
@@ -128,4 +149,12 @@ class FaissIndex(LandmarkIndex):
         return self._params_for[2]
 
     def _search(self, xq, k, lo, hi):
-        return self.index.search(xq, k, params=self._params(lo, hi))
+        if not (self.kind.endswith("-gpu") and self.trained):  # (untrained, a GPU kind searches a CPU flat index)
+            return self.index.search(xq, k, params=self._params(lo, hi))
+        wide = k + self.ntotal - (hi - lo)  # enough that the range's top k survive whatever lies outside it
+        if wide > GPU_MAX_K:
+            raise ValueError(f"{self.kind} cannot restrict a search to blocks [{lo}, {hi}) of {self.ntotal}: "
+                             f"faiss-gpu ignores a range, and the {wide:,} results that would make up for it are over "
+                             f"its {GPU_MAX_K:,}; use {self.base!r} (on the CPU) or ivf-rows")
+        D, I = self.index.search(xq, min(wide, self.ntotal), params=self._params(lo, hi))
+        return in_range(D, I, k, lo, hi)

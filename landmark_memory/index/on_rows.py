@@ -4,6 +4,8 @@ no key:
 
 - ``flat``: exact, FAISS's brute-force inner products over the range (the same results, bit for
   bit, as an IndexFlatIP with an IDSelectorRange);
+- ``flat-gpu``: the same on a GPU (``faiss.knn_gpu`` over the range's rows, where faiss-gpu and a
+  GPU are present);
 - ``ivf-rows`` (the default): exact the same way until ``train_size`` keys, then lists of block
   ids over the rows (``lists.ListIndex``, in files beside them): a search costs about the same
   however many blocks a memory holds, and a commit writes only what it appends.
@@ -13,6 +15,7 @@ import faiss
 import numpy as np
 
 from .base import LandmarkIndex
+from .faiss_kinds import gpu_resources
 from .lists import ListIndex
 from .rows import KeyRows
 
@@ -47,6 +50,16 @@ class RowsIndex(LandmarkIndex):
 
     def _search(self, xq, k, lo, hi):
         D, I = faiss.knn(xq, self.rows.array()[lo:hi], k, metric=faiss.METRIC_INNER_PRODUCT)
+        I[I >= 0] += lo
+        return D, I
+
+
+class GpuRowsIndex(RowsIndex):
+    """``flat-gpu``: ``flat``'s exact search over the range's rows, on a GPU (its selector
+    would be ignored there: the rows of the range are searched, as ``flat`` searches them)."""
+
+    def _search(self, xq, k, lo, hi):
+        D, I = faiss.knn_gpu(gpu_resources(), xq, self.rows.array()[lo:hi], k, metric=faiss.METRIC_INNER_PRODUCT)
         I[I >= 0] += lo
         return D, I
 

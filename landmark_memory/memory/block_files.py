@@ -54,9 +54,9 @@ class BlockFiles:
         """Add the committed blocks ``[self.n_blocks, n_blocks)`` from their rows (``rows``,
         theirs only) and the commit's index ``state``, checked against the store (``where``
         names the memory in errors): all of them when a memory opens, those a writer committed
-        since when a read-only one follows it. A flat index searches the key files as far as
-        they count now (an exact GPU index takes a copy of the new keys), other kinds are read
-        from the state. A read-only memory must be rewound first."""
+        since when a read-only one follows it. An index over the key rows searches the key files
+        as far as they count now, other kinds are read from the state. A read-only memory must be
+        rewound first."""
         if self.upper is not None:
             raise RuntimeError("rewind a read-only memory before it takes new saved blocks")
         B, cfg = layout.streams, self.shape
@@ -64,7 +64,6 @@ class BlockFiles:
             self.start(B)
         derived = derived_from_rows(self.options.index)
         if n_blocks > self.n_blocks:
-            first = self.n_blocks
             if isinstance(rows[TOKENS], np.memmap):  # a reader's map of tokens.bin: checked before each refresh
                 self.ids.watch(rows[TOKENS])
             ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(B, -1)  # (B, n * block_size)
@@ -76,10 +75,7 @@ class BlockFiles:
                 with self._key_errors():
                     for b, layer, h, rows in self._each_key():
                         rows.follow(n_blocks)
-                        ix = self.indexes[b][layer][h]
-                        if derived and ix.rows is None:  # an exact GPU index: a copy
-                            ix.add(rows.array()[first:])
-                        ix.follow(n_blocks)  # (an ivf-rows index maps its lists as far)
+                        self.indexes[b][layer][h].follow(n_blocks)  # (an ivf-rows index maps its lists as far)
                 self.n_blocks += self.ids.add(ids)
         if not derived:
             try:
