@@ -70,6 +70,45 @@ def ask_case(tok, books, n, rng) -> AskCase:
     return AskCase(name, round(depth, 3), text, span, question, words)
 
 
+FACTS = PLANTED_FACTS + [
+    ("The blacksmith's grey mare was called Juniper.", "What was the blacksmith's mare called?", ["Juniper"]),
+    ("The schoolmaster hid the key to the cellar inside a green teapot.",
+     "Where did the schoolmaster hide the key to the cellar?", ["teapot"]),
+    ("The widow's cottage had exactly seventeen windows.", "How many windows did the widow's cottage have?",
+     ["seventeen"]),
+    ("The fisherman's favourite song was called The Silver Herring.", "What was the fisherman's favourite song called?",
+     ["Silver Herring"])]
+
+
+def haystack(tok, books, n, h, seed, facts=None):
+    """Haystack ``h`` at ``n`` tokens: (book, ids, [(fact, question, words, span)]) with
+    ``facts`` (default ``FACTS``; in a random order) after a random full stop in each of as many
+    equal parts of the text."""
+    rng = random.Random(f"{seed}|haystack|{n}|{h}")
+    name, _, ids = books[rng.randrange(len(books))]
+    facts = rng.sample(facts or FACTS, len(facts or FACTS))
+    planted = [tok.encode(" " + s).ids for s, _, _ in facts]
+    start = rng.randrange(0, len(ids) - n)
+    hay = list(ids[start:start + n - sum(map(len, planted))])
+    out, spans, last, tenth = [], [], 0, len(hay) / len(facts)
+    for i, fact in enumerate(planted):
+        cut = sentence_end(tok, hay, int(tenth * (i + rng.uniform(0.05, 0.95))))
+        out += hay[last:cut]
+        spans.append((len(out), len(out) + len(fact)))
+        out += fact
+        last = cut
+    out += hay[last:]
+    return name, out, [(*f, span) for f, span in zip(facts, spans)]
+
+
+def build(model, ids, folder, **options):
+    """The haystack read into a saved memory at the defaults (and ``options``); its block count."""
+    with LandmarkMemory(model, path=folder, store="lmdb", **options) as mem:
+        mem.forward(torch.tensor([ids]), logits="none")
+        mem.commit()
+        return mem.n_blocks
+
+
 def is_right(answer, words):
     """Whether ``answer`` holds every one of ``words`` (any case)."""
     return all(w.lower() in answer.lower() for w in words)

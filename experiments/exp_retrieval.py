@@ -34,6 +34,7 @@ only its own options decide what is read). Every trial is kept
 in ``--state`` as soon as it is done, so a run resumes and later runs add trials.
 """
 
+import json
 import random
 import tempfile
 import time
@@ -43,24 +44,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import (ADAPTER, PLANTED_FACTS, ROOT, Trials, books_perplexity, load_smollm2, plt, sentence_end, some_of,
-                     suite_main, write_result)
+from _common import ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main, write_result
 from _needles import passkey_trial, ruler_trial
-from _texts import held_out, is_right
+from _texts import FACTS, build, haystack, held_out, is_right
 from landmark_memory.memory.answer import ask
 from landmark_memory.app.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory, MemoryOptions
 from landmark_memory.core.passkey import PasskeyPrompts
 
 PARTS = ("questions", "oracle", "passkey", "ruler", "ppl")
-FACTS = PLANTED_FACTS + [
-    ("The blacksmith's grey mare was called Juniper.", "What was the blacksmith's mare called?", ["Juniper"]),
-    ("The schoolmaster hid the key to the cellar inside a green teapot.",
-     "Where did the schoolmaster hide the key to the cellar?", ["teapot"]),
-    ("The widow's cottage had exactly seventeen windows.", "How many windows did the widow's cottage have?",
-     ["seventeen"]),
-    ("The fisherman's favourite song was called The Silver Herring.", "What was the fisherman's favourite song called?",
-     ["Silver Herring"])]
 VARIANTS = ("k4,k4 sink,k4 local,k4 sink local,k4 centred,k4 sink local centred,k4 per_head,k4 sink local per_head,"
             "k4 exact,k8,k8 sink local,k8 sink local centred,k16,k16 sink local,k16 sink local centred")
 ASK_NEW = 16  # answer tokens: the facts' words come first
@@ -90,34 +82,6 @@ def variants(text):
     for v in names:
         variant_options(v)
     return names
-
-
-def haystack(tok, books, n, h, seed):
-    """Haystack ``h`` at ``n`` tokens: (book, ids, [(fact, question, words, span)]) with the ten
-    ``FACTS`` (in a random order) after a random full stop in each tenth of the text."""
-    rng = random.Random(f"{seed}|haystack|{n}|{h}")
-    name, _, ids = books[rng.randrange(len(books))]
-    facts = rng.sample(FACTS, len(FACTS))
-    planted = [tok.encode(" " + s).ids for s, _, _ in facts]
-    start = rng.randrange(0, len(ids) - n)
-    hay = list(ids[start:start + n - sum(map(len, planted))])
-    out, spans, last, tenth = [], [], 0, len(hay) / len(facts)
-    for i, fact in enumerate(planted):
-        cut = sentence_end(tok, hay, int(tenth * (i + rng.uniform(0.05, 0.95))))
-        out += hay[last:cut]
-        spans.append((len(out), len(out) + len(fact)))
-        out += fact
-        last = cut
-    out += hay[last:]
-    return name, out, [(*f, span) for f, span in zip(facts, spans)]
-
-
-def build(model, ids, folder, **options):
-    """The haystack read into a saved memory at the defaults (and ``options``); its block count."""
-    with LandmarkMemory(model, path=folder, store="lmdb", **options) as mem:
-        mem.forward(torch.tensor([ids]), logits="none")
-        mem.commit()
-        return mem.n_blocks
 
 
 class Lookups:
@@ -367,6 +331,7 @@ def report(args):
             vs = f"+{sum(a and not b for a, b in pairs)} / -{sum(b and not a for a, b in pairs)}"
             cells_v.append(f"{s['recall5']:.0%} | {vs} | {rank} | {s['edge']:.0%} | {s['right']:.0%} | {s['n']}")
         body.append(f"| {v} | " + " | ".join(cells_v) + " |")
+    body += heads_rows(Path(args.results) / "heads.json", lengths, cells)
     needles = [(p, n) for p, n in dict.fromkeys((p, int(n)) for p, n, _ in keys) if p in ("passkey", "ruler")]
     if needles:
         body += ["", "Needles at their length, the prompt up to the question read at the defaults, the question and "
@@ -428,6 +393,34 @@ def report(args):
         body += ["", "![recall@5 by variant, and per layer](retrieval.png)", ""]
     write_result("retrieval", "Retrieval that depends on the question: where the fact's block ranks", body,
                  results=args.results, commands=trials.commands)
+
+
+def heads_rows(state, lengths, suite):
+    """The retrieval heads' row (``exp_heads.py``'s state, if there is one): its haystacks are
+    this suite's (same books, facts and seeds), so its questions are the table's and pair with
+    k4's (``suite``: this suite's cells)."""
+    if not state.is_file():
+        return []
+    cells = json.loads(state.read_text())["cells"]
+    if "heads" not in cells:
+        return []
+    count, cols = cells["heads"][0]["count"], []
+    for n in lengths:
+        rows = [r for k, rs in cells.items() if k.startswith(f"eval|{n}|") for r in rs]
+        k4 = {(r["haystack"], r["question"]): r["recall5"] for r in suite.get(f"questions|{n}|k4", [])}
+        pairs = [(r["ranks"][str(count)] <= 5, k4[r["haystack"], r["question"]]) for r in rows
+                 if (r["haystack"], r["question"]) in k4]
+        vs = f"+{sum(a and not b for a, b in pairs)} / -{sum(b and not a for a, b in pairs)}"
+        ranks = [r["ranks"][str(count)] for r in rows]
+        cols.append(f"{np.mean([r <= 5 for r in ranks]):.0%} | {vs} | {np.median(ranks):.0f} | - | - | {len(rows)}"
+                    if rows else "- | - | - | - | - | 0")
+    return ["", f"Retrieval heads, training-free (`exp_heads.py`, `heads.md`): the question's own tokens' landmark "
+            f"attention of the {count} heads chosen on development questions, calibrated by a content-free question; "
+            "the blocks it ranks first are not what `ask` reads, so it has no answers. Its haystacks are this table's "
+            f"({' and '.join(f'{n // 1024}K' for n in lengths)} on its first haystacks).", "",
+            "| variant | " + " | ".join(f"{n // 1024}K recall@5 | vs k4 | rank | edge | right | n" for n in lengths)
+            + " |", "|---|" + "---|---|---|---|---|---|" * len(lengths),
+            f"| {count} retrieval heads | " + " | ".join(cols) + " |"]
 
 
 def verdict(cells, got, names, lengths):

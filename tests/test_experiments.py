@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from landmark_memory.memory import MemoryOptions
 
@@ -424,6 +425,40 @@ def test_retrieval_suite_plants_ten_facts_one_a_tenth_and_names_variants_by_thei
                                                                   "centre": True}
     with pytest.raises(SystemExit, match="'loud' is none of kN"):
         retrieval.variant_options("k4 loud")
+
+
+def test_heads_are_chosen_on_questions_the_suite_never_asks_and_pooled_by_their_calibrated_attention():
+    heads, suite = script("exp_heads"), script("_texts")
+    asked = {q for _, q, _ in suite.FACTS}
+    assert len(heads.DEV_FACTS) == 10 and not {q for _, q, _ in heads.DEV_FACTS} & asked
+    assert all(all(w in s for w in words) for s, _, words in heads.DEV_FACTS)
+    # three questions over (2 layers, 2 heads): (1, 0) ranks the fact first twice; (1, 1) and (0, 1) once each,
+    # (1, 1) with the better mean reciprocal rank
+    rows = [{"head_ranks": [[3, 1], [1, 2]]}, {"head_ranks": [[2, 4], [1, 3]]}, {"head_ranks": [[5, 2], [2, 1]]}]
+    assert heads.best_heads(rows) == [(1, 0), (1, 1), (0, 1), (0, 0)]
+    att = torch.zeros(2, 2, 6)
+    att[1, 0, 4], att[0, 1, 2], att[0, 1, 4] = 0.5, 0.9, 0.3
+    assert heads.rank_of(att[1, 0], [4]) == 1 and heads.rank_of(att[0, 1], [4]) == 2
+    assert heads.pooled_rank(att, [(1, 0), (0, 1)], [4]) == 2  # 0.8 against block 2's 0.9
+    assert heads.pooled_rank(att, [(1, 0)], [3, 4]) == 1
+
+
+def test_natural_questions_are_about_the_held_out_books_and_their_evidence_is_found_in_the_text():
+    from landmark_memory import load_tokenizer
+    from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
+
+    natural = script("exp_natural")
+    questions = json.loads(natural.FIXTURE.read_text())["questions"]
+    assert len(questions) >= 40 and len({q["question"] for q in questions}) == len(questions)
+    assert {q["book"] for q in questions} == {"2376_up_from_slavery", "2413_madame_bovary", "829_gullivers_travels"}
+    tok = load_tokenizer()  # the bundled one: spans are found whatever the tokenizer
+    ids = tok.encode(strip_gutenberg(read_text(SAMPLE_DIR / "book" / "up_from_slavery.txt"))[:36000]).ids
+    for q in (q for q in questions if q["book"] == "2376_up_from_slavery"):
+        a, b = natural.evidence_span(tok, ids, q["evidence"])
+        assert " ".join(q["evidence"].split()) in " ".join(tok.decode(ids[a:b]).split()), q
+        assert not " ".join(q["evidence"].split()) in " ".join(tok.decode(ids[a + 1:b]).split())  # its first token
+    with pytest.raises(ValueError, match="lacks the evidence"):
+        natural.evidence_span(tok, ids, "words that no page of it holds")
 
 
 def test_families_experiment_reads_gemma3_270m_when_its_package_is_installed(tmp_path):

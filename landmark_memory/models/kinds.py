@@ -53,14 +53,18 @@ def kv_cache_decoder(model: torch.nn.Module, idx: torch.Tensor):
     into a ``DynamicCache``, and ``feed`` extends it by one token at a time."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    # transformers 5.24 renamed the forward's past_key_values to cache (the old name goes in 5.40)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache, name = DynamicCache(config=model.config), cache_keyword(model)
 
     def feed(nxt):  # (B, 1) -> (B, vocab)
         return model(input_ids=nxt, use_cache=True, **{name: cache}).logits[:, -1]
 
     return feed(idx), feed
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword of a Hugging Face model's forward for its KV cache (transformers 5.24 renamed
+    ``past_key_values`` to ``cache``; the old name goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def reading_mode(model: torch.nn.Module) -> str:

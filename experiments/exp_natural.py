@@ -1,0 +1,179 @@
+"""Questions about text nobody planted: does the memory hand a reader's question the block that
+answers it, and is the answer right?
+
+    python experiments/exp_natural.py --books BOOKS
+    python experiments/exp_natural.py --report                     # natural_questions.md from the state
+
+``fixtures/natural_questions.json``: questions a reader would ask (who, where, when, what) about
+the first ``TOKENS`` tokens of each book the fine-tuning held out, each with the words of the text
+that answer it. Each book's text is read into a memory at the defaults (SmolLM2 with the shipped
+landmark adapter, stage 9), and each question is asked of it three ways on the same memory:
+
+- ``ask`` as it is today: recall@5, the answer's block among its five passages, and whether the
+  answer holds the fact's words;
+- the retrieval heads ``exp_heads.py`` chose on its development questions (``--heads``, its
+  state): recall@5 of the blocks ranked by their calibrated attention (``_attention.py``);
+- the base model without an adapter reading the same text whole in its own context (the text,
+  then the question as ``ask`` feeds it: the chat template): whether its answer is right.
+"""
+
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from _attention import NULL, block_attention, pooled_rank
+from _common import ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
+from _texts import build, is_right
+from landmark_memory.app.build import encode
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.memory.answer import ask
+from landmark_memory.models.kinds import cache_keyword
+from landmark_memory.training.data import read_text
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions.json"
+TOKENS = 8064  # 128 blocks of 63: with a question and its answer, within the base model's 8,192 positions
+ASK_NEW = 32
+
+
+def evidence_span(tok, ids, evidence):
+    """Token span [start, end) of ``ids`` whose text holds ``evidence`` (any run of white space
+    between its words); ``ValueError`` when the text lacks it."""
+    text = tok.decode(ids)
+    found = re.search(r"\s+".join(map(re.escape, evidence.split())), text)
+    if found is None:
+        raise ValueError(f"the text lacks the evidence {evidence!r}")
+
+    def token_at(char):  # the first token whose text reaches past ``char``
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tok.decode(ids[:mid + 1])) > char:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    return token_at(found.start()), token_at(found.end() - 1) + 1
+
+
+@torch.no_grad()
+def answers_in_context(model, tok, ids, questions):
+    """Each question's answer from ``model`` reading ``ids`` whole in its own context, then the
+    question as ``ask`` feeds it (the chat template), greedy, ending at an end-of-turn token;
+    the text is read once into the model's KV cache, cut back to it after each question."""
+    from transformers import DynamicCache
+
+    cache, name = DynamicCache(config=model.config), cache_keyword(model)
+
+    def read(x):  # (1, T) -> (vocab,), the cache grown by x
+        return model(input_ids=torch.tensor([x]), use_cache=True, **{name: cache}).logits[0, -1]
+
+    read(ids)
+    out, stops = [], set(tok.end_of_turn_ids)
+    for q in questions:
+        logits, new = read(tok.encode(tok.chat_prompt(q)).ids), []
+        while len(new) < ASK_NEW and int(logits.argmax()) not in stops:
+            new.append(int(logits.argmax()))
+            logits = read(new[-1:])
+        out.append(tok.decode(new))
+        cache.crop(len(ids) - cache.get_seq_length())  # (a negative count: the tokens to drop)
+    return out
+
+
+def run(args):
+    state = Trials(args.state, args.command)
+    fixture = json.loads(FIXTURE.read_text())
+    heads = json.loads(Path(args.heads).read_text())["cells"]["heads"][0]
+    chosen = [tuple(lh) for lh in heads["order"][:heads["count"]]]
+    books = sorted({q["book"] for q in fixture["questions"]})
+    model, tok = load_smollm2(args.adapter)
+    bs = model.config.landmark_block_size
+    texts = {}
+    for book in books:
+        ids = encode(tok, read_text(Path(args.books) / f"{book}.txt"))[:TOKENS]
+        asked = [q for q in fixture["questions"] if q["book"] == book]
+        texts[book] = ids, asked
+        if len(state.cell(f"memory|{book}")) == len(asked):
+            continue
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            n_blocks = build(model, ids, Path(tmp) / "m")
+            with LandmarkMemory.open(Path(tmp) / "m", model, readonly=True) as m:
+                null = block_attention(m, tok, NULL, n_blocks)
+                for i, q in enumerate(asked):
+                    a, b = evidence_span(tok, ids, q["evidence"])
+                    blocks = list(range(a // bs, (b - 1) // bs + 1))
+                    att = block_attention(m, tok, q["question"], n_blocks) - null
+                    m.rewind()
+                    got = ask(m, tok, q["question"], max_new_tokens=ASK_NEW, passages=5)
+                    state.add(f"memory|{book}", {
+                        "question": q["question"], "blocks": blocks, "in_memory": max(blocks) < n_blocks,
+                        "ask_recall5": any(p.block in blocks for p in got.passages),
+                        "ask_answer": got.text.strip(), "ask_right": is_right(got.text, q["words"]),
+                        "heads_rank": pooled_rank(att, chosen, blocks)}, at=i)
+        print(f"{book}: {len(asked)} questions through memory in {time.perf_counter() - t0:.0f} s", flush=True)
+    base, tok = load_smollm2(None)
+    for book, (ids, asked) in texts.items():
+        if len(state.cell(f"base|{book}")) == len(asked):
+            continue
+        t0 = time.perf_counter()
+        for i, (q, got) in enumerate(zip(asked, answers_in_context(base, tok, ids, [q["question"] for q in asked]))):
+            state.add(f"base|{book}", {"question": q["question"], "answer": got.strip(),
+                                       "right": is_right(got, q["words"])}, at=i)
+        print(f"{book}: {len(asked)} questions in the base model's context in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+
+
+def report(args):
+    trials = Trials(args.state)
+    cells = trials.cells
+    books = sorted({k.split("|")[1] for k in cells if k.startswith("memory|")})
+    if not books:
+        return
+    heads = json.loads(Path(args.heads).read_text())["cells"]["heads"][0]
+    body = [f"Questions a reader would ask about the first {TOKENS:,} tokens of each held-out book "
+            f"(`experiments/fixtures/natural_questions.json`), asked of a memory of that text (SmolLM2 with the "
+            "shipped adapter, stage 9, at the defaults) and of the base model reading the same text whole in its "
+            "own context. recall@5: the block of the words that answer it among the 5 passages `ask` reports, or "
+            f"among the 5 blocks ranked first by the {heads['count']} retrieval heads `exp_heads.py` chose "
+            "(`experiments/results/heads.md`; their choice is not what `ask` reads, so they have no answers); right: "
+            "the answer holds the expected words.", "",
+            "| book | questions | `ask` recall@5 | `ask` right | heads recall@5 | base model right |",
+            "|---|---|---|---|---|---|"]
+    every = {"ask_recall5": [], "ask_right": [], "heads": [], "base": []}
+    for book in books:
+        rows, base = cells[f"memory|{book}"], cells.get(f"base|{book}", [])
+        cols = {"ask_recall5": [r["ask_recall5"] for r in rows], "ask_right": [r["ask_right"] for r in rows],
+                "heads": [r["heads_rank"] <= 5 for r in rows], "base": [r["right"] for r in base]}
+        for k, v in cols.items():
+            every[k] += v
+        body.append(f"| {book} | {len(rows)} | " + " | ".join(
+            f"{sum(v)}/{len(v)}" if v else "-" for v in cols.values()) + " |")
+    body.append(f"| all | {len(every['ask_right'])} | " + " | ".join(
+        f"**{sum(v)}/{len(v)} ({np.mean(v):.0%})**" if v else "-" for v in every.values()) + " |")
+    body += ["", "Each question's answers (`ask` through memory, then the base model in its own context):", ""]
+    for book in books:
+        for r, b in zip(cells[f"memory|{book}"], cells.get(f"base|{book}", [{}] * 999)):
+            body.append(f"- {r['question']} ask: {r['ask_answer']!r} ({'right' if r['ask_right'] else 'wrong'}, "
+                        f"block {'found' if r['ask_recall5'] else 'not found'}); base: {b.get('answer', '-')!r}")
+    write_result("natural_questions", "Natural questions: the answer's block and the answer, through memory and in "
+                 "context", body, results=args.results, commands=trials.commands)
+
+
+def options(ap):
+    ap.add_argument("--adapter", default=str(ROOT / ADAPTER.partition("=")[2]),
+                    help="the LoRA landmark adapter (default: the shipped one)")
+    ap.add_argument("--heads", default=str(RESULTS / "heads.json"), help="exp_heads.py's state: the heads it chose")
+
+
+def main(argv=None):
+    suite_main(__doc__, "natural_questions", "8k", run, report, argv, extra=options)
+
+
+if __name__ == "__main__":
+    main()
