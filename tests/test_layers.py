@@ -2,6 +2,7 @@
 import each other, however indirectly (imports inside functions count)."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "landmark_memory"
@@ -85,3 +86,48 @@ def test_no_module_imports_itself_through_others():
 def test_every_module_is_at_most_400_lines():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines (split them by concern): {long}"
+
+
+ROOT = PACKAGE.parent
+PY_NAME = re.compile(r"(?<![\w./-])((?:[\w-]+/)*\w+\.py)\b")
+
+
+def _named_files_missing(text: str, folder: Path) -> list[str]:
+    """The ``*.py`` names in ``text`` that name no file: a bare name must be a file somewhere in
+    the repository's code, a path a file under ``folder``, its parent, the repository or a
+    folder of the package (DESIGN.md says ``hf/convert.py`` of ``models/``)."""
+    anywhere = {p.name for top in (PACKAGE, ROOT / "experiments", ROOT / "tests") for p in top.rglob("*.py")}
+    bases = [folder, folder.parent, ROOT, PACKAGE, *(d.parent for d in PACKAGE.rglob("__init__.py"))]
+    missing = []
+    for name in PY_NAME.findall(text):
+        if "/" not in name:
+            ok = name in anywhere
+        else:
+            ok = any((base / name).is_file() for base in bases)
+        if not ok:
+            missing.append(name)
+    return missing
+
+
+def test_every_module_a_map_or_a_docstring_names_exists():
+    """Docstring maps, module docstrings and DESIGN.md name only files that exist: a map that
+    drifted from the code sends the next reader to nothing."""
+    missing = [f"docs/DESIGN.md: {n}" for n in _named_files_missing((ROOT / "docs" / "DESIGN.md").read_text(), PACKAGE)]
+    for path in modules().values():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        missing += [f"{path.relative_to(ROOT)}: {n}" for n in _named_files_missing(doc, path.parent)]
+    assert not missing, "files named that do not exist:\n" + "\n".join(missing)
+
+
+def test_each_packages_map_lists_every_module_of_its_folder():
+    """A package whose docstring is a map of its modules (one line each, ``name.py  what it
+    does``) lists all of them."""
+    unlisted = []
+    for init in PACKAGE.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        listed = set(re.findall(r"^\s+(\w+\.py)\s", doc, re.M))
+        if len(listed) < 3:  # not a map
+            continue
+        unlisted += [f"{init.parent.relative_to(ROOT)}/{f.name}" for f in sorted(init.parent.glob("*.py"))
+                     if f.name != "__init__.py" and f.name not in listed]
+    assert not unlisted, "modules a package's map leaves out:\n" + "\n".join(unlisted)

@@ -1,5 +1,5 @@
 """The layers of a converted Hugging Face model, as ``LandmarkMemory`` drives them (see
-``landmark_memory/backbone.py``): the stock modules, called one piece at a time in the order
+``models/backbone.py``): the stock modules, called one piece at a time in the order
 its family (``hf/families.py``) says."""
 
 import torch
