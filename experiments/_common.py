@@ -268,6 +268,9 @@ def machine():
     return f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}"
 
 
+# the question reader SmolLM2's adapter ships and how many of its blocks `ask` reads (``exp_reader.py``'s
+# tag of its answers in results/reader.json): the retrieval heads, 4 blocks
+SHIPPED_READER = "heads8-pin4"
 PLACEHOLDERS = {"--books": "$BOOKS", "--work": "WORK", "--baseline": "BASELINE"}  # folders of this machine
 
 

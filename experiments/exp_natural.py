@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from _attention import NULL, block_attention, pooled_rank
-from _common import ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
+from _common import SHIPPED_READER, ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
 from _texts import build, is_right
 from landmark_memory.app.build import encode
 from landmark_memory.memory import LandmarkMemory
@@ -142,14 +142,25 @@ def report(args):
             "own context. recall@5: the block of the words that answer it among the 5 passages `ask` reports, or "
             f"among the 5 blocks ranked first by the {heads['count']} retrieval heads `exp_heads.py` chose "
             "(`experiments/results/heads.md`; their choice is not what `ask` reads, so they have no answers); right: "
-            "the answer holds the expected words.", "",
-            "| book | questions | `ask` recall@5 | `ask` right | heads recall@5 | base model right |",
-            "|---|---|---|---|---|---|"]
-    every = {"ask_recall5": [], "ask_right": [], "heads": [], "base": []}
+            "the answer holds the expected words. `reader.md` (`exp_reader.py`): the 5 blocks the trained question "
+            "reader of stage 11 ranks first, and `ask` as SmolLM2's adapter now asks: reading the 4 blocks the "
+            "retrieval heads rank first (calibrated by the chat template's tokens) at every answer token, its "
+            "passages those 4 first.", "",
+            "| book | questions | `ask` recall@5 | `ask` right | heads recall@5 | stage 11 reader recall@5 | `ask` "
+            "through the heads (shipped): recall@5 | right | base model right |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    reader = Path(args.results) / "reader.json"
+    reader = json.loads(reader.read_text())["cells"] if reader.is_file() else {}
+    every = {"ask_recall5": [], "ask_right": [], "heads": [], "reader": [], "reader_ask": [], "reader_right": [],
+             "base": []}
     for book in books:
         rows, base = cells[f"memory|{book}"], cells.get(f"base|{book}", [])
+        asked = reader.get(f"natural|{book}|{SHIPPED_READER}", [])
         cols = {"ask_recall5": [r["ask_recall5"] for r in rows], "ask_right": [r["ask_right"] for r in rows],
-                "heads": [r["heads_rank"] <= 5 for r in rows], "base": [r["right"] for r in base]}
+                "heads": [r["heads_rank"] <= 5 for r in rows],
+                "reader": [r["ranks"]["reader"] <= 5 for r in reader.get(f"ranks|natural|{book}", [])],
+                "reader_ask": [r["recall5"] for r in asked], "reader_right": [r["right"] for r in asked],
+                "base": [r["right"] for r in base]}
         for k, v in cols.items():
             every[k] += v
         body.append(f"| {book} | {len(rows)} | " + " | ".join(

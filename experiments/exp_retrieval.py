@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main, write_result
+from _common import SHIPPED_READER, ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main, write_result
 from _needles import passkey_trial, ruler_trial
 from _texts import FACTS, build, haystack, held_out, is_right
 from landmark_memory.memory.answer import ask
@@ -331,7 +331,7 @@ def report(args):
             vs = f"+{sum(a and not b for a, b in pairs)} / -{sum(b and not a for a, b in pairs)}"
             cells_v.append(f"{s['recall5']:.0%} | {vs} | {rank} | {s['edge']:.0%} | {s['right']:.0%} | {s['n']}")
         body.append(f"| {v} | " + " | ".join(cells_v) + " |")
-    body += heads_rows(Path(args.results) / "heads.json", lengths, cells)
+    body += heads_rows(Path(args.results), lengths, cells)
     needles = [(p, n) for p, n in dict.fromkeys((p, int(n)) for p, n, _ in keys) if p in ("passkey", "ruler")]
     if needles:
         body += ["", "Needles at their length, the prompt up to the question read at the defaults, the question and "
@@ -395,32 +395,57 @@ def report(args):
                  results=args.results, commands=trials.commands)
 
 
-def heads_rows(state, lengths, suite):
-    """The retrieval heads' row (``exp_heads.py``'s state, if there is one): its haystacks are
-    this suite's (same books, facts and seeds), so its questions are the table's and pair with
-    k4's (``suite``: this suite's cells)."""
-    if not state.is_file():
+def heads_rows(results, lengths, suite):
+    """Rows of the retrieval heads (``exp_heads.py``'s state) and of the question reader
+    (``exp_reader.py``'s), where they exist: their haystacks are this suite's (same books, facts
+    and seeds), so their questions are the table's and pair with k4's (``suite``: this suite's
+    cells)."""
+    k4 = {n: {(r["haystack"], r["question"]): r["recall5"] for r in suite.get(f"questions|{n}|k4", [])} for n in lengths}
+    out = []
+
+    def row(label, by_length):  # by_length: n -> [((haystack, question), found, rank or None, right or None)]
+        cols = []
+        for n in lengths:
+            rows = by_length.get(n, [])
+            pairs = [(found, k4[n][q]) for q, found, _, _ in rows if q in k4[n]]
+            vs = f"+{sum(a and not b for a, b in pairs)} / -{sum(b and not a for a, b in pairs)}"
+            ranks = [r for _, _, r, _ in rows if r is not None]
+            rights = [r for _, _, _, r in rows if r is not None]
+            cols.append(f"{np.mean([f for _, f, _, _ in rows]):.0%} | {vs} | "
+                        f"{f'{np.median(ranks):.0f}' if ranks else '-'} | - | "
+                        f"{f'{np.mean(rights):.0%}' if rights else '-'} | {len(rows)}" if rows else "- | - | - | - | - | 0")
+        return f"| {label} | " + " | ".join(cols) + " |"
+
+    heads = results / "heads.json"
+    if heads.is_file() and "heads" in (cells := json.loads(heads.read_text())["cells"]):
+        count = cells["heads"][0]["count"]
+        out.append(row(f"{count} retrieval heads", {n: [((r["haystack"], r["question"]), r["ranks"][str(count)] <= 5,
+                                                       r["ranks"][str(count)], None)
+                                                      for k, rs in cells.items() if k.startswith(f"eval|{n}|")
+                                                      for r in rs] for n in lengths}))
+    reader = results / "reader.json"
+    if reader.is_file():
+        cells = json.loads(reader.read_text())["cells"]
+        out.append(row("stage 11 reader's 5 blocks", {n: [((int(k.split("|")[3]), r["question"]), r["ranks"]["reader"] <= 5,
+                                                          r["ranks"]["reader"], None) for k, rs in cells.items()
+                                                         if k.startswith(f"ranks|eval|{n}|") for r in rs]
+                                                     for n in lengths}))
+        for tag, label in ((SHIPPED_READER, "`ask` through the retrieval heads (shipped)"),
+                           ("reader30-pin4", "`ask` through the stage 11 reader")):
+            out.append(row(label, {n: [((int(k.split("|")[2]), r["question"]), r["recall5"], None, r["right"])
+                                       for k, rs in cells.items() if k.startswith(f"eval|{n}|") and k.endswith(tag)
+                                       for r in rs] for n in lengths}))
+    if not out:
         return []
-    cells = json.loads(state.read_text())["cells"]
-    if "heads" not in cells:
-        return []
-    count, cols = cells["heads"][0]["count"], []
-    for n in lengths:
-        rows = [r for k, rs in cells.items() if k.startswith(f"eval|{n}|") for r in rs]
-        k4 = {(r["haystack"], r["question"]): r["recall5"] for r in suite.get(f"questions|{n}|k4", [])}
-        pairs = [(r["ranks"][str(count)] <= 5, k4[r["haystack"], r["question"]]) for r in rows
-                 if (r["haystack"], r["question"]) in k4]
-        vs = f"+{sum(a and not b for a, b in pairs)} / -{sum(b and not a for a, b in pairs)}"
-        ranks = [r["ranks"][str(count)] for r in rows]
-        cols.append(f"{np.mean([r <= 5 for r in ranks]):.0%} | {vs} | {np.median(ranks):.0f} | - | - | {len(rows)}"
-                    if rows else "- | - | - | - | - | 0")
-    return ["", f"Retrieval heads, training-free (`exp_heads.py`, `heads.md`): the question's own tokens' landmark "
-            f"attention of the {count} heads chosen on development questions, calibrated by a content-free question; "
-            "the blocks it ranks first are not what `ask` reads, so it has no answers. Its haystacks are this table's "
+    return ["", "Retrieval heads, training-free (`exp_heads.py`, `heads.md`: the question's own tokens' landmark "
+            "attention of the heads chosen on development questions, calibrated by a content-free question), and the "
+            "question reader of stage 11 (`exp_reader.py`, `reader.md`: a trained retrieval query of every layer, "
+            "calibrated by the chat template's tokens): the blocks each ranks first, and `ask` reading the 4 blocks the "
+            "heads (calibrated by the template's tokens: what SmolLM2's adapter ships) or the reader rank first at "
+            "every answer token (its passages: those 4 first). Their haystacks are this table's "
             f"({' and '.join(f'{n // 1024}K' for n in lengths)} on its first haystacks).", "",
             "| variant | " + " | ".join(f"{n // 1024}K recall@5 | vs k4 | rank | edge | right | n" for n in lengths)
-            + " |", "|---|" + "---|---|---|---|---|---|" * len(lengths),
-            f"| {count} retrieval heads | " + " | ".join(cols) + " |"]
+            + " |", "|---|" + "---|---|---|---|---|---|" * len(lengths), *out]
 
 
 def verdict(cells, got, names, lengths):

@@ -7,7 +7,8 @@ import torch
 from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.key_sums import KeySums
-from landmark_memory.memory.retrieval import block_positions, select_blocks, top_k_stingy, with_forced
+from landmark_memory.memory.retrieval import (block_positions, select_blocks, top_k_stingy, with_forced,
+                                              with_pinned)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,60 @@ def test_compiled_stingy_top_k_with_forced_blocks_equals_select_then_append_then
     ref = with_forced(select_blocks(S, I, 0, nb, top_k, "per_token_head"), forced, W)
     assert torch.equal(ids, ref)
     assert torch.equal(pos, block_positions(ref, nb, W, 7, "stingy"))
+
+
+@pytest.mark.parametrize("nb,top_k,m,pinned", [(40, 4, 4, [3, 20]), (40, 4, 6, [36, 2, 11, 30]), (6, 2, 2, [1]),
+                                               (20, 3, 5, [])])
+def test_compiled_stingy_top_k_with_pinned_blocks_equals_pinned_then_the_best_others(nb, top_k, m, pinned):
+    g = torch.Generator().manual_seed(nb + m + len(pinned))
+    B, H, Tq = 2, 3, 5
+    forced, pinned = torch.tensor([0]), torch.tensor(pinned, dtype=torch.long)
+    W = top_k + 2
+    candidates = torch.arange(1, nb)
+    recent = candidates[candidates >= nb - W]
+    old = candidates[candidates < nb - W]
+    S_recent = torch.randn(B, H, Tq, len(recent), generator=g)
+    I_old = torch.stack([old[torch.randperm(len(old), generator=g)[:m]] for _ in range(B * H * Tq)]).view(B, H, Tq, -1)
+    I_old[0, 0, 0, 0] = pinned[0] if len(pinned) else I_old[0, 0, 0, 0]  # a pinned block among the index's results
+    S_old = torch.randn(I_old.shape, generator=g)
+    S_old[0, 0, 0, 0] = 99.0  # the best score of all: still not chosen twice
+    ids, pos = top_k_stingy(S_old.numpy(), I_old.numpy(), S_recent, recent, nb, top_k, 7, forced.numpy(), W,
+                            pinned.numpy())
+    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, Tq, -1)], -1)
+    S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
+    ref = with_forced(with_pinned(select_blocks(S, I, 0, nb, top_k - len(pinned), "per_token_head"), pinned), forced, W)
+    assert torch.equal(ids, ref)
+    assert torch.equal(pos, block_positions(ref, nb, W, 7, "stingy"))
+    for row in ids.view(-1, W).tolist():  # each block once
+        assert len([b for b in row if b >= 0]) == len({b for b in row if b >= 0})
+
+
+@pytest.mark.parametrize("mapping", ["stingy", "exact"])
+@pytest.mark.parametrize("retrieval", ["per_token_head", "per_head"])
+def test_pinned_blocks_are_read_first_by_every_query_and_the_rest_chosen_among_the_others(model, text, mapping,
+                                                                                           retrieval):
+    mem = LandmarkMemory(model, top_k=3, sink_blocks=1, chunk_size=10, position_mapping=mapping, retrieval=retrieval)
+    mem.forward(text[:, :60])  # 12 blocks in memory
+    tables = reads(mem)
+    with mem.reading([7, 2]):
+        out = mem.forward(text[:, 60:])
+    for ids in tables:
+        assert (ids[..., :2] == torch.tensor([7, 2])).all() and (ids[..., 3] == 0).all()
+        assert not torch.isin(ids[..., 2], torch.tensor([7, 2, 0])).any()
+    for ids in out.retrieved:  # a forward reports the pinned blocks among what its queries read
+        assert (ids[..., :2] == torch.tensor([7, 2])).all()
+    tables.clear()
+    mem.forward(text[:, :5])  # outside the with block: the queries choose freely again
+    assert any(not (ids[..., :2] == torch.tensor([7, 2])).all() for ids in tables)
+
+
+@pytest.mark.parametrize("blocks", [[1, 2, 3, 4], [2, 2], [12], [-1]])
+def test_reading_refuses_more_blocks_than_top_k_repeated_ones_or_blocks_outside_the_memory(model, text, blocks):
+    mem = LandmarkMemory(model, top_k=3, chunk_size=10)
+    mem.forward(text[:, :60])
+    with pytest.raises(ValueError, match="at most top_k=3 distinct blocks of the memory's 12"):
+        with mem.reading(blocks):
+            pass
 
 
 def test_centred_choice_is_the_top_k_of_scores_against_keys_less_their_mean(model, text):

@@ -62,7 +62,9 @@ def test_the_shipped_adapter_is_small_and_changes_the_converted_model(landmark, 
     emb, plain_emb = model.get_input_embeddings().weight, plain.get_input_embeddings().weight
     assert not torch.equal(emb[lm], plain_emb[lm]) and torch.equal(emb[:lm], plain_emb[:lm])  # one row trained
     assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()  # still tied
-    assert model.ask_policy == AskPolicy(centre=True, deep_passages=True)  # as measured for it
+    assert model.ask_policy == AskPolicy(centre=True, deep_passages=True, reader_blocks=4)  # as measured for it
+    reader, calibration = model.question_reader  # the retrieval heads (results/reader.md): no trained correction
+    assert calibration == "template" and reader.config.rank == 0 and (reader.mix.softmax(0) > 0.1).sum() == 8
 
 
 def test_the_landmark_model_reads_a_book_through_memory_and_generates(landmark, passage):

@@ -20,6 +20,7 @@ import torch
 
 from ..core.names import MAX_TURN_CHARS
 from ..models.config import AskPolicy
+from ..models.reader import QuestionReader, head_attention
 from .engine import LandmarkMemory
 from .manifest import MemoryFileError
 from .session import Session
@@ -149,7 +150,10 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
 
     The passages are ranked by the lookups of every layer, or of the deeper half of them where
     the model's ``AskPolicy`` says so (SmolLM2's first layers' choices say little of the
-    question: ``experiments/results/retrieval.md``).
+    question: ``experiments/results/retrieval.md``). A model with a question reader whose
+    policy asks for ``reader_blocks`` (SmolLM2's stage 11) reads a chat prompt first, ranks the
+    memory's blocks by the reader (``point``), and every token of the answer reads the best of
+    them as the first of its top-k (``LandmarkMemory.reading``): those are the first passages.
     """
     check_messages(messages, seed=seed, stop=stop)
     policy = getattr(mem.model, "ask_policy", None) or AskPolicy()
@@ -176,13 +180,22 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         text = tokenizer.decode([t for t in tokens if t not in stops])
         return any(s in text for s in stop)
 
-    ids = tokenizer.encode(prompt).ids
+    encoded = tokenizer.encode(prompt)
+    ids, rest = encoded.ids, encoded.ids
+    reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
+    pointed = []
+    if reader is not None and n_saved and len(ids) > 1:  # the reader reads the prompt (as it was trained: the
+        own = question_tokens(encoded.offsets[:-1], prompt, question)  # memory's own options), the answer its blocks
+        pointed = [b for b, _ in point(mem, *reader, ids[:-1], own, min(policy.reader_blocks, mem.options.top_k))]
+        rest = ids[-1:]
     with mem.querying(centre=True) if centre else nullcontext():
-        new = mem.generate(torch.tensor([ids], device=mem.device), max_new_tokens, temperature=temperature,
-                           generator=torch.Generator().manual_seed(seed), stop_ids=stops,
-                           until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
+        with mem.reading(pointed):
+            new = mem.generate(torch.tensor([rest], device=mem.device), max_new_tokens, temperature=temperature,
+                               generator=torch.Generator().manual_seed(seed), stop_ids=stops,
+                               until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
     total = sum(uses.values()) or 1
-    most_read = [passage(mem, b, tokenizer, n / total) for b, n in uses.most_common(passages)]
+    ranked = pointed + [b for b, _ in uses.most_common() if b not in pointed]  # the reader's blocks first
+    most_read = [passage(mem, b, tokenizer, uses[b] / total) for b in ranked[:passages]]
     answer = new[:-1] if new and new[-1] in stops else new
     text, cut = tokenizer.decode(answer), None
     hits = [(text.find(s), s) for s in stop if s in text]
@@ -191,6 +204,55 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         text = text[:at]
     return Answer(question, text, answer, chat is not None, most_read, n_tokens, cut, prompt_tokens=len(ids),
                   end_of_turn=new[-1] if new and new[-1] in stops else None)
+
+
+@torch.no_grad()
+def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own: list[int],
+          k: int) -> list[tuple[int, float]]:
+    """Read ``prompt`` (token ids: a question at the positions ``own``, the chat template's
+    tokens around it) into the memory ``mem`` and rank the blocks the memory held before it by
+    ``reader``: the best ``k`` as (block, score), best first.
+
+    Every block's landmark key of every memory layer is scored (a layer at a time: the cost
+    grows with the memory's blocks, about a second for 40,000 of SmolLM2's)."""
+    n, c = mem.n_blocks, reader.config
+    got = [[] for _ in range(mem.shape.n_layer)]
+
+    def observe(layer, h, q, at_search, normal):  # the step's normal rows, stream 0
+        cos, sin = at_search
+        got[layer].append((q[0][:, normal].float(), h[0][normal].float(), cos[normal].float(), sin[normal].float()))
+
+    mem.observer = observe
+    try:
+        mem.forward(torch.tensor([prompt], device=mem.device), logits="none")
+    finally:
+        mem.observer = None
+    if n == 0 or not own:
+        return []
+    mine = torch.zeros(1, 1, len(prompt))
+    mine[..., own] = 1.0
+    theirs = (1 - mine) / max(len(prompt) - len(own), 1)  # the template's tokens (the calibration)
+    mine /= len(own)
+    mix = reader.mix.softmax(0).view(c.n_layer, c.n_kv_head)
+    total = torch.zeros(n)
+    for layer, steps in enumerate(got):
+        q, h, cos, sin = (torch.cat(parts, -2).cpu() for parts in zip(*steps))  # (H, T, D), (T, C), (T, D) x 2
+        keys = mem.blocks.landmark_keys(layer, torch.arange(n))[0].float().cpu()[None]  # (1, H_kv, n, D)
+        a = reader.attention(q[None, None], h[None, None], cos[None], sin[None], mine, keys, mem.backbone.scale,
+                             layers=[layer])[0, 0]  # (H_kv, n)
+        if calibration == "template":
+            a = a - head_attention(q[None, None], cos[None], sin[None], theirs, keys, mem.backbone.scale)[0, 0]
+        total += (mix[layer, :, None] * a).sum(0)
+    top = total.topk(min(k, n))
+    return list(zip(top.indices.tolist(), top.values.tolist()))
+
+
+def question_tokens(offsets: Sequence[tuple[int, int]], prompt: str, question: str) -> list[int]:
+    """The positions of the prompt's tokens (their character ``offsets``) that are the
+    question's own: the last place the prompt holds its text."""
+    start = prompt.rfind(question)
+    end = start + len(question)
+    return [i for i, (a, b) in enumerate(offsets) if start >= 0 and start <= a < b <= end]
 
 
 def check_messages(messages: Sequence[Message], *, seed: int = 0, stop: Sequence[str] = ()) -> None:

@@ -13,7 +13,7 @@ chunk early; chunks after it count from there. ``SavedMemory`` (saved.py) is the
 (commit, open, close), ``BlockLookup`` (lookup.py) the half that chooses the blocks.
 """
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,6 +106,10 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
         self._window_angles = None  # the sliding-window layers' rope.angles at positions 0, 1, ... of their windows
         self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
+        self._pinned = np.zeros(0, np.int64)  # blocks every query reads first among its top-k (``reading``)
+        # called at each memory layer of a step with (memory layer, the layer's input (B, Tq, C), raw queries
+        # (B, H, Tq, D), at_search angles, the step's normal rows): what a question reader reads (``reader.py``)
+        self.observer: Callable | None = None
         self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
         self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
@@ -255,6 +259,23 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         finally:
             self._use(own)
 
+    @contextmanager
+    def reading(self, blocks: Sequence[int]):
+        """Every query fed inside the ``with`` block reads the memory blocks ``blocks`` (at most
+        ``top_k``) as the first of its top-k and chooses the rest among the other blocks by its
+        landmark scores: a question's evidence, chosen by a reader (``memory/reader.py``), read
+        by every token of its answer at every layer. A sink or local block is read anyway."""
+        ids = np.array([int(b) for b in blocks], np.int64)
+        if len(ids) > self.options.top_k or len(set(ids.tolist())) < len(ids) or \
+                ((ids < 0) | (ids >= self.n_blocks)).any():
+            raise ValueError(f"reading takes at most top_k={self.options.top_k} distinct blocks of the memory's "
+                             f"{self.n_blocks}, got {ids.tolist()}")
+        own, self._pinned = self._pinned, ids
+        try:
+            yield self
+        finally:
+            self._pinned = own
+
     def _use(self, options: MemoryOptions) -> None:
         if options != self.options:  # what the caches hold depends on the options
             self.options, self._forced = options, None
@@ -299,6 +320,8 @@ class LandmarkMemory(SavedMemory, BlockLookup):
                 continue
             m = self.memory_layer[layer]
             qr, kr = self.rope.rotate(at_q, q, k)
+            if self.observer is not None:
+                self.observer(m, h, q, at_search, normal)
             if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
                 pk, pkr, pv = self.pending_kv[m]
                 k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)

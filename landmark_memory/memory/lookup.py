@@ -6,14 +6,14 @@ chosen blocks sit. Everything here needs the attributes ``LandmarkMemory._setup`
 import numpy as np
 import torch
 
-from .retrieval import block_positions, recent_slots, select_blocks, top_k_stingy, with_forced
+from .retrieval import block_positions, recent_slots, select_blocks, top_k_stingy, with_forced, with_pinned
 
 
 class BlockLookup:
     def _retrieve(self, layer, q, qr, at_search, skip=None):
-        """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` chosen
-        first, then the sink and local blocks every query reads; and the positions their first
-        rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries ``q``
+        """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` (the pinned
+        blocks, ``LandmarkMemory.reading``, then its own choice), then the sink and local
+        blocks every query reads; and the positions their first rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries ``q``
         search older blocks from; ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
@@ -30,6 +30,9 @@ class BlockLookup:
             ids = np.array(sorted({*range(lo, c_lo), *range(c_hi, nb)}), np.int64)
             self._forced = (lo, nb), ids, torch.from_numpy(ids).to(self.device)
         _, forced_np, forced = self._forced
+        pinned_np = self._pinned[(self._pinned >= c_lo) & (self._pinned < c_hi)]  # a sink or local block is read anyway
+        pinned = torch.from_numpy(pinned_np).to(self.device)
+        own_k = K - len(pinned_np)
         stats = self.retrieval_stats
         stats.queries += B * H * Tq
         if skip is not None:
@@ -48,6 +51,7 @@ class BlockLookup:
         if o.position_mapping == "exact":
             ids = torch.arange(c_lo, c_hi, device=self.device)
             S = (qr @ rope(landmarks(ids), ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
+            S[..., pinned - c_lo] = float("-inf")
             I = ids.expand(B, H, Tq, -1)
         else:
             first = min(max(c_lo, nb - W), c_hi)  # the latest candidates, scored exactly at their own slots
@@ -72,12 +76,13 @@ class BlockLookup:
             if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
-                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W)
+                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W, pinned_np)
             S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype), S], -1)
             I = torch.cat([torch.from_numpy(I_old).to(self.device), recent.expand(B, H, Tq, -1)], -1)
+            S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
-        ids = with_forced(select_blocks(S, I, c_lo, max(c_lo, c_hi), K, o.retrieval), forced, W)
+        ids = with_forced(with_pinned(select_blocks(S, I, c_lo, max(c_lo, c_hi), own_k, o.retrieval), pinned), forced, W)
         if skip is not None:  # shared selections (per head, per token) and forced blocks must not reach skipped queries
             ids = ids.masked_fill(skip[..., None], -1)
         return ids, block_positions(ids, nb, W, L, o.position_mapping)

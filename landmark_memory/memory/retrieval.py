@@ -92,11 +92,18 @@ def with_forced(ids: torch.Tensor, forced: torch.Tensor, width: int) -> torch.Te
     return out
 
 
+def with_pinned(ids: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """The ``pinned`` blocks (int64 (p,)) every query reads first, then its chosen ``ids``
+    (B, H, T_q, k), none of them pinned."""
+    return torch.cat([pinned.to(ids.device).expand(*ids.shape[:-1], -1), ids], -1)
+
+
 def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, recent: torch.Tensor, nb: int,
-                 top_k: int, L: int, forced: np.ndarray | None = None,
-                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_blocks(..., "per_token_head")``, ``with_forced`` and ``block_positions(...,
-    "stingy")`` in one compiled pass over CPU rows, from the two candidate sets a stingy step has.
+                 top_k: int, L: int, forced: np.ndarray | None = None, window: int | None = None,
+                 pinned: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``with_pinned``, ``select_blocks(..., "per_token_head")``, ``with_forced`` and
+    ``block_positions(..., "stingy")`` in one compiled pass over CPU rows, from the two candidate
+    sets a stingy step has.
 
     Parameters
     ----------
@@ -107,6 +114,8 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
     forced : int64 (f,), blocks every query reads after its ``top_k`` (none of them a candidate).
     window : the blocks a query reads, ``top_k + f`` or more (default ``top_k``): the stingy
         window and the width of the result.
+    pinned : int64 (p,), p <= top_k, blocks every query reads as the first of its ``top_k``
+        (none of them forced); the query chooses ``top_k - p`` among the other candidates.
 
     Returns
     -------
@@ -115,25 +124,33 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
     """
     B, H, Tq, _ = S_recent.shape
     forced = np.zeros(0, np.int64) if forced is None else forced
+    pinned = np.zeros(0, np.int64) if pinned is None else pinned
     window = top_k if window is None else window
     ids, slots = (torch.empty((B, H, Tq, window), dtype=torch.long) for _ in range(2))
     _top_k_stingy_rows(S_old.reshape(B * H * Tq, -1), I_old.reshape(B * H * Tq, -1),
-                       S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k, forced,
+                       S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k, forced, pinned,
                        ids.view(-1, window).numpy(), slots.view(-1, window).numpy())
     return ids, slots * L
 
 
 @njit
-def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, forced, ids, slots):
-    """Per row: the ``top_k`` best of the old candidates, then the new ones (the first of
-    equal scores wins; -inf never does), then the forced blocks, -1 to the row's end, then
-    their stingy slots. Nothing is allocated per row: a chunk has thousands."""
-    m, M, window = S_old.shape[1], S_old.shape[1] + len(I_new), ids.shape[1]
+def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, forced, pinned, ids, slots):
+    """Per row: the pinned blocks, then the ``top_k`` - p best of the old candidates and the
+    new ones that are not pinned (the first of equal scores wins; -inf never does), then the
+    forced blocks, -1 to the row's end, then their stingy slots. Nothing is allocated per row:
+    a chunk has thousands."""
+    m, M, window, p = S_old.shape[1], S_old.shape[1] + len(I_new), ids.shape[1], len(pinned)
     taken = np.zeros(M, np.bool_)
     order = np.empty(window, np.int64)
     for n in range(S_old.shape[0]):
         taken[:] = False
-        for j in range(top_k):
+        for c in range(M if p else 0):  # a pinned block is no candidate
+            b = I_old[n, c] if c < m else I_new[c - m]
+            for j in range(p):
+                taken[c] |= b == pinned[j]
+        for j in range(p):
+            ids[n, j] = pinned[j]
+        for j in range(p, top_k):
             best, arg = -np.inf, -1
             for c in range(M):
                 s = S_old[n, c] if c < m else S_new[n, c - m]

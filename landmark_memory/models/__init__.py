@@ -1,3 +1,4 @@
 """The models a memory reads with: LandmarkGPT (``model.py``, ``config.py``), the Infini-attention
-baseline, the layer pieces a memory drives (``backbone.py``), Hugging Face families (``hf/``) and
-which kind a name or folder holds (``kinds.py``)."""
+baseline, the layer pieces a memory drives (``backbone.py``), Hugging Face families (``hf/``),
+which kind a name or folder holds (``kinds.py``) and the question reader ``ask`` points a
+question at its blocks with (``reader.py``)."""

@@ -13,17 +13,23 @@ class AskPolicy:
     """How ``memory.answer.ask`` reads a question through a memory for one model, as measured
     for it (``experiments/results/retrieval.md``): ``centre``, the question and its answer
     choose blocks by centred landmark scores; ``deep_passages``, the passages are ranked by
-    the lookups of the deeper half of the layers. A model says so as its ``ask_policy``
-    attribute (a landmark adapter in its ``landmark.json``); the default changes nothing."""
+    the lookups of the deeper half of the layers; ``reader_blocks``, how many of the blocks
+    the model's question reader (``models/reader.py``, in the adapter's folder) ranks first
+    every token of the answer reads, and the passages name first (0: no reader). A model says
+    so as its ``ask_policy`` attribute (a landmark adapter in its ``landmark.json``); the
+    default changes nothing."""
 
     centre: bool = False
     deep_passages: bool = False
+    reader_blocks: int = 0
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "AskPolicy":
-        names = {f.name for f in fields(cls)}
-        if not isinstance(d, dict) or set(d) - names or not all(isinstance(v, bool) for v in d.values()):
-            raise ValueError(f"{where}: 'ask' must map some of {sorted(names)} to true or false, got {d!r}")
+        types = {f.name: type(f.default) for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) - set(types) or any(
+                type(v) is not types[k] or isinstance(v, int) and not 0 <= v <= 64 for k, v in d.items()):
+            raise ValueError(f"{where}: 'ask' must map some of centre and deep_passages to true or false and "
+                             f"reader_blocks to a count from 0 to 64, got {d!r}")
         return cls(**d)
 
 

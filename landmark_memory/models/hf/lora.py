@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 from ..config import AskPolicy
+from ..reader import READER_FILE, load_reader
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's
 LANDMARK_FILE = "landmark.json"
@@ -52,7 +53,27 @@ def apply_adapter(model, adapter: str | Path, trainable: bool = False):
         return model
     model = model.merge_and_unload()
     model.ask_policy = AskPolicy.from_dict(adapter_settings(adapter).get("ask", {}), str(Path(adapter) / LANDMARK_FILE))
+    model.question_reader = question_reader(model, adapter)
     return model
+
+
+def question_reader(model, adapter: str | Path):
+    """The adapter's question reader and its calibration (``models/reader.py``), or None where
+    its ``landmark.json`` asks for none; ``ValueError`` for one that is missing or is another
+    model's."""
+    n, path = model.ask_policy.reader_blocks, Path(adapter) / READER_FILE
+    if not n:
+        return None
+    if not path.is_file():
+        raise ValueError(f"{Path(adapter) / LANDMARK_FILE} asks for {n} blocks of a question reader, but {path} "
+                         "is missing: restore it, or set reader_blocks to 0 to answer without one")
+    reader, calibration = load_reader(path)
+    c, cfg = reader.config, model.config
+    want = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size)
+    if (c.n_layer, c.n_head, c.n_kv_head, c.n_embd) != want:
+        raise ValueError(f"{path} reads a model of (layers, heads, key/value heads, width) "
+                         f"{(c.n_layer, c.n_head, c.n_kv_head, c.n_embd)}, this one has {want}")
+    return reader, calibration
 
 
 def write_settings(folder: str | Path, block_size: int) -> None:

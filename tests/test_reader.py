@@ -1,0 +1,168 @@
+"""The question reader: its block ranking against a loop over layers, heads, tokens and blocks;
+its file; ``ask`` reading its blocks and naming them first."""
+
+import pytest
+import torch
+
+from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory, ask, load_tokenizer
+from landmark_memory.core.layout import landmarked_length
+from landmark_memory.memory.answer import point
+from landmark_memory.models.config import AskPolicy
+from landmark_memory.models.hf.lora import question_reader
+from landmark_memory.models.reader import QuestionReader, ReaderConfig, load_reader, save_reader
+
+BS = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=BS, landmark_id=1)
+    return LandmarkGPT(cfg).eval()
+
+
+def random_reader(layers, heads, dim, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    reader = QuestionReader(ReaderConfig(n_layer=layers, n_head=heads, n_kv_head=heads, head_dim=dim, n_embd=width,
+                                         rank=3))
+    with torch.no_grad():  # trained-looking: queries corrected, heads mixed unevenly
+        reader.B.copy_(torch.randn(reader.B.shape, generator=g) * 0.3)
+        reader.mix.copy_(torch.randn(reader.mix.shape, generator=g))
+    return reader
+
+
+def recorded(mem, prompt):
+    """What each prompt token searches with, taken apart from the engine: per layer its input
+    h, raw query and search angles, at the rows of the steps that are no landmarks."""
+    got, P = {}, mem.pending_count
+    retrieve, qkv = mem._retrieve, mem.backbone.qkv
+    step = []
+
+    def rec_qkv(layer, h):
+        step.append(h)
+        return qkv(layer, h)
+
+    def rec(layer, q, qr, at_search, *a):
+        h = step.pop()
+        p0 = landmarked_length(mem.pending_count, BS)
+        rows = [r for r in range(q.shape[2]) if (p0 + r + 1) % (BS + 1)]  # every (BS + 1)-th row is a landmark
+        got.setdefault(layer, []).append((h[0, rows], q[0][:, rows], at_search[0][rows], at_search[1][rows]))
+        return retrieve(layer, q, qr, at_search, *a)
+
+    mem._retrieve, mem.backbone.qkv = rec, rec_qkv
+    try:
+        mem.forward(torch.tensor([prompt]), logits="none")
+    finally:
+        del mem._retrieve, mem.backbone.qkv
+    assert P + len(prompt) > mem.options.chunk_size  # the prompt crossed a chunk: two steps
+    return {layer: [torch.cat(parts, -2) for parts in zip(*steps)] for layer, steps in got.items()}
+
+
+def loop_scores(mem, reader, states, n, own, calibration):
+    """Per block: the mixed attention of the question's tokens less the template's, a loop."""
+    c, w = reader.config, reader.mix.softmax(0).view(reader.config.n_layer, -1)
+    total = torch.zeros(n)
+    for layer, (h, q, cos, sin) in states.items():
+        keys = mem.blocks.landmark_keys(layer, torch.arange(n))[0]  # (H, n, D)
+        A, B = reader.A[layer], reader.B[layer]
+        T = q.shape[1]
+        template = [t for t in range(T) if t not in own]
+        for head in range(c.n_head):
+            mine, theirs = torch.zeros(n), torch.zeros(n)
+            for t in range(T):
+                x = h[t] / h[t].pow(2).mean().add(1e-6).sqrt()
+                qt = q[head, t] + (B @ (A @ x)).view(c.n_head, c.head_dim)[head] if t in own else q[head, t]
+                qt = mem.rope.rotate((cos[t:t + 1], sin[t:t + 1]), qt[None])[0]  # the template's: the model's own
+                a = torch.softmax(torch.stack([qt @ keys[head, b] for b in range(n)]) * mem.backbone.scale, 0)
+                if t in own:
+                    mine += a / len(own)
+                else:
+                    theirs += a / len(template)
+            total += w[layer, head] * (mine - (theirs if calibration == "template" else 0))
+    return total
+
+
+@pytest.mark.parametrize("calibration", ["template", "none"])
+def test_point_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model, calibration):
+    text = torch.randint(4, 64, (1, 62), generator=torch.Generator().manual_seed(1))  # 12 blocks, 2 pending
+    prompt = torch.randint(4, 64, (14,), generator=torch.Generator().manual_seed(2)).tolist()
+    reader = random_reader(2, 2, 16, 32)
+    own = list(range(3, 9))
+    with torch.no_grad():
+        ref_mem = LandmarkMemory(model, top_k=2, chunk_size=10)
+        ref_mem.forward(text)
+        want = loop_scores(ref_mem, reader, recorded(ref_mem, prompt), 12, own, calibration)
+        mem = LandmarkMemory(model, top_k=2, chunk_size=10)
+        mem.forward(text)
+        got = point(mem, reader, calibration, prompt, own, 5)
+    top = want.topk(5)
+    assert [b for b, _ in got] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([s for _, s in got]), top.values, rtol=1e-4, atol=1e-6)
+    assert mem.n_tokens == ref_mem.n_tokens  # the prompt was read into memory
+
+
+def test_a_reader_file_round_trips_and_a_damaged_one_is_refused_in_one_line(tmp_path):
+    reader = random_reader(2, 2, 16, 32)
+    save_reader(reader, tmp_path / "r.safetensors", "template")
+    back, calibration = load_reader(tmp_path / "r.safetensors")
+    assert calibration == "template" and back.config == reader.config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), reader.state_dict().values()))
+    (tmp_path / "bad.safetensors").write_bytes((tmp_path / "r.safetensors").read_bytes()[:300])
+    with pytest.raises(ValueError, match="not a question reader .* remove it to answer without one"):
+        load_reader(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        save_reader(reader, tmp_path / "x.safetensors", "null")
+
+
+class Settings:
+    num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 2, 2, 2, 32
+
+
+def test_an_adapter_whose_reader_is_missing_or_reads_another_model_is_refused(tmp_path):
+    class Model:
+        ask_policy, config = AskPolicy(reader_blocks=2), Settings()
+
+    with pytest.raises(ValueError, match="asks for 2 blocks of a question reader, but .* is missing"):
+        question_reader(Model(), tmp_path)
+    save_reader(random_reader(3, 2, 16, 32), tmp_path / "reader.safetensors", "none")
+    with pytest.raises(ValueError, match=r"reads a model of .* \(3, 2, 2, 32\), this one has \(2, 2, 2, 32\)"):
+        question_reader(Model(), tmp_path)
+    Model.ask_policy = AskPolicy()
+    assert question_reader(Model(), tmp_path) is None
+    with pytest.raises(ValueError, match="reader_blocks to a count from 0 to 64"):
+        AskPolicy.from_dict({"reader_blocks": True}, "landmark.json")
+    assert AskPolicy.from_dict({"reader_blocks": 3}, "x").reader_blocks == 3
+
+
+class ChatTokenizer:
+    """The shipped tokenizer with a chat template of one line."""
+
+    def __init__(self):
+        self.tok, self.end_of_turn_ids = load_tokenizer(), ()
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def chat_text(self, messages, *, first, answer):
+        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + ("assistant:" if answer else "")
+
+
+def test_ask_through_a_reader_reads_its_blocks_at_every_answer_token_and_names_them_first(corpus):
+    model, tok, question = LandmarkGPT.from_pretrained(), ChatTokenizer(), "Who found the treasure map?"
+    c = model.config
+    reader = random_reader(c.n_layer, c.n_head, c.head_dim, c.n_embd, seed=3)
+    model.ask_policy, model.question_reader = AskPolicy(reader_blocks=2), (reader, "template")
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        got = ask(mem, tok, question, max_new_tokens=5, passages=4)
+        mem.rewind()
+        prompt = tok.chat_text([{"role": "user", "content": question}], first=True, answer=True)
+        enc = tok.encode(prompt)
+        own = [i for i, (a, b) in enumerate(enc.offsets) if prompt.index(question) <= a < b <= prompt.index("\nassistant")]
+        chosen = [b for b, _ in point(mem, reader, "template", enc.ids[:-1], own, 2)]
+        seen = []
+        with mem.reading(chosen):
+            mem.generate(torch.tensor([enc.ids[-1:]]), 5, on_read=seen.append)
+    assert [p.block for p in got.passages[:2]] == chosen and len(got.passages) == 4
+    for retrieved in seen:  # every layer of every answer position read the reader's blocks first
+        for r in retrieved:
+            assert (r[..., :2] == torch.tensor(chosen)).all()
