@@ -54,8 +54,8 @@ def test_shared_selections_rank_by_the_best_softmaxed_score(retrieval):
 
 
 def test_chunk_base_sits_after_the_stingy_slots_or_every_block():
-    assert chunk_base(n_blocks=9, top_k=3, L=6, mapping="stingy") == 24
-    assert chunk_base(n_blocks=9, top_k=3, L=6, mapping="exact") == 54
+    assert chunk_base(n_blocks=9, window=3, L=6, mapping="stingy") == 24
+    assert chunk_base(n_blocks=9, window=3, L=6, mapping="exact") == 54
 
 
 def test_query_options_change_on_reopen_and_structural_ones_do_not():

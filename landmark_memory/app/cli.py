@@ -22,7 +22,7 @@ from ..memory.session_files import delete_session, list_sessions
 from ..models.kinds import backbone_for, is_landmark, load_model, model_name, reading_mode
 from ..models.model import BUNDLED_MODEL
 from .build import build, encode, read_inputs
-from .cli_args import parser
+from .cli_args import given, parser
 from .distributed import RayReader, WorkerError
 from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 
@@ -41,12 +41,9 @@ def memory_options(args, model) -> MemoryOptions:
     """The memory's options from the command line, what it leaves out the defaults (the chunk
     size resolved for ``model``)."""
     chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
-    given = {"top_k": args.top_k, "index": args.index, "retrieval": args.retrieval,
-             "position_mapping": args.position_mapping, "cmt_cutoff": getattr(args, "cmt_cutoff", None),
-             "store_dtype": args.store_dtype}
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
-    return MemoryOptions.of(**{k: v for k, v in given.items() if v is not None}, chunk_size=chunk,
-                            index_options=index_options)
+    return MemoryOptions.of(**given(args, "top_k", "index", "retrieval", "position_mapping", "cmt_cutoff", "store_dtype"),
+                            chunk_size=chunk, index_options=index_options)
 
 
 def read_one_text(path):
@@ -83,8 +80,8 @@ def cmd_build(args):
                              "for ask)")
         was = {**{k: getattr(saved.options, k) for k in fixed}, "block_size": saved.model.shape.block_size,
                "train_size": saved.options.index_options.get("train_size")}
-        given = {**fixed, "block_size": args.block_size, "train_size": args.train_size}
-        changed = [k for k, v in given.items() if v and v != was[k]]
+        asked = {**fixed, "block_size": args.block_size, "train_size": args.train_size}
+        changed = [k for k, v in asked.items() if v and v != was[k]]
         if changed:
             raise UsageError(f"{path} was built with " + ", ".join(f"{k}={was[k]}" for k in changed)
                              + "; these cannot change: drop the flags or build a new memory")
@@ -96,11 +93,11 @@ def cmd_build(args):
         if args.workers:
             reader.check_reaches(path)
         if saved is not None:
-            mem = LandmarkMemory.open(path, model, **({"top_k": args.top_k} if args.top_k else {}))
+            mem = LandmarkMemory.open(path, model, **given(args, "top_k"))
         else:
-            given = {**fixed, "store": args.store or "lmdb", "top_k": args.top_k,
-                     "index_options": {"train_size": args.train_size} if args.train_size else None}
-            mem = LandmarkMemory(model, MemoryOptions.of(**{k: v for k, v in given.items() if v is not None}),
+            settings = {**fixed, "store": args.store or "lmdb", "top_k": args.top_k,
+                        "index_options": {"train_size": args.train_size} if args.train_size else None}
+            mem = LandmarkMemory(model, MemoryOptions.of(**{k: v for k, v in settings.items() if v is not None}),
                                  path=path, documents=True)
         try:
             summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,
@@ -166,8 +163,7 @@ def cmd_verify(args):
 def cmd_ask(args):
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
-    query = {k: v for k, v in (("top_k", args.top_k), ("cmt_cutoff", args.cmt_cutoff)) if v is not None}
-    with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
+    with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k", "cmt_cutoff")) as mem:
         answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      seed=args.seed, raw=args.raw, passages=args.passages)
     doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
@@ -186,8 +182,7 @@ def cmd_chat(args):
 
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
-    query = {"top_k": args.top_k} if args.top_k is not None else {}
-    with LandmarkMemory.open(args.memory, model, readonly=True, **query) as mem:
+    with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k")) as mem:
         with Session.open(mem, args.session) as session:
             if args.session is None:
                 print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)

@@ -58,9 +58,22 @@ def add_model_args(p):
 CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
 
 
+def add_top_k(p, default=None, new=False):
+    """``--top-k``, declared here alone: ``default`` a number, or None (left out: the memory's own
+    top-k; ``new``: a new memory's is the library's default)."""
+    said = f"default {default}" if default else f"default: the memory's{f'; a new one {DEFAULT_TOP_K}' if new else ''}"
+    p.add_argument("--top-k", type=top_k, default=default, help=f"blocks retrieved per query ({said})")
+
+
+def given(args, *names) -> dict:
+    """The options ``names`` the command line gave (not left out), by name: what a memory opened
+    with them changes of its own."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def add_retrieval_args(p, index_default=DEFAULT_INDEX, top_k_default=DEFAULT_TOP_K):
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=top_k, default=top_k_default, help=f"blocks retrieved per query (default {top_k_default})")
+    add_top_k(p, top_k_default)
     p.add_argument("--index", default=index_default,
                    help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
@@ -130,7 +143,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_store_dtype(p, saved=True)
     p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
-    p.add_argument("--top-k", type=top_k, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
+    add_top_k(p, new=True)
     p.add_argument("--train-size", type=positive, metavar="N",
                    help=f"landmarks per layer and head before an IVF index trains (default {DEFAULT_TRAIN_SIZES}); fixed "
                         "when the memory is created")
@@ -161,7 +174,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help=f"tokens to generate (default 32, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed when temperature > 0")
-    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
+    add_top_k(p)
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
     p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
@@ -176,7 +189,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="the session to resume or start (default: a new one with a generated name, printed first)")
     p.add_argument("--max-new-tokens", type=new_tokens, default=128,
                    help=f"the most tokens of an answer (default 128, at most {MAX_NEW_TOKENS:,})")
-    p.add_argument("--top-k", type=top_k, help="blocks retrieved per query (default: the memory's)")
+    add_top_k(p)
     p.add_argument("--passages", type=positive, default=3, help="passages to report per answer (default 3)")
     p.add_argument("--raw", action="store_true",
                    help="turns are plain text continued as written (a model without a chat template, such as the "
@@ -226,7 +239,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    p.add_argument("--top-k", type=top_k, default=DEFAULT_TOP_K, help=f"blocks retrieved per query (default {DEFAULT_TOP_K})")
+    add_top_k(p, DEFAULT_TOP_K)
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     add_store_dtype(p)

@@ -51,27 +51,27 @@ def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int
     return ids
 
 
-def block_positions(ids: torch.Tensor, nb: int, top_k: int, L: int, mapping: str) -> torch.Tensor:
+def block_positions(ids: torch.Tensor, nb: int, window: int, L: int, mapping: str) -> torch.Tensor:
     """Where each chosen block's first row sits, int64 like ``ids`` (B, H, T_q, K).
 
-    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``top_k + 1``
-    block slots; the latest ``top_k`` memory blocks sit at their own slots (the newest at slot
-    ``top_k``), older chosen blocks fill slots from 0 in memory order, kept left of the first
+    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``window + 1``
+    block slots (``window``: the blocks a query reads); the latest ``window`` memory blocks sit
+    at their own slots (the newest at slot ``window``), older chosen blocks fill slots from 0 in memory order, kept left of the first
     recent one (several share slot 0 when there is no room).
     """
     if mapping == "exact":
         return ids.clamp(min=0) * L
     if ids.device.type != "cpu":
-        return stingy_slots(ids, nb, top_k) * L
+        return stingy_slots(ids, nb, window) * L
     slots = torch.empty_like(ids, dtype=torch.long)  # on the CPU compiled: one call, not some twenty small ones
-    _stingy_slots_rows(ids.reshape(-1, ids.shape[-1]).numpy(), nb, top_k, slots.view(-1, ids.shape[-1]).numpy())
+    _stingy_slots_rows(ids.reshape(-1, ids.shape[-1]).numpy(), nb, window, slots.view(-1, ids.shape[-1]).numpy())
     return slots * L
 
 
-def stingy_slots(ids: torch.Tensor, nb: int, top_k: int) -> torch.Tensor:
+def stingy_slots(ids: torch.Tensor, nb: int, window: int) -> torch.Tensor:
     """The stingy slot of each chosen block (``block_positions`` / L) as tensor operations on
     any device; the compiled CPU path is tested against it."""
-    K = top_k
+    K = window
     order = torch.where(ids < 0, torch.iinfo(torch.long).max, ids).sort(-1)
     ids_sorted = ids.gather(-1, order.indices)
     recent = ids_sorted >= nb - K
@@ -110,7 +110,7 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
     S_old, I_old : float32 and int64 (B, H, T_q, m), the index's candidates among the older
         blocks (-inf and -1 where none).
     S_recent : float (B, H, T_q, r), the latest blocks' scores; recent : int64 (r,), their ids.
-    nb, top_k, L : as for ``block_positions``.
+    nb, L : as for ``block_positions``; top_k : the blocks each query chooses.
     forced : int64 (f,), blocks every query reads after its ``top_k`` (none of them a candidate).
     window : the blocks a query reads, ``top_k + f`` or more (default ``top_k``): the stingy
         window and the width of the result.
@@ -167,19 +167,19 @@ def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, forced, pinned, id
 
 
 @njit
-def _stingy_slots_rows(ids, nb, top_k, out):
+def _stingy_slots_rows(ids, nb, window, out):
     """``stingy_slots`` of rows ``ids`` (N, K) into ``out``."""
     order = np.empty(ids.shape[1], np.int64)
     for n in range(ids.shape[0]):
-        _stingy_row(ids[n], nb, top_k, out[n], order)
+        _stingy_row(ids[n], nb, window, out[n], order)
 
 
 @njit
-def _stingy_row(row, nb, top_k, out, order):
+def _stingy_row(row, nb, window, out, order):
     """One row's stingy slots: visit the ids in ascending order (empty slots, -1, last), the
     recent ones take their own slots, the older ones the next free slot left of the first
     recent one. ``order``: scratch of the row's length."""
-    K, n = top_k, len(row)
+    K, n = window, len(row)
     for j in range(n):  # insertion sort of a handful of ids, -1 after every block id
         order[j] = j
         a = j
@@ -200,13 +200,13 @@ def _stingy_row(row, nb, top_k, out, order):
         out[j] = max(0, K + 1 - (nb - row[j]) if recent else min(old_rank, first_recent - 1))
 
 
-def recent_slots(recent: torch.Tensor, nb: int, top_k: int) -> torch.Tensor:
-    """Stingy slots of the latest blocks ``recent`` (int64 (r,)): the newest at slot ``top_k``,
-    the one before at ``top_k - 1``, ..."""
-    return top_k + 1 - (nb - recent)
+def recent_slots(recent: torch.Tensor, nb: int, window: int) -> torch.Tensor:
+    """Stingy slots of the latest blocks ``recent`` (int64 (r,)): the newest at slot ``window``,
+    the one before at ``window - 1``, ..."""
+    return window + 1 - (nb - recent)
 
 
-def chunk_base(n_blocks: int, top_k: int, L: int, mapping: str) -> int:
-    """Position of the open chunk's first token: after the ``top_k + 1`` stingy slots, or
+def chunk_base(n_blocks: int, window: int, L: int, mapping: str) -> int:
+    """Position of the open chunk's first token: after the ``window + 1`` stingy slots, or
     after every block in memory (exact)."""
-    return (top_k + 1) * L if mapping == "stingy" else n_blocks * L
+    return (window + 1) * L if mapping == "stingy" else n_blocks * L
