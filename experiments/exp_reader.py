@@ -311,7 +311,8 @@ def measure(args):
                                        "ask_recall5": r["ask_recall5"],
                                        "ranks": {v: int(ranks(z, y)[i]) for v, z in got.items()},
                                        "tops": {v: z[i].topk(5).indices.tolist() for v, z in got.items()}}, at=i)
-        print(f"{key}: {len(h.rows)} questions, reader recall@5 {float((ranks(got['reader'], y) <= 5).float().mean()):.0%}")
+        found = float((ranks(got["reader"], y) <= 5).float().mean())
+        print(f"{key}: {len(h.rows)} questions, reader recall@5 {found:.0%}")
 
 
 def answer(args):
@@ -373,11 +374,11 @@ def report(args):
             "--eval-haystacks-32k 1`, `python experiments/exp_reader.py train --work WORK --epochs 30 --calibration "
             "template --name reader30` and `python experiments/exp_reader.py heads --work WORK --name heads8` (the "
             "shipped reader: `--out landmark_memory/assets/smollm2-landmark/reader.safetensors`).", "",
-            f"Stage 11, a trained question reader (`landmark_memory/models/reader.py`): a rank-{info['rank']} correction "
-            "of every layer's query that only retrieval sees, and trained weights mixing the (layer, key/value head) "
+            "Stage 11, a trained question reader (`landmark_memory/models/reader.py`): a "
+            f"rank-{info['rank']} correction of every layer's query that only retrieval sees, and trained weights mixing the (layer, key/value head) "
             f"attentions, calibrated by the chat template's own tokens; trained on {info['train_questions']} questions "
-            f"of {info['train_haystacks']} haystacks of 8K tokens of the books the adapter was trained on (`_facts.py`: "
-            "26 shapes, each planted twice per haystack with other subjects and answers, each asked three ways), "
+            f"of {info['train_haystacks']} haystacks of 8K tokens of the books the adapter was trained on "
+            "(`_facts.py`: 26 shapes, each planted twice per haystack with other subjects and answers, each asked three ways), "
             "chosen by mean reciprocal rank on `exp_heads.py`'s 38 development questions (other shapes, wordings and "
             f"subjects): kept at epoch {info['epoch']} of {len(info['log'])} (development recall@5 "
             f"{kept.get('dev_recall5', 0):.0%}). Beside it, untrained: every head and the {count} retrieval heads "
@@ -412,12 +413,13 @@ def report(args):
     for tag in sorted(tags, key=lambda t: (t != SHIPPED_READER, t)):
         name, pin = tag.rsplit("-pin", 1)
         shipped = " (what SmolLM2's adapter ships)" if tag == SHIPPED_READER else ""
-        body += ["", f"Asked through `{name}`{shipped} (`ask` with `reader_blocks` {pin}: its {pin} best blocks read first by "
-                 "every answer token at every layer, and named first among the passages), on the same memories. "
+        body += ["", f"Asked through `{name}`{shipped} (`ask` with `reader_blocks` {pin}: its {pin} best blocks "
+                 "read first by every answer token at every layer, and named first among the passages), on the same memories. "
                  "recall@5: the fact's block among the passages; right: the answer holds the fact's words; today's "
                  "`ask` and the base model reading the text whole in its own context (natural questions only) on the "
                  "same questions.", "",
-                 "| questions | n | recall@5 | right | today's `ask` right | base model right |", "|---|---|---|---|---|---|"]
+                 "| questions | n | recall@5 | right | today's `ask` right | base model right |",
+                 "|---|---|---|---|---|---|"]
         for label, prefix in (("8K", "eval|8192|"), ("32K", "eval|32768|"), ("natural", "natural|")):
             rows = [r for k, rs in cells.items() if k.startswith(prefix) and k.endswith(tag) for r in rs]
             if not rows:
@@ -453,7 +455,8 @@ def report(args):
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(Path(args.results) / "reader.png", dpi=110)
-        body += ["", "![recall@5 by today's ask, the retrieval heads and the stage 11 reader; answers right](reader.png)"]
+        body += ["", "![recall@5 by today's ask, the retrieval heads and the stage 11 reader; answers right]"
+                 "(reader.png)"]
     body += ["", "Stage 11's training (development recall@5 after each epoch):", "",
              "| epoch | " + " | ".join(str(e["epoch"]) for e in info["log"]) + " |",
              "|---|" + "---|" * len(info["log"]),

@@ -157,7 +157,8 @@ def test_ask_through_a_reader_reads_its_blocks_at_every_answer_token_and_names_t
         mem.rewind()
         prompt = tok.chat_text([{"role": "user", "content": question}], first=True, answer=True)
         enc = tok.encode(prompt)
-        own = [i for i, (a, b) in enumerate(enc.offsets) if prompt.index(question) <= a < b <= prompt.index("\nassistant")]
+        start, end = prompt.index(question), prompt.index("\nassistant")
+        own = [i for i, (a, b) in enumerate(enc.offsets) if start <= a < b <= end]
         chosen = [b for b, _ in point(mem, reader, "template", enc.ids[:-1], own, 2)]
         seen = []
         with mem.reading(chosen):

@@ -42,8 +42,8 @@ def memory_options(args, model) -> MemoryOptions:
     size resolved for ``model``)."""
     chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
-    return MemoryOptions.of(**given(args, "top_k", "index", "retrieval", "position_mapping", "cmt_cutoff", "store_dtype"),
-                            chunk_size=chunk, index_options=index_options)
+    options = given(args, "top_k", "index", "retrieval", "position_mapping", "cmt_cutoff", "store_dtype")
+    return MemoryOptions.of(**options, chunk_size=chunk, index_options=index_options)
 
 
 def read_one_text(path):
