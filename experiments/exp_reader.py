@@ -1,5 +1,5 @@
 """Stage 11: a question reader trained to point a plain-word question at the block that answers
-it (``landmark_memory/memory/reader.py``), measured against the retrieval heads and ``ask``.
+it (``landmark_memory/models/reader.py``), measured against the retrieval heads and ``ask``.
 
     python experiments/exp_reader.py record --books BOOKS --work DIR     # memories read, states kept
     python experiments/exp_reader.py train --work DIR                    # the reader, chosen on dev

@@ -108,7 +108,8 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
         self._pinned = np.zeros(0, np.int64)  # blocks every query reads first among its top-k (``reading``)
         # called at each memory layer of a step with (memory layer, the layer's input (B, Tq, C), raw queries
-        # (B, H, Tq, D), at_search angles, the step's normal rows): what a question reader reads (``reader.py``)
+        # (B, H, Tq, D), at_search angles, the step's normal rows): what a question reader reads
+        # (``answer.point``)
         self.observer: Callable | None = None
         self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
@@ -263,8 +264,8 @@ class LandmarkMemory(SavedMemory, BlockLookup):
     def reading(self, blocks: Sequence[int]):
         """Every query fed inside the ``with`` block reads the memory blocks ``blocks`` (at most
         ``top_k``) as the first of its top-k and chooses the rest among the other blocks by its
-        landmark scores: a question's evidence, chosen by a reader (``memory/reader.py``), read
-        by every token of its answer at every layer. A sink or local block is read anyway."""
+        landmark scores: a question's evidence, chosen by a question reader (``answer.point``),
+        read by every token of its answer at every layer. A sink or local block is read anyway."""
         ids = np.array([int(b) for b in blocks], np.int64)
         if len(ids) > self.options.top_k or len(set(ids.tolist())) < len(ids) or \
                 ((ids < 0) | (ids >= self.n_blocks)).any():

@@ -13,8 +13,9 @@ class BlockLookup:
     def _retrieve(self, layer, q, qr, at_search, skip=None):
         """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` (the pinned
         blocks, ``LandmarkMemory.reading``, then its own choice), then the sink and local
-        blocks every query reads; and the positions their first rows sit at. ``at_search``: ``rope.angles`` of the positions the raw queries ``q``
-        search older blocks from; ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
+        blocks every query reads; and the positions their first rows sit at. ``at_search``:
+        ``rope.angles`` of the positions the raw queries ``q`` search older blocks from;
+        ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
         K, W = o.top_k, o.reads
@@ -82,7 +83,8 @@ class BlockLookup:
             S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
-        ids = with_forced(with_pinned(select_blocks(S, I, c_lo, max(c_lo, c_hi), own_k, o.retrieval), pinned), forced, W)
+        chosen = select_blocks(S, I, c_lo, max(c_lo, c_hi), own_k, o.retrieval)
+        ids = with_forced(with_pinned(chosen, pinned), forced, W)
         if skip is not None:  # shared selections (per head, per token) and forced blocks must not reach skipped queries
             ids = ids.masked_fill(skip[..., None], -1)
         return ids, block_positions(ids, nb, W, L, o.position_mapping)
