@@ -4,7 +4,10 @@ the passages of natural questions by them)."""
 
 import torch
 
-NULL = "N/A"  # the content-free question whose block attention is subtracted (QRHead's and ICR's calibration)
+from landmark_memory.memory.answer import question_tokens, search_states
+from landmark_memory.models.reader import NULL, head_attention
+
+__all__ = ["NULL", "attention_of", "block_attention", "landmark_keys", "pooled_rank", "question_states", "rank_of"]
 
 
 @torch.no_grad()
@@ -16,34 +19,11 @@ def question_states(m, tok, question):
     searches older blocks from (stingy's slot 0: the same distance for every block), and the
     slice of the prompt that is the question's own tokens (the rest is the template's)."""
     m.rewind()
-    prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
-    at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)
-    P, bs = m.pending_count, m.shape.block_size
-    # rows of the prompt's tokens among the step's positions (landmarks sit after every bs tokens)
-    rows = [P + j + (P + j) // bs - (P + P // bs) for j in range(len(prompt))]
-    layers = m.shape.n_layer
-    queries, inputs, angles = [None] * layers, [None] * layers, []
-    retrieve, qkv = m._retrieve, m.backbone.qkv
-
-    def recording_qkv(layer, h):
-        if inputs[layer] is None:
-            inputs[layer] = h[0, rows].float()  # (T, C)
-        return qkv(layer, h)
-
-    def recording(layer, q, qr, at_search, *a):
-        if queries[layer] is None:
-            if rows[-1] >= q.shape[2]:
-                raise ValueError("the prompt crossed a chunk boundary: its positions are not one step's")
-            queries[layer] = q[0, :, rows].float()  # (H, T, D)
-            angles.append(tuple(x[rows].float() for x in at_search))
-        return retrieve(layer, q, qr, at_search, *a)
-
-    m._retrieve, m.backbone.qkv = recording, recording_qkv
-    try:
-        m.forward(torch.tensor([prompt]), logits="none")
-    finally:
-        del m._retrieve, m.backbone.qkv  # the classes' again
-    return torch.stack(queries), torch.stack(inputs), angles[0], slice(at, at + len(asked))
+    prompt = tok.chat_prompt(question)
+    encoded = tok.encode(prompt)
+    own = question_tokens(encoded.offsets, prompt, question)
+    q, h, cos, sin = zip(*search_states(m, encoded.ids))
+    return torch.stack(q), torch.stack(h), (cos[0], sin[0]), slice(own[0], own[-1] + 1)
 
 
 def landmark_keys(m, n_blocks):
@@ -54,14 +34,11 @@ def landmark_keys(m, n_blocks):
 
 def attention_of(queries, angles, keys, scale):
     """float32 (n_layer, H_kv, n): each (layer, key/value head)'s attention over the blocks by
-    landmark score of the rotated ``queries`` (n_layer, H, t, D) against ``keys`` (n_layer, H_kv,
-    n, D): a softmax over the blocks, averaged over the tokens and the head's query heads."""
+    landmark score of the ``queries`` (n_layer, H, t, D), not rotated, against ``keys``
+    (n_layer, H_kv, n, D) (``models.reader.head_attention``, the tokens alike)."""
     cos, sin = angles
-    x1, x2 = queries.chunk(2, -1)
-    qs = queries * cos + torch.cat((x2, x1), -1) * sin  # (n_layer, H, t, D), as ``RoPE.rotate``
-    G = queries.shape[1] // keys.shape[1]
-    s = torch.einsum("lhtd,lhnd->lhtn", qs, keys.repeat_interleave(G, 1)) * scale  # (n_layer, H, t, n)
-    return s.softmax(-1).mean(2).unflatten(1, (-1, G)).mean(2)
+    alike = torch.full((1, 1, queries.shape[2]), 1 / queries.shape[2])
+    return head_attention(queries[None], cos[None], sin[None], alike, keys, scale)[0, 0].unflatten(0, (keys.shape[0], -1))
 
 
 @torch.no_grad()

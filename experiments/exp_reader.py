@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from _attention import landmark_keys, question_states
+from _attention import NULL, landmark_keys, question_states
 from _common import ADAPTER, ROOT, SHIPPED_READER, Trials, command_line, load_smollm2, plt, write_result
 from _facts import draw_facts
 from _texts import build, haystack, held_out, is_right
@@ -43,7 +43,7 @@ from exp_retrieval import ASK_NEW as SUITE_NEW
 from landmark_memory.app.build import encode
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import ask
-from landmark_memory.models.reader import NULL, QuestionReader, ReaderConfig, head_attention, save_reader
+from landmark_memory.models.reader import QuestionReader, ReaderConfig, head_attention, save_reader
 from landmark_memory.training.data import read_text
 
 TRAIN_SEED = 2000

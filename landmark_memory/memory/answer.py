@@ -218,17 +218,7 @@ def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own:
     layers; over 520 blocks, 0.7 s of a warm 16-token ``ask``'s 3 to 4 s, reading the prompt
     included)."""
     n, c = mem.n_blocks, reader.config
-    got = [[] for _ in range(mem.shape.n_layer)]
-
-    def observe(layer, h, q, at_search, normal):  # the step's normal rows, stream 0
-        cos, sin = at_search
-        got[layer].append((q[0][:, normal].float(), h[0][normal].float(), cos[normal].float(), sin[normal].float()))
-
-    mem.observer = observe
-    try:
-        mem.forward(torch.tensor([prompt], device=mem.device), logits="none")
-    finally:
-        mem.observer = None
+    got = search_states(mem, prompt)
     if n == 0 or not own:
         return []
     mine = torch.zeros(1, 1, len(prompt))
@@ -237,10 +227,9 @@ def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own:
     mine /= len(own)
     mix = reader.mix.softmax(0).view(c.n_layer, c.n_kv_head)
     total = torch.zeros(n)
-    for layer, steps in enumerate(got):
+    for layer, (q, h, cos, sin) in enumerate(got):
         if not mix[layer].any():  # a layer the reader does not weigh (a reader of a few heads)
             continue
-        q, h, cos, sin = (torch.cat(parts, -2).cpu() for parts in zip(*steps))  # (H, T, D), (T, C), (T, D) x 2
         keys = mem.blocks.landmark_keys(layer, torch.arange(n))[0].float().cpu()[None]  # (1, H_kv, n, D)
         a = reader.attention(q[None, None], h[None, None], cos[None], sin[None], mine, keys, mem.backbone.scale,
                              layers=[layer])[0, 0]  # (H_kv, n)
@@ -249,6 +238,26 @@ def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own:
         total += (mix[layer, :, None] * a).sum(0)
     top = total.topk(min(k, n))
     return list(zip(top.indices.tolist(), top.values.tolist()))
+
+
+@torch.no_grad()
+def search_states(mem, prompt: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """Read ``prompt`` (token ids) into the memory ``mem`` and return, per memory layer, what its
+    tokens search the memory with (stream 0, float32 on the CPU): the raw queries (H, T, D), the
+    layer's inputs (T, C), and the rotation ``cos``, ``sin`` (T, D) each that moves a raw query
+    to where it searches older blocks from (the engine's ``observer``, over every step)."""
+    got = [[] for _ in range(mem.shape.n_layer)]
+
+    def observe(layer, h, q, at_search, normal):  # the step's normal rows
+        cos, sin = at_search
+        got[layer].append((q[0][:, normal], h[0][normal], cos[normal], sin[normal]))
+
+    mem.observer = observe
+    try:
+        mem.forward(torch.tensor([prompt], device=mem.device), logits="none")
+    finally:
+        mem.observer = None
+    return [tuple(torch.cat(parts, -2).float().cpu() for parts in zip(*steps)) for steps in got]
 
 
 def question_tokens(offsets: Sequence[tuple[int, int]], prompt: str, question: str) -> list[int]:
