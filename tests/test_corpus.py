@@ -33,10 +33,10 @@ def corpus(model, path, files, reader=None, **build_options):
     return summary
 
 
-def files_of(path):
-    """The corpus's own files and every stored block, as bytes."""
+def files_of(path, model=None):
+    """The corpus's own files and every stored block, as bytes (its model: the bundled one)."""
     out = {f.relative_to(path).as_posix(): f.read_bytes() for f in [path / "tokens.bin", *(path / "keys").iterdir()]}
-    mem = LandmarkMemory.open(path, LandmarkGPT.from_pretrained(), readonly=True)
+    mem = LandmarkMemory.open(path, model or LandmarkGPT.from_pretrained(), readonly=True)
     keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(mem.n_blocks)]
     out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.blocks.store.get(keys))
     out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.blocks.all_indexes())

@@ -60,9 +60,9 @@ def tokenizer_object(text):
     return t
 
 
-def tiny(tokenizer_object, case="llama", block_size=7, seed=0):
-    """A converted tiny model of a family, "family:rope" for one with a scaled RoPE (``CASES``;
-    4 query heads sharing 2 key/value heads), and its tokenizer."""
+def tiny(tokenizer_object, case="llama", block_size=7, seed=0, landmarks=True):
+    """A tiny model of a family, "family:rope" for one with a scaled RoPE (``CASES``; 4 query
+    heads sharing 2 key/value heads), converted to landmarks (or as published), and its tokenizer."""
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, bos_token="<s>", eos_token="</s>")
     family, _, rope = case.partition(":")
     config_cls, model_cls = FAMILIES[family]
@@ -72,7 +72,7 @@ def tiny(tokenizer_object, case="llama", block_size=7, seed=0):
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
                                tie_word_embeddings=family == "qwen2", pad_token_id=0), **scaled, **SETTINGS.get(family, {})})
     model = model_cls(cfg)
-    return hf.convert(model, tok, block_size=block_size).eval(), tok
+    return (hf.convert(model, tok, block_size=block_size) if landmarks else model).eval(), tok
 
 
 def ids_of(tok, text, n):

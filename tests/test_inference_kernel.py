@@ -248,5 +248,5 @@ def test_int8_pools_need_their_scales_and_scales_their_shape():
     args = dict(block_table=torch.zeros(1, 2, 4, 2, dtype=torch.long), block_pos=torch.zeros(1, 2, 4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="int8 with pool_scale"):
         landmark_attention_inference(q, k, v, 3, pool_k=pool, pool_v=pool, **args)
-    with pytest.raises(ValueError, match=r"pool_scale must be float32 \(n_pool, H_kv, D \+ block_size \+ 1\)"):
+    with pytest.raises(ValueError, match=r"pool_scale must be float32 \(n_pool, H_kv, D \+ rows\)"):
         landmark_attention_inference(q, k, v, 3, pool_k=pool, pool_v=pool, pool_scale=torch.ones(3, 2, 32), **args)

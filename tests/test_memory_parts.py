@@ -62,13 +62,13 @@ def test_query_options_change_on_reopen_and_structural_ones_do_not():
     o = MemoryOptions(index="ivf", index_options={"train_size": 64}, chunk_size=10)
     changed = o.with_query(top_k=7, nprobe=3)
     assert (changed.top_k, changed.index_options) == (7, {"train_size": 64, "nprobe": 3})
-    assert o.top_k == 4 and o.index_options == {"train_size": 64}  # frozen: the original is unchanged
+    assert o.top_k is None and o.index_options == {"train_size": 64}  # frozen: the original is unchanged
     with pytest.raises(ValueError, match="store cannot change"):
         o.with_query(store="lmdb")
 
 
 def test_options_are_resolved_for_the_model_and_bad_ones_explained():
-    o = MemoryOptions().resolved(block_size=50, dtype_name="float16", has_cmt=False, head_dim=32)
+    o = MemoryOptions().resolved(model_block_size=50, dtype_name="float16", has_cmt=False, head_dim=32)
     assert (o.chunk_size, o.store_dtype) == (250, "float16")
     for bad in (0, 1025, 106324281):  # (a manifest's top_k of 10^8 would allocate (queries, top_k) arrays)
         with pytest.raises(ValueError, match="top_k must be an int from 1 to 1024"):
@@ -95,7 +95,9 @@ def test_a_memory_takes_its_options_as_one_object_or_as_settings_never_both():
 def manifest():
     shape = ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5)
     return Manifest(model=ModelRecord("ab" * 32, {"n_layer": 2}, shape, "float32"),
-                    options=MemoryOptions(chunk_size=10, store_dtype="float16"), streams=2, blocks=4, tokens=23,
+                    options=MemoryOptions(chunk_size=10, store_dtype="float16", block_keys="landmark", block_size=5,
+                                          top_k=4, sink_blocks=0, local_blocks=0),
+                    streams=2, blocks=4, tokens=23,
                     pending_tokens=3, inputs=[InputRecord("/x/a.txt", "a.txt", "cd" * 32, 30, 23, 0)], commit=5,
                     state=StateFile("state.5.safetensors", 123, "ef" * 32), updated="2026-11-22T00:00:00+0000")
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 
 from ..index import KINDS
-from ..memory import LandmarkMemory, MemoryDir, default_chunk_size
+from ..memory import LandmarkMemory, MemoryDir
 from ..memory.options import MemoryOptions
 from ..memory.answer import ask
 from ..memory.inspect import describe, verify
 from ..memory.saved import wrong_model
 from ..memory.session import Session
 from ..memory.session_files import delete_session, list_sessions
-from ..models.kinds import backbone_for, is_landmark, load_model, model_name, reading_mode
+from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
 from ..models.model import BUNDLED_MODEL
 from .build import build, encode, read_inputs
 from .cli_args import given, parser
@@ -37,13 +37,14 @@ def emit(args, doc, text):
     print(json.dumps(doc, indent=1) if args.json else text)
 
 
-def memory_options(args, model) -> MemoryOptions:
-    """The memory's options from the command line, what it leaves out the defaults (the chunk
-    size resolved for ``model``)."""
-    chunk = args.chunk_size or default_chunk_size(backbone_for(model).block_size)
+def memory_options(args, model, **settings) -> MemoryOptions:
+    """The memory's options from the command line and ``settings`` (which win), what they leave
+    out the defaults, resolved for ``model``."""
     index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
-    options = given(args, "top_k", "index", "retrieval", "position_mapping", "cmt_cutoff", "store_dtype")
-    return MemoryOptions.of(**options, chunk_size=chunk, index_options=index_options)
+    options = given(args, "top_k", "index", "retrieval", "position_mapping", "cmt_cutoff", "store_dtype", "chunk_size")
+    resolved = MemoryOptions.of(**{**options, **settings}, index_options=index_options).for_model(model)
+    say_block_keys(model, resolved)
+    return resolved
 
 
 def read_one_text(path):
@@ -51,6 +52,14 @@ def read_one_text(path):
     if len(inputs) != 1:
         raise UsageError(f"--input takes one text file, {path} holds {len(inputs)}")
     return inputs[0]
+
+
+def say_block_keys(model, options: MemoryOptions):
+    """Say once, on stderr, that a memory of ``options`` (resolved) reads ``model`` without
+    landmarks (no training)."""
+    if options.block_keys == "mean":
+        print(f"{getattr(model, 'landmark_name', '') or 'the model'}: no landmarks; each block of "
+              f"{options.block_size} tokens is searched by the mean of its own keys (training-free)", file=sys.stderr)
 
 
 # ---- commands ---------------------------------------------------------------------------
@@ -71,7 +80,8 @@ def cmd_build(args):
     path = Path(args.memory)
     if args.ray_address and not args.workers:
         raise UsageError("--ray-address needs --workers: how many workers read documents on the cluster")
-    fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype}
+    fixed = {"index": args.index, "store": args.store, "chunk_size": args.chunk_size, "store_dtype": args.store_dtype,
+             "block_keys": args.block_keys}
     saved = saved_model(args, required=False)
     if saved is not None:
         if not saved.documents:
@@ -95,10 +105,11 @@ def cmd_build(args):
         if saved is not None:
             mem = LandmarkMemory.open(path, model, **given(args, "top_k"))
         else:
-            settings = {**fixed, "store": args.store or "lmdb", "top_k": args.top_k,
+            settings = {**fixed, "store": args.store or "lmdb", "top_k": args.top_k, "block_size": args.block_size,
                         "index_options": {"train_size": args.train_size} if args.train_size else None}
             mem = LandmarkMemory(model, MemoryOptions.of(**{k: v for k, v in settings.items() if v is not None}),
                                  path=path, documents=True)
+        say_block_keys(model, mem.options)
         try:
             summary = build(mem, inputs, tok, reader=reader if args.workers else None, commit_every=args.commit_every,
                             progress=not args.quiet, leave_unfinished=args.leave_unfinished)
@@ -136,6 +147,8 @@ def cmd_info(args):
     lines = [f"memory      {info['memory']} (commit {info['commit']}, {info['updated']})",
              f"tokens      {info['tokens']:,} in {info['blocks']:,} blocks of {info['block_size']} "
              f"(+{info['pending_tokens']} in the open chunk)",
+             "blocks      " + ("searched by their landmarks' keys" if info["block_keys"] == "landmark" else
+                                "searched by the mean of their own keys (no landmarks: training-free)"),
              f"index       {info['index']} ({info['index_search']}), store {info['store']} ({info['store_dtype']}), "
              f"chunk {info['chunk_size']}, top-k {info['top_k']}",
              f"layers      {_layers(info)}; {info['store_bytes_per_token']:,.0f} bytes per token in the store",
@@ -164,6 +177,7 @@ def cmd_ask(args):
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k", "cmt_cutoff")) as mem:
+        say_block_keys(model, mem.options)
         answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      seed=args.seed, raw=args.raw, passages=args.passages)
     doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
@@ -183,6 +197,7 @@ def cmd_chat(args):
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k")) as mem:
+        say_block_keys(model, mem.options)
         with Session.open(mem, args.session) as session:
             if args.session is None:
                 print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)
@@ -217,6 +232,7 @@ def cmd_serve(args):
                       allowed_hosts=tuple(args.allowed_host), parallel=args.parallel, max_tokens=args.max_tokens,
                       max_body=args.max_body)
     app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
+    say_block_keys(model, saved.options)
     print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",
           file=sys.stderr)
     serve(app, args.host, args.port)
@@ -241,15 +257,16 @@ def cmd_eval(args):
 def cmd_compare(args):
     inp = read_one_text(args.input)
     model, tok = load_model(args.model, args.device)
-    if not is_landmark(model):
-        raise UsageError("compare measures retrieval: give a landmark model")
+    if not reads_through_memory(model):
+        raise UsageError("compare measures retrieval: give a model a memory reads (a landmark model, or a Hugging "
+                         "Face model of a family we read)")
     kinds = [k.strip() for k in args.index.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
-    if bad:
+    if bad or not kinds:
         raise UsageError(f"unknown index kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
     ids = encode(tok, inp.text)
     length = args.eval_length or len(ids) - 1
-    opts = memory_options(args, model)
+    opts = memory_options(args, model, index=kinds[0])  # (each kind in turn)
     rows = compare_indexes(model, ids, kinds, length, opts, max_segments=args.max_segments, progress=not args.quiet)
     if args.plot:
         from .plots import plot_compare

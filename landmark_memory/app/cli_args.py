@@ -5,9 +5,9 @@ and a wrong option answer at once."""
 
 import argparse
 
-from ..core.names import (DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, INDEX_KINDS, MAX_NEW_TOKENS,
-                          MAX_TOP_K, MAPPINGS, NAMED_MODELS, NPROBE, RETRIEVALS, SESSION_NAME_RULE,
-                          STORE_DTYPES, TRAIN_SIZES, is_session_name)
+from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, FREE_BLOCK_SIZE,
+                          FREE_READS, INDEX_KINDS, MAX_NEW_TOKENS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, NPROBE, RETRIEVALS,
+                          SESSION_NAME_RULE, STORE_DTYPES, TRAIN_SIZES, is_session_name)
 
 
 def _number(kind, low, what, high=None):
@@ -61,7 +61,8 @@ CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 
 def add_top_k(p, default=None, new=False):
     """``--top-k``, declared here alone: ``default`` a number, or None (left out: the memory's own
     top-k; ``new``: a new memory's is the library's default)."""
-    said = f"default {default}" if default else f"default: the memory's{f'; a new one {DEFAULT_TOP_K}' if new else ''}"
+    new_one = f"; a new one {DEFAULT_TOP_K}, {FREE_READS[0]} without landmarks" if new else ""
+    said = f"default {default}" if default else f"default: the memory's{new_one}"
     p.add_argument("--top-k", type=top_k, default=default, help=f"blocks retrieved per query ({said})")
 
 
@@ -71,9 +72,9 @@ def given(args, *names) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def add_retrieval_args(p, index_default=DEFAULT_INDEX, top_k_default=DEFAULT_TOP_K):
+def add_retrieval_args(p, index_default=DEFAULT_INDEX):
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    add_top_k(p, top_k_default)
+    add_top_k(p, new=True)
     p.add_argument("--index", default=index_default,
                    help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
@@ -141,7 +142,12 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--index", choices=INDEX_KINDS, help=f"landmark index of a new memory (default {DEFAULT_INDEX})")
     p.add_argument("--store", choices=DISK_STORES, help=f"block store of a new memory (default {DISK_STORES[0]})")
     add_store_dtype(p, saved=True)
-    p.add_argument("--block-size", type=block_size, help="tokens per block (default: the model's)")
+    p.add_argument("--block-size", type=block_size,
+                   help=f"tokens per block (default: a landmark model's own; {FREE_BLOCK_SIZE} without landmarks)")
+    p.add_argument("--block-keys", choices=BLOCK_KEYS,
+                   help="what a new memory searches its blocks by: landmark (a model fine-tuned with landmarks; the "
+                        "default for one) or mean, the mean of each block's own keys (any model, no training; the "
+                        "default for a model without landmarks)")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     add_top_k(p, new=True)
     p.add_argument("--train-size", type=positive, metavar="N",
@@ -226,7 +232,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--eval-length", type=positive, default=2048, help="tokens per segment (default 2048)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--full-attention", action="store_true",
-                   help="each segment in one forward, no memory (the model's own attention)")
+                   help="each segment in one forward, no memory (the model's own attention; without it a model "
+                        "of landmarks reads through them, a model as published through its blocks' own keys)")
     add_retrieval_args(p)
     add_store_dtype(p)
     add_index_tuning(p)
@@ -239,7 +246,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--eval-length", type=count, default=0, help="tokens per segment (default 0: the whole text)")
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
-    add_top_k(p, DEFAULT_TOP_K)
+    add_top_k(p, new=True)
     p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     add_store_dtype(p)

@@ -16,7 +16,7 @@ from ..index import recall_at_k
 from ..memory import LandmarkMemory, RetrievalStats
 from ..memory.options import MemoryOptions
 from ..models.infini import InfiniState
-from ..models.kinds import in_sequence_logits, is_infini, is_landmark, is_plain_hf, kv_cache_decoder
+from ..models.kinds import in_sequence_logits, is_infini, is_plain_hf, kv_cache_decoder, reads_through_memory
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -40,8 +40,10 @@ PIECE = 8192  # about this many tokens fed to a memory per call while measuring 
 
 
 def uses_memory(model: torch.nn.Module, in_sequence: bool = False) -> bool:
-    """Memory applies to landmark models unless the whole input is asked for in one forward."""
-    return is_landmark(model) and not in_sequence
+    """A memory reads every model it can (``kinds.reads_through_memory``: landmark models, and
+    models as published of the families we read) unless the whole input is asked for in one
+    forward."""
+    return reads_through_memory(model) and not in_sequence
 
 
 @torch.no_grad()
@@ -54,8 +56,8 @@ def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: MemoryO
 
     Parameters
     ----------
-    model : LandmarkGPT, or a Hugging Face causal LM (converted to landmarks, or plain for
-        in-sequence runs).
+    model : LandmarkGPT, or a Hugging Face causal LM (converted to landmarks, or as published:
+        in sequence, or through a memory of its blocks' own keys).
     ids : list or int array (n,), token ids.
     eval_length : int, tokens predicted per segment (the segment holds one more).
     memory : MemoryOptions or None, the options of a memory that reads each segment chunk by

@@ -21,6 +21,14 @@ STORES = ("memory", *DISK_STORES)
 STORE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # storage/__init__.py, quant.py
 RETRIEVALS = ("per_token_head", "per_head", "per_token")  # memory/retrieval.py, paper Table 2
 MAPPINGS = ("stingy", "exact")  # paper 3.2.1
+# memory/options.py: what a block is searched by: its landmark token's key (a model fine-tuned with landmarks),
+# or the mean of its own tokens' keys at their positions (any model, no training: no landmark enters the text)
+BLOCK_KEYS = ("landmark", "mean")
+FREE_BLOCK_SIZE = 64  # memory/options.py: tokens per block of a memory without landmarks, unless told
+# memory/options.py: what a query reads without landmarks unless told: top_k, sink_blocks, local_blocks. SmolLM2 as
+# published, 8K tokens of a held-out book: 21.68 in context; 47.28 at top-4 alone, 22.05 at (8, 1, 2), 21.86 at
+# (16, 1, 4) for 1.5x its time (experiments/results/training_free.md)
+FREE_READS = (8, 1, 2)
 MAX_NEW_TOKENS = 8192  # app/cli_args.py: the most tokens of one answer (ask, chat, the server's --max-tokens)
 MAX_TURN_CHARS = 1 << 20  # memory/answer.py: characters of one message (as the server's default body limit bounds it)
 SESSION_NAME = re.compile(r"\w[\w.-]{0,99}")  # memory/session.py: a name, never a path (no separator, no leading
@@ -29,7 +37,7 @@ SESSION_NAME_BYTES = 255
 SESSION_NAME_RULE = ("use 1 to 100 letters, digits, '_', '.' or '-', starting with a letter, digit or '_', at most "
                      f"{SESSION_NAME_BYTES} bytes in UTF-8 (a name, never a path)")
 NAMED_MODELS = {  # hf/smollm2.py
-    "smollm2": "SmolLM2-135M-Instruct as published (full attention, 8K window)",
+    "smollm2": "SmolLM2-135M-Instruct as published (no landmarks: a memory reads its blocks' own keys)",
     "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
 
 

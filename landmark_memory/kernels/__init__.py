@@ -1,4 +1,5 @@
-"""Grouped-softmax landmark attention kernels behind one dispatch function."""
+"""Grouped-softmax landmark attention kernels behind one dispatch function, and the ordinary
+softmax over local and retrieved blocks of a memory without landmarks (``plain.py``)."""
 
 import torch
 
@@ -6,6 +7,7 @@ from ..core.layout import check_block_size
 from ..core.quant import dequantize_kv
 from ..core.rope import RotaryEmbedding
 from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
+from .plain import block_inference_dense, block_inference_reference
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 from .window import sliding_window_attention
 
@@ -158,6 +160,40 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                     cmt_k, retrieved, pool_scale)
 
 
+def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pool_k: torch.Tensor,
+                              pool_v: torch.Tensor, block_table: torch.Tensor, block_pos: torch.Tensor,
+                              rope: RotaryEmbedding | float = 10000.0, scale: float | None = None,
+                              pool_scale: torch.Tensor | None = None, backend: str = "auto",
+                              check: bool = True) -> torch.Tensor:
+    """Ordinary softmax attention of a chunk of queries over its local keys and retrieved
+    blocks without landmarks (``plain.py``): each query's scores against the local keys it sees
+    (causal) and against every row of each of its retrieved blocks form one softmax.
+
+    Arguments as ``landmark_attention_inference``'s, except that a block's ``L`` rows are all
+    tokens: ``pool_k``, ``pool_v`` (n_pool, H_kv, L, D), keys rotated by row offset; and
+    ``pool_scale`` (n_pool, H_kv, D + L) with an int8 pool. ``backend``: ``"reference"`` gathers
+    each query's blocks (the definition); any other reads the blocks in place, their slots
+    scored by compiled loops on CPUs (float32 or float64, no autograd) and by PyTorch elsewhere.
+
+    Returns
+    -------
+    Tensor (B, H, T_q, D).
+    """
+    if check:
+        rows = pool_k.shape[2] if isinstance(pool_k, torch.Tensor) and pool_k.dim() == 4 else 1
+        _check_inference(q, k, v, rows, pool_k, pool_v, block_table, block_pos, None, pool_scale, backend,
+                         landmarks=False)
+    if backend == "reference":
+        if pool_scale is not None:
+            pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)
+        return block_inference_reference(q, k, v, pool_k, pool_v, block_table, block_pos, rope, scale)
+    retrieved = None
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, pool_k, pool_v))):
+        from .numba_slots import retrieved_compiled as retrieved
+    return block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope, scale, retrieved, pool_scale)
+
+
 def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Tensor,
               scale: float | None = None) -> torch.Tensor:
     """S_{i,-1}: the Context Miss Token's share of each query's own group, from the local keys
@@ -183,22 +219,23 @@ def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Te
     return torch.sigmoid(s_cmt - lse)
 
 
-def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend):
+def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend,
+                     landmarks=True):
     _check_common(q, k, v, block_size, backend)
     B, H, Tq, D = q.shape
     if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < Tq:
         raise ValueError(f"local keys k {tuple(k.shape)} must be (B, H, T_k, D) with T_k >= T_q for q {tuple(q.shape)}")
-    L = block_size + 1
+    L = block_size + landmarks
     for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
         if t.dim() != 4 or t.shape[2:] != (L, D) or H % max(t.shape[1], 1) or t.shape != pool_k.shape:
-            raise ValueError(f"{name} must be (n_pool, H_kv, block_size + 1={L}, D={D}) with H_kv dividing H={H}, "
-                             f"pool_k and pool_v alike; got {tuple(t.shape)}")
+            raise ValueError(f"{name} must be (n_pool, H_kv, {'block_size + 1' if landmarks else 'rows'}={L}, D={D}) "
+                             f"with H_kv dividing H={H}, pool_k and pool_v alike; got {tuple(t.shape)}")
         if t.dtype != (q.dtype if pool_scale is None else torch.int8) or t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}) in q's dtype ({q.dtype}), or int8 with "
                              f"pool_scale; got {t.dtype} on {t.device}")
     if pool_scale is not None and (tuple(pool_scale.shape) != (*pool_k.shape[:2], D + L) or
                                    pool_scale.dtype != torch.float32 or pool_scale.device != q.device):
-        raise ValueError(f"pool_scale must be float32 (n_pool, H_kv, D + block_size + 1) = "
+        raise ValueError(f"pool_scale must be float32 (n_pool, H_kv, D + rows) = "
                          f"{(*pool_k.shape[:2], D + L)} on q's device, got {pool_scale.dtype} {tuple(pool_scale.shape)}")
     for name, t in (("block_table", block_table), ("block_pos", block_pos)):
         if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
@@ -233,6 +270,6 @@ def _check_common(q, k, v, block_size, backend):
         raise ValueError("q, k, v must share one dtype and device")
 
 
-__all__ = ["landmark_attention", "landmark_attention_inference", "cmt_share", "landmark_inference_reference",
-           "landmark_attention_dense", "landmark_inference_dense", "landmark_attention_reference", "landmark_weights",
+__all__ = ["landmark_attention", "landmark_attention_inference", "block_attention_inference", "cmt_share",
+           "landmark_inference_reference", "landmark_attention_dense", "landmark_inference_dense", "landmark_attention_reference", "landmark_weights",
            "grouped_softmax", "sliding_window_attention", "BACKENDS"]

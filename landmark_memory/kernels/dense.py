@@ -167,8 +167,8 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
 
 def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
     """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
-    function that turns the weights of their normal tokens (B, H, Tq, K, block_size) into the
-    output (B, H, Tq, D). ``q`` comes scaled; an int8 pool's blocks are dequantized as they
+    function that turns the weights of their first rows (B, H, Tq, K, n), n <= L (a landmark
+    block's normal tokens, or every row of a block without one), into the output (B, H, Tq, D). ``q`` comes scaled; an int8 pool's blocks are dequantized as they
     are read (``pool_scale`` (n_pool, H_kv, D + L)), never the whole pool.
 
     Copying each slot's block (L, D) out of the pool is what bounds this kernel on CPUs, and a
@@ -180,7 +180,6 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
     With a handful of queries (decoding) every slot is gathered."""
     B, H, T_q, D = q.shape
     K, (n_pool, H_kv, L, _) = block_table.shape[-1], pool_k.shape
-    bs = L - 1
     (rows_k, step_k), (rows_v, step_v) = pool_rows(pool_k), pool_rows(pool_v)  # (rows, L, D)
     rope = as_rotary(rope, D)
 
@@ -200,7 +199,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
         qb = rope(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
         k_g, v_g = (rows(r, st, bh_all, e).view(B, H, T_q, K, L, D) for r, st in ((rows_k, step_k), (rows_v, step_v)))
         s = (qb[..., None, :] @ k_g.transpose(-2, -1))[..., 0, :]  # (B, H, Tq, K, L)
-        return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g[..., :bs, :].flatten(-3, -2))[..., 0, :]  # (B, H, Tq, D)
+        return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g[..., :w.shape[-1], :].flatten(-3, -2))[..., 0, :]
     flat = block_table.flatten()
     full = bool((flat >= 0).all())  # a chunk's slots are usually all filled: then no scatter is needed
     slot = torch.arange(len(flat), device=q.device) if full else (flat >= 0).nonzero()[:, 0]  # flat in (B, H, Tq, K), (N,)
@@ -230,9 +229,9 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
         first += n
     n_rows, group_bh, group_entry = int(size.sum()), group_bh[by_cap], group_entry[by_cap]
 
-    def through_blocks(x, rows_, step, scores):  # per slot (N, D) -> scores (N, L), or weights (N, bs) -> (N, D)
+    def through_blocks(x, rows_, step, scores):  # per slot (N, D) -> scores (N, L), or weights (N, n) -> (N, D)
         blocks = rows(rows_, step, group_bh, group_entry)  # (P, L, D)
-        blocks = blocks.transpose(-2, -1) if scores else blocks[:, :bs]
+        blocks = blocks.transpose(-2, -1) if scores else blocks[:, :x.shape[1]]
         xb = x.new_zeros((n_rows, x.shape[1])).index_copy_(0, row, x)
         out, r = x.new_empty((n_rows, blocks.shape[-1])), 0
         for a, n, m in runs:
@@ -251,8 +250,8 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
     s_ret = per_slot(through_blocks(q_slot, rows_k, step_k, True), L)
 
     def read_values(w):
-        w_slot = w.reshape(-1, bs)
-        w_slot = w_slot if full else w_slot.index_select(0, slot)  # (N, bs)
+        w_slot = w.reshape(-1, w.shape[-1])
+        w_slot = w_slot if full else w_slot.index_select(0, slot)  # (N, n)
         return per_slot(through_blocks(w_slot, rows_v, step_v, False), D).sum(3)  # slots' shares summed
 
     return s_ret, read_values

@@ -59,7 +59,7 @@ def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, ps, out):
 
 @njit(fastmath=_FAST, parallel=True)
 def _values(w, rows_v, step_v, H, G, Tq, table, ps, out):
-    """w (N, K, block_size) weights of each slot's normal rows; ps as for ``_scores``; out
+    """w (N, K, n) weights of each slot's first n rows (its normal ones); ps as for ``_scores``; out
     (N, D), written: the weighted sum of those rows' values over every filled slot."""
     N, K = table.shape
     bs, D = w.shape[2], out.shape[1]
@@ -81,7 +81,7 @@ def _values(w, rows_v, step_v, H, G, Tq, table, ps, out):
 def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
     """``dense._retrieved`` compiled: scores (B, H, Tq, K, L) of every (query, slot) against its
     block (``q`` comes scaled), and the function that turns the weights of their normal rows
-    (B, H, Tq, K, block_size) into the output (B, H, Tq, D). An int8 pool is read in place."""
+    (B, H, Tq, K, n) into the output (B, H, Tq, D). An int8 pool is read in place."""
     B, H, T_q, D = q.shape
     K, H_kv, L = block_table.shape[-1], pool_k.shape[1], pool_k.shape[2]
     ps = (pool_scale if pool_scale is not None else torch.empty((0, H_kv, D + L))).contiguous().numpy()

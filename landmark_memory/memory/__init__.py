@@ -8,6 +8,7 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     key_sums.py   running sums of the landmark keys (the mean key that centring subtracts)
     token_rows.py the blocks' token ids, as they were added
     manifest.py   the manifest's typed records and the row files' byte layout
+    shape.py      ModelShape: the sizes a memory's files depend on, a block's rows
     directory.py  the files of a saved memory and the commit protocol
     saved.py      SavedMemory, the saving half of LandmarkMemory: commit, open, close
     engine.py     LandmarkMemory: forward, step, generate, end_document
@@ -24,9 +25,10 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
 from .engine import LandmarkMemory
-from .manifest import InputRecord, Manifest, MemoryFileError, ModelShape
+from .manifest import InputRecord, Manifest, MemoryFileError
 from .options import MAPPINGS, QUERY_OPTIONS, RETRIEVALS, MemoryOptions, default_chunk_size
 from .outputs import MemoryOutput, RetrievalStats
+from .shape import ModelShape
 
 __all__ = ["BlockMemory", "InputRecord", "LandmarkMemory", "MAPPINGS", "Manifest", "MemoryDir", "MemoryFileError",
            "MemoryOptions", "MemoryOutput", "ModelShape", "QUERY_OPTIONS", "RETRIEVALS", "RetrievalStats",

@@ -156,7 +156,8 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     them as the first of its top-k (``LandmarkMemory.reading``): those are the first passages.
     """
     check_messages(messages, seed=seed, stop=stop)
-    policy = getattr(mem.model, "ask_policy", None) or AskPolicy()
+    # (a model's policy was measured on its landmark keys: a memory without landmarks asks as a new model does)
+    policy = (getattr(mem.model, "ask_policy", None) if mem.shape.landmarks else None) or AskPolicy()
     centre = policy.centre if centre is None else centre
     if max_new_tokens < 0 or passages < 0:
         raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")

@@ -29,7 +29,8 @@ from ..storage.sharded import Shard, ShardedStore, open_budget
 from .block_files import BlockFiles
 from .directory import disk_errors
 from .key_sums import KeySums
-from .manifest import MemoryFileError, ModelShape, key_file
+from .manifest import MemoryFileError, key_file
+from .shape import ModelShape
 from .options import MemoryOptions
 from .token_rows import TokenRows
 
@@ -59,7 +60,7 @@ class BlockMemory(BlockFiles):
         self.shape, self.options, self.device, self.dtype, self.rope = shape, options, device, dtype, rope
         folder = key_path if key_path is not None else None if store_path is None else Path(store_path).parent
         self.where = "this memory" if folder is None else str(folder)  # for messages
-        self.L = shape.block_size + 1
+        self.L = shape.rows
         self.streams: int | None = None  # batch size, fixed by the first chunk
         self.n_blocks = 0  # blocks per stream
         self.key_path = key_path
@@ -79,7 +80,7 @@ class BlockMemory(BlockFiles):
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         self.shards = store if shards is not None else None  # a corpus's documents' stores
         self.store = OverlayStore(store) if readonly else store
-        offsets = torch.arange(self.L, device=device)
+        self.offsets = offsets = torch.arange(self.L, device=device)
 
         def pool_ready(kv):  # (n, 2, H, L, D) keys rotated by their offset inside the block
             return torch.stack([rope(kv[:, 0], offsets.to(kv.device)), kv[:, 1]], 1)
@@ -165,10 +166,19 @@ class BlockMemory(BlockFiles):
             for b in range(B):
                 for c in range(n_new):
                     items[(b, layer, nb + c)] = blocks[b, :, c]
-            landmarks.append(k.view(B, H, n_new, L, D)[:, :, :, bs])  # (B, H, n_new, D)
+            landmarks.append(self._search_keys(k.view(B, H, n_new, L, D)))  # (B, H, n_new, D)
         with disk_errors(f"the block store of {self.where}"):
             self.store.put(items)
         self.add_blocks(landmarks, ids)
+
+    def _search_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The keys blocks are searched by, (B, H_kv, n, D), from their un-rotated keys (B, H_kv,
+        n, L, D): each block's landmark key, or (no landmarks) the mean of its tokens' keys
+        rotated to their offsets in the block, so that a query's score against it, the block
+        rotated to where it sits, is the mean of its scores against the block's tokens."""
+        if self.shape.landmarks:
+            return k[:, :, :, self.shape.block_size]
+        return self.rope(k, self.offsets.to(k.device)).float().mean(-2)
 
     def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *, indexed: bool = True) -> None:
         """Add blocks whose keys and values the store holds already: per layer their landmark

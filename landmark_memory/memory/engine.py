@@ -22,15 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from ..core.decode import decode
-from ..core.layout import IGNORE_INDEX, insert_landmarks, landmark_mask, landmarked_length
+from ..core.layout import IGNORE_INDEX, insert_landmarks, landmark_mask
 from ..core.names import DISK_STORES
 from ..core.rope import rotation_dtype
-from ..kernels import BACKENDS, cmt_share, landmark_attention_inference, sliding_window_attention
+from ..kernels import (BACKENDS, block_attention_inference, cmt_share, landmark_attention_inference,
+                       sliding_window_attention)
 from ..models.kinds import backbone_for
-from ..storage import DTYPE_NAMES
 from .directory import MemoryDir
 from .lookup import BlockLookup
-from .manifest import TOKENS, InputRecord, Manifest, ModelShape
+from .manifest import TOKENS, InputRecord, Manifest
+from .shape import ModelShape
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .retrieval import chunk_base
@@ -93,15 +94,16 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         with torch.no_grad():
             cmt_keys = bb.cmt_keys()
         param = next(model.parameters())
-        self.options = options.resolved(bb.block_size, DTYPE_NAMES[param.dtype], cmt_keys is not None, bb.head_dim)
+        self.options = o = options.for_model(model, bb, cmt_keys)
         self.model, self.backbone, self.backend = model.eval(), bb, backend
         windows = tuple(bb.windows) if any(bb.windows) else ()
-        self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, bb.block_size, windows)
+        self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, o.block_size, windows,
+                                landmarks=o.block_keys == "landmark")
         self.memory_layer = {layer: m for m, layer in enumerate(self.shape.memory_layers)}  # model layer: memory layer
         self.device, self.dtype, self.cache_bytes = param.device, param.dtype, cache_bytes
         self.group = bb.n_head // bb.n_kv_head  # query heads per key/value head
         self.rope = bb.rope
-        self.cmt_k = cmt_keys  # per layer the CMT's key at position -1, (1, H, 1, D), or None
+        self.cmt_k = cmt_keys if self.shape.landmarks else None  # per layer the CMT's key at position -1, (1, H, 1, D)
         self.retrieval_stats = RetrievalStats()
         self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
         self._window_angles = None  # the sliding-window layers' rope.angles at positions 0, 1, ... of their windows
@@ -252,8 +254,7 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         if fixed:
             raise ValueError(f"only {', '.join(QUERY_OPTIONS)} change while a memory is open, not {', '.join(fixed)}")
         own = self.options
-        new = own.with_query(**changes).resolved(self.shape.block_size, DTYPE_NAMES[self.dtype],
-                                                  self.cmt_k is not None, self.shape.head_dim)
+        new = own.with_query(**changes).for_model(self.model, self.backbone, self.cmt_k)
         self._use(new)
         try:
             yield self
@@ -303,11 +304,11 @@ class LandmarkMemory(SavedMemory, BlockLookup):
 
     # ---- one step: new tokens after the pending ones, within one chunk -------------------
     def _step(self, new, logits):
-        bb, bs, G = self.backbone, self.shape.block_size, self.group
-        P = self.pending_count
+        bb, s, G = self.backbone, self.shape, self.group
+        bs, P = s.block_size, self.pending_count
         ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
-        x = insert_landmarks(ids, bs, bb.landmark_id)  # (B, Tk) the chunk so far
-        p0, Tk = landmarked_length(P, bs), x.shape[1]
+        x = insert_landmarks(ids, bs, bb.landmark_id) if s.landmarks else ids  # (B, Tk) the chunk so far
+        p0, Tk = s.rows_of(P), x.shape[1]
         at_q, at_search = self._angles(p0, Tk)
         h = bb.embed(x[:, p0:])  # (B, Tq, C)
         # the new positions that are normal tokens: all of them unless the step closes a block
@@ -335,9 +336,10 @@ class LandmarkMemory(SavedMemory, BlockLookup):
                     skip = cmt_share(qr, local_k, bs, cmt_k) < self.options.cmt_cutoff  # (B, H, Tq)
             ids_used, block_pos = self._retrieve(m, q, qr, at_search, skip)
             table, pool_k, pool_v, pool_scale = self.blocks.pool(m, ids_used)
-            y = landmark_attention_inference(qr, local_k, local_v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table,
-                                             block_pos=block_pos, rope=self.rope, scale=bb.scale, cmt_k=cmt_k,
-                                             pool_scale=pool_scale, backend=self.backend, check=False)
+            blocks = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=block_pos, rope=self.rope,
+                          scale=bb.scale, pool_scale=pool_scale, backend=self.backend, check=False)
+            y = (landmark_attention_inference(qr, local_k, local_v, bs, cmt_k=cmt_k, **blocks) if s.landmarks else
+                 block_attention_inference(qr, local_k, local_v, **blocks))
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal, :self.options.top_k])  # the chosen blocks, not the forced ones
         h = h[:, normal]  # (B, n, C)
@@ -361,7 +363,7 @@ class LandmarkMemory(SavedMemory, BlockLookup):
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, H_kv, Tk, D)
         Tk, Tq, W = k.shape[2], q.shape[2], bb.windows[layer]
         if self._window_angles is None or self._window_angles[0].shape[0] < Tk:  # made once: every step slices them
-            pos = torch.arange(max(Tk, W + landmarked_length(self.options.chunk_size, self.shape.block_size)),
+            pos = torch.arange(max(Tk, W + self.shape.rows_of(self.options.chunk_size)),
                                device=self.device)
             self._window_angles = bb.window_rope.angles(pos, dtype=rotation_dtype(self.dtype))
         cos, sin = self._window_angles
@@ -373,15 +375,16 @@ class LandmarkMemory(SavedMemory, BlockLookup):
 
     def _angles(self, p0, Tk):
         """RoPE angles every layer shares for the open chunk's positions ``[p0, Tk)``: at the
-        queries' positions, and one block earlier, where they search older blocks from. The
-        chunk's positions change only when it enters memory (stingy: never), so its angles
-        are made once per chunk and sliced at each step."""
-        base, bs = self._base(), self.shape.block_size
+        queries' positions, and ``key_row`` earlier, where they search older blocks from (a
+        block at slot 0 is scored at its key row). The chunk's positions change only when it
+        enters memory (stingy: never), so its angles are made once per chunk and sliced at
+        each step."""
+        base, r = self._base(), self.shape.key_row
         if self._chunk_angles is None or self._chunk_angles[0] != base:
-            pos = base - bs + torch.arange(bs + landmarked_length(self.options.chunk_size, bs), device=self.device)
+            pos = base - r + torch.arange(r + self.shape.rows_of(self.options.chunk_size), device=self.device)
             self._chunk_angles = base, self.rope.angles(pos, dtype=rotation_dtype(self.dtype))
         cos, sin = self._chunk_angles[1]
-        return (cos[p0 + bs:Tk + bs], sin[p0 + bs:Tk + bs]), (cos[p0:Tk], sin[p0:Tk])
+        return (cos[p0 + r:Tk + r], sin[p0 + r:Tk + r]), (cos[p0:Tk], sin[p0:Tk])
 
     def _base(self):
         o = self.options

@@ -17,6 +17,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.hf.convert import MemoryBackedCache
+from ..models.kinds import is_converted
 from .engine import LandmarkMemory
 
 
@@ -34,6 +35,10 @@ class LandmarkMemoryCache(MemoryBackedCache):
     is_compileable = False
 
     def __init__(self, model: torch.nn.Module, memory: LandmarkMemory | None = None, **memory_options):
+        if not is_converted(model):  # a model as published never hands its input to this cache
+            raise ValueError(f"a LandmarkMemoryCache serves a model converted with landmark_memory.hf.convert, got "
+                             f"{type(model).__name__} as published; read it through LandmarkMemory (its blocks "
+                             "searched by their own keys, block_keys='mean': no training) and its generate")
         super().__init__(layers=[])
         self.memory = memory if memory is not None else LandmarkMemory(model, **memory_options)
         self.fed = 0  # tokens fed through this cache object

@@ -3,7 +3,6 @@ and ``verify`` (``info --verify``: every file and stored block checked, each pro
 file or the block of the store, so a user knows what is damaged). Nothing is written."""
 
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +50,8 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
             "layers": len(shape.windows) or shape.n_layer, "memory_layers": shape.n_layer,
             "windows": {str(layer): w for layer, w in shape.window_layers.items()},
             "store_bytes_per_token": round(m.block_bytes / shape.block_size, 1),
-            "block_size": shape.block_size, "commit": m.commit, "updated": m.updated, "disk_bytes": disk,
+            "block_size": shape.block_size, "block_keys": o.block_keys, "commit": m.commit, "updated": m.updated,
+            "disk_bytes": disk,
             "tokens_read": read, "bytes_per_token": round(disk / read, 1) if read else None,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
             "documents": m.documents, "inputs": inputs,

@@ -17,7 +17,7 @@ class BlockLookup:
         ``rope.angles`` of the positions the raw queries ``q`` search older blocks from;
         ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
-        o, L, bs, nb = self.options, self.blocks.L, self.shape.block_size, self.n_blocks
+        o, L, r, nb = self.options, self.blocks.L, self.shape.key_row, self.n_blocks
         K, W = o.top_k, o.reads
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
         empty = q.new_full((B, H, Tq, W), -1, dtype=torch.long)
@@ -51,7 +51,7 @@ class BlockLookup:
 
         if o.position_mapping == "exact":
             ids = torch.arange(c_lo, c_hi, device=self.device)
-            S = (qr @ rope(landmarks(ids), ids * L + bs).transpose(-2, -1)) * scale  # (B, H, Tq, m)
+            S = (qr @ rope(landmarks(ids), ids * L + r).transpose(-2, -1)) * scale  # (B, H, Tq, m)
             S[..., pinned - c_lo] = float("-inf")
             I = ids.expand(B, H, Tq, -1)
         else:
@@ -59,7 +59,7 @@ class BlockLookup:
             cached = self._recent_keys.get(layer)
             if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
                 recent = torch.arange(first, c_hi, device=self.device)
-                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, W) * L + bs).transpose(-2, -1)
+                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, W) * L + r).transpose(-2, -1)
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
             S = (qr @ keys) * scale  # (B, H, Tq, r)

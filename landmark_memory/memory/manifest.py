@@ -14,16 +14,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..core.layout import landmarked_length
+from ..core.names import BLOCK_KEYS
 from ..index.lists import level_files
 from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
+from .shape import ModelShape
 
 FORMAT = "landmark-memory/memory"
 # 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents;
 # 5: landmark keys in keys/ (a file per stream, layer and key/value head, mapped), no exact flat index in the
-# state file (it searches those files), and no state file when there is nothing else to keep
-FORMAT_VERSION = 5
+# state file (it searches those files), and no state file when there is nothing else to keep; 6: blocks without
+# landmarks (options.block_keys "mean", model.shape.landmarks false), which a reader of format 5 would misread
+FORMAT_VERSION = 6
 TOKENS, LANDMARKS, KEYS = "tokens.bin", "landmarks.bin", "keys"
 DOCUMENT_FOLDER = re.compile(r"docs/[0-9a-f]{16}")  # a corpus's documents, named by their content's sha256
 
@@ -47,39 +49,6 @@ class MemoryFileError(ValueError):
 
 class WriterBusyError(MemoryFileError):
     """A memory another process is writing (it holds the writer lock)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes a memory's files depend on.
-
-    n_layer : layers that keep a memory (every layer of the model, unless ``windows`` says).
-    windows : per layer of the model, 0 for one that keeps a memory, else the positions a
-        sliding-window layer attends to (it keeps only them, in the state file: Gemma 3's local
-        layers); empty when every layer keeps a memory.
-    """
-
-    n_layer: int
-    n_kv_head: int
-    head_dim: int
-    block_size: int
-    windows: tuple[int, ...] = ()
-
-    @property
-    def memory_layers(self) -> list[int]:
-        """The model's layers that keep a memory, in order (memory layer ``i`` is model layer
-        ``memory_layers[i]``)."""
-        return [layer for layer, w in enumerate(self.windows) if not w] if self.windows else list(range(self.n_layer))
-
-    @property
-    def window_layers(self) -> dict[int, int]:
-        """``{model layer: window}`` of the layers that keep no memory."""
-        return {layer: w for layer, w in enumerate(self.windows) if w}
-
-    @property
-    def block_entry(self) -> tuple[int, int, int, int]:
-        """Shape of one stored block of one layer: keys and values, (2, H_kv, block_size + 1, D)."""
-        return (2, self.n_kv_head, self.block_size + 1, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -193,7 +162,7 @@ class Manifest:
         s, P, B = self.model.shape, self.pending_tokens, self.streams
         if not P:
             return {}
-        kv = (B, s.n_kv_head, landmarked_length(P, s.block_size), s.head_dim)
+        kv = (B, s.n_kv_head, s.rows_of(P), s.head_dim)
         return {"pending_ids": (B, P), **{f"pending.{layer}.{n}": kv for layer in range(s.n_layer) for n in "kv"}}
 
     def window_entries(self, state: dict) -> tuple[dict[int, tuple[str, str]], list[str]]:
@@ -302,13 +271,20 @@ class Manifest:
         if self.tokens != self.blocks * s.block_size + self.pending_tokens:
             raise bad(f"tokens = {self.tokens:,}", f"where its {self.blocks:,} blocks of {s.block_size} and "
                       f"{self.pending_tokens:,} pending tokens make {self.blocks * s.block_size + self.pending_tokens:,}")
+        if self.options.block_keys not in BLOCK_KEYS:
+            raise MemoryFileError(f"{where} searches its blocks by {self.options.block_keys!r}, which this landmark-"
+                                  f"memory does not know ({', '.join(BLOCK_KEYS)}): upgrade it, or rebuild the memory")
         try:
-            resolved = self.options.resolved(s.block_size, self.model.dtype, self.model.config.get("cmt") is True,
-                                             s.head_dim)
+            resolved = self.options.resolved(s.block_size if s.landmarks else None, self.model.dtype,
+                                             self.model.config.get("cmt") is True, s.head_dim)
         except (ValueError, TypeError) as e:
             raise bad("options", f"that are not valid ({e})") from None
         if resolved != self.options:  # a memory's options are saved with every default filled in
-            raise bad("options", "that lack a chunk size or a store dtype")
+            raise bad("options", "that lack a chunk size, a store dtype, block keys, a block size or what queries read")
+        if type(s.landmarks) is not bool or (resolved.block_keys == "landmark") != s.landmarks or \
+                resolved.block_size != s.block_size:  # one fact, recorded twice: they agree
+            raise bad(f"options.block_keys = {resolved.block_keys!r} and block_size = {resolved.block_size}",
+                      f"where model.shape says landmarks = {s.landmarks!r} and block_size = {s.block_size}")
         for e in self.inputs:
             for name in ("tokens", "ingested", "start"):
                 count(f"the input {e.name!r}'s {name}", getattr(e, name))

@@ -8,8 +8,13 @@ may change when a saved memory is reopened (``with_query``).
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..core.names import DEFAULT_INDEX, DEFAULT_TOP_K, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES
+import torch
+
+from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, FREE_BLOCK_SIZE, FREE_READS, MAX_TOP_K, MAPPINGS,
+                          RETRIEVALS, STORE_DTYPES, STORES)
 from ..index import default_train_size, new_index
+from ..models.kinds import backbone_for
+from ..storage import DTYPE_NAMES
 
 QUERY_OPTIONS = ("top_k", "retrieval", "position_mapping", "max_blocks", "cmt_cutoff", "sink_blocks", "local_blocks",
                  "centre")
@@ -38,7 +43,8 @@ class MemoryOptions:
     store : str, block store: memory, lmdb or mmap (the latter two need a memory's ``path``).
     store_dtype : str, float32 / float16 / bfloat16 / int8 (``quant.py``: a quarter of float32's
         bytes); default int8 for a saved memory (lmdb, mmap), the model's dtype in memory.
-    top_k : int, blocks retrieved per query.
+    top_k : int, blocks retrieved per query (default 4 through landmarks, 8 without them:
+        ``FREE_READS``).
     chunk_size : int, normal tokens per chunk, a multiple of the model's block size; default the
         multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
     retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
@@ -52,31 +58,42 @@ class MemoryOptions:
         all below it searches no index and fetches no block. 0 = always retrieve.
     sink_blocks : int, the memory's first blocks (of those ``max_blocks`` leaves), read by every
         query besides its ``top_k`` (attention sinks, as StreamingLLM and InfLLM keep the
-        first tokens), so that they take no retrieval slot.
+        first tokens), so that they take no retrieval slot (default 0 through landmarks, 1
+        without them: a model as published leans on its first tokens).
     local_blocks : int, the memory's last blocks, read by every query besides its ``top_k``, as
-        if the local window were that much longer.
+        if the local window were that much longer (default 0 through landmarks, 2 without).
     centre : bool, choose blocks by landmark scores against the landmark keys less their mean
         over the memory (per layer and head), so that what every landmark shares, which RoPE
         favours near the query, does not decide; the attention reads the blocks as they are.
     block_checksums : bool, every stored block carries a CRC-32 that reads verify.
+    block_keys : {"landmark", "mean"}, what a block is searched by: the key of the landmark token
+        that closes it (a model fine-tuned with landmarks: the paper's memory), or the mean of
+        its own tokens' keys rotated to their offsets in the block (any model, no training: no
+        landmark enters the text, and attention reads the retrieved blocks' tokens with the
+        local ones in one ordinary softmax); default landmark for a landmark model, else mean.
+    block_size : int, tokens per block: a landmark model's own (the default; it cannot change),
+        or of a memory without landmarks any (default ``FREE_BLOCK_SIZE``).
 
-    ``chunk_size`` and ``store_dtype`` may be None until ``resolved`` fills them in for a model.
+    ``chunk_size``, ``store_dtype``, ``block_keys``, ``block_size``, ``top_k``, ``sink_blocks``
+    and ``local_blocks`` may be None until ``resolved`` fills them in for a model.
     """
 
     index: str = DEFAULT_INDEX
     index_options: dict = field(default_factory=dict)
     store: str = "memory"
     store_dtype: str | None = None
-    top_k: int = DEFAULT_TOP_K
+    top_k: int | None = None
     chunk_size: int | None = None
     retrieval: str = "per_token_head"
     position_mapping: str = "stingy"
     max_blocks: int | None = None
     cmt_cutoff: float = 0.0
-    sink_blocks: int = 0
-    local_blocks: int = 0
+    sink_blocks: int | None = None
+    local_blocks: int | None = None
     centre: bool = False
     block_checksums: bool = True
+    block_keys: str | None = None
+    block_size: int | None = None
 
     @classmethod
     def of(cls, **settings: Any) -> "MemoryOptions":
@@ -90,9 +107,25 @@ class MemoryOptions:
             settings.pop("index_options")
         return cls(**settings)
 
-    def resolved(self, block_size: int, dtype_name: str, has_cmt: bool, head_dim: int) -> "MemoryOptions":
-        """These options checked for a model (its block size, dtype, Context Miss Token, head
-        dim), defaults filled in; raises ``ValueError`` saying what is wrong."""
+    def resolved(self, model_block_size: int | None, dtype_name: str, has_cmt: bool, head_dim: int) -> "MemoryOptions":
+        """These options checked for a model (its landmark block size, None for a model without
+        landmarks; dtype, Context Miss Token, head dim), defaults filled in; raises
+        ``ValueError`` saying what is wrong."""
+        block_keys = self.block_keys or ("landmark" if model_block_size else "mean")
+        if block_keys not in BLOCK_KEYS:
+            raise ValueError(f"block_keys must be one of {BLOCK_KEYS}, got {block_keys!r}")
+        if block_keys == "landmark" and not model_block_size:
+            raise ValueError("block_keys='landmark' needs a model fine-tuned with landmark tokens; this one has none: "
+                             "read it with block_keys='mean' (no training needed)")
+        block_size = self.block_size or model_block_size or FREE_BLOCK_SIZE
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if block_keys == "landmark" and block_size != model_block_size:
+            raise ValueError(f"the model was fine-tuned with landmarks after every {model_block_size} tokens; a "
+                             f"landmark memory's block_size cannot be {block_size}")
+        reads = dict(zip(("top_k", "sink_blocks", "local_blocks"),
+                         (DEFAULT_TOP_K, 0, 0) if block_keys == "landmark" else FREE_READS))
+        self = replace(self, **{k: v for k, v in reads.items() if getattr(self, k) is None})
         chunk_size = self.chunk_size or default_chunk_size(block_size)
         if not isinstance(chunk_size, int) or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({block_size}), "
@@ -116,8 +149,9 @@ class MemoryOptions:
         cutoff = self.cmt_cutoff
         if not isinstance(cutoff, (int, float)) or not 0.0 <= cutoff <= 1.0:
             raise ValueError(f"cmt_cutoff must be a number in [0, 1], got {cutoff!r}")
-        if cutoff > 0 and not has_cmt:
-            raise ValueError("cmt_cutoff needs a model trained with a Context Miss Token (config cmt=True)")
+        if cutoff > 0 and not (has_cmt and block_keys == "landmark"):
+            raise ValueError("cmt_cutoff needs a model trained with a Context Miss Token (config cmt=True), read "
+                             "through its landmarks")
         if self.store_dtype is not None and self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
         if not isinstance(self.index_options, dict):
@@ -127,7 +161,19 @@ class MemoryOptions:
         except TypeError as e:
             raise ValueError(f"index_options has an option the index {self.index!r} does not take ({e})") from None
         store_dtype = self.store_dtype or (dtype_name if self.store == "memory" else SAVED_STORE_DTYPE)
-        return replace(self, chunk_size=chunk_size, store_dtype=store_dtype, cmt_cutoff=float(cutoff))
+        return replace(self, chunk_size=chunk_size, store_dtype=store_dtype, cmt_cutoff=float(cutoff),
+                       block_keys=block_keys, block_size=block_size)
+
+    def for_model(self, model, bb=None, cmt_keys=None) -> "MemoryOptions":
+        """These options ``resolved`` for ``model`` (its landmark block size, dtype, Context Miss
+        Token and head dim), as a memory of it takes them; ``bb``, ``cmt_keys``: its backbone and
+        CMT keys where the caller has them."""
+        if bb is None:
+            bb = backbone_for(model)
+            with torch.no_grad():
+                cmt_keys = bb.cmt_keys()
+        dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+        return self.resolved(bb.block_size, dtype, cmt_keys is not None, bb.head_dim)
 
     @property
     def reads(self) -> int:
@@ -164,7 +210,8 @@ class MemoryOptions:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MemoryOptions":
-        """Options as a manifest stores them (older manifests lack ``cmt_cutoff``, and their
-        blocks carry no checksums)."""
+        """Options as a manifest stores them (older manifests lack ``cmt_cutoff``, the sink and
+        local blocks, checksums of their blocks, and every one of them read through landmarks)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{"block_checksums": False, **{k: v for k, v in d.items() if k in known}})
+        before = {"block_checksums": False, "block_keys": "landmark", "sink_blocks": 0, "local_blocks": 0}
+        return cls(**{**before, **{k: v for k, v in d.items() if k in known}})

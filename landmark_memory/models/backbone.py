@@ -17,7 +17,8 @@ it by that factor squared). ``n_kv_head < n_head`` is grouped-query attention:
 query head ``h`` reads key/value head ``h // (n_head // n_kv_head)``. ``windows`` says per
 layer whether it reads the memory (0) or attends only to its last ``windows[layer]`` positions
 (a sliding-window layer, Gemma 3's local layers: it keeps no memory), with its own RoPE and
-scale, ``window_rope`` and ``window_scale``. ``kinds.backbone_for``
+scale, ``window_rope`` and ``window_scale``. A model without landmarks (a Hugging Face model as
+published) has ``block_size`` and ``landmark_id`` None. ``kinds.backbone_for``
 picks the backbone of a model; ``hf/backbone.py`` is the Hugging Face one.
 """
 
@@ -36,8 +37,8 @@ class Backbone(Protocol):
     n_head: int
     n_kv_head: int
     head_dim: int
-    block_size: int
-    landmark_id: int
+    block_size: int | None
+    landmark_id: int | None
     vocab_size: int
     rope: RotaryEmbedding
     scale: float

@@ -38,6 +38,22 @@ def is_landmark(model: torch.nn.Module) -> bool:
     return is_converted(model)
 
 
+def reads_through_memory(model: torch.nn.Module) -> bool:
+    """Whether a memory can read ``model``: through its landmarks, or, a Hugging Face model of a
+    family ``hf/families.py`` reads as published, through its blocks' own keys (no training)."""
+    if is_landmark(model):
+        return True
+    if isinstance(model, LandmarkGPT) or not hasattr(model, "get_decoder"):
+        return False
+    from .hf.families import family_of
+
+    try:
+        family_of(model)
+    except ValueError:
+        return False
+    return True
+
+
 def is_infini(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a LandmarkGPT with Infini-attention (read by streaming its state)."""
     return isinstance(model, LandmarkGPT) and model.config.attention == "infini"
@@ -68,7 +84,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def reading_mode(model: torch.nn.Module) -> str:
-    """How ``model`` reads a text without a landmark memory."""
+    """How ``model`` reads a text without a memory."""
     if is_landmark(model):
         return "in-sequence"
     if is_infini(model):
@@ -78,18 +94,18 @@ def reading_mode(model: torch.nn.Module) -> str:
 
 def backbone_for(model: torch.nn.Module) -> Backbone:
     """The layer stack a memory drives: a ``LandmarkGPT`` with landmark attention, or a Hugging
-    Face causal LM converted by ``landmark_memory.models.hf.convert``."""
+    Face causal LM of a family ``hf/families.py`` reads, converted by
+    ``landmark_memory.models.hf.convert`` or as published (its ``block_size`` None: no landmarks)."""
     if isinstance(model, LandmarkGPT):
         if model.config.attention != "landmark":
             raise ValueError("a memory needs a model with landmark attention; this LandmarkGPT has "
                              f"attention={model.config.attention!r}")
         return GPTBackbone(model)
-    if is_converted(model):
+    if is_converted(model) or hasattr(model, "get_decoder"):
         from .hf.backbone import HFBackbone
 
-        return HFBackbone(model)
-    raise ValueError(f"a memory needs a LandmarkGPT or a Hugging Face model converted with "
-                     f"landmark_memory.models.hf.convert, got {type(model).__name__}")
+        return HFBackbone(model)  # (a family it does not read is refused there, in one line)
+    raise ValueError(f"a memory needs a LandmarkGPT or a Hugging Face causal LM, got {type(model).__name__}")
 
 
 def in_sequence_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -118,13 +134,13 @@ def hf_config(path: str | Path) -> dict | None:
 
 def _hf_ready(model, tokenizer, name, device: str, block_size: int | None):
     """A loaded Hugging Face model in eval mode on ``device`` with its ``TextTokenizer``, once
-    ``block_size`` (if given) is found to be its own."""
+    ``block_size`` (if given) is found to be its own where it has landmarks (a model without them
+    reads blocks of any size: the memory's options say which)."""
     from .hf.tokenizer import TextTokenizer
 
     saved_block = getattr(model.config, "landmark_block_size", None)
-    if block_size and block_size != saved_block:
-        raise ValueError(f"{name} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change"
-                         if saved_block else "--block-size applies to landmark models only")
+    if block_size and saved_block and block_size != saved_block:
+        raise ValueError(f"{name} was fine-tuned with blocks of {saved_block} tokens; its block size cannot change")
     return model.to(device).eval(), TextTokenizer(tokenizer)
 
 

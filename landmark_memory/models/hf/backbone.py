@@ -1,6 +1,8 @@
-"""The layers of a converted Hugging Face model, as ``LandmarkMemory`` drives them (see
-``models/backbone.py``): the stock modules, called one piece at a time in the order
-its family (``hf/families.py``) says."""
+"""The layers of a Hugging Face model of a family we read (``hf/families.py``), converted to
+landmarks or as published, as ``LandmarkMemory`` drives them (see ``models/backbone.py``): the
+stock modules, called one piece at a time in the order its family says. A model as published has
+no landmark token (``block_size`` and ``landmark_id`` are None): a memory reads it by its
+blocks' own keys (``MemoryOptions.block_keys``)."""
 
 import torch
 
@@ -15,7 +17,8 @@ class HFBackbone:
         self.layers = self.decoder.layers
         self.n_layer, self.n_head, self.n_kv_head = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.block_size, self.landmark_id = cfg.landmark_block_size, cfg.landmark_token_id
+        self.block_size = getattr(cfg, "landmark_block_size", None)
+        self.landmark_id = getattr(cfg, "landmark_token_id", None)
         types = layer_types(cfg)
         self.windows = tuple(cfg.sliding_window if t == SLIDING else 0 for t in types)
         self.rope, self.scale = self._rope(types.index(FULL), FULL)
