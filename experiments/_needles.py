@@ -33,20 +33,21 @@ def key_hits(retrieved, positions, blocks):
 
 
 @torch.no_grad()
-def read_ways(model, tok, ids, q0, ans, key_blocks, folder, ways=None, in_sequence=True):
+def read_ways(model, tok, ids, q0, ans, key_span, folder, ways=None, in_sequence=True):
     """The answer ``ans`` (token ids) to the prompt ``ids`` read in sequence and through memory in
     each of ``ways`` ({name: query options}, default ``CONFIGS`` named "k4 stingy" and so on;
-    the memory holds ``ids[:q0]``, the question and answer read from it; ``in_sequence``: read the
-    prompt whole too):
+    the memory holds ``ids[:q0]``, at its defaults for ``model``, the question and answer read
+    from it; ``in_sequence``: read the prompt whole too):
     {way: the greedy answer's first integer, way + " hits": the share of lookups of the
-    question's last token and the answer's tokens that held one of ``key_blocks``, way + "
-    layers": that share per layer}."""
+    question's last token and the answer's tokens that held one of the memory's blocks that
+    hold the tokens ``key_span`` (start, end), way + " layers": that share per layer}."""
     seq, n_p = torch.tensor([ids + ans]), len(ids)
     row = {}
     if in_sequence:
         logits = in_sequence_logits(model, seq[:, :-1])[0, n_p - 1:]  # the answer's positions
         row["in sequence"] = greedy_answer(logits, tok)
     mem = LandmarkMemory(model, path=folder, store="lmdb")
+    key_blocks = spanned_blocks(*key_span, mem.shape.block_size)
     mem.forward(seq[:, :q0], logits="none")
     mem.commit()
     mem.close()
@@ -73,9 +74,8 @@ def passkey_trial(model, tok, prompts, book, rng, length, folder, ways=None, in_
     start = rng.randrange(0, len(ids) - n_fill)
     prompt = prompts.prompt(length, key, depth, book_filler(ids, start))
     fact_at = len(prompts.intro) + round(depth * n_fill)
-    blocks = spanned_blocks(fact_at, fact_at + n_key, model.config.landmark_block_size)
-    row = read_ways(model, tok, prompt, len(prompt) - len(prompts.question), tok.encode(answer(key)).ids, blocks,
-                    folder, ways, in_sequence)
+    row = read_ways(model, tok, prompt, len(prompt) - len(prompts.question), tok.encode(answer(key)).ids,
+                    (fact_at, fact_at + n_key), folder, ways, in_sequence)
     return {"book": name, "key": key, "depth": round(depth, 3), **row}
 
 
@@ -83,7 +83,6 @@ def ruler_trial(model, tok, books, i, length, seed, folder, ways=None, in_sequen
     """Trial ``i`` of the RULER-style suite's single needle (``exp_ruler``: the same prompt)."""
     name, p = trial_prompt(tok, books, length, "single", i, seed)
     (start, end), value = p.needles[0], p.want[0]
-    blocks = spanned_blocks(start, end, model.config.landmark_block_size)
-    row = read_ways(model, tok, p.ids, p.question_at, tok.encode(f" {value}.").ids, blocks, folder, ways,
+    row = read_ways(model, tok, p.ids, p.question_at, tok.encode(f" {value}.").ids, (start, end), folder, ways,
                     in_sequence)
     return {"book": name, "key": int(value), "depth": round(start / p.question_at, 3), **row}

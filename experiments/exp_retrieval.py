@@ -46,7 +46,7 @@ import torch
 
 from _common import SHIPPED_READER, ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main, write_result
 from _needles import passkey_trial, ruler_trial
-from _texts import FACTS, build, haystack, held_out, is_right
+from _texts import FACTS, build, build_timed, haystack, held_out, is_right
 from landmark_memory.memory.answer import ask
 from landmark_memory.app.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory, MemoryOptions
@@ -143,10 +143,7 @@ def part_questions(args, state, model, tok, books):
                 continue
             name, ids, facts = haystack(tok, books, n, h, args.seed)
             with tempfile.TemporaryDirectory() as tmp:
-                t0 = time.perf_counter()
-                n_blocks = build(model, ids, Path(tmp) / "m")
-                print(f"haystack {h} @{n}: {name}, {n_blocks} blocks read in {time.perf_counter() - t0:.0f} s",
-                      flush=True)
+                n_blocks = build_timed(model, ids, Path(tmp) / "m", f"haystack {h} @{n}, {name}")
                 for v in todo:
                     key = f"questions|{n}|{v}"
                     if len(state.cell(key)) != h * len(FACTS):  # another run is filling it

@@ -3,7 +3,8 @@
 Per chunk and layer (docs/DESIGN.md, "Inference with memory"): compute q, k, v of the new
 tokens; score the memory landmarks (recent blocks exactly, older ones through the FAISS index
 with a RoPE-adjusted query); pick top-k blocks per the retrieval mode; fetch them through the
-hot cache into a block pool; attend over local + retrieved blocks with the grouped softmax. A
+hot cache into a block pool; attend over local + retrieved blocks with the grouped softmax (a
+memory without landmarks: one ordinary softmax, each block searched by its tokens' mean key). A
 chunk's blocks enter memory when the chunk is complete.
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start), and the
@@ -46,8 +47,9 @@ class LandmarkMemory(SavedMemory, BlockLookup):
 
     Parameters
     ----------
-    model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM converted by
-        ``landmark_memory.models.hf.convert`` (``kinds.py``).
+    model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM of a family we
+        read, converted by ``landmark_memory.models.hf.convert`` or as published, which a memory
+        reads without landmarks (``MemoryOptions.block_keys``; ``kinds.py``).
     options : MemoryOptions, how the memory searches, stores and reads (``memory/options.py``
         says what each option means); or, instead, the options as keyword ``settings``
         (``LandmarkMemory(model, top_k=8, store="lmdb", path=...)``), the rest default.
