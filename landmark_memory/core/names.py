@@ -27,7 +27,7 @@ BLOCK_KEYS = ("landmark", "mean")
 FREE_BLOCK_SIZE = 64  # memory/options.py: tokens per block of a memory without landmarks, unless told
 # memory/options.py: what a query reads without landmarks unless told: top_k, sink_blocks, local_blocks. SmolLM2 as
 # published, 8K tokens of a held-out book: 21.68 in context; 47.28 at top-4 alone, 22.05 at (8, 1, 2), 21.86 at
-# (16, 1, 4) for 1.5x its time (experiments/results/training_free.md)
+# (16, 1, 4) for 1.45x its time (experiments/results/training_free.md, its part `reads`)
 FREE_READS = (8, 1, 2)
 MAX_NEW_TOKENS = 8192  # app/cli_args.py: the most tokens of one answer (ask, chat, the server's --max-tokens)
 MAX_TURN_CHARS = 1 << 20  # memory/answer.py: characters of one message (as the server's default body limit bounds it)
