@@ -199,7 +199,8 @@ def part_gemma(args, state):
             nll = nll_through_memory(model, ids)
         state.add("gemma|ppl|no landmarks", {"perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}, at=0)
         print(f"gemma no landmarks @{n}: {math.exp(nll):.3f}", flush=True)
-    passkeys(args, state, {"gemma no landmarks": (model, tok)}, (8192, 16384), {"gemma no landmarks": "gemma in context"})
+    passkeys(args, state, {"gemma no landmarks": (model, tok)}, (8192, 16384),
+             {"gemma no landmarks": "gemma in context"})
 
 
 def run(args):

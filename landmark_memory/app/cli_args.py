@@ -6,8 +6,8 @@ and a wrong option answer at once."""
 import argparse
 
 from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, FREE_BLOCK_SIZE,
-                          FREE_READS, INDEX_KINDS, MAX_NEW_TOKENS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, NPROBE, RETRIEVALS,
-                          SESSION_NAME_RULE, STORE_DTYPES, TRAIN_SIZES, is_session_name)
+                          FREE_READS, INDEX_KINDS, MAX_NEW_TOKENS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, NPROBE,
+                          RETRIEVALS, SESSION_NAME_RULE, STORE_DTYPES, TRAIN_SIZES, is_session_name)
 
 
 def _number(kind, low, what, high=None):

@@ -138,8 +138,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
         return landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope, scale,
                                          cmt_k, pool_scale)
-    compiled = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, pool_k, pool_v, cmt_k)))
+    compiled = _compiled_cpu(q, k, v, pool_k, pool_v, cmt_k)
     if backend == "numba" and not compiled:
         raise ValueError(f"the numba backend takes float32 or float64 CPU tensors without autograd, got {q.dtype} "
                          f"on {q.device}{' needing gradients' if torch.is_grad_enabled() else ''}; use auto or dense")
@@ -188,8 +187,7 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)
         return block_inference_reference(q, k, v, pool_k, pool_v, block_table, block_pos, rope, scale)
     retrieved = None
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
-            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, pool_k, pool_v))):
+    if _compiled_cpu(q, k, v, pool_k, pool_v):
         from .numba_slots import retrieved_compiled as retrieved
     return block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope, scale, retrieved, pool_scale)
 
@@ -217,6 +215,13 @@ def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Te
     lse = local_group_logsumexp((q @ k.transpose(-2, -1)) * scale, block_size)  # (B, H, Tq)
     s_cmt = ((q @ cmt_k.transpose(-2, -1)) * scale)[..., 0]  # (B, H, Tq)
     return torch.sigmoid(s_cmt - lse)
+
+
+def _compiled_cpu(q, *tensors):
+    """Whether the compiled CPU loops can take a call: float32 or float64 on the CPU, nothing
+    needing gradients (``tensors`` may hold None)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *tensors)))
 
 
 def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend,
@@ -271,5 +276,6 @@ def _check_common(q, k, v, block_size, backend):
 
 
 __all__ = ["landmark_attention", "landmark_attention_inference", "block_attention_inference", "cmt_share",
-           "landmark_inference_reference", "landmark_attention_dense", "landmark_inference_dense", "landmark_attention_reference", "landmark_weights",
-           "grouped_softmax", "sliding_window_attention", "BACKENDS"]
+           "landmark_inference_reference", "landmark_attention_dense", "landmark_inference_dense",
+           "landmark_attention_reference", "landmark_weights", "grouped_softmax", "sliding_window_attention",
+           "BACKENDS"]

@@ -168,7 +168,8 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
 def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
     """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
     function that turns the weights of their first rows (B, H, Tq, K, n), n <= L (a landmark
-    block's normal tokens, or every row of a block without one), into the output (B, H, Tq, D). ``q`` comes scaled; an int8 pool's blocks are dequantized as they
+    block's normal tokens, or every row of a block without one), into the output (B, H, Tq, D).
+    ``q`` comes scaled; an int8 pool's blocks are dequantized as they
     are read (``pool_scale`` (n_pool, H_kv, D + L)), never the whole pool.
 
     Copying each slot's block (L, D) out of the pool is what bounds this kernel on CPUs, and a

@@ -49,7 +49,8 @@ def block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope=
         return torch.softmax(s_loc, -1) @ v
     s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale)
     s_ret = s_ret.masked_fill((block_table < 0)[..., None], NEG_INF)  # (B, H, Tq, K, L)
-    top = torch.maximum(s_loc.amax(-1), s_ret.flatten(-2).amax(-1))[..., None]  # (B, H, Tq, 1), finite: a query sees itself
+    # (B, H, Tq, 1), finite: a query sees itself
+    top = torch.maximum(s_loc.amax(-1), s_ret.flatten(-2).amax(-1))[..., None]
     p_loc, p_ret = torch.exp(s_loc - top), torch.exp(s_ret - top[..., None])
     total = p_loc.sum(-1, keepdim=True) + p_ret.flatten(-2).sum(-1, keepdim=True)  # (B, H, Tq, 1)
     return (p_loc @ v + read_values(p_ret)) / total

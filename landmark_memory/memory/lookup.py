@@ -59,7 +59,8 @@ class BlockLookup:
             cached = self._recent_keys.get(layer)
             if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
                 recent = torch.arange(first, c_hi, device=self.device)
-                cached = (lo, nb), recent, rope(landmarks(recent), recent_slots(recent, nb, W) * L + r).transpose(-2, -1)
+                at = recent_slots(recent, nb, W) * L + r
+                cached = (lo, nb), recent, rope(landmarks(recent), at).transpose(-2, -1)
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
             S = (qr @ keys) * scale  # (B, H, Tq, r)
