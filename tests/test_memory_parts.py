@@ -70,7 +70,7 @@ def test_query_options_change_on_reopen_and_structural_ones_do_not():
 def test_options_are_resolved_for_the_model_and_bad_ones_explained():
     o = MemoryOptions().resolved(model_block_size=50, dtype_name="float16", has_cmt=False, head_dim=32)
     assert (o.chunk_size, o.store_dtype) == (250, "float16")
-    for bad in (0, 1025, 106324281):  # (a manifest's top_k of 10^8 would allocate (queries, top_k) arrays)
+    for bad in (0, 1025, 106324281, True):  # (a manifest's top_k of 10^8 would allocate (queries, top_k) arrays)
         with pytest.raises(ValueError, match="top_k must be an int from 1 to 1024"):
             MemoryOptions(top_k=bad).resolved(50, "float32", False, 32)
     with pytest.raises(ValueError, match="needs a model trained with a Context Miss Token"):

@@ -127,10 +127,10 @@ class MemoryOptions:
                          (DEFAULT_TOP_K, 0, 0) if block_keys == "landmark" else FREE_READS))
         self = replace(self, **{k: v for k, v in reads.items() if getattr(self, k) is None})
         chunk_size = self.chunk_size or default_chunk_size(block_size)
-        if not isinstance(chunk_size, int) or chunk_size < block_size or chunk_size % block_size:
+        if type(chunk_size) is not int or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({block_size}), "
                              f"got {chunk_size}")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= MAX_TOP_K:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an int from 1 to {MAX_TOP_K}, got {self.top_k!r}")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {RETRIEVALS}, got {self.retrieval!r}")
@@ -142,7 +142,7 @@ class MemoryOptions:
                 raise ValueError(f"{name} must be an int from 0 to {MAX_TOP_K}, got {n!r}")
         if not isinstance(self.centre, bool):
             raise ValueError(f"centre must be True or False, got {self.centre!r}")
-        if self.max_blocks is not None and (not isinstance(self.max_blocks, int) or self.max_blocks < 1):
+        if self.max_blocks is not None and (type(self.max_blocks) is not int or self.max_blocks < 1):
             raise ValueError(f"max_blocks must be None or an int >= 1, got {self.max_blocks!r}")
         if self.store not in STORES:
             raise ValueError(f"unknown store {self.store!r}; choose one of {STORES}")
