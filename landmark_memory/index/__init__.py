@@ -6,7 +6,9 @@ the key rows where they lie, nothing in a memory's state file), ``faiss_kinds.py
 ``ivf``, ``ivfpq`` and their GPU variants: FAISS's own indexes, serialised into the state file). Ids are
 block numbers: blocks are added in order, so a search restricted to a block range is a range of
 ids. Adding a kind is a class (in one of those modules or one of its own), a line in ``KINDS``
-and its name in ``core/names.py`` (which the command line reads without importing FAISS).
+and its name in ``core/names.py`` (which the command line reads without importing FAISS); a
+kind that keeps files beside the key files says which through its class (``base.py``), and
+the memory asks it, never its module.
 """
 
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ import faiss
 import numpy as np
 
 from ..core.names import TRAIN_SIZES
-from .base import LandmarkIndex
+from .base import IndexFile, LandmarkIndex
 from .faiss_kinds import FaissIndex, gpu_available
 from .on_rows import GpuRowsIndex, ListsIndex, RowsIndex
 
@@ -24,7 +26,9 @@ from .on_rows import GpuRowsIndex, ListsIndex, RowsIndex
 class IndexKind:
     """What a kind of landmark index is.
 
-    make : the ``LandmarkIndex`` class that makes it, called ``make(kind, dim, **options)``.
+    make : the ``LandmarkIndex`` class that makes it, called ``make(kind, dim, **options)``;
+        its ``files``, ``saved_files``, ``stale_files`` and ``search_words`` say what the kind
+        keeps on disk beside the key files and how it searches (``base.py``).
     train_size : keys it needs before it trains, unless told (8-bit PQ codebooks want about
         10K points; what ``info`` reports for kinds that never train).
     in_state : a memory's state file keeps it; else it searches the key rows where they lie.
@@ -35,6 +39,11 @@ class IndexKind:
     train_size: int = 4096
     in_state: bool = True
     gpu: bool = False
+
+    @property
+    def on_rows(self) -> bool:
+        """It searches the memory's key rows where they lie (``new_index(..., rows=)``)."""
+        return issubclass(self.make, RowsIndex)
 
 
 KINDS: dict[str, IndexKind] = {
@@ -47,7 +56,6 @@ KINDS: dict[str, IndexKind] = {
     "ivf-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivf"], gpu=True),
     "ivfpq-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"], gpu=True),
 }
-ON_ROWS = tuple(k for k, spec in KINDS.items() if issubclass(spec.make, RowsIndex))  # search the key rows in place
 
 
 def new_index(kind: str, dim: int, *, train_size: int | None = None, **options) -> LandmarkIndex:
@@ -59,7 +67,7 @@ def new_index(kind: str, dim: int, *, train_size: int | None = None, **options) 
     dim : int, key dimension (the model's head dim).
     train_size : int, keys an IVF kind needs before it trains (default ``default_train_size``).
     options : nprobe (IVF lists visited per query, default ``core.names.NPROBE``), ef_search
-        (HNSW search breadth); ``rows`` (``ON_ROWS`` kinds: the ``KeyRows`` it searches and
+        (HNSW search breadth); ``rows`` (kinds ``on_rows``: the ``KeyRows`` it searches and
         appends to, default its own in memory); ``refine`` (FAISS kinds: IVF-PQ candidates
         re-ranked exactly per result, default 4).
 
@@ -92,7 +100,7 @@ def default_train_size(kind: str) -> int:
 
 def derived_from_rows(kind: str) -> bool:
     """Whether an index of ``kind`` keeps nothing in a memory's state file: one that searches
-    the key rows where they lie (``ON_ROWS``; ``ivf-rows`` keeps its lists in files beside them)."""
+    the key rows where they lie (``on_rows``; ``ivf-rows`` keeps its lists in files beside them)."""
     return not KINDS[kind].in_state
 
 
@@ -115,5 +123,5 @@ def recall_at_k(I: np.ndarray, I_exact: np.ndarray) -> float:
     return hits / total if total else 1.0
 
 
-__all__ = ["KINDS", "ON_ROWS", "IndexKind", "LandmarkIndex", "new_index", "index_from_bytes", "default_train_size",
+__all__ = ["KINDS", "IndexFile", "IndexKind", "LandmarkIndex", "new_index", "index_from_bytes", "default_train_size",
            "derived_from_rows", "gpu_available", "recall_at_k"]

@@ -1,13 +1,32 @@
 """What every kind of landmark index does: keys appended in block order (so ids are block
-numbers), a top-k inner-product search over a block range, a serialisation of its own. The
-registry of kinds is ``index/__init__.py``; a module per family of kinds implements them
-(``on_rows.py``: over the key rows where they lie; ``faiss_kinds.py``: FAISS's own indexes)."""
+numbers), a top-k inner-product search over a block range, a serialisation of its own, and what
+it keeps on disk beside its key file. The registry of kinds is ``index/__init__.py``; a module
+per family of kinds implements them (``on_rows.py``: over the key rows where they lie;
+``faiss_kinds.py``: FAISS's own indexes).
+
+A saved memory asks a kind, never a kind's module, about its files: ``files`` (those an open
+index maps: a commit syncs them and records their CRC-32s, ``refresh`` checks them, ``close``
+lets them go), ``saved_files`` (those a commit of n blocks holds: what opening checks and
+``verify`` reads), ``stale_files`` (those no reader needs after a commit) and ``search_words``
+(``info``'s words for its search)."""
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ..core.names import EF_SEARCH, NPROBE
+from .rows import KeyRows
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    """A file an index keeps beside its key file: its rows, and whether it gains a row per block
+    (appended as blocks come, its CRC-32 carried on by a commit) or is written whole once."""
+
+    rows: KeyRows
+    per_block: bool
 
 
 class LandmarkIndex:
@@ -58,6 +77,28 @@ class LandmarkIndex:
     def follow(self, n: int) -> None:
         """Count the first ``n`` keys of its rows, which a saved memory's commit counts (kinds
         over the key rows; nothing to do for the others)."""
+
+    def files(self) -> list[IndexFile]:
+        """The files it keeps beside its key file now (none: it keeps nothing on disk, or only
+        in a memory's state file)."""
+        return []
+
+    @classmethod
+    def saved_files(cls, key_file: str, n: int, train_size: int, dim: int) -> dict[str, int]:
+        """``{file: committed bytes}`` that an index of this kind over ``key_file`` (a name
+        relative to the memory) keeps beside it at a commit of ``n`` blocks."""
+        return {}
+
+    @classmethod
+    def stale_files(cls, folder: Path, indexes: list["LandmarkIndex"]) -> list[Path]:
+        """The files of this kind in ``folder`` (a memory's ``keys/``) that no reader needs once
+        a commit of ``indexes`` (every index of the memory) is made."""
+        return []
+
+    @classmethod
+    def search_words(cls, n: int, train_size: int, nprobe: int) -> str:
+        """How an index of this kind over ``n`` keys searches, in words (``info``)."""
+        return "approximate (FAISS)"
 
     def _search(self, xq: np.ndarray, k: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError

@@ -11,12 +11,14 @@ no key:
   however many blocks a memory holds, and a commit writes only what it appends.
 """
 
+from pathlib import Path
+
 import faiss
 import numpy as np
 
-from .base import LandmarkIndex
+from .base import IndexFile, LandmarkIndex
 from .faiss_kinds import gpu_resources
-from .lists import ListIndex
+from .lists import ListIndex, level_files, stale_files, summary
 from .rows import KeyRows
 
 
@@ -53,6 +55,10 @@ class RowsIndex(LandmarkIndex):
         I[I >= 0] += lo
         return D, I
 
+    @classmethod
+    def search_words(cls, n, train_size, nprobe):
+        return "exact"
+
 
 class GpuRowsIndex(RowsIndex):
     """``flat-gpu``: ``flat``'s exact search over the range's rows, on a GPU (its selector
@@ -88,3 +94,20 @@ class ListsIndex(RowsIndex):
         if self.lists.level:
             return self.lists.search(xq, k, lo, hi, self.nprobe)
         return super()._search(xq, k, lo, hi)
+
+    def files(self) -> list[IndexFile]:
+        """Its level's centroids (written once) and lists (a row per block); none untrained."""
+        return [IndexFile(f, per_block=f is self.lists.lists) for f in self.lists.files()]
+
+    @classmethod
+    def saved_files(cls, key_file, n, train_size, dim):
+        return level_files(key_file, n, train_size, dim)
+
+    @classmethod
+    def stale_files(cls, folder: Path, indexes) -> list[Path]:
+        levels = {ix.lists.level for ix in indexes}  # every index trains at the same count: one level
+        return stale_files(folder, levels.pop()) if len(levels) == 1 else []
+
+    @classmethod
+    def search_words(cls, n, train_size, nprobe):
+        return summary(n, train_size, nprobe)

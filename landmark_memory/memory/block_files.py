@@ -1,14 +1,14 @@
 """The files half of ``BlockMemory`` (``blocks.py``): what a commit writes of the blocks (token
-rows, key files synced, index state, the landmark keys' sums) and what opening or following a
-commit reads back (``extend``). Everything here needs the attributes ``BlockMemory`` makes."""
+rows, key files and the files their indexes keep synced, index state, the landmark keys'
+sums) and what opening or following a commit reads back (``extend``). Everything here needs
+the attributes ``BlockMemory`` makes."""
 
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..index import derived_from_rows, index_from_bytes
-from ..index.lists import stale_files
+from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError
 from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, RowLayout, key_file
 
@@ -27,18 +27,18 @@ class BlockFiles:
                 rows.sync()
                 name = key_file(b, layer, h)
                 out[name] = rows.crc32(first, crcs.get(name, 0))
-            for rows in self._index_files():  # lists grow with the blocks; a new level's files are new
-                rows.sync()
-                name = f"{KEYS}/{rows.path.name}"
-                out[name] = (rows.crc32(first, crcs[name]) if name in crcs and rows.dtype == np.int32 else
-                             crcs[name] if name in crcs else rows.crc32(0))
+            for f in self._index_files():  # a file new since the last commit is read whole
+                f.rows.sync()
+                name = f"{KEYS}/{f.rows.path.name}"
+                out[name] = (f.rows.crc32(first, crcs[name]) if name in crcs and f.per_block else
+                             crcs[name] if name in crcs else f.rows.crc32(0))
         return out
 
     def drop_stale_files(self) -> None:
-        """Remove the index files no reader needs any more (after a commit, ``lists.stale_files``)."""
-        levels = {ix.lists.level for ix in self.all_indexes() if ix.lists is not None}
-        if self.key_path is not None and len(levels) == 1:
-            for f in stale_files(self.key_path / KEYS, levels.pop()):
+        """Remove the index files no reader needs any more (after a commit: the kind's
+        ``stale_files``)."""
+        if self.key_path is not None:
+            for f in KINDS[self.options.index].make.stale_files(self.key_path / KEYS, self.all_indexes()):
                 f.unlink(missing_ok=True)
 
     def index_state(self) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..core.rope import RotaryEmbedding
-from ..index import ON_ROWS, LandmarkIndex, new_index
+from ..index import KINDS, IndexFile, LandmarkIndex, new_index
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import STORE_KINDS, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
@@ -118,7 +118,7 @@ class BlockMemory(BlockFiles):
     def _grid(self) -> list[list[list[LandmarkIndex]]]:
         """Empty indexes per [stream][layer][key/value head] (a flat one over the keys)."""
         o, D = self.options, self.shape.head_dim
-        return [[[new_index(o.index, D, **({"rows": self.keys[b][layer][h]} if o.index in ON_ROWS else {}),
+        return [[[new_index(o.index, D, **({"rows": self.keys[b][layer][h]} if KINDS[o.index].on_rows else {}),
                             **o.index_options) for h in range(self.shape.n_kv_head)]
                  for layer in range(self.shape.n_layer)] for b in range(self.streams)]
 
@@ -206,10 +206,9 @@ class BlockMemory(BlockFiles):
                 for h, rows in enumerate(heads):
                     yield b, layer, h, rows
 
-    def _index_files(self) -> list[KeyRows]:
-        """The files the indexes keep beside the key files (an ``ivf-rows`` index's centroids and lists)."""
-        return [f for stream in self.indexes for heads in stream for ix in heads if ix.lists is not None
-                for f in ix.lists.files()]
+    def _index_files(self) -> list[IndexFile]:
+        """The files the indexes keep beside the key files (``LandmarkIndex.files``)."""
+        return [f for stream in self.indexes for heads in stream for ix in heads for f in ix.files()]
 
     # ---- reading --------------------------------------------------------------------------
     def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
@@ -279,7 +278,7 @@ class BlockMemory(BlockFiles):
         base = self.n_blocks if self.base is None else self.base
         try:
             D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
-        except KeyFileError as e:  # (an ivf-rows index reads its lists file at its first search)
+        except KeyFileError as e:  # (an index may read its own files at its first search)
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
         if hi <= base:
             return D, I
@@ -330,7 +329,7 @@ class BlockMemory(BlockFiles):
         was cut since it was mapped: reading a page past a file's end would be a SIGBUS."""
         try:
             self.store.check()
-            for rows in [r for *_, r in self._each_key()] + self._index_files():
+            for rows in [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]:
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
             raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
@@ -370,6 +369,6 @@ class BlockMemory(BlockFiles):
 
     def close(self) -> None:
         """Release the key files (a writer's cut to the keys that count) and the store."""
-        for rows in [r for *_, r in self._each_key()] + self._index_files():
+        for rows in [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]:
             rows.close()
         self.store.close()

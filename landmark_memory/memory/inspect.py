@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.names import NPROBE
-from ..index import derived_from_rows, index_from_bytes
-from ..index.lists import summary
+from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
@@ -62,9 +61,7 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
 def _index_search(m: Manifest) -> str:
     """How the memory's index searches at this commit, in words."""
     o = m.options
-    if o.index != "ivf-rows":
-        return "exact" if derived_from_rows(o.index) else "approximate (FAISS)"
-    return summary(m.blocks, o.train_size, o.index_options.get("nprobe") or NPROBE)
+    return KINDS[o.index].make.search_words(m.blocks, o.train_size, o.index_options.get("nprobe") or NPROBE)
 
 
 def _folder_bytes(path: Path, skip: Path | None = None) -> int:
@@ -142,7 +139,7 @@ def _check_sessions(path: Path, report: VerifyReport) -> None:
 def all_rows(d: MemoryDir, m: Manifest) -> dict[str, tuple[bytes, int]]:
     """``{file: (bytes, bytes per block)}``: the committed rows of every row file and key file of
     the memory in ``d``, each checked against its CRC-32 in the manifest ``m`` (and so are the
-    files an ``ivf-rows`` index keeps beside them)."""
+    files the index kind keeps beside them)."""
     rows, _ = d.read_block_rows(m)
     tokens, vocab = np.frombuffer(rows[TOKENS], np.int32), m.model.config.get("vocab_size")
     if isinstance(vocab, int) and len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:

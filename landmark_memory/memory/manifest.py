@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..core.names import BLOCK_KEYS
-from ..index.lists import level_files
+from ..index import KINDS
 from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
 from .shape import ModelShape
@@ -148,13 +148,12 @@ class Manifest:
                 for h in range(s.n_kv_head)] if self.version >= 5 else []
 
     def index_files(self) -> dict[str, int]:
-        """``{file: committed bytes}``: what an ``ivf-rows`` index keeps beside each key file at
-        this commit (its centroids and the list of every block, once trained); else none."""
-        o = self.options
-        if o.index != "ivf-rows":
-            return {}
+        """``{file: committed bytes}``: what the index kind keeps beside each key file at this
+        commit (``LandmarkIndex.saved_files``: an ``ivf-rows`` index's centroids and the list of
+        every block, once trained; nothing for most kinds)."""
+        o, saved_files = self.options, KINDS[self.options.index].make.saved_files
         return {name: nbytes for key in self.key_files()
-                for name, nbytes in level_files(key, self.blocks, o.train_size, self.model.shape.head_dim).items()}
+                for name, nbytes in saved_files(key, self.blocks, o.train_size, self.model.shape.head_dim).items()}
 
     def pending_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and

@@ -13,12 +13,11 @@ import numpy as np
 import torch
 
 from ..core.names import DISK_STORES
-from ..index.lists import FILE_NAME
 from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
 from .blocks import BlockMemory
 from .directory import MemoryDir, model_fingerprint
-from .manifest import LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
+from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
@@ -66,9 +65,9 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
         for name, data in blocks.rows_since(layout, first).items():
             d.write_rows(name, first * layout.sizes[name], data)
             manifest.rows_crc[name] = zlib.crc32(data, rows_crc[name])
-        kept = blocks.sync_keys(keys_committed, rows_crc)
-        manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (an older level's lists go)
-                             if not FILE_NAME.fullmatch(Path(name).name)} | kept
+        kept = blocks.sync_keys(keys_committed, rows_crc)  # every key file and index file of this commit
+        manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (files no longer kept go)
+                             if not name.startswith(f"{KEYS}/")} | kept
         state = blocks.index_state() | {name: torch.from_numpy(s) for name, s in blocks.key_sums().items()}
         if chunk.ids is not None:
             state["pending_ids"] = chunk.ids.cpu()
