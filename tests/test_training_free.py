@@ -57,6 +57,37 @@ def test_blocks_read_in_place_equal_every_querys_blocks_gathered(Tq):
     torch.testing.assert_close(empty, s.softmax(-1) @ v, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("Tq", [1, 24])
+def test_blocks_every_query_reads_join_the_local_keys_with_the_same_result(Tq, int8):
+    g = torch.Generator().manual_seed(3 + Tq)
+    B, H, H_kv, D, L, K, S, n_pool = 2, 4, 2, 16, 6, 3, 3, 9
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tq + 5, Tq + 5))
+    pool_k, pool_v = pools(g, n_pool, H_kv, L, D, torch.float64)
+    table = torch.randint(-1, n_pool, (B, H, Tq, K + S), generator=g)
+    pos = torch.randint(0, 500, (B, H, Tq, K + S), generator=g)
+    table[..., K:] = torch.tensor([[4, 7, -1], [5, 8, -1]])[:, None, None]  # per stream, one position for all
+    pos[..., K:] = torch.tensor([[0, 90, 0], [12, 30, 0]])[:, None, None]
+    args = dict(block_table=table, block_pos=pos, rope=RotaryEmbedding(D, 10000.0), scale=0.3)
+    if int8:
+        data, scales = quantize(torch.stack([pool_k, pool_v], 1).float())
+        args |= dict(pool_k=data[:, 0], pool_v=data[:, 1], pool_scale=scales.float())
+        pool_k, pool_v = dequantize_kv(data[:, 0], data[:, 1], scales.float(), torch.float64)
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        args |= dict(pool_k=pool_k, pool_v=pool_v)
+    ref = block_attention_inference(q.double(), k.double(), v.double(), backend="reference",
+                                    **{**args, "pool_k": pool_k, "pool_v": pool_v, "pool_scale": None})
+    out = block_attention_inference(q, k, v, shared=S, **args)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(out.double(), ref, **(dict(rtol=1e-4, atol=1e-5) if int8 else
+                                                   dict(rtol=1e-10, atol=1e-12)))
+    with pytest.raises(ValueError, match="same for every head and query"):
+        block_attention_inference(q, k, v, shared=K + 1, **args)  # a chosen column is not shared
+    with pytest.raises(ValueError, match="count of the table"):
+        block_attention_inference(q, k, v, shared=K + S + 1, **args)
+
+
 @pytest.mark.parametrize("Tq", [1, 24])
 def test_int8_blocks_are_read_as_the_reference_reads_them_dequantized(Tq):
     g = torch.Generator().manual_seed(7)

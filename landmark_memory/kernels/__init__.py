@@ -162,7 +162,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pool_k: torch.Tensor,
                               pool_v: torch.Tensor, block_table: torch.Tensor, block_pos: torch.Tensor,
                               rope: RotaryEmbedding | float = 10000.0, scale: float | None = None,
-                              pool_scale: torch.Tensor | None = None, backend: str = "auto",
+                              pool_scale: torch.Tensor | None = None, shared: int = 0, backend: str = "auto",
                               check: bool = True) -> torch.Tensor:
     """Ordinary softmax attention of a chunk of queries over its local keys and retrieved
     blocks without landmarks (``plain.py``): each query's scores against the local keys it sees
@@ -170,9 +170,12 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Arguments as ``landmark_attention_inference``'s, except that a block's ``L`` rows are all
     tokens: ``pool_k``, ``pool_v`` (n_pool, H_kv, L, D), keys rotated by row offset; and
-    ``pool_scale`` (n_pool, H_kv, D + L) with an int8 pool. ``backend``: ``"reference"`` gathers
-    each query's blocks (the definition); any other reads the blocks in place, their slots
-    scored by compiled loops on CPUs (float32 or float64, no autograd) and by PyTorch elsewhere.
+    ``pool_scale`` (n_pool, H_kv, D + L) with an int8 pool. ``shared``: the table's last
+    ``shared`` columns name, per stream, the same blocks at the same positions for every query
+    (the sink and local blocks, or -1 for all), which the fast paths read with the local keys in
+    one product. ``backend``: ``"reference"`` gathers each query's blocks (the definition); any
+    other reads the blocks in place, their slots scored by compiled loops on CPUs (float32 or
+    float64, no autograd) and by PyTorch elsewhere.
 
     Returns
     -------
@@ -182,6 +185,7 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = pool_k.shape[2] if isinstance(pool_k, torch.Tensor) and pool_k.dim() == 4 else 1
         _check_inference(q, k, v, rows, pool_k, pool_v, block_table, block_pos, None, pool_scale, backend,
                          landmarks=False)
+        _check_shared(block_table, block_pos, shared)
     if backend == "reference":
         if pool_scale is not None:
             pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)
@@ -189,7 +193,8 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     retrieved = None
     if _compiled_cpu(q, k, v, pool_k, pool_v):
         from .numba_slots import retrieved_compiled as retrieved
-    return block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope, scale, retrieved, pool_scale)
+    return block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope, scale, retrieved, pool_scale,
+                                 shared)
 
 
 def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Tensor,
@@ -252,6 +257,17 @@ def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos
                                                       r.max < pool_k.shape[0]):
         raise ValueError(f"block_table entries must be -1 (empty) or pool indices in [0, {pool_k.shape[0]})")
     _check_cmt(q, cmt_k)
+
+
+def _check_shared(block_table, block_pos, shared):
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared <= block_table.shape[-1]:
+        raise ValueError(f"shared must be a count of the table's {block_table.shape[-1]} columns, got {shared!r}")
+    filled = block_table[:, :1, :1, block_table.shape[-1] - shared:] >= 0  # (B, 1, 1, shared)
+    for name, t in (("block_table", block_table), ("block_pos", block_pos)):
+        last = t[..., t.shape[-1] - shared:]
+        if not (last == last[:, :1, :1]).all() or not (filled == filled[:1]).all():
+            raise ValueError(f"the last shared={shared} columns of {name} must be the same for every head and query "
+                             "of a stream (and empty for every stream alike)")
 
 
 def _check_cmt(q, cmt_k):

@@ -341,7 +341,8 @@ class LandmarkMemory(SavedMemory, BlockLookup):
             blocks = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=block_pos, rope=self.rope,
                           scale=bb.scale, pool_scale=pool_scale, backend=self.backend, check=False)
             y = (landmark_attention_inference(qr, local_k, local_v, bs, cmt_k=cmt_k, **blocks) if s.landmarks else
-                 block_attention_inference(qr, local_k, local_v, **blocks))
+                 block_attention_inference(qr, local_k, local_v, shared=self.options.reads - self.options.top_k,
+                                           **blocks))
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal, :self.options.top_k])  # the chosen blocks, not the forced ones
         h = h[:, normal]  # (B, n, C)
