@@ -29,10 +29,11 @@ import torch
 from _common import book_tokens
 from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.models.kinds import backbone_for, in_sequence_logits, load_model
-from landmark_memory.memory import BlockMemory, LandmarkMemory, engine
+from landmark_memory.memory import BlockMemory, LandmarkMemory, decoding
+from landmark_memory.memory.lookup import BlockLookup
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundled model's training
-PARTS = [(engine, "landmark_attention_inference", "attention kernel"), (LandmarkMemory, "_retrieve", "retrieval"),
+PARTS = [(decoding, "landmark_attention_inference", "attention kernel"), (BlockLookup, "choose", "retrieval"),
          (BlockMemory, "search", "  of which FAISS searches"), (BlockMemory, "pool", "hot cache (pool)"),
          (BlockMemory, "add_chunk", "store writes, index adds")]
 

@@ -83,7 +83,7 @@ def rows_of(model, tok, folder, n_blocks, facts, keys, bs):
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
             ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
-            del m._retrieve  # the class's again
+            del m.lookup.choose  # the class's again
             hits, counts = {}, {}
             for layer, q in enumerate(qs.layers):
                 q = torch.stack(q)  # (N, H, D) rotated where the queries sit; every block at slot 0

@@ -27,7 +27,7 @@ def decode_ms(model, ids, context, steps, **memory):
     the memory's retrieval counts over the decoded tokens alone."""
     mem = LandmarkMemory(model, **memory)
     logits = mem.forward(torch.as_tensor(np.asarray(ids[:context], dtype=np.int64))[None], logits="last").logits[:, -1]
-    mem.retrieval_stats = RetrievalStats()
+    mem.retrieval_stats = mem.lookup.stats = RetrievalStats()  # the decoded tokens' alone
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -158,12 +158,12 @@ def part_questions(args, state, model, tok, books):
 
 
 class Queries:
-    """Per layer, the rotated query (H, D) at the last position of each step of ``_retrieve``
+    """Per layer, the rotated query (H, D) at the last position of each step of ``lookup.choose``
     (what ``Lookups`` counts the choices of), and every query of the first step, the prompt
     (H, T, D)."""
 
     def __init__(self, mem):
-        self.layers, retrieve = [[] for _ in range(mem.shape.n_layer)], mem._retrieve
+        self.layers, retrieve = [[] for _ in range(mem.shape.n_layer)], mem.lookup.choose
         self.prompt = [None] * mem.shape.n_layer
 
         def recording(layer, q, qr, *a):
@@ -172,7 +172,7 @@ class Queries:
                 self.prompt[layer] = qr[0].float()
             return retrieve(layer, q, qr, *a)
 
-        mem._retrieve = recording
+        mem.lookup.choose = recording
 
 
 def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
@@ -195,7 +195,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
             got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
-            del m._retrieve  # the class's again
+            del m.lookup.choose  # the class's again
             prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
             at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)  # the question's tokens
             assert got.prompt_tokens == len(prompt)

@@ -35,7 +35,7 @@ def recorded(mem, prompt):
     """What each prompt token searches with, taken apart from the engine: per layer its input
     h, raw query and search angles, at the rows of the steps that are no landmarks."""
     got, P = {}, mem.pending_count
-    retrieve, qkv = mem._retrieve, mem.backbone.qkv
+    retrieve, qkv = mem.lookup.choose, mem.backbone.qkv
     step = []
 
     def rec_qkv(layer, h):
@@ -49,11 +49,11 @@ def recorded(mem, prompt):
         got.setdefault(layer, []).append((h[0, rows], q[0][:, rows], at_search[0][rows], at_search[1][rows]))
         return retrieve(layer, q, qr, at_search, *a)
 
-    mem._retrieve, mem.backbone.qkv = rec, rec_qkv
+    mem.lookup.choose, mem.backbone.qkv = rec, rec_qkv
     try:
         mem.forward(torch.tensor([prompt]), logits="none")
     finally:
-        del mem._retrieve, mem.backbone.qkv
+        del mem.lookup.choose, mem.backbone.qkv
     assert P + len(prompt) > mem.options.chunk_size  # the prompt crossed a chunk: two steps
     return {layer: [torch.cat(parts, -2) for parts in zip(*steps)] for layer, steps in got.items()}
 

@@ -144,14 +144,14 @@ def test_centred_choice_is_the_top_k_of_scores_against_keys_less_their_mean(mode
     """The slow reference: every candidate scored where stingy scores it (older blocks at slot
     0, the latest at their own slots) against its landmark key less the mean key, top-k."""
     mem = LandmarkMemory(model, top_k=3, chunk_size=10, centre=True)
-    calls, retrieve = [], mem._retrieve
+    calls, retrieve = [], mem.lookup.choose
 
     def recording(layer, q, qr, at_search, skip=None):
         ids, pos = retrieve(layer, q, qr, at_search, skip)
         calls.append((layer, q, qr, at_search, ids, mem.n_blocks))
         return ids, pos
 
-    mem._retrieve = recording
+    mem.lookup.choose = recording
     mem.forward(text[:, :60])
     mem.forward(text[:, 60:])  # the last chunk: 12 blocks in memory, 9 of them searched at slot 0
     layer, q, qr, at_search, ids, nb = calls[-1]

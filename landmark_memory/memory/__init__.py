@@ -3,16 +3,17 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
 
     options.py    MemoryOptions: what a memory searches, stores and reads; validated once
     retrieval.py  the retrieval policy as pure functions: top-k selection, block positions
-    blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache
-    block_files.py  its files: what a commit writes of the blocks, what opening reads back
+    blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache, and
+                  what a commit writes of them and opening reads back
     key_sums.py   running sums of the landmark keys (the mean key that centring subtracts)
     token_rows.py the blocks' token ids, as they were added
     manifest.py   the manifest's typed records and the row files' byte layout
     shape.py      ModelShape: the sizes a memory's files depend on, a block's rows
     directory.py  the files of a saved memory and the commit protocol
-    saved.py      SavedMemory, the saving half of LandmarkMemory: commit, open, close
-    engine.py     LandmarkMemory: forward, step, generate, end_document
-    lookup.py     which blocks each query reads: landmark scores, the retrieval policy, positions
+    saved.py      SavedFiles, a memory's folder and its commits; open_folder
+    engine.py     LandmarkMemory: its parts together, forward, generate, commit, open, refresh
+    lookup.py     BlockLookup, which blocks each query reads: landmark scores, policy, positions
+    decoding.py   Decoder, the open chunk and the step that reads tokens through the memory
     corpus.py     a corpus: documents read apart, merged into one memory; their states
     session.py    a session: a named conversation in a memory of its own over a memory
     session_files.py  a memory's sessions as files: names, turn logs checked, list, delete

@@ -1,17 +1,17 @@
 """LandmarkMemory: chunked inference over inputs of any length with top-k block retrieval.
 
-Per chunk and layer (docs/DESIGN.md, "Inference with memory"): compute q, k, v of the new
-tokens; score the memory landmarks (recent blocks exactly, older ones through the FAISS index
-with a RoPE-adjusted query); pick top-k blocks per the retrieval mode; fetch them through the
-hot cache into a block pool; attend over local + retrieved blocks with the grouped softmax (a
-memory without landmarks: one ordinary softmax, each block searched by its tokens' mean key). A
-chunk's blocks enter memory when the chunk is complete.
+A memory is a few named parts, each handed what it works on (docs/DESIGN.md, "The memory's
+parts"): ``blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block store, hot
+cache), ``lookup`` (``BlockLookup``, lookup.py: which blocks each query reads), ``decoder``
+(``Decoder``, decoding.py: the open chunk and the step that reads tokens through the memory)
+and ``files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds them
+together and is what users call: forward, generate, the options' contexts, commit, open,
+refresh, rewind, close.
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start), and the
 tokens since the last boundary stay local: feeding a text in one call, in pieces, or one token
 at a time (decoding) gives the same result. A document's end (``end_document``) closes its
-chunk early; chunks after it count from there. ``SavedMemory`` (saved.py) is the saving half
-(commit, open, close), ``BlockLookup`` (lookup.py) the half that chooses the blocks.
+chunk early; chunks after it count from there.
 """
 
 from collections.abc import Callable, Collection, Sequence
@@ -23,26 +23,26 @@ import torch
 import torch.nn.functional as F
 
 from ..core.decode import decode
-from ..core.layout import IGNORE_INDEX, insert_landmarks, landmark_mask
+from ..core.layout import IGNORE_INDEX
 from ..core.names import DISK_STORES
-from ..core.rope import rotation_dtype
-from ..kernels import (BACKENDS, block_attention_inference, cmt_share, landmark_attention_inference,
-                       sliding_window_attention)
+from ..kernels import BACKENDS
 from ..models.kinds import backbone_for
-from .directory import MemoryDir
+from ..storage import DTYPE_NAMES
+from .blocks import BlockMemory
+from .decoding import Decoder, OpenChunk
+from .directory import MemoryDir, model_fingerprint
 from .lookup import BlockLookup
-from .manifest import TOKENS, InputRecord, Manifest
-from .shape import ModelShape
+from .manifest import InputRecord, Manifest, ModelRecord
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
-from .retrieval import chunk_base
-from .saved import Opened, SavedMemory
+from .saved import Opened, SavedFiles, open_folder, saved_chunk
+from .shape import ModelShape
 
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
 
 
-class LandmarkMemory(SavedMemory, BlockLookup):
+class LandmarkMemory:
     """A landmark model with a memory of past blocks.
 
     Parameters
@@ -65,8 +65,12 @@ class LandmarkMemory(SavedMemory, BlockLookup):
     ----------
     options : MemoryOptions, resolved for the model (defaults filled in).
     blocks : BlockMemory, landmark keys, indexes, block store and hot cache.
+    lookup : BlockLookup, which blocks each query reads.
+    decoder : Decoder, the open chunk and the step.
+    files : SavedFiles, the folder and its commits (``dir`` None: not saved).
     retrieval_stats : RetrievalStats.
     inputs : list of InputRecord, the text files ``build`` ingested.
+    attached : the session whose blocks follow this read-only memory's (``memory/session.py``).
     """
 
     def __init__(self, model: torch.nn.Module, options: MemoryOptions | None = None, *,
@@ -75,62 +79,61 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         if options is not None and settings:
             raise TypeError(f"give the memory's options as one MemoryOptions or as keyword settings, not both "
                             f"({', '.join(settings)})")
-        self._setup(model, options if options is not None else MemoryOptions.of(**settings), cache_bytes, backend)
-        if opened is not None:
-            self._take(opened)
-            return
-        self.dir, self.documents = None, documents
-        if documents and path is None:
-            raise ValueError("a corpus of documents is a saved memory: pass a path")
-        if path is not None:
-            if self.options.store == "memory":
-                raise ValueError(f"a memory saved at a path keeps its blocks on disk: pass store= one of {DISK_STORES}")
-            self.dir = MemoryDir.create(path, Manifest(model=self.model_record(), options=self.options,
-                                                       documents=documents))
-        self.blocks = self._new_blocks(readonly=False)
-
-    def _setup(self, model, options, cache_bytes, backend):
         if backend not in BACKENDS:  # the kernel is called unchecked at every layer
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         bb = backbone_for(model)
         with torch.no_grad():
             cmt_keys = bb.cmt_keys()
         param = next(model.parameters())
+        options = options if options is not None else MemoryOptions.of(**settings)
         self.options = o = options.for_model(model, bb, cmt_keys)
         self.model, self.backbone, self.backend = model.eval(), bb, backend
         windows = tuple(bb.windows) if any(bb.windows) else ()
         self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, o.block_size, windows,
                                 landmarks=o.block_keys == "landmark")
-        self.memory_layer = {layer: m for m, layer in enumerate(self.shape.memory_layers)}  # model layer: memory layer
         self.device, self.dtype, self.cache_bytes = param.device, param.dtype, cache_bytes
         self.group = bb.n_head // bb.n_kv_head  # query heads per key/value head
         self.rope = bb.rope
         self.cmt_k = cmt_keys if self.shape.landmarks else None  # per layer the CMT's key at position -1, (1, H, 1, D)
         self.retrieval_stats = RetrievalStats()
-        self._chunk_angles = None  # (chunk base, rope.angles of its positions from a block before it)
-        self._window_angles = None  # the sliding-window layers' rope.angles at positions 0, 1, ... of their windows
-        self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
-        self._pinned = np.zeros(0, np.int64)  # blocks every query reads first among its top-k (``reading``)
-        # called at each memory layer of a step with (memory layer, the layer's input (B, Tq, C), raw queries
-        # (B, H, Tq, D), at_search angles, the step's normal rows): what a question reader reads
-        # (``answer.point``)
-        self.observer: Callable | None = None
-        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
-        self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their landmark keys at their slots (B, H, D, r))
-        self.pending_ids = None  # (B, P) normal ids since the last chunk boundary
-        # per memory layer (k, k rotated, v) of those positions, (B, H_kv, P', D)
-        self.pending_kv = [None] * self.shape.n_layer
-        # per sliding-window layer (k, v) of the last positions its window reads, (B, H_kv, < window, D), no RoPE
-        self.window_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the open chunk of the commit a reader holds, as ``take`` left it: (pending_ids, pending_kv, window_kv)
-        self._saved_chunk = self.pending_ids, self.pending_kv, {}
-        self.manifest: Manifest | None = None  # the last commit this memory wrote or read (None: never saved)
         self.inputs: list[InputRecord] = []
-        self.commit_count, self.readonly, self._committed_blocks = 0, False, 0
-        self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
-        self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
-        self._fingerprint, self._closed, self.documents = None, False, False
-        self.attached = None  # the session whose blocks follow this read-only memory's (``memory/session.py``)
+        self.attached = None
+        self._fingerprint, self._closed = None if opened is None else opened.fingerprint, False
+        if opened is not None:
+            m = opened.manifest
+            self.files = SavedFiles(opened.dir, opened.readonly, m.documents)
+            self._parts(self._new_blocks(opened.readonly, key_files=m.version >= 5 or not opened.readonly))
+            try:
+                self._follow(m, opened.state)
+            except BaseException:
+                self.blocks.close()
+                raise
+            return
+        if documents and path is None:
+            raise ValueError("a corpus of documents is a saved memory: pass a path")
+        if path is not None and o.store == "memory":
+            raise ValueError(f"a memory saved at a path keeps its blocks on disk: pass store= one of {DISK_STORES}")
+        self.files = SavedFiles(None if path is None else MemoryDir.create(
+            path, Manifest(model=self.model_record(), options=o, documents=documents)), documents=documents)
+        self._parts(self._new_blocks(readonly=False))
+
+    def _new_blocks(self, readonly: bool, key_files: bool = True) -> BlockMemory:
+        """The memory's blocks, none yet; a corpus reads those of its documents from their stores
+        (``BlockMemory.add_shard``). ``key_files``: its landmark keys are (or, for a writer, will
+        be) in its key files; else in memory (a reader of a memory from before them)."""
+        d, documents = self.files.dir, self.files.documents
+        return BlockMemory(self.shape, self.options, store_path=None if d is None or documents else d.store_path(),
+                           readonly=readonly, device=self.device, dtype=self.dtype, rope=self.rope,
+                           cache_bytes=self.cache_bytes, shards=[] if documents else None,
+                           shard_path=lambda name: d.document(name).store_path(),
+                           key_path=d.key_path() if d is not None and key_files else None)
+
+    def _parts(self, blocks: BlockMemory) -> None:
+        """Put the parts together around ``blocks``."""
+        self.blocks = blocks
+        self.lookup = BlockLookup(blocks, self.options, key_row=self.shape.key_row, group=self.group, rope=self.rope,
+                                  scale=self.backbone.scale, stats=self.retrieval_stats)
+        self.decoder = Decoder(self.backbone, self.shape, self.options, blocks, self.lookup, self.cmt_k, self.backend)
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,7 +156,8 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         out, retrieved, pos = [], [], 0
         while pos < idx.shape[1]:
             n = min(self.options.chunk_size - self.pending_count, idx.shape[1] - pos)
-            lg, ret = self._step(idx[:, pos:pos + n], logits if logits != "last" or pos + n == idx.shape[1] else "none")
+            last = logits != "last" or pos + n == idx.shape[1]
+            lg, ret = self.decoder.step(idx[:, pos:pos + n], logits if last else "none")
             out.append(lg)
             retrieved.append(ret)
             pos += n
@@ -231,16 +235,14 @@ class LandmarkMemory(SavedMemory, BlockLookup):
     @property
     def pending_count(self) -> int:
         """Tokens of the open chunk (fed since the last chunk boundary)."""
-        return 0 if self.pending_ids is None else self.pending_ids.shape[1]
+        return self.decoder.count
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
         chunk's keys and values, the sliding-window layers' windows: what must sit near the
         compute) and ``store`` (every block's keys and values, wherever the store keeps them)."""
         fast, store = self.blocks.usage()
-        held = [kv for kv in self.pending_kv if kv] + list(self.window_kv.values())
-        fast += sum(t.numel() * t.element_size() for kv in held for t in kv)
-        return {"fast": fast, "store": store}
+        return {"fast": fast + self.decoder.usage(), "store": store}
 
     def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
         """int32 ((last - first) * block_size,) the normal token ids of blocks ``[first, last)``
@@ -274,17 +276,16 @@ class LandmarkMemory(SavedMemory, BlockLookup):
                 ((ids < 0) | (ids >= self.n_blocks)).any():
             raise ValueError(f"reading takes at most top_k={self.options.top_k} distinct blocks of the memory's "
                              f"{self.n_blocks}, got {ids.tolist()}")
-        own, self._pinned = self._pinned, ids
+        own, self.lookup.pinned = self.lookup.pinned, ids
         try:
             yield self
         finally:
-            self._pinned = own
+            self.lookup.pinned = own
 
     def _use(self, options: MemoryOptions) -> None:
-        if options != self.options:  # what the caches hold depends on the options
-            self.options, self._forced = options, None
-            self._recent_keys.clear()
-            self._mean_keys.clear()
+        self.options = options
+        self.lookup.use(options)
+        self.decoder.use(options)
 
     def end_document(self) -> None:
         """Put the open chunk's blocks into memory now, unfinished as the chunk is: a document
@@ -292,9 +293,7 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         if self.pending_count % self.shape.block_size:
             raise ValueError(f"a document ends on a block boundary: {self.pending_count} tokens of the open chunk "
                              f"are not a multiple of the block size {self.shape.block_size}")
-        if self.pending_count:
-            self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)
-            self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
+        self.decoder.flush()
 
     def add_input(self, path: Path, sha256: str, tokens: int) -> InputRecord:
         """Record a text file whose ``tokens`` tokens are about to be fed from here on; the
@@ -304,91 +303,141 @@ class LandmarkMemory(SavedMemory, BlockLookup):
         self.inputs.append(entry)
         return entry
 
-    # ---- one step: new tokens after the pending ones, within one chunk -------------------
-    def _step(self, new, logits):
-        bb, s, G = self.backbone, self.shape, self.group
-        bs, P = s.block_size, self.pending_count
-        ids = new if P == 0 else torch.cat([self.pending_ids, new], 1)
-        x = insert_landmarks(ids, bs, bb.landmark_id) if s.landmarks else ids  # (B, Tk) the chunk so far
-        p0, Tk = s.rows_of(P), x.shape[1]
-        at_q, at_search = self._angles(p0, Tk)
-        h = bb.embed(x[:, p0:])  # (B, Tq, C)
-        # the new positions that are normal tokens: all of them unless the step closes a block
-        normal = slice(None) if Tk - p0 == new.shape[1] else ~landmark_mask(Tk, bs, self.device)[p0:]
-        retrieved, new_kv, windows = [], [], {}
-        for layer in range(bb.n_layer):
-            q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
-            if bb.windows[layer]:  # a sliding-window layer: no memory, its last positions only
-                y, windows[layer] = self._window(layer, q, k, v)
-                h = bb.finish(layer, h, y)
-                continue
-            m = self.memory_layer[layer]
-            qr, kr = self.rope.rotate(at_q, q, k)
-            if self.observer is not None:
-                self.observer(m, h, q, at_search, normal)
-            if P:  # the chunk's earlier positions, kept raw (for memory) and rotated
-                pk, pkr, pv = self.pending_kv[m]
-                k, kr, v = torch.cat([pk, k], 2), torch.cat([pkr, kr], 2), torch.cat([pv, v], 2)  # (B, H_kv, Tk, D)
-            new_kv.append((k, kr, v))
-            local_k, local_v = (kr, v) if G == 1 else (kr.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
-            cmt_k, skip = None, None
-            if self.cmt_k is not None:
-                cmt_k = self.cmt_k[m].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
-                if self.options.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
-                    skip = cmt_share(qr, local_k, bs, cmt_k) < self.options.cmt_cutoff  # (B, H, Tq)
-            ids_used, block_pos = self._retrieve(m, q, qr, at_search, skip)
-            table, pool_k, pool_v, pool_scale = self.blocks.pool(m, ids_used)
-            blocks = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=block_pos, rope=self.rope,
-                          scale=bb.scale, pool_scale=pool_scale, backend=self.backend, check=False)
-            y = (landmark_attention_inference(qr, local_k, local_v, bs, cmt_k=cmt_k, **blocks) if s.landmarks else
-                 block_attention_inference(qr, local_k, local_v, shared=self.options.reads - self.options.top_k,
-                                           **blocks))
-            h = bb.finish(layer, h, y)
-            retrieved.append(ids_used[:, :, normal, :self.options.top_k])  # the chosen blocks, not the forced ones
-        h = h[:, normal]  # (B, n, C)
-        if logits != "all":  # "last": the step's last token; "none": no head at all
-            h = h[:, h.shape[1] - (logits == "last"):]
-        logits = bb.head(h) if h.shape[1] else h.new_zeros((h.shape[0], 0, bb.vocab_size))  # (B, n, V)
-        self.pending_ids, self.pending_kv, self.window_kv = ids, new_kv, windows
-        if self.pending_count == self.options.chunk_size:  # the chunk is complete: its blocks go to memory
-            self.blocks.add_chunk([(k, v) for k, _, v in self.pending_kv], self.pending_ids)
-            self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
-        return logits, retrieved
+    @property
+    def observer(self) -> Callable | None:
+        """Called at each memory layer of a step with what a question reader reads
+        (``Decoder.observer``; ``answer.point``)."""
+        return self.decoder.observer
 
-    def _window(self, layer, q, k, v):
-        """A sliding-window layer's attention for the step's queries ``q`` (B, H, Tq, D) over the
-        positions its window still reads and the step's ``k``, ``v`` (B, H_kv, Tq, D), no RoPE;
-        and what its window reads after the step. Keys are rotated where they sit in the window
-        (RoPE scores depend only on position differences), so where the memory puts the chunk
-        does not matter to these layers."""
-        bb, past = self.backbone, self.window_kv.get(layer)
-        if past is not None:
-            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, H_kv, Tk, D)
-        Tk, Tq, W = k.shape[2], q.shape[2], bb.windows[layer]
-        if self._window_angles is None or self._window_angles[0].shape[0] < Tk:  # made once: every step slices them
-            pos = torch.arange(max(Tk, W + self.shape.rows_of(self.options.chunk_size)),
-                               device=self.device)
-            self._window_angles = bb.window_rope.angles(pos, dtype=rotation_dtype(self.dtype))
-        cos, sin = self._window_angles
-        qr = bb.window_rope.rotate((cos[Tk - Tq:Tk], sin[Tk - Tq:Tk]), q)
-        kr = bb.window_rope.rotate((cos[:Tk], sin[:Tk]), k)
-        y = sliding_window_attention(qr, kr, v, W, bb.window_scale)
-        keep = max(Tk - (W - 1), 0)  # the next query reads W - 1 positions before it
-        return y, (k[:, :, keep:], v[:, :, keep:])
+    @observer.setter
+    def observer(self, fn: Callable | None) -> None:
+        self.decoder.observer = fn
 
-    def _angles(self, p0, Tk):
-        """RoPE angles every layer shares for the open chunk's positions ``[p0, Tk)``: at the
-        queries' positions, and ``key_row`` earlier, where they search older blocks from (a
-        block at slot 0 is scored at its key row). The chunk's positions change only when it
-        enters memory (stingy: never), so its angles are made once per chunk and sliced at
-        each step."""
-        base, r = self._base(), self.shape.key_row
-        if self._chunk_angles is None or self._chunk_angles[0] != base:
-            pos = base - r + torch.arange(r + self.shape.rows_of(self.options.chunk_size), device=self.device)
-            self._chunk_angles = base, self.rope.angles(pos, dtype=rotation_dtype(self.dtype))
-        cos, sin = self._chunk_angles[1]
-        return (cos[p0 + r:Tk + r], sin[p0 + r:Tk + r]), (cos[p0:Tk], sin[p0:Tk])
+    # ---- saved ----------------------------------------------------------------------------
+    @property
+    def dir(self) -> MemoryDir | None:
+        """The memory's folder (None: not saved)."""
+        return self.files.dir
 
-    def _base(self):
-        o = self.options
-        return chunk_base(self.n_blocks, o.reads, self.blocks.L, o.position_mapping)
+    @property
+    def readonly(self) -> bool:
+        return self.files.readonly
+
+    @property
+    def documents(self) -> bool:
+        """A corpus: its blocks are its documents'."""
+        return self.files.documents
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The last commit this memory wrote or read (None: never saved)."""
+        return self.files.manifest
+
+    @property
+    def commit_count(self) -> int:
+        return self.files.commit_count
+
+    def commit(self) -> int:
+        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
+        protocol"); returns the commit number. A process killed at any instant leaves the
+        memory at its last commit."""
+        manifest = Manifest(model=self.model_record(), options=self.options, streams=self.streams,
+                            blocks=self.n_blocks, tokens=self.n_tokens, pending_tokens=self.pending_count,
+                            inputs=self.inputs, documents=self.documents)
+        return self.files.commit(self.blocks, manifest, self.open_chunk())
+
+    @classmethod
+    def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
+             backend: str = "auto", **options) -> "LandmarkMemory":
+        """A saved memory, at its last commit, ready to continue as if it had never stopped.
+
+        Parameters
+        ----------
+        path : str or Path, the memory directory.
+        model : the model the memory was built with (checked by fingerprint).
+        readonly : bool, read without the writer lock (any number of readers); text fed
+            afterwards stays in this process and is never saved: ``rewind()`` forgets it,
+            ``refresh()`` follows later commits.
+        options : query-time settings to change (``QUERY_OPTIONS``: top_k, retrieval,
+            position_mapping, max_blocks, cmt_cutoff, sink_blocks, local_blocks, centre; and the
+            index's nprobe, ef_search). The rest was fixed when the memory was built.
+        """
+        opened = open_folder(path, model, readonly)
+        try:
+            return cls(model, opened.manifest.options.with_query(**options), cache_bytes=cache_bytes,
+                       backend=backend, opened=opened)
+        except BaseException:
+            opened.dir.close()
+            raise
+
+    def refresh(self) -> bool:
+        """Follow the memory's writer: take the blocks committed since this read-only memory
+        opened or last refreshed, reading only what was appended (rows, documents' stores; an
+        approximate index is read again from the state file). Text fed since is forgotten
+        first (``rewind``). Answers then equal a fresh open's. Returns whether there was a new
+        commit; a memory changed otherwise than by appending, or a file it maps cut short since
+        (which would be a SIGBUS at the next read), raises ``MemoryFileError``."""
+        if self.dir is None or not self.readonly:
+            raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
+                             "is the newest there is")
+        newer = self.files.newer(self.inputs)
+        self.blocks.check_files()
+        if newer is None:
+            return False
+        self.rewind()
+        self._follow(*newer)
+        return True
+
+    def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
+        """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
+        memory's, its documents' stores, its open chunk."""
+        self.files.follow(self.blocks, manifest, state, self.backbone.vocab_size, len(self.inputs))
+        self.inputs = list(manifest.inputs)
+        self.decoder.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
+        self.decoder.keep()
+
+    def open_chunk(self) -> OpenChunk:
+        """What was fed past the last block, as a commit keeps it."""
+        return self.decoder.open_chunk()
+
+    def take(self, chunk: OpenChunk) -> None:
+        """Continue after ``chunk`` (``open_chunk`` of this memory or of one that read the same
+        blocks): its keys rotated to where the open chunk sits now."""
+        self.decoder.take(chunk)
+
+    def rewind(self) -> None:
+        """Forget what was fed to this read-only memory since it opened or last refreshed: it
+        holds its commit again, exactly (the hot cache keeps the saved blocks it holds)."""
+        if not self.readonly:
+            raise ValueError("only a memory opened read-only rewinds; a writer keeps what it was fed (close it "
+                             "with commit=False to drop what was fed since its last commit)")
+        self.blocks.rewind()
+        self.decoder.restore()
+        self.lookup.forget()
+        self.attached = None
+
+    def model_record(self) -> ModelRecord:
+        """The model this memory was built with, as its manifest records it (fingerprint first)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype],
+                           getattr(self.model, "landmark_name", ""))
+
+    def close(self, commit: bool = True) -> None:
+        """Release the store and the writer lock; a writable saved memory commits first
+        (``commit=False`` drops what was fed since the last commit)."""
+        if self._closed:
+            return
+        try:
+            if commit and self.dir is not None and not self.readonly:
+                self.commit()
+        finally:  # a commit that failed (a full disk) leaves the last one standing: the files are let go all the same
+            self._closed = True
+            self.blocks.close()
+            self.files.close()
+
+    def __enter__(self) -> "LandmarkMemory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(commit=exc_type is None)

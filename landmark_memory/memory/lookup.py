@@ -1,23 +1,67 @@
-"""Which blocks each query reads: the half of ``LandmarkMemory`` (``engine.py``) that scores
-the landmarks (the index for the older blocks, exactly for the latest ones), applies the
-retrieval policy (``retrieval.py``: top-k, sink and local blocks, centring) and says where the
-chosen blocks sit. Everything here needs the attributes ``LandmarkMemory._setup`` makes."""
+"""Which blocks each query reads: a memory's part (``LandmarkMemory.lookup``) that scores the
+landmarks (the index for the older blocks, exactly for the latest ones), applies the retrieval
+policy (``retrieval.py``: top-k, sink and local blocks, centring) and says where the chosen
+blocks sit. It reads the blocks it is given and keeps caches of what changes only when a chunk
+enters memory."""
 
 import numpy as np
 import torch
 
+from ..core.rope import RotaryEmbedding
+from .blocks import BlockMemory
+from .options import MemoryOptions
+from .outputs import RetrievalStats
 from .retrieval import block_positions, recent_slots, select_blocks, top_k_stingy, with_forced, with_pinned
 
 
 class BlockLookup:
-    def _retrieve(self, layer, q, qr, at_search, skip=None):
+    """The blocks each query of a memory reads.
+
+    Parameters
+    ----------
+    blocks : BlockMemory, whose landmark keys and indexes it scores.
+    options : MemoryOptions, resolved: top_k, sink and local blocks, retrieval, position mapping,
+        max_blocks, centre (``use`` changes them).
+    key_row : int, the row of a block its key is scored at (``ModelShape.key_row``).
+    group : int, query heads per key/value head.
+    rope : RotaryEmbedding, scale : float, the model's.
+    stats : RetrievalStats, counted into.
+
+    Attributes
+    ----------
+    pinned : int64 (p,), blocks every query reads first among its top-k (``LandmarkMemory.reading``).
+    """
+
+    def __init__(self, blocks: BlockMemory, options: MemoryOptions, *, key_row: int, group: int,
+                 rope: RotaryEmbedding, scale: float, stats: RetrievalStats):
+        self.blocks, self.options, self.key_row, self.group = blocks, options, key_row, group
+        self.rope, self.scale, self.stats = rope, scale, stats
+        self.pinned = np.zeros(0, np.int64)
+        self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
+        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
+        self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their keys at their slots)
+
+    def use(self, options: MemoryOptions) -> None:
+        """Read by ``options`` from now on (what the caches hold depends on them)."""
+        if options != self.options:
+            self.options = options
+            self.forget()
+
+    def forget(self) -> None:
+        """Let the caches go: the blocks were rewound."""
+        self._forced = None
+        self._recent_keys.clear()
+        self._mean_keys.clear()
+
+    def choose(self, layer: int, q: torch.Tensor, qr: torch.Tensor, at_search: tuple, skip: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` (the pinned
-        blocks, ``LandmarkMemory.reading``, then its own choice), then the sink and local
+        blocks, ``pinned``, then its own choice), then the sink and local
         blocks every query reads; and the positions their first rows sit at. ``at_search``:
         ``rope.angles`` of the positions the raw queries ``q`` search older blocks from;
         ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
-        o, L, r, nb = self.options, self.blocks.L, self.shape.key_row, self.n_blocks
+        o, L, r, nb, device = self.options, self.blocks.L, self.key_row, self.blocks.n_blocks, self.blocks.device
         K, W = o.top_k, o.reads
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
         empty = q.new_full((B, H, Tq, W), -1, dtype=torch.long)
@@ -29,20 +73,20 @@ class BlockLookup:
         c_hi = max(c_lo, nb - o.local_blocks)
         if self._forced is None or self._forced[0] != (lo, nb):  # changes only when a chunk enters memory
             ids = np.array(sorted({*range(lo, c_lo), *range(c_hi, nb)}), np.int64)
-            self._forced = (lo, nb), ids, torch.from_numpy(ids).to(self.device)
+            self._forced = (lo, nb), ids, torch.from_numpy(ids).to(device)
         _, forced_np, forced = self._forced
-        pinned_np = self._pinned[(self._pinned >= c_lo) & (self._pinned < c_hi)]  # a sink or local block is read anyway
-        pinned = torch.from_numpy(pinned_np).to(self.device)
+        pinned_np = self.pinned[(self.pinned >= c_lo) & (self.pinned < c_hi)]  # a sink or local block is read anyway
+        pinned = torch.from_numpy(pinned_np).to(device)
         own_k = K - len(pinned_np)
-        stats = self.retrieval_stats
+        stats = self.stats
         stats.queries += B * H * Tq
         if skip is not None:
             stats.skipped_queries += int(skip.sum())
             if skip.all():  # nothing to search, score or fetch
                 stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - W > c_lo else 0
                 return empty, torch.zeros_like(empty)
-        scale, rope = self.backbone.scale, self.rope
-        centre = self._mean_landmark(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
+        scale, rope = self.scale, self.rope
+        centre = self._mean_key(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
 
         def landmarks(blocks):  # (B, H, n, D): key/value head h // G serves query head h
             lms = self.blocks.landmark_keys(layer, blocks)
@@ -50,7 +94,7 @@ class BlockLookup:
             return lms if centre is None else lms - centre
 
         if o.position_mapping == "exact":
-            ids = torch.arange(c_lo, c_hi, device=self.device)
+            ids = torch.arange(c_lo, c_hi, device=device)
             S = (qr @ rope(landmarks(ids), ids * L + r).transpose(-2, -1)) * scale  # (B, H, Tq, m)
             S[..., pinned - c_lo] = float("-inf")
             I = ids.expand(B, H, Tq, -1)
@@ -58,7 +102,7 @@ class BlockLookup:
             first = min(max(c_lo, nb - W), c_hi)  # the latest candidates, scored exactly at their own slots
             cached = self._recent_keys.get(layer)
             if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
-                recent = torch.arange(first, c_hi, device=self.device)
+                recent = torch.arange(first, c_hi, device=device)
                 at = recent_slots(recent, nb, W) * L + r
                 cached = (lo, nb), recent, rope(landmarks(recent), at).transpose(-2, -1)
                 self._recent_keys[layer] = cached
@@ -75,12 +119,12 @@ class BlockLookup:
                 stats.skipped_searches += skipped
             else:
                 S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
-            if self.device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
+            if device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
                 return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W, pinned_np)
-            S = torch.cat([torch.from_numpy(S_old).to(self.device, S.dtype), S], -1)
-            I = torch.cat([torch.from_numpy(I_old).to(self.device), recent.expand(B, H, Tq, -1)], -1)
+            S = torch.cat([torch.from_numpy(S_old).to(device, S.dtype), S], -1)
+            I = torch.cat([torch.from_numpy(I_old).to(device), recent.expand(B, H, Tq, -1)], -1)
             S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
@@ -90,13 +134,14 @@ class BlockLookup:
             ids = ids.masked_fill(skip[..., None], -1)
         return ids, block_positions(ids, nb, W, L, o.position_mapping)
 
-    def _mean_landmark(self, layer, lo, nb):
+    def _mean_key(self, layer, lo, nb):
         """The mean landmark key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):
         what every query's landmark scores share, which ``centre`` takes out of them (from the
         running sums, ``BlockMemory.sums``: the cost of the blocks since it was last asked)."""
         cached = self._mean_keys.get(layer)
         if cached is None or cached[0] != (lo, nb):
-            mean = torch.from_numpy(self.blocks.mean_key(layer, lo, nb)).to(self.device, self.dtype)[:, :, None]
+            mean = torch.from_numpy(self.blocks.mean_key(layer, lo, nb))[:, :, None]
+            mean = mean.to(self.blocks.device, self.blocks.dtype)
             cached = (lo, nb), (mean.repeat_interleave(self.group, 1) if self.group > 1 else mean)
             self._mean_keys[layer] = cached
         return cached[1]

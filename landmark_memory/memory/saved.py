@@ -1,21 +1,24 @@
-"""A memory saved in a directory: commit, open, close (docs/DESIGN.md, "Persistence").
+"""A memory saved in a directory: its folder and commits (docs/DESIGN.md, "Persistence").
 
-``LandmarkMemory`` (engine.py) reads and computes; this part of it writes its commits and
-restores them. A corpus (``documents``) keeps no blocks of its own: its blocks are its
-documents', read from their stores (``memory/corpus.py`` merges them).
+``SavedFiles`` is a memory's part (``LandmarkMemory.files``) that knows its folder and the
+commits there: it writes a commit of the blocks and the open chunk it is given, takes the blocks
+of a commit into the block memory it is given, and says whether a later commit only appended.
+``open_folder`` finds a saved memory's folder as ``LandmarkMemory.open`` needs it. A corpus
+(``documents``) keeps no blocks of its own: its blocks are its documents', read from their
+stores (``memory/corpus.py`` merges them).
 """
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..core.names import DISK_STORES
-from ..storage import DTYPE_NAMES
 from ..storage.sharded import Shard
 from .blocks import BlockMemory
+from .decoding import OpenChunk
 from .directory import MemoryDir, model_fingerprint
 from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
 
@@ -26,18 +29,6 @@ def wrong_model(path, saved: ModelRecord, given: str) -> str:
     mine = f"--model {given}" if given else "the model given"
     fix = f"pass --model {saved.name}" if saved.name else "open it with the model that built it"
     return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"
-
-
-@dataclass
-class OpenChunk:
-    """What a commit keeps of the text past the memory's last block, no RoPE applied: the open
-    chunk's token ids (streams, P) and per memory layer its keys and values (streams, H_kv, P
-    with landmarks, D); per sliding-window layer the keys and values of the positions its window
-    still reads (streams, H_kv, at most window - 1, D)."""
-
-    ids: torch.Tensor | None = None
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,190 +110,101 @@ def saved_chunk(d: MemoryDir, manifest: Manifest, state: dict[str, torch.Tensor]
     return chunk
 
 
-class SavedMemory:
-    """The saving half of ``LandmarkMemory``: everything here needs the attributes that
-    ``LandmarkMemory._setup`` makes."""
+def open_folder(path: str | Path, model: torch.nn.Module, readonly: bool) -> Opened:
+    """The saved memory at ``path`` as ``LandmarkMemory.open`` takes it (``Opened``): its last
+    commit read and checked to be a memory of its own built by ``model`` (not a session, not a
+    document a corpus merged); ``MemoryFileError`` says which otherwise, the folder let go."""
+    fingerprint = model_fingerprint(model)
+    d = MemoryDir(path, writable=not readonly)
+    try:
+        manifest, state = d.read_commit()
+        if manifest.session is not None:
+            raise MemoryFileError(f"{path} is the session {manifest.session.name!r} of the memory "
+                                  f"{Path(path).resolve().parent.parent}: open that memory and the session in it "
+                                  f"(`landmark-memory chat MEMORY --session {manifest.session.name}`)")
+        if manifest.rows_merged:
+            raise MemoryFileError(f"{path} is a document of a corpus, which holds its rows now: open the corpus "
+                                  f"(the folder that holds {Path(path).parent.name}/)")
+        if manifest.model.fingerprint != fingerprint:
+            raise MemoryFileError(wrong_model(path, manifest.model, getattr(model, "landmark_name", "")))
+        return Opened(d, manifest, state, readonly, fingerprint)
+    except BaseException:
+        d.close()
+        raise
 
-    def _new_blocks(self, readonly: bool, key_files: bool = True) -> BlockMemory:
-        """The memory's blocks, none yet; a corpus reads those of its documents from their stores
-        (``BlockMemory.add_shard``). ``key_files``: its landmark keys are (or, for a writer, will
-        be) in its key files; else in memory (a reader of a memory from before them)."""
-        shards = [] if self.documents else None  # their stores open, and are checked, when first read
-        saved = self.dir is not None
-        return BlockMemory(self.shape, self.options, store_path=None if not saved or self.documents else
-                           self.dir.store_path(), readonly=readonly, device=self.device, dtype=self.dtype,
-                           rope=self.rope, cache_bytes=self.cache_bytes, shards=shards,
-                           shard_path=lambda name: self.dir.document(name).store_path(),
-                           key_path=self.dir.key_path() if saved and key_files else None)
 
-    # ---- persistence --------------------------------------------------------------------
-    def commit(self) -> int:
-        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
-        protocol"); returns the commit number. A process killed at any instant leaves the
-        memory at its last commit."""
+class SavedFiles:
+    """A memory's folder and what it knows of the commits there.
+
+    Parameters
+    ----------
+    dir : MemoryDir or None (the memory is not saved), its writer lock held unless ``readonly``.
+    readonly : bool, nothing is ever written (any number of readers).
+    documents : bool, a corpus: its blocks are its documents'.
+
+    Attributes
+    ----------
+    manifest : Manifest or None, the last commit this memory wrote or read (None: never saved).
+    commit_count : int, that commit's number (0: none).
+    """
+
+    def __init__(self, dir: MemoryDir | None, readonly: bool = False, documents: bool = False):
+        self.dir, self.readonly, self.documents = dir, readonly, documents
+        self.manifest: Manifest | None = None
+        self.commit_count = 0
+        self._committed_blocks = 0  # blocks of the last commit: a commit writes the rows after them
+        self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
+        self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
+
+    def commit(self, blocks: BlockMemory, manifest: Manifest, chunk: OpenChunk) -> int:
+        """Commit ``blocks`` and the open ``chunk`` as ``manifest`` says (its counts; the commit
+        number and CRC-32s are filled in here); returns the commit number."""
         if self.dir is None:
             raise ValueError(f"this memory has no directory: create it with a path (and store= one of {DISK_STORES}) "
                              "to save it")
         if self.readonly:
             raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
-        manifest = self._manifest()
-        write_commit(self.dir, self.blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc,
-                     self.open_chunk())
-        self.manifest = manifest
-        self.commit_count, self._committed_blocks, self._rows_crc = manifest.commit, self.n_blocks, manifest.rows_crc
-        self._keys_committed = self.n_blocks
+        crcs = {name: crc for name, crc in self._rows_crc.items() if name != LANDMARKS}  # format 5 has key files
+        manifest = replace(manifest, commit=self.commit_count, rows_crc=crcs)
+        write_commit(self.dir, blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc, chunk)
+        self.manifest, self.commit_count, self._rows_crc = manifest, manifest.commit, manifest.rows_crc
+        self._committed_blocks = self._keys_committed = manifest.blocks
         return self.commit_count
 
-    @classmethod
-    def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
-             backend: str = "auto", **options) -> "LandmarkMemory":
-        """A saved memory, at its last commit, ready to continue as if it had never stopped.
+    def follow(self, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor], vocab_size: int,
+               known_inputs: int) -> None:
+        """Take into ``blocks`` what the commit ``manifest`` (with its ``state``) holds beyond
+        them: its blocks, and a corpus's documents past the first ``known_inputs``' stores."""
+        self.commit_count, self.manifest = manifest.commit, manifest
+        if manifest.streams is not None:
+            if self.documents:
+                bs = manifest.model.shape.block_size
+                for e in manifest.inputs[known_inputs:]:
+                    blocks.add_shard(Shard(e.start // bs, e.ingested // bs, e.document))
+            self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
+                                         mapped=self.readonly)
+            self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
+        self._committed_blocks = manifest.blocks
 
-        Parameters
-        ----------
-        path : str or Path, the memory directory.
-        model : the model the memory was built with (checked by fingerprint).
-        readonly : bool, read without the writer lock (any number of readers); text fed
-            afterwards stays in this process and is never saved: ``rewind()`` forgets it,
-            ``refresh()`` follows later commits.
-        options : query-time settings to change (``QUERY_OPTIONS``: top_k, retrieval,
-            position_mapping, max_blocks, cmt_cutoff, sink_blocks, local_blocks, centre; and the
-            index's nprobe, ef_search). The rest was fixed when the memory was built.
-        """
-        fingerprint = model_fingerprint(model)
-        d = MemoryDir(path, writable=not readonly)
-        try:
-            manifest, state = d.read_commit()
-            if manifest.session is not None:
-                raise MemoryFileError(f"{path} is the session {manifest.session.name!r} of the memory "
-                                      f"{Path(path).resolve().parent.parent}: open that memory and the session in it "
-                                      f"(`landmark-memory chat MEMORY --session {manifest.session.name}`)")
-            if manifest.rows_merged:
-                raise MemoryFileError(f"{path} is a document of a corpus, which holds its rows now: open the corpus "
-                                      f"(the folder that holds {Path(path).parent.name}/)")
-            saved = manifest.model
-            if saved.fingerprint != fingerprint:
-                raise MemoryFileError(wrong_model(path, saved, getattr(model, "landmark_name", "")))
-            return cls(model, manifest.options.with_query(**options), cache_bytes=cache_bytes, backend=backend,
-                       opened=Opened(d, manifest, state, readonly, fingerprint))
-        except BaseException:
-            d.close()
-            raise
-
-    def _take(self, opened: Opened) -> None:
-        """Become the saved memory ``opened`` (``LandmarkMemory.__init__`` for ``open``)."""
-        m = opened.manifest
-        self.dir, self.readonly, self._fingerprint, self.documents = opened.dir, opened.readonly, opened.fingerprint, \
-            m.documents
-        self.blocks = self._new_blocks(opened.readonly, key_files=m.version >= 5 or not opened.readonly)
-        try:
-            self._follow(m, opened.state)
-        except BaseException:
-            self.blocks.close()
-            raise
-
-    def refresh(self) -> bool:
-        """Follow the memory's writer: take the blocks committed since this read-only memory
-        opened or last refreshed, reading only what was appended (rows, documents' stores; an
-        approximate index is read again from the state file). Text fed since is forgotten
-        first (``rewind``). Answers then equal a fresh open's. Returns whether there was a new
-        commit; a memory changed otherwise than by appending, or a file it maps cut short since
-        (which would be a SIGBUS at the next read), raises ``MemoryFileError``."""
-        if self.dir is None or not self.readonly:
-            raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
-                             "is the newest there is")
+    def newer(self, inputs: list) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
+        """The folder's commit after the one last read, with its state (None: there is none);
+        ``MemoryFileError`` if the memory changed otherwise than by appending since (a corpus's
+        ``inputs``, those of the commit last read, must stay the first of its)."""
         if self.dir.read_manifest().commit == self.commit_count:
-            self.blocks.check_files()
-            return False
+            return None
         manifest, state = self.dir.read_commit()
-        seen, old = self.manifest, self.inputs
+        seen = self.manifest
         appended = (manifest.model.fingerprint == seen.model.fingerprint and manifest.options == seen.options
                     and manifest.documents == seen.documents and manifest.blocks >= seen.blocks
                     and manifest.commit > seen.commit and seen.streams in (None, manifest.streams)
                     and manifest.version == seen.version
-                    and (not self.documents or manifest.inputs[:len(old)] == old))
+                    and (not self.documents or manifest.inputs[:len(inputs)] == inputs))
         if not appended:
             raise MemoryFileError(f"the memory {self.dir.path} changed otherwise than by appending since it was "
                                   f"opened (commit {self.commit_count}, now {manifest.commit}); open it again")
-        self.blocks.check_files()
-        self.rewind()
-        self._follow(manifest, state)
-        return True
+        return manifest, state
 
-    def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
-        """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
-        memory's, its documents' stores, its open chunk."""
-        self.commit_count, self.manifest = manifest.commit, manifest
-        if manifest.streams is not None:
-            if self.documents:
-                bs = self.shape.block_size
-                for e in manifest.inputs[len(self.inputs):]:
-                    self.blocks.add_shard(Shard(e.start // bs, e.ingested // bs, e.document))
-            self._rows_crc = load_blocks(self.dir, self.blocks, manifest, state, self._rows_crc,
-                                         self.backbone.vocab_size, mapped=self.readonly)
-            self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
-        self.inputs, self._committed_blocks = list(manifest.inputs), manifest.blocks
-        self.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
-        self._saved_chunk = self.pending_ids, self.pending_kv, dict(self.window_kv)  # as taken: rotated once
-
-    def open_chunk(self) -> OpenChunk:
-        """What was fed past the last block, as a commit keeps it."""
-        kv = [(k, v) for k, _, v in self.pending_kv] if self.pending_ids is not None else []
-        return OpenChunk(self.pending_ids, kv, dict(self.window_kv))
-
-    def take(self, chunk: OpenChunk) -> None:
-        """Continue after ``chunk`` (``open_chunk`` of this memory or of one that read the same
-        blocks): its keys rotated to where the open chunk sits now."""
-        self.window_kv = dict(chunk.windows)
-        if chunk.ids is None:
-            self.pending_ids, self.pending_kv = None, [None] * self.shape.n_layer
-            return
-        pos = self._base() + torch.arange(chunk.kv[0][0].shape[2], device=self.device)
-        self.pending_ids, self.pending_kv = chunk.ids, [(k, self.rope(k, pos), v) for k, v in chunk.kv]
-
-    def rewind(self) -> None:
-        """Forget what was fed to this read-only memory since it opened or last refreshed: it
-        holds its commit again, exactly (the hot cache keeps the saved blocks it holds)."""
-        if not self.readonly:
-            raise ValueError("only a memory opened read-only rewinds; a writer keeps what it was fed (close it "
-                             "with commit=False to drop what was fed since its last commit)")
-        self.blocks.rewind()
-        self.pending_ids, self.pending_kv, windows = self._saved_chunk
-        self.window_kv = dict(windows)
-        self._recent_keys.clear()
-        self._mean_keys.clear()
-        self._forced = None
-        self.attached = None
-
-    def model_record(self) -> ModelRecord:
-        """The model this memory was built with, as its manifest records it (fingerprint first)."""
-        if self._fingerprint is None:
-            self._fingerprint = model_fingerprint(self.model)
-        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype],
-                           getattr(self.model, "landmark_name", ""))
-
-    def _manifest(self) -> Manifest:
-        crcs = {name: crc for name, crc in self._rows_crc.items() if name != LANDMARKS}  # format 5 has key files
-        return Manifest(model=self.model_record(), options=self.options, streams=self.streams, blocks=self.n_blocks,
-                        tokens=self.n_tokens, pending_tokens=self.pending_count, inputs=self.inputs,
-                        commit=self.commit_count, rows_crc=crcs, documents=self.documents)
-
-    def close(self, commit: bool = True) -> None:
-        """Release the store and the writer lock; a writable saved memory commits first
-        (``commit=False`` drops what was fed since the last commit)."""
-        if self._closed:
-            return
-        try:
-            if commit and self.dir is not None and not self.readonly:
-                self.commit()
-        finally:  # a commit that failed (a full disk) leaves the last one standing: the files are let go all the same
-            self._closed = True
-            self.blocks.close()
-            if self.dir is not None:
-                self.dir.close()
-
-    def __enter__(self) -> "LandmarkMemory":
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.close(commit=exc_type is None)
+    def close(self) -> None:
+        """Release the folder (and its writer lock)."""
+        if self.dir is not None:
+            self.dir.close()

@@ -34,7 +34,8 @@ from .blocks import BlockMemory
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
 from .manifest import TOKENS, BaseRecord, Manifest, SessionRecord, WriterBusyError
-from .saved import OpenChunk, load_blocks, saved_chunk, write_commit
+from .decoding import OpenChunk
+from .saved import load_blocks, saved_chunk, write_commit
 from .session_files import (STARTS, TURNS, SessionError, Turn, busy_error, check_record, committed_starts,
                             committed_turns, missing_error, new_name, session_path, turn_bytes)
 
@@ -144,7 +145,7 @@ class Session:
     @property
     def n_tokens(self) -> int:
         """Tokens of the session (its blocks' and its open chunk's)."""
-        ids = self.mem.pending_ids if self.mem.attached is self else self.pending.ids
+        ids = self.mem.decoder.ids if self.mem.attached is self else self.pending.ids
         return self.blocks.n_blocks * self.mem.shape.block_size + (0 if ids is None else ids.shape[1])
 
     def attach(self) -> None:
