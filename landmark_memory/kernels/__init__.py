@@ -171,9 +171,9 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Arguments as ``landmark_attention_inference``'s, except that a block's ``L`` rows are all
     tokens: ``pool_k``, ``pool_v`` (n_pool, H_kv, L, D), keys rotated by row offset; and
     ``pool_scale`` (n_pool, H_kv, D + L) with an int8 pool. ``shared``: the table's last
-    ``shared`` columns name, per stream, the same blocks at the same positions for every query
-    (the sink and local blocks, or -1 for all), which the fast paths read with the local keys in
-    one product. ``backend``: ``"reference"`` gathers each query's blocks (the definition); any
+    ``shared`` columns name, per stream and head, the same blocks at the same positions for every
+    query (the sink and local blocks; every column where the retrieval is per head), which the
+    fast paths read with the local keys in one product. ``backend``: ``"reference"`` gathers each query's blocks (the definition); any
     other reads the blocks in place, their slots scored by compiled loops on CPUs (float32 or
     float64, no autograd) and by PyTorch elsewhere.
 
@@ -186,6 +186,8 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _check_inference(q, k, v, rows, pool_k, pool_v, block_table, block_pos, None, pool_scale, backend,
                          landmarks=False)
         _check_shared(block_table, block_pos, shared)
+    if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
+        block_table, block_pos, shared = block_table[..., :0], block_pos[..., :0], 0
     if backend == "reference":
         if pool_scale is not None:
             pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)
@@ -262,12 +264,11 @@ def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos
 def _check_shared(block_table, block_pos, shared):
     if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared <= block_table.shape[-1]:
         raise ValueError(f"shared must be a count of the table's {block_table.shape[-1]} columns, got {shared!r}")
-    filled = block_table[:, :1, :1, block_table.shape[-1] - shared:] >= 0  # (B, 1, 1, shared)
     for name, t in (("block_table", block_table), ("block_pos", block_pos)):
         last = t[..., t.shape[-1] - shared:]
-        if not (last == last[:, :1, :1]).all() or not (filled == filled[:1]).all():
-            raise ValueError(f"the last shared={shared} columns of {name} must be the same for every head and query "
-                             "of a stream (and empty for every stream alike)")
+        if not (last == last[:, :, :1]).all():
+            raise ValueError(f"the last shared={shared} columns of {name} must be the same for every query of a "
+                             "stream and head")
 
 
 def _check_cmt(q, cmt_k):

@@ -7,9 +7,10 @@ block is a token: there is no landmark row to gate it.
 ``block_inference_dense`` scores the retrieved slots with the landmark kernels' ``retrieved``
 functions (``dense._retrieved``, or the compiled ``numba_slots.retrieved_compiled``), which read
 each block's rows in place from the pool, and merges them with the local scores in one softmax.
-The blocks every query of a stream reads at one position (the sink and local blocks: the table's
-last ``shared`` columns) join the local keys instead, rotated to their positions once: one matrix
-product for the whole chunk instead of a slot per query.
+The blocks every query of a stream and head reads at one position (the sink and local blocks,
+or every block where the retrieval is shared per head: the table's last ``shared`` columns) join
+the local keys instead, rotated to their positions once: one matrix product for the whole chunk
+instead of a slot per query.
 """
 
 import torch
@@ -40,19 +41,21 @@ def block_inference_reference(q, k, v, pool_k, pool_v, block_table, block_pos, r
     return torch.einsum("bhqn,bhqnd->bhqd", w[..., :n], pool_v[rows, heads].flatten(3, 4)) + w[..., n:] @ v
 
 
-def _shared_kv(pool_k, pool_v, table, pos, rope, pool_scale, group, dtype):
-    """Keys at their blocks' positions and values (B, H, n * L, D) each of the blocks ``table``
-    (B, S) at ``pos`` (B, S) names per stream, its -1 columns left out (they are -1 for every
-    stream alike: streams hold as many blocks)."""
-    keep = table[0] >= 0
-    e, at = table[:, keep].long(), pos[:, keep]  # (B, n)
-    k, v = pool_k[e], pool_v[e]  # (B, n, H_kv, L, D)
+def _shared_kv(pool_k, pool_v, table, pos, rope, pool_scale, dtype):
+    """Keys at their blocks' positions and values (B, H, S * L, D) each of the blocks ``table``
+    (B, H, S) names per stream and query head at ``pos`` (B, H, S), and a bias (B, H, 1, S * L):
+    -inf on the rows of an empty (-1) column, else 0."""
+    B, H, S = table.shape
+    heads = torch.arange(H, device=table.device)[None, :, None] // (H // pool_k.shape[1])  # (1, H, 1)
+    e = table.clamp(min=0).long()
+    k, v = pool_k[e, heads], pool_v[e, heads]  # (B, H, S, L, D)
     if pool_scale is not None:
-        k, v = (t.view(k.shape) for t in dequantize_kv(k.flatten(0, 1), v.flatten(0, 1), pool_scale[e].flatten(0, 1),
-                                                         dtype))
-    k = as_rotary(rope, k.shape[-1])(k.to(dtype), at[:, :, None, None])  # rows already rotated by their offsets
-    k, v = (t.to(dtype).permute(0, 2, 1, 3, 4).flatten(2, 3) for t in (k, v))  # (B, H_kv, n * L, D)
-    return (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+        k, v = (t.view(k.shape) for t in dequantize_kv(k.flatten(0, 2)[:, None], v.flatten(0, 2)[:, None],
+                                                         pool_scale[e, heads].flatten(0, 2)[:, None], dtype))
+    k = as_rotary(rope, k.shape[-1])(k.to(dtype), pos[..., None])  # rows already rotated by their offsets
+    bias = torch.zeros(table.shape, dtype=dtype, device=table.device).masked_fill(table < 0, NEG_INF)
+    L = k.shape[-2]
+    return k.flatten(2, 3), v.to(dtype).flatten(2, 3), bias.repeat_interleave(L, -1)[:, :, None]
 
 
 def block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope=10000.0, scale=None,
@@ -61,16 +64,19 @@ def block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope=
     (``dense._retrieved`` by default, or ``numba_slots.retrieved_compiled``) scores every slot
     against its block's rows in place and reads their values by the softmax's weights; an int8
     pool (``pool_scale``) is read in place too. ``shared``: the table's last ``shared`` columns
-    hold, per stream, the same blocks at the same positions for every query (or -1 for all):
-    they are read as keys before the local ones (all in every query's past)."""
+    hold, per stream and head, the same blocks at the same positions for every query: they are
+    read as keys before the local ones (all in every query's past)."""
     B, H, Tq, D = q.shape
+    bias = None
     if shared and block_table.shape[-1] and pool_k.shape[0]:
-        sk, sv = _shared_kv(pool_k, pool_v, block_table[:, 0, 0, -shared:], block_pos[:, 0, 0, -shared:], rope,
-                            pool_scale, H // pool_k.shape[1], q.dtype)
-        k, v = torch.cat([sk, k], 2), torch.cat([sv, v], 2)  # (B, H, n * L + Tk, D)
+        sk, sv, bias = _shared_kv(pool_k, pool_v, block_table[:, :, 0, -shared:], block_pos[:, :, 0, -shared:], rope,
+                                  pool_scale, q.dtype)
+        k, v = torch.cat([sk, k], 2), torch.cat([sv, v], 2)  # (B, H, S * L + Tk, D)
         block_table, block_pos = block_table[..., :-shared], block_pos[..., :-shared]
     q = q * (D ** -0.5 if scale is None else scale)  # scaled once
     s_loc = (q @ k.transpose(-2, -1)).masked_fill(~_causal(k.shape[-2], Tq, q.device), NEG_INF)  # (B, H, Tq, Tk)
+    if bias is not None:  # the empty shared columns' rows
+        s_loc[..., :bias.shape[-1]] += bias
     if block_table.shape[-1] == 0 or pool_k.shape[0] == 0:
         return torch.softmax(s_loc, -1) @ v
     s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale)

@@ -157,7 +157,7 @@ class Decoder:
             blocks = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=block_pos, rope=self.rope,
                           scale=bb.scale, pool_scale=pool_scale, backend=self.backend, check=False)
             y = (landmark_attention_inference(qr, local_k, local_v, bs, cmt_k=cmt_k, **blocks) if s.landmarks else
-                 block_attention_inference(qr, local_k, local_v, shared=o.reads - o.top_k, **blocks))
+                 block_attention_inference(qr, local_k, local_v, shared=self._shared(), **blocks))
             h = bb.finish(layer, h, y)
             retrieved.append(ids_used[:, :, normal, :o.top_k])  # the chosen blocks, not the forced ones
         h = h[:, normal]  # (B, n, C)
@@ -168,6 +168,12 @@ class Decoder:
         if self.count == o.chunk_size:  # the chunk is complete: its blocks go to memory
             self.flush()
         return logits, retrieved
+
+    def _shared(self) -> int:
+        """The table's last columns that every query of a step reads alike, per stream and head:
+        the sink and local blocks, and all of them where the top-k is chosen per head."""
+        o = self.options
+        return o.reads if o.retrieval == "per_head" else o.reads - o.top_k
 
     def _window(self, layer, q, k, v):
         """A sliding-window layer's attention for the step's queries ``q`` (B, H, Tq, D) over the
