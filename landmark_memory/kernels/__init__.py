@@ -173,9 +173,10 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``pool_scale`` (n_pool, H_kv, D + L) with an int8 pool. ``shared``: the table's last
     ``shared`` columns name, per stream and head, the same blocks at the same positions for every
     query (the sink and local blocks; every column where the retrieval is per head), which the
-    fast paths read with the local keys in one product. ``backend``: ``"reference"`` gathers each query's blocks (the definition); any
-    other reads the blocks in place, their slots scored by compiled loops on CPUs (float32 or
-    float64, no autograd) and by PyTorch elsewhere.
+    fast paths read with the local keys in one product for ``FEW_QUERIES`` queries or more.
+    ``backend``: ``"reference"`` gathers each query's blocks (the definition); any other reads
+    the blocks in place, their slots scored by compiled loops on CPUs (float32 or float64, no
+    autograd) and by PyTorch elsewhere.
 
     Returns
     -------
@@ -188,6 +189,8 @@ def block_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _check_shared(block_table, block_pos, shared)
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
         block_table, block_pos, shared = block_table[..., :0], block_pos[..., :0], 0
+    if q.shape[2] < FEW_QUERIES:  # a decoding step: its few queries read each block once, as slots
+        shared = 0
     if backend == "reference":
         if pool_scale is not None:
             pool_k, pool_v = dequantize_kv(pool_k, pool_v, pool_scale, q.dtype)

@@ -26,7 +26,7 @@ from ..index import KINDS, IndexFile, LandmarkIndex, derived_from_rows, index_fr
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import STORE_KINDS, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
-from .directory import disk_errors
+from .directory import damaged, disk_errors
 from .key_sums import KeySums
 from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, RowLayout, key_file
 from .shape import ModelShape
@@ -76,7 +76,7 @@ class BlockMemory:
                          open_store(options.store, shape.block_entry, store_path, options.store_dtype,
                                     readonly=readonly, checksums=options.block_checksums))
         except StoreDamagedError as e:
-            raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
+            raise damaged(str(e)) from None
         self.shards = store if shards is not None else None  # a corpus's documents' stores
         self.store = OverlayStore(store) if readonly else store
         self.offsets = offsets = torch.arange(self.L, device=device)
@@ -278,7 +278,7 @@ class BlockMemory:
         try:
             D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
         except KeyFileError as e:  # (an index may read its own files at its first search)
-            raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
+            raise damaged(str(e)) from None
         if hi <= base:
             return D, I
         Do, Io = self.upper._search(b, layer, h, xq, k, max(lo, base) - base, hi - base)
@@ -331,7 +331,7 @@ class BlockMemory:
             for rows in [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]:
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
-            raise MemoryFileError(f"{e}; the memory is damaged: restore it from a backup or rebuild it") from None
+            raise damaged(str(e)) from None
         self.ids.check()
         if self.upper is not None:
             self.upper.check_files()
@@ -443,24 +443,19 @@ class BlockMemory:
                                                    **self.options.index_options)
                                   for h in range(cfg.n_kv_head)] for layer in range(cfg.n_layer)] for b in range(B)]
             except (KeyError, RuntimeError, ValueError) as e:  # a missing entry, or bytes FAISS cannot read
-                raise MemoryFileError(f"the state file of {where} lacks or garbles a landmark index ({e}); the "
-                                      "memory is damaged: restore it from a backup or rebuild it") from None
+                raise damaged(f"the state file of {where}", f"lacks or garbles a landmark index ({e})") from None
         if any(ix.ntotal != n_blocks for stream in self.indexes for layer in stream for ix in layer):
-            raise MemoryFileError(f"the indexes of {where} do not hold the {n_blocks} blocks the manifest names; "
-                                  "the memory is damaged: restore it from a backup or rebuild it")
+            raise damaged(f"the indexes of {where}", f"do not hold the {n_blocks} blocks the manifest names")
         try:
             if n_blocks:
                 self.store.get([(b, layer, n_blocks - 1) for b in range(B) for layer in range(cfg.n_layer)])
         except KeyError:
-            raise MemoryFileError(f"the block store of {where} lacks blocks the manifest names; the memory is "
-                                  "damaged: restore it from a backup or rebuild it") from None
+            raise damaged(f"the block store of {where}", "lacks blocks the manifest names") from None
         except StoreDamagedError as e:
-            raise MemoryFileError(f"the block store of {where} is damaged ({e}); restore the memory from a backup "
-                                  "or rebuild it") from None
+            raise damaged(f"the block store of {where}", f"fails its checks ({e})") from None
         try:
             self.sums.load(n_blocks, state, (B, cfg.n_kv_head, cfg.head_dim))
         except ValueError as e:
-            raise MemoryFileError(f"the state file of {where} garbles the landmark keys' sums ({e}); the memory is "
-                                  "damaged: restore it from a backup or rebuild it") from None
+            raise damaged(f"the state file of {where}", f"garbles the landmark keys' sums ({e})") from None
         if self.base is not None:
             self.base = self.n_blocks

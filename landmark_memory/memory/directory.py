@@ -110,8 +110,10 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _damaged(what: str, why: str) -> MemoryFileError:
-    return MemoryFileError(f"{what} {why}; the memory is damaged: restore it from a backup or rebuild it")
+def damaged(what: str, why: str = "") -> MemoryFileError:
+    """``MemoryFileError``: ``what`` (a file, the store) ``why``, and what to do about it."""
+    return MemoryFileError(f"{' '.join(filter(None, (what, why)))}; the memory is damaged: restore it from a backup "
+                           "or rebuild it")
 
 
 class MemoryDir:
@@ -273,7 +275,7 @@ class MemoryDir:
         if end == 0 and size < 0:  # nothing committed yet: the file need not exist
             return b""
         if size < end:
-            raise _damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {end} bytes)")
+            raise damaged(str(f), "is missing" if size < 0 else f"is truncated ({size} of {end} bytes)")
         if nbytes == 0:  # (nothing to map)
             return b""
         with os.fdopen(open_nofollow(f, os.O_RDONLY), "rb") as fh:
@@ -301,7 +303,7 @@ class MemoryDir:
                 if not isinstance(data, np.memmap)}
         for name in crcs:
             if name in (manifest.rows_crc or {}) and crcs[name] != manifest.rows_crc[name]:
-                raise _damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the rows or "
+                raise damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the rows or "
                                "the manifest are corrupted)")
         if self.writable:
             for name, n in sizes.items():
@@ -335,7 +337,7 @@ class MemoryDir:
         for name, nbytes in sizes.items():
             data = self.read_rows(name, nbytes)
             if name in (manifest.rows_crc or {}) and zlib.crc32(data) != manifest.rows_crc[name]:
-                raise _damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the file or "
+                raise damaged(str(self.path / name), "does not match the manifest (its CRC-32 differs: the file or "
                                "the manifest is corrupted)")
             yield name, data
 
@@ -358,7 +360,7 @@ class MemoryDir:
                 return manifest, (self.read_state(manifest.state) if manifest.state else {})
             except FileNotFoundError as e:
                 if attempt == 2 or self.writable:
-                    raise _damaged(str(e), "is missing") from None
+                    raise damaged(str(e), "is missing") from None
 
     def write_state(self, commit: int, tensors: dict[str, torch.Tensor]) -> StateFile:
         """Write ``state.<commit>.safetensors``; returns its manifest entry."""
@@ -370,7 +372,7 @@ class MemoryDir:
 
     def read_state(self, entry: StateFile) -> dict[str, torch.Tensor]:
         if not STATE_NAME.fullmatch(entry.name):
-            raise _damaged(f"{self.path / MANIFEST}", f"names a state file {entry.name!r} that is no memory file")
+            raise damaged(f"{self.path / MANIFEST}", f"names a state file {entry.name!r} that is no memory file")
         f = self.path / entry.name
         if not f.exists() and not f.is_symlink():
             raise FileNotFoundError(f)
@@ -381,7 +383,7 @@ class MemoryDir:
         try:
             return load_safetensors(data)
         except SafetensorError as e:
-            raise _damaged(str(f), f"cannot be read ({e})") from None
+            raise damaged(str(f), f"cannot be read ({e})") from None
 
     def drop_old_states(self, keep: str | None) -> None:
         """Remove state files other than ``keep``, temporary files a stopped commit left, and
