@@ -269,8 +269,10 @@ def machine():
 
 
 # the question reader SmolLM2's adapter ships and how many of its blocks `ask` reads (``exp_reader.py``'s
-# tag of its answers in results/reader.json): the retrieval heads, 4 blocks
-SHIPPED_READER = "heads8-pin4"
+# tag of its answers in results/reader.json): stage 11 blended with the retrieval heads, 4 blocks; and the
+# retrieval heads alone, shipped before it
+SHIPPED_READER = "aboutH24-blend-pin4"
+HEADS_READER = "heads8-pin4"
 PLACEHOLDERS = {"--books": "$BOOKS", "--work": "WORK", "--baseline": "BASELINE"}  # folders of this machine
 
 

@@ -5,6 +5,7 @@ and the development facts (``exp_heads.DEV_FACTS``): what the reader learns is m
 shapes, wordings and books it never saw."""
 
 import random
+import re
 
 SUBJECTS = ["apothecary", "cobbler", "weaver", "shepherd", "potter", "butcher", "gardener", "coachman", "banker",
             "cook", "housekeeper", "judge", "merchant", "clerk", "surgeon", "painter", "jeweller", "carpenter", "mason",
@@ -145,4 +146,40 @@ def draw_facts(rng: random.Random, shapes: int, per_shape: int = 2):
         for s in rng.sample(SUBJECTS, per_shape):
             fill = {k: rng.choice(v) for k, v in SLOTS.items()} | {"s": s}
             out.append((sentence.format(**fill), [q.format(**fill) for q in questions], [answer.format(**fill)]))
+    return out
+
+
+# Questions about what a text already says, made from one sentence's rarer words (what a plain
+# question shares with its evidence): taught beside the planted facts, so that a reader learns to
+# point at text nobody planted. Words are chosen here, when the data is made; retrieval itself
+# never matches words.
+ABOUT = ["What does the text say about {}?", "Where does the book mention {}?", "Tell me about {}.",
+         "Which passage speaks of {}?", "What happened with {}?", "What is said of {}?"]
+COMMON = set("""about above after again against because been before being below between both could does doing
+down during each from further have having here into itself just more most myself once only other ought ourselves
+over same shall should some such than that their theirs them themselves then there these they this those through
+under until upon very were what when where which while whom with would your yours yourself said will like well
+made much many must never nothing every little great upon even still long away back came come know went good
+could might thought into upon time again""".split())
+
+
+def about_questions(text: str, rng: random.Random, count: int):
+    """``count`` questions about sentences of ``text``: [(sentence, question)]; each names two or
+    three of its sentence's words of four letters or more that occur at most three times in
+    ``text`` and are not common words, joined as a reader would ("x, y and z")."""
+    seen = {}
+    for w in re.findall(r"[A-Za-z]{4,}", text):
+        seen[w.lower()] = seen.get(w.lower(), 0) + 1
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if 8 <= len(s.split()) <= 60]
+    out = []
+    for s in rng.sample(sentences, len(sentences)):
+        if len(out) == count:
+            break
+        rare = list(dict.fromkeys(w for w in re.findall(r"[A-Za-z]{4,}", s)
+                                  if seen[w.lower()] <= 3 and w.lower() not in COMMON))
+        if len(rare) < 2:
+            continue
+        words = rng.sample(rare, min(len(rare), rng.choice([2, 3])))
+        named = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+        out.append((s, rng.choice(ABOUT).format(named)))
     return out

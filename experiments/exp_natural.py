@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from _attention import NULL, block_attention, pooled_rank
-from _common import SHIPPED_READER, ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
+from _common import HEADS_READER, SHIPPED_READER, ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
 from _texts import build, is_right
 from landmark_memory.app.build import encode
 from landmark_memory.memory import LandmarkMemory
@@ -142,27 +142,30 @@ def report(args):
             "own context. recall@5: the block of the words that answer it among the 5 passages `ask` reports, or "
             f"among the 5 blocks ranked first by the {heads['count']} retrieval heads `exp_heads.py` chose "
             "(`experiments/results/heads.md`; their choice is not what `ask` reads, so they have no answers); right: "
-            "the answer holds the expected words. `reader.md` (`exp_reader.py`): the 5 blocks the trained question "
-            "reader of stage 11 ranks first, and `ask` as SmolLM2's adapter now asks: reading the 4 blocks the "
-            "retrieval heads rank first (calibrated by the chat template's tokens) at every answer token, its "
-            "passages those 4 first.", "",
-            "| book | questions | `ask` recall@5 | `ask` right | heads recall@5 | stage 11 reader recall@5 | `ask` "
-            "through the heads (shipped): recall@5 | right | base model right |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "the answer holds the expected words. `reader.md` (`exp_reader.py`): the 5 blocks each trained question "
+            "reader of stage 11 ranks first, and `ask` as SmolLM2's adapter now asks (through `aboutH24-blend`: "
+            "reading the 4 blocks it ranks first at every answer token, its passages those 4 first) and as it asked "
+            "before (through the retrieval heads alone, calibrated by the chat template's tokens).", ""]
     reader = Path(args.results) / "reader.json"
     reader = json.loads(reader.read_text())["cells"] if reader.is_file() else {}
-    every = {"ask_recall5": [], "ask_right": [], "heads": [], "reader": [], "reader_ask": [], "reader_right": [],
-             "base": []}
+    trained = [t["name"] for t in reader.get("reader", [])]
+    body += ["| book | questions | `ask` recall@5 | `ask` right | heads recall@5 | " + " | ".join(
+             f"`{name}` recall@5" for name in trained) + " | `ask` through `aboutH24-blend` (shipped): recall@5 | "
+             "right | `ask` through the heads (before): recall@5 | right | base model right |",
+             "|---|---|---|---|---|" + "---|" * len(trained) + "---|---|---|---|---|"]
+    every = {}
     for book in books:
         rows, base = cells[f"memory|{book}"], cells.get(f"base|{book}", [])
-        asked = reader.get(f"natural|{book}|{SHIPPED_READER}", [])
+        shipped = reader.get(f"natural|{book}|{SHIPPED_READER}", [])
+        before = reader.get(f"natural|{book}|{HEADS_READER}", [])
         cols = {"ask_recall5": [r["ask_recall5"] for r in rows], "ask_right": [r["ask_right"] for r in rows],
                 "heads": [r["heads_rank"] <= 5 for r in rows],
-                "reader": [r["ranks"]["reader"] <= 5 for r in reader.get(f"ranks|natural|{book}", [])],
-                "reader_ask": [r["recall5"] for r in asked], "reader_right": [r["right"] for r in asked],
+                **{name: [r["ranks"][name] <= 5 for r in reader.get(f"ranks|natural|{book}", [])] for name in trained},
+                "shipped": [r["recall5"] for r in shipped], "shipped_right": [r["right"] for r in shipped],
+                "before": [r["recall5"] for r in before], "before_right": [r["right"] for r in before],
                 "base": [r["right"] for r in base]}
         for k, v in cols.items():
-            every[k] += v
+            every.setdefault(k, []).extend(v)
         body.append(f"| {book} | {len(rows)} | " + " | ".join(
             f"{sum(v)}/{len(v)}" if v else "-" for v in cols.values()) + " |")
     body.append(f"| all | {len(every['ask_right'])} | " + " | ".join(

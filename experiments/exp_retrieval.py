@@ -44,7 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import SHIPPED_READER, ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of, suite_main, write_result
+from _common import (HEADS_READER, SHIPPED_READER, ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of,
+                     suite_main, write_result)
 from _needles import passkey_trial, ruler_trial
 from _texts import FACTS, build, build_timed, haystack, held_out, is_right
 from landmark_memory.memory.answer import ask
@@ -423,12 +424,15 @@ def heads_rows(results, lengths, suite):
     reader = results / "reader.json"
     if reader.is_file():
         cells = json.loads(reader.read_text())["cells"]
-        out.append(row("stage 11 reader's 5 blocks", {n: [((int(k.split("|")[3]), r["question"]), r["ranks"]["reader"] <= 5,
-                                                          r["ranks"]["reader"], None) for k, rs in cells.items()
-                                                         if k.startswith(f"ranks|eval|{n}|") for r in rs]
-                                                     for n in lengths}))
-        for tag, label in ((SHIPPED_READER, "`ask` through the retrieval heads (shipped)"),
-                           ("reader30-pin4", "`ask` through the stage 11 reader")):
+        for name in (t["name"] for t in cells.get("reader", [])):
+            out.append(row(f"stage 11 `{name}`'s 5 blocks", {n: [((int(k.split("|")[3]), r["question"]),
+                                                                 r["ranks"][name] <= 5, r["ranks"][name], None)
+                                                                for k, rs in cells.items()
+                                                                if k.startswith(f"ranks|eval|{n}|") for r in rs]
+                                                            for n in lengths}))
+        for tag, label in ((SHIPPED_READER, "`ask` through `aboutH24-blend` (shipped)"),
+                           (HEADS_READER, "`ask` through the retrieval heads (shipped before)"),
+                           ("reader30-pin4", "`ask` through `reader30`")):
             out.append(row(label, {n: [((int(k.split("|")[2]), r["question"]), r["recall5"], None, r["right"])
                                        for k, rs in cells.items() if k.startswith(f"eval|{n}|") and k.endswith(tag)
                                        for r in rs] for n in lengths}))
@@ -436,10 +440,11 @@ def heads_rows(results, lengths, suite):
         return []
     return ["", "Retrieval heads, training-free (`exp_heads.py`, `heads.md`: the question's own tokens' landmark "
             "attention of the heads chosen on development questions, calibrated by a content-free question), and the "
-            "question reader of stage 11 (`exp_reader.py`, `reader.md`: a trained retrieval query of every layer, "
-            "calibrated by the chat template's tokens): the blocks each ranks first, and `ask` reading the 4 blocks the "
-            "heads (calibrated by the template's tokens: what SmolLM2's adapter ships) or the reader rank first at "
-            "every answer token (its passages: those 4 first). Their haystacks are this table's "
+            "question readers of stage 11 (`exp_reader.py`, `reader.md`: a trained retrieval query of every layer, "
+            "calibrated by the chat template's tokens; `aboutH24-blend`, what SmolLM2's adapter ships, blends its "
+            "ranking with the retrieval heads'): the blocks each ranks first, and `ask` reading the 4 blocks a reader "
+            "or the heads (calibrated by the template's tokens) rank first at every answer token (its passages: those "
+            "4 first). Their haystacks are this table's "
             f"({' and '.join(f'{n // 1024}K' for n in lengths)} on its first haystacks).", "",
             "| variant | " + " | ".join(f"{n // 1024}K recall@5 | vs k4 | rank | edge | right | n" for n in lengths)
             + " |", "|---|" + "---|---|---|---|---|---|" * len(lengths), *out]

@@ -451,6 +451,9 @@ def test_natural_questions_are_about_the_held_out_books_and_their_evidence_is_fo
     questions = json.loads(natural.FIXTURE.read_text())["questions"]
     assert len(questions) >= 40 and len({q["question"] for q in questions}) == len(questions)
     assert {q["book"] for q in questions} == {"2376_up_from_slavery", "2413_madame_bovary", "829_gullivers_travels"}
+    dev = json.loads(script("exp_reader").DEV_FIXTURE.read_text())["questions"]  # to choose by: a trained book's
+    assert len(dev) >= 20 and not {q["book"] for q in dev} & {q["book"] for q in questions}
+    assert all(q["words"] and q["evidence"] for q in dev)  # ("Where was the author born?" is asked of both)
     tok = load_tokenizer()  # the bundled one: spans are found whatever the tokenizer
     ids = tok.encode(strip_gutenberg(read_text(SAMPLE_DIR / "book" / "up_from_slavery.txt"))[:36000]).ids
     for q in (q for q in questions if q["book"] == "2376_up_from_slavery"):
@@ -459,6 +462,23 @@ def test_natural_questions_are_about_the_held_out_books_and_their_evidence_is_fo
         assert not " ".join(q["evidence"].split()) in " ".join(tok.decode(ids[a + 1:b]).split())  # its first token
     with pytest.raises(ValueError, match="lacks the evidence"):
         natural.evidence_span(tok, ids, "words that no page of it holds")
+
+
+def test_questions_about_a_text_name_two_or_three_rare_words_of_one_of_its_long_sentences():
+    import random
+
+    facts = script("_facts")
+    common = "The old mill stood quietly by the river bank all day. "  # long, but its words are not rare
+    rare = "Old Bartholomew sharpened his scythe beneath the crooked sycamore tree."
+    text = common * 20 + "A short one. " + rare + " " + common * 20
+    got = [facts.about_questions(text, random.Random(seed), 3) for seed in range(6)]
+    assert all(len(g) == 1 and g[0][0] == rare for g in got)  # the one sentence of rare words, asked once
+    for _, question in (g[0] for g in got):
+        named = [w for w in ("Bartholomew", "sharpened", "scythe", "beneath", "crooked", "sycamore", "tree")
+                 if w in question]
+        assert 2 <= len(named) <= 3 and not any(w in question for w in ("mill", "river", "quietly"))
+    assert len({q for g in got for _, q in g}) > 1  # wordings and words vary with the seed
+    assert facts.about_questions(text, random.Random(0), 0) == []
 
 
 def test_families_experiment_reads_gemma3_270m_when_its_package_is_installed(tmp_path):

@@ -9,7 +9,7 @@ from landmark_memory.core.layout import landmarked_length
 from landmark_memory.memory.answer import point
 from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf.lora import question_reader
-from landmark_memory.models.reader import QuestionReader, ReaderConfig, load_reader, save_reader
+from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, load_reader, save_reader
 
 BS = 5
 
@@ -59,34 +59,47 @@ def recorded(mem, prompt):
 
 
 def loop_scores(mem, reader, states, n, own, calibration):
-    """Per block: the mixed attention of the question's tokens less the template's, a loop."""
+    """Per block: the mixed attention of the question's tokens less the template's, a loop; for
+    a blended reader, with the heads' attention by the model's own queries, each standardised."""
     c, w = reader.config, reader.mix.softmax(0).view(reader.config.n_layer, -1)
-    total = torch.zeros(n)
+    fixed = reader.heads.view_as(w) if c.blend else torch.zeros_like(w)
+    total, base = torch.zeros(n), torch.zeros(n)
     for layer, (h, q, cos, sin) in states.items():
         keys = mem.blocks.landmark_keys(layer, torch.arange(n))[0]  # (H, n, D)
         A, B = reader.A[layer], reader.B[layer]
         T = q.shape[1]
         template = [t for t in range(T) if t not in own]
         for head in range(c.n_head):
-            mine, theirs = torch.zeros(n), torch.zeros(n)
+            mine, mine_own, theirs = torch.zeros(n), torch.zeros(n), torch.zeros(n)
             for t in range(T):
                 x = h[t] / h[t].pow(2).mean().add(1e-6).sqrt()
-                qt = q[head, t] + (B @ (A @ x)).view(c.n_head, c.head_dim)[head] if t in own else q[head, t]
-                qt = mem.rope.rotate((cos[t:t + 1], sin[t:t + 1]), qt[None])[0]  # the template's: the model's own
-                a = torch.softmax(torch.stack([qt @ keys[head, b] for b in range(n)]) * mem.backbone.scale, 0)
-                if t in own:
-                    mine += a / len(own)
-                else:
-                    theirs += a / len(template)
-            total += w[layer, head] * (mine - (theirs if calibration == "template" else 0))
-    return total
+                for corrected in (True, False):
+                    qt = q[head, t] + (B @ (A @ x)).view(c.n_head, c.head_dim)[head] if corrected else q[head, t]
+                    qt = mem.rope.rotate((cos[t:t + 1], sin[t:t + 1]), qt[None])[0]
+                    a = torch.softmax(torch.stack([qt @ keys[head, b] for b in range(n)]) * mem.backbone.scale, 0)
+                    if t in own and corrected:
+                        mine += a / len(own)
+                    elif t in own:
+                        mine_own += a / len(own)
+                    elif not corrected:  # the template's tokens: the model's own queries
+                        theirs += a / len(template)
+            null = theirs if calibration == "template" else 0
+            total += w[layer, head] * (mine - null)
+            base += fixed[layer, head] * (mine_own - null)
+    if not c.blend:
+        return total
+    z = [(x - x.mean()) / ((x - x.mean()).pow(2).sum() / (n - 1)).sqrt() for x in (total, base)]
+    return (1 - c.blend) * z[0] + c.blend * z[1]
 
 
 @pytest.mark.parametrize("calibration", ["template", "none"])
-def test_point_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model, calibration):
+@pytest.mark.parametrize("blend", [0.0, 0.4])
+def test_point_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model, calibration, blend):
     text = torch.randint(4, 64, (1, 62), generator=torch.Generator().manual_seed(1))  # 12 blocks, 2 pending
     prompt = torch.randint(4, 64, (14,), generator=torch.Generator().manual_seed(2)).tolist()
     reader = random_reader(2, 2, 16, 32)
+    if blend:  # the trained ranking mixed with fixed heads read by the model's own queries
+        reader = blended(reader, torch.tensor([0.0, 3.0, 1.0, 0.0]), blend)
     own = list(range(3, 9))
     with torch.no_grad():
         ref_mem = LandmarkMemory(model, top_k=2, chunk_size=10)
@@ -97,7 +110,8 @@ def test_point_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model,
         got = point(mem, reader, calibration, prompt, own, 5)
     top = want.topk(5)
     assert [b for b, _ in got] == top.indices.tolist()
-    torch.testing.assert_close(torch.tensor([s for _, s in got]), top.values, rtol=1e-4, atol=1e-6)
+    # blended scores are z-scores (order 1) of small differences in float32: absolute 1e-4
+    torch.testing.assert_close(torch.tensor([s for _, s in got]), top.values, rtol=1e-4, atol=1e-4 if blend else 1e-6)
     assert mem.n_tokens == ref_mem.n_tokens  # the prompt was read into memory
 
 
@@ -107,6 +121,12 @@ def test_a_reader_file_round_trips_and_a_damaged_one_is_refused_in_one_line(tmp_
     back, calibration = load_reader(tmp_path / "r.safetensors")
     assert calibration == "template" and back.config == reader.config
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), reader.state_dict().values()))
+    mixed = blended(reader, torch.tensor([1.0, 0.0, 1.0, 0.0]), 0.25)  # a blended reader keeps its heads
+    save_reader(mixed, tmp_path / "b.safetensors", "template")
+    back = load_reader(tmp_path / "b.safetensors")[0]
+    assert back.config.blend == 0.25 and back.heads.tolist() == [0.5, 0.0, 0.5, 0.0]
+    with pytest.raises(ValueError, match="blend must lie between 0 and 1"):
+        blended(reader, torch.ones(4), 1.0)
     (tmp_path / "bad.safetensors").write_bytes((tmp_path / "r.safetensors").read_bytes()[:300])
     with pytest.raises(ValueError, match="not a question reader .* remove it to answer without one"):
         load_reader(tmp_path / "bad.safetensors")

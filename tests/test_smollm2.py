@@ -63,8 +63,9 @@ def test_the_shipped_adapter_is_small_and_changes_the_converted_model(landmark, 
     assert not torch.equal(emb[lm], plain_emb[lm]) and torch.equal(emb[:lm], plain_emb[:lm])  # one row trained
     assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()  # still tied
     assert model.ask_policy == AskPolicy(centre=True, deep_passages=True, reader_blocks=4)  # as measured for it
-    reader, calibration = model.question_reader  # the retrieval heads (results/reader.md): no trained correction
-    assert calibration == "template" and reader.config.rank == 0 and (reader.mix.softmax(0) > 0.1).sum() == 8
+    reader, calibration = model.question_reader  # stage 11 blended with the 8 retrieval heads (results/reader.md)
+    assert calibration == "template" and reader.config.rank == 8 and reader.config.blend == 0.2
+    assert (reader.heads > 0).sum() == 8 and abs(float(reader.heads.sum()) - 1) < 1e-6
 
 
 def test_the_landmark_model_reads_a_book_through_memory_and_generates(landmark, passage):

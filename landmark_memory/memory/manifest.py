@@ -218,9 +218,12 @@ class Manifest:
                 "n_layer": cfg["n_layer"], "n_kv_head": cfg["n_head"], "head_dim": cfg["n_embd"] // cfg["n_head"],
                 "block_size": cfg["block_size"]}
             shape = {**shape, "windows": tuple(shape.get("windows", ()))}  # (JSON gives a list; none before Gemma 3)
+            options = doc["options"]
+            if version < 6:  # before format 6 every memory was a landmark memory of its model's block size
+                options = {"block_size": shape["block_size"], **options}
             m = cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"],
                                       model.get("name", "")),
-                    options=MemoryOptions.from_dict(doc["options"]), streams=doc["streams"], blocks=doc["blocks"],
+                    options=MemoryOptions.from_dict(options), streams=doc["streams"], blocks=doc["blocks"],
                     tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
                     inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
                     state=StateFile(**files["state"]) if "state" in files else None,

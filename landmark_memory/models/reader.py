@@ -13,15 +13,18 @@ the question by the model's own queries (a content-free prompt read in the same 
 calibration of QRHead and ICR, arXiv 2506.09944 and 2410.02642), so that blocks every prompt
 attends to (a book's front matter) do not win by it.
 
-SmolLM2's adapter ships a reader of rank 0 whose ``mix`` weighs the 8 retrieval heads chosen on
-development questions alike (QRHead's recipe, ``experiments/results/heads.md``); a trained
-correction and mix (stage 11: the model and its keys frozen, the other blocks of a question's
-memory its negatives) found planted facts better and natural questions worse, and is not
-shipped (``experiments/results/reader.md``).
+A blended reader (``blend`` > 0) also ranks the blocks by fixed weights ``heads`` of the heads'
+attention by the model's own queries, and mixes the two rankings, each standardised over the
+blocks. SmolLM2's adapter ships one: stage 11's trained correction and mix (the model and its
+keys frozen, the other blocks of a question's memory its negatives) blended, a fifth of it, with
+the 8 retrieval heads chosen on development questions (QRHead's recipe,
+``experiments/results/heads.md``): trained alone it found planted facts better and natural
+questions worse than the heads; blended, planted facts far better and natural questions about as
+well (``experiments/results/reader.md``).
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +45,7 @@ class ReaderConfig:
     head_dim: int
     n_embd: int
     rank: int = 8
+    blend: float = 0.0  # the share of the fixed retrieval heads' ranking (``heads``) in the blocks' scores
 
 
 class QuestionReader(nn.Module):
@@ -52,6 +56,8 @@ class QuestionReader(nn.Module):
         self.B = nn.Parameter(torch.zeros(c.n_layer, c.n_head * c.head_dim, c.rank))  # (L, H*D, r): starts as q
         self.mix = nn.Parameter(torch.zeros(c.n_layer * c.n_kv_head))  # softmax: every head alike at first
         self.log_temp = nn.Parameter(torch.tensor(5.0))
+        if c.blend:  # fixed weights of the retrieval heads, read by the model's own queries
+            self.register_buffer("heads", torch.zeros(c.n_layer * c.n_kv_head))  # sums to 1
 
     def queries(self, q: torch.Tensor, h: torch.Tensor, layers: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """Retrieval queries float32 (..., L, H, T, D) from the raw queries ``q`` (..., L, H, T, D)
@@ -68,15 +74,42 @@ class QuestionReader(nn.Module):
         all: L of them); ``h``: float32 (N, L, T, C), the layers' inputs at the tokens of ``q``."""
         return head_attention(self.queries(q, h, layers), cos, sin, weights, keys, scale)
 
-    def scores(self, attention: torch.Tensor, null: torch.Tensor) -> torch.Tensor:
+    def weights(self) -> torch.Tensor:
+        """float32 (L, H_kv): the weight of each (layer, key/value head)'s attention by the
+        retrieval queries; of its attention by the model's own queries, ``heads`` (where blended)."""
+        return self.mix.softmax(0).view(self.config.n_layer, self.config.n_kv_head)
+
+    def scores(self, attention: torch.Tensor, null: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
         """Block logits (N, n) from the heads' ``attention`` (N, L * H_kv, n) and what a
         content-free prompt attends to, ``null`` (N or 1, L * H_kv, n): the mixed attention,
-        calibrated, tempered."""
-        w = self.mix.softmax(0)
-        return (torch.einsum("k,nkb->nb", w, attention - null)) * self.log_temp.exp()
+        calibrated, tempered. A blended reader also takes ``own`` (N, L * H_kv, n), the heads'
+        attention by the model's own queries, and mixes the two rankings standardised over the
+        blocks (a z-score each: neither ranking's scale decides), ``blend`` of the heads'."""
+        z = torch.einsum("k,nkb->nb", self.mix.softmax(0), attention - null) * self.log_temp.exp()
+        if not self.config.blend:
+            return z
+        base = torch.einsum("k,nkb->nb", self.heads, own - null)
+        return (1 - self.config.blend) * standardised(z) + self.config.blend * standardised(base)
 
     def settings(self) -> dict:
         return asdict(self.config)
+
+
+def standardised(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., n) less its mean over the last dimension, over its standard deviation there."""
+    return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True).clamp(min=1e-12)
+
+
+def blended(reader: QuestionReader, heads: torch.Tensor, blend: float) -> QuestionReader:
+    """A copy of ``reader`` whose ranking mixes in, ``blend`` of it, the fixed retrieval heads
+    ``heads`` float32 (L * H_kv,) (weights summing to 1) read by the model's own queries."""
+    if not 0.0 < blend < 1.0:
+        raise ValueError(f"blend must lie between 0 and 1 (exclusive), got {blend}")
+    out = QuestionReader(replace(reader.config, blend=float(blend)))
+    out.load_state_dict(reader.state_dict(), strict=False)
+    with torch.no_grad():
+        out.heads.copy_(heads / heads.sum())
+    return out.eval()
 
 
 def head_attention(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -132,4 +165,7 @@ def load_reader(path: str | Path) -> tuple[QuestionReader, str]:
                          f"{READER_FILE} or remove it to answer without one") from None
     if calibration not in CALIBRATIONS:
         raise ValueError(f"{path}: unknown calibration {calibration!r}; this version knows {CALIBRATIONS}")
+    if not 0.0 <= config.blend < 1.0:
+        raise ValueError(f"{path}: blend {config.blend} is no share (0 <= blend < 1); restore the adapter's "
+                         f"{READER_FILE}")
     return reader.eval(), calibration
