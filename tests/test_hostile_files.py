@@ -177,6 +177,13 @@ def test_invalid_options_are_refused_before_anything_is_written(tmp_path, option
     assert not (tmp_path / "D").exists()
 
 
+def test_a_batch_of_more_streams_than_a_memory_holds_is_refused_before_it_is_read():
+    mem = LandmarkMemory(LandmarkGPT.from_pretrained())
+    with pytest.raises(ValueError, match="at most 1,024 streams; idx has batch size 1,025"):
+        mem.forward(torch.zeros(1025, 3, dtype=torch.long))
+    assert mem.streams is None  # nothing was started
+
+
 @pytest.mark.parametrize("content,words", [
     (b"text " * 20_000 + b"\x00 more", ["NUL byte at offset 100,000"]),
     (b"\xef\xbb\xbf", ["is empty"]),

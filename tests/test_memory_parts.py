@@ -95,8 +95,8 @@ def test_a_memory_takes_its_options_as_one_object_or_as_settings_never_both():
 def manifest():
     shape = ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5)
     return Manifest(model=ModelRecord("ab" * 32, {"n_layer": 2}, shape, "float32"),
-                    options=MemoryOptions(chunk_size=10, store_dtype="float16", block_keys="landmark", block_size=5,
-                                          top_k=4, sink_blocks=0, local_blocks=0),
+                    options=MemoryOptions(store="lmdb", chunk_size=10, store_dtype="float16", block_keys="landmark",
+                                          block_size=5, top_k=4, sink_blocks=0, local_blocks=0),
                     streams=2, blocks=4, tokens=23,
                     pending_tokens=3, inputs=[InputRecord("/x/a.txt", "a.txt", "cd" * 32, 30, 23, 0)], commit=5,
                     state=StateFile("state.5.safetensors", 123, "ef" * 32), updated="2026-11-22T00:00:00+0000")
@@ -113,6 +113,52 @@ def test_a_manifest_missing_an_entry_is_refused_as_damaged():
     del doc["blocks"]
     with pytest.raises(MemoryFileError, match="lacks or garbles an entry"):
         Manifest.from_json(doc, "m")
+
+
+@pytest.mark.parametrize("dtype", [[], {}, 16, None])
+def test_a_manifest_whose_model_dtype_is_no_name_is_refused_as_damaged(dtype):
+    doc = manifest().to_json()
+    doc["model"]["dtype"] = dtype  # a list or an object is no key of the dtype table: no TypeError
+    with pytest.raises(MemoryFileError, match="model.dtype = .* the memory is damaged"):
+        Manifest.from_json(doc, "m")
+
+
+def test_a_manifest_of_more_streams_than_a_memory_holds_is_refused_before_anything_is_made_per_stream():
+    doc = manifest().to_json()
+    doc["streams"] = 4_975_789_582  # a list of its key files alone would not fit in memory
+    with pytest.raises(MemoryFileError, match="streams = 4,975,789,582 .*at most 1,024"):
+        Manifest.from_json(doc, "m")
+
+
+@pytest.mark.parametrize("entry,value,words", [("n_kv_head", 12_725_575_266, "n_kv_head = 12,725,575,266"),
+                                               ("block_size", 1 << 17, "block_size = 131,072"),
+                                               ("n_layer", 60_000, "key file each: at most 1,048,576")])
+def test_a_manifest_whose_model_shape_no_model_has_is_refused_before_anything_is_made_per_head(entry, value, words):
+    doc = manifest().to_json()
+    doc["model"]["shape"][entry] = value  # (60,000 layers x 3 heads x 12 streams: 2,160,000 key files)
+    doc["streams"] = 12 if entry == "n_layer" else doc["streams"]
+    with pytest.raises(MemoryFileError, match=f"{words}.* the memory is damaged"):
+        Manifest.from_json(doc, "m")
+
+
+@pytest.mark.parametrize("store", ["memory", None])
+def test_a_manifest_whose_blocks_are_in_no_disk_store_is_refused_as_damaged(store):
+    doc = manifest().to_json()
+    if store is None:
+        del doc["options"]["store"]  # read as the default of a memory without a path: blocks in memory
+    else:
+        doc["options"]["store"] = store
+    with pytest.raises(MemoryFileError, match="options.store = 'memory' .*lmdb, mmap.* the memory is damaged"):
+        Manifest.from_json(doc, "m")
+
+
+@pytest.mark.parametrize("name,fingerprint", [("\r", "ab" * 32), ("tiny\nmodel", "ab" * 32), ("", "a\rb" * 16)])
+def test_a_wrong_models_name_from_a_hostile_manifest_is_one_line(name, fingerprint):
+    from landmark_memory.memory.saved import wrong_model
+
+    saved = ModelRecord(fingerprint, {}, ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5), "float32", name)
+    line = wrong_model("/m", saved, "bundled")
+    assert len(line.splitlines()) == 1 and line.isprintable() and "built with another model" in line
 
 
 def test_row_layout_round_trips_tokens_and_reads_the_landmark_rows_of_earlier_formats():

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..core.decode import decode
 from ..core.layout import IGNORE_INDEX
-from ..core.names import DISK_STORES
+from ..core.names import DISK_STORES, MAX_STREAMS
 from ..kernels import BACKENDS
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
@@ -149,6 +149,8 @@ class LandmarkMemory:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}, and a "
                              f"loss needs every token's logits (logits='all', got {logits!r})")
         if self.streams is None:
+            if idx.shape[0] > MAX_STREAMS:
+                raise ValueError(f"a memory holds at most {MAX_STREAMS:,} streams; idx has batch size {idx.shape[0]:,}")
             self.blocks.start(idx.shape[0])
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..core.names import BLOCK_KEYS
+from ..core.names import BLOCK_KEYS, DISK_STORES, MAX_STREAMS
 from ..index import KINDS
 from ..storage import DTYPES, stored_nbytes
 from .options import MemoryOptions
@@ -49,6 +49,10 @@ class MemoryFileError(ValueError):
 
 class WriterBusyError(MemoryFileError):
     """A memory another process is writing (it holds the writer lock)."""
+
+
+MAX_SHAPE = 1 << 16  # layers, key/value heads, head width or block size a manifest may say a model has
+MAX_KEY_FILES = 1 << 20  # streams x layers x key/value heads: a key file and an index each
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,8 @@ class Manifest:
         s = self.model.shape
         for name in ("n_layer", "n_kv_head", "head_dim", "block_size"):
             count(f"model.shape.{name}", getattr(s, name), 1)
+            if getattr(s, name) > MAX_SHAPE:  # no model's: what is made per layer and head must fit in memory
+                raise bad(f"model.shape.{name} = {getattr(s, name):,}", f"(at most {MAX_SHAPE:,})")
         for w in s.windows:
             count("an entry of model.shape.windows", w)
         if s.windows and len(s.memory_layers) != s.n_layer:
@@ -262,10 +268,15 @@ class Manifest:
                       "memory, 0 each)")
         if not isinstance(self.model.fingerprint, str) or not isinstance(self.model.config, dict):
             raise bad("model", "with a fingerprint that is no string or a config that is no object")
-        if self.model.dtype not in DTYPES:
+        if not isinstance(self.model.dtype, str) or self.model.dtype not in DTYPES:  # (a list is no key)
             raise bad(f"model.dtype = {self.model.dtype!r}", f"(not one of {', '.join(DTYPES)})")
         if self.streams is not None:
             count("streams", self.streams, 1)
+            if self.streams > MAX_STREAMS:  # its files and indexes are per stream: no such memory was written
+                raise bad(f"streams = {self.streams:,}", f"(a memory holds at most {MAX_STREAMS:,})")
+            if self.streams * s.n_layer * s.n_kv_head > MAX_KEY_FILES:
+                raise bad(f"streams = {self.streams:,} of {s.n_layer:,} layers of {s.n_kv_head:,} key/value heads",
+                          f"(a key file each: at most {MAX_KEY_FILES:,})")
         if type(self.rows_merged) is not bool or (self.rows_merged and self.documents):
             raise bad(f"rows_merged = {self.rows_merged!r}", "(true or false, and only in a corpus's document)")
         for name in ("blocks", "tokens", "pending_tokens", "commit"):
@@ -273,6 +284,9 @@ class Manifest:
         if self.tokens != self.blocks * s.block_size + self.pending_tokens:
             raise bad(f"tokens = {self.tokens:,}", f"where its {self.blocks:,} blocks of {s.block_size} and "
                       f"{self.pending_tokens:,} pending tokens make {self.blocks * s.block_size + self.pending_tokens:,}")
+        if self.options.store not in DISK_STORES:  # (missing, it reads as the default: blocks in memory)
+            raise bad(f"options.store = {self.options.store!r}", f"(a saved memory keeps its blocks in one of "
+                      f"{', '.join(DISK_STORES)})")
         if self.options.block_keys not in BLOCK_KEYS:
             raise MemoryFileError(f"{where} searches its blocks by {self.options.block_keys!r}, which this landmark-"
                                   f"memory does not know ({', '.join(BLOCK_KEYS)}): upgrade it, or rebuild the memory")

@@ -24,10 +24,15 @@ from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
-    """One line: which model built the memory at ``path``, which was given, what to pass."""
-    built = f"{saved.name} (weights {saved.fingerprint[:12]})" if saved.name else f"weights {saved.fingerprint[:12]}"
+    """One line: which model built the memory at ``path``, which was given, what to pass (the
+    manifest's name and weights shown escaped where they hold what a line cannot)."""
+    def shown(x):
+        return str(x) if str(x).isprintable() else repr(str(x))
+
+    name, weights = shown(saved.name), shown(saved.fingerprint[:12])
+    built = f"{name} (weights {weights})" if saved.name else f"weights {weights}"
     mine = f"--model {given}" if given else "the model given"
-    fix = f"pass --model {saved.name}" if saved.name else "open it with the model that built it"
+    fix = f"pass --model {name}" if saved.name else "open it with the model that built it"
     return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"
 
 
