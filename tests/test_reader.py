@@ -1,6 +1,8 @@
 """The question reader: its block ranking against a loop over layers, heads, tokens and blocks;
 its file; ``ask`` reading its blocks and naming them first."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def loop_scores(mem, reader, states, n, own, calibration):
             base += fixed[layer, head] * (mine_own - null)
     if not c.blend:
         return total
-    z = [(x - x.mean()) / ((x - x.mean()).pow(2).sum() / (n - 1)).sqrt() for x in (total, base)]
+    z = [(x - x.mean()) / ((x - x.mean()).pow(2).sum() / n).sqrt() for x in (total, base)]
     return (1 - c.blend) * z[0] + c.blend * z[1]
 
 
@@ -127,6 +129,12 @@ def test_a_reader_file_round_trips_and_a_damaged_one_is_refused_in_one_line(tmp_
     assert back.config.blend == 0.25 and back.heads.tolist() == [0.5, 0.0, 0.5, 0.0]
     with pytest.raises(ValueError, match="blend must lie between 0 and 1"):
         blended(reader, torch.ones(4), 1.0)
+    for share in ("x", 1.5):  # a file that says so is refused in one line
+        save_reader(QuestionReader(replace(mixed.config, blend=share)), tmp_path / "s.safetensors", "template")
+        with pytest.raises(ValueError, match="is no share"):
+            load_reader(tmp_path / "s.safetensors")
+    one = torch.zeros(1, 4, 1)  # a memory of one block: its score is 0, never NaN
+    assert mixed.scores(one, one, one).tolist() == [[0.0]]
     (tmp_path / "bad.safetensors").write_bytes((tmp_path / "r.safetensors").read_bytes()[:300])
     with pytest.raises(ValueError, match="not a question reader .* remove it to answer without one"):
         load_reader(tmp_path / "bad.safetensors")

@@ -96,8 +96,9 @@ class QuestionReader(nn.Module):
 
 
 def standardised(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (..., n) less its mean over the last dimension, over its standard deviation there."""
-    return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True).clamp(min=1e-12)
+    """``x`` (..., n) less its mean over the last dimension, over its standard deviation there
+    (of the n values themselves: one block's is 0, and so is its score)."""
+    return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True, correction=0).clamp(min=1e-12)
 
 
 def blended(reader: QuestionReader, heads: torch.Tensor, blend: float) -> QuestionReader:
@@ -165,7 +166,7 @@ def load_reader(path: str | Path) -> tuple[QuestionReader, str]:
                          f"{READER_FILE} or remove it to answer without one") from None
     if calibration not in CALIBRATIONS:
         raise ValueError(f"{path}: unknown calibration {calibration!r}; this version knows {CALIBRATIONS}")
-    if not 0.0 <= config.blend < 1.0:
+    if not isinstance(config.blend, (int, float)) or not 0.0 <= config.blend < 1.0:
         raise ValueError(f"{path}: blend {config.blend} is no share (0 <= blend < 1); restore the adapter's "
                          f"{READER_FILE}")
     return reader.eval(), calibration
