@@ -85,7 +85,7 @@ class QuestionReader(nn.Module):
         calibrated, tempered. A blended reader also takes ``own`` (N, L * H_kv, n), the heads'
         attention by the model's own queries, and mixes the two rankings standardised over the
         blocks (a z-score each: neither ranking's scale decides), ``blend`` of the heads'."""
-        z = torch.einsum("k,nkb->nb", self.mix.softmax(0), attention - null) * self.log_temp.exp()
+        z = torch.einsum("k,nkb->nb", self.weights().flatten(), attention - null) * self.log_temp.exp()
         if not self.config.blend:
             return z
         base = torch.einsum("k,nkb->nb", self.heads, own - null)
