@@ -8,7 +8,14 @@ before torch is loaded.
 """
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# MKL (torch's CPU BLAS) may take a different path by where an array happens to lie in memory, and so
+# round differently from one process to the next; AUTO keeps its results the same run to run (for the
+# same threads), which a memory or session resumed bit for bit in a new process needs. Read at MKL's
+# first call; a user's own setting wins.
+os.environ.setdefault("MKL_CBWR", "AUTO")
 
 __version__ = "0.1.0"
 

@@ -91,6 +91,15 @@ def test_a_session_resumed_in_a_new_process_answers_bit_for_bit_as_one_that_neve
         assert s.turns[-1].passages == [p.__dict__ for p in last.passages]
 
 
+def test_importing_the_library_keeps_mkl_reproducible_run_to_run_unless_the_user_chose():
+    code = "import os, landmark_memory; print(os.environ.get('MKL_CBWR'))"
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    for given, expected in ((None, "AUTO"), ("COMPATIBLE", "COMPATIBLE")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env=env if given is None else {**env, "MKL_CBWR": given})
+        assert run.stdout.strip() == expected, run.stderr
+
+
 def test_what_one_session_was_told_the_other_cannot_retrieve(corpus, model):
     alone = held(corpus, model, "bob-alone", TURNS[3:])
     held(corpus, model, "alice", TURNS[:3])  # told of the map, its blocks in its own files
