@@ -24,6 +24,21 @@ def model():
     return LandmarkGPT.from_pretrained()
 
 
+@pytest.fixture
+def sharded(monkeypatch):
+    """Every document keeps its own store (as a large one does), none is packed into the corpus's."""
+    monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+
+
+@pytest.fixture(params=["packed", "sharded"])
+def packing(request, monkeypatch):
+    """Each way a corpus keeps a document's blocks: "packed" into its own store (a small
+    document's), "sharded" in the document's (a large one's)."""
+    if request.param == "sharded":
+        monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+    return request.param
+
+
 def corpus(model, path, files, reader=None, **build_options):
     """Build ``files`` into the corpus at ``path`` (created, or continued)."""
     mem = (LandmarkMemory.open(path, model) if (path / "manifest.json").exists() else
@@ -137,17 +152,19 @@ def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is
     assert main(["info", str(tmp_path / "m"), "--verify"]) == 0
 
 
-def test_verify_names_the_damaged_document(model, documents, tmp_path, capsys):
+def test_verify_names_the_damaged_document_or_packed_block(model, documents, tmp_path, capsys, packing):
     corpus(model, tmp_path / "m", sorted(documents.glob("*.txt")))
-    doc = sorted((tmp_path / "m" / "docs").iterdir())[1]
-    env = lmdb.open(str(doc / "store" / "lmdb"))  # a stored block flipped (the corpus keeps the rows, the document the blocks)
+    docs = sorted((tmp_path / "m" / "docs").iterdir()) if packing == "sharded" else []
+    store = docs[1] / "store" if docs else tmp_path / "m" / "store"  # (the corpus keeps the rows)
+    env = lmdb.open(str(store / "lmdb"))  # a stored block flipped
     with env.begin(write=True) as txn:
-        key, value = next(iter(txn.cursor()))
+        key, value = list(txn.cursor())[5]
         txn.put(key, bytes([value[0] ^ 0x40]) + value[1:])
     env.close()
     assert main(["info", str(tmp_path / "m"), "--verify", "--json"]) == 2
     report = json.loads(capsys.readouterr().out)
-    assert any(p.startswith(f"document docs/{doc.name}") and "block" in p for p in report["problems"]), report
+    named = f"document docs/{docs[1].name}" if docs else "block"
+    assert any(p.startswith(named) and "block" in p for p in report["problems"]), report
 
 
 def test_a_memory_read_in_one_context_still_opens_but_takes_no_documents(model, documents, tmp_path, capsys):
@@ -221,41 +238,64 @@ def row_bytes(path, everywhere, states=True):
 
 
 @pytest.mark.parametrize("index", ["flat", "hnsw", "ivf-rows"])
-def test_a_corpus_keeps_one_copy_of_its_documents_rows(model, documents, tmp_path, index):
+def test_a_corpus_keeps_one_copy_of_its_documents_rows_and_blocks(model, documents, tmp_path, index, packing):
     path, train = tmp_path / "m", {"index_options": {"train_size": 4}} if index == "ivf-rows" else {}
     with LandmarkMemory(model, path=path, store="lmdb", chunk_size=100, documents=True, index=index, **train) as mem:
         build(mem, read_inputs(sorted(documents.glob("*.txt"))), load_tokenizer(), progress=False)
     assert row_bytes(path, everywhere=True) == row_bytes(path, everywhere=False) > 0
     assert any((path / "keys").glob("*.ivf2.lists")) == (index == "ivf-rows")  # trained at 4 and 16 blocks
-    for doc in (path / "docs").iterdir():  # each keeps its manifest, marked, and its store
+    docs = sorted((path / "docs").iterdir())
+    assert len(docs) == (3 if packing == "sharded" else 0) and (path / "store").is_dir() == (packing == "packed")
+    for doc in docs:  # each keeps its manifest, marked, and its store
         assert json.loads((doc / "manifest.json").read_text())["rows_merged"] is True
         assert sorted(p.name for p in doc.iterdir()) == ["manifest.json", "store", "writer.lock"]
     assert verify(path).ok
     assert main(["ask", str(path), "The captain", "--max-new-tokens", "2", "--quiet"]) == 0
 
 
-def test_a_merged_document_opened_alone_says_to_open_its_corpus(model, documents, tmp_path):
+def test_a_packed_corpus_holds_and_answers_bit_for_bit_as_one_whose_documents_keep_their_stores(
+        model, documents, tmp_path, monkeypatch, capsys):
+    files = sorted(documents.glob("*.txt"))
+    corpus(model, tmp_path / "packed", files)
+    with monkeypatch.context() as m:
+        m.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        corpus(model, tmp_path / "sharded", files)
+    assert not (tmp_path / "packed" / "docs").exists() or not any((tmp_path / "packed" / "docs").iterdir())
+    assert files_of(tmp_path / "packed") == files_of(tmp_path / "sharded")
+    answers = []
+    for name in ("packed", "sharded"):
+        assert main(["ask", str(tmp_path / name), "The captain", "--max-new-tokens", "6", "--json", "--quiet"]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0] == answers[1] and answers[0]["retrieved"]
+
+
+def test_a_merged_document_opened_alone_says_to_open_its_corpus(model, documents, tmp_path, sharded):
     corpus(model, tmp_path / "m", [documents / "a.txt"])
     (doc,) = (tmp_path / "m" / "docs").iterdir()
     with pytest.raises(MemoryFileError, match="open the corpus"):
         LandmarkMemory.open(doc, model, readonly=True)
 
 
-def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, documents, tmp_path, monkeypatch):
+def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, documents, tmp_path, monkeypatch,
+                                                                     packing):
     import landmark_memory.app.build as building
 
     files, path = sorted(documents.glob("*.txt")), tmp_path / "m"
     with monkeypatch.context() as m:  # a build from before one copy, or one stopped before it dropped them
-        m.setattr(building, "drop_merged_rows", lambda corpus, folder: None)
+        m.setattr(building, "drop_merged_rows", lambda corpus, folder, packed: None)
         corpus(model, path, files)
     assert row_bytes(path, True, states=False) == 2 * row_bytes(path, False, states=False)  # the documents' copies
     assert row_bytes(path, True) > row_bytes(path, True, states=False)  # (and their states: each its keys' sums)
-    doc = sorted((path / "docs").iterdir())[0]  # one stopped between marking its manifest and removing its rows
-    manifest = json.loads((doc / "manifest.json").read_text())
-    marked = {**manifest, "rows_merged": True, "files": {}}  # as drop_merged_rows marks it: no state, no rows
-    (doc / "manifest.json").write_text(json.dumps(marked))
+    doc = sorted((path / "docs").iterdir())[0]
+    if packing == "sharded":  # one stopped between marking its manifest and removing its rows
+        manifest = json.loads((doc / "manifest.json").read_text())
+        marked = {**manifest, "rows_merged": True, "files": {}}  # as drop_merged_rows marks it: no state, no rows
+        (doc / "manifest.json").write_text(json.dumps(marked))
+    else:  # one stopped midway through removing its folder
+        (doc / "manifest.json").unlink()
     before = files_of(path)
     summary = corpus(model, path, files)
     assert summary.added == 0 and len(summary.skipped) == len(files)
     assert row_bytes(path, everywhere=True) == row_bytes(path, everywhere=False)
     assert files_of(path) == before and verify(path).ok
+    assert len(list((path / "docs").iterdir())) == (3 if packing == "sharded" else 0)

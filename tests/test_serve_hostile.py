@@ -325,7 +325,7 @@ def test_damage_found_while_serving_is_503_and_the_server_lives_on(documents, tm
     memory = tmp_path / "m"
     assert main(["build", str(memory), "--input", str(documents), "--chunk-size", "100", "--quiet"]) == 0
     manifest = (memory / "manifest.json").read_bytes()
-    stores = {f: f.read_bytes() for f in memory.glob("docs/*/store/lmdb/data.mdb")}
+    stores = {f: f.read_bytes() for f in memory.glob("store/lmdb/data.mdb")}
     with serving(memory) as url:
         assert call(url, "/v1/completions", COMPLETION)[0] == 200
         for store, data in stores.items():  # cut under the running server: its next read would be a SIGBUS

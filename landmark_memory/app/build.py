@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from ..core.tokenizer import EOS_TOKEN
 from ..memory import LandmarkMemory, MemoryFileError
-from ..memory.corpus import (committed_tokens, document_manifest, document_states, drop_merged_rows, finished,
-                             merge_document)
-from ..memory.manifest import document_folder
+from ..memory.corpus import (committed_tokens, document_folders, document_manifest, document_states,
+                             drop_merged_rows, finished, merge_document)
+from ..memory.manifest import InputRecord, document_folder
 from ..memory.options import MemoryOptions
 from ..training.data import list_text_files, read_text, strip_gutenberg
 
@@ -231,21 +231,23 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha,
                                     encode_document(tokenizer, inp.text, bs), mem.options, commit_every))
     started = last_commit = time.monotonic()
-    for e in mem.inputs:  # copies an earlier build (or version) left: the committed corpus holds these rows
-        drop_merged_rows(mem.dir, e.document)
-    uncommitted: list[str] = []  # merged since the last commit: their own rows go once it is made
+    packed = {e.document: e.packed for e in mem.inputs}
+    for folder in document_folders(mem.dir):  # copies an earlier build (or version) left: the corpus holds them
+        if folder in packed:
+            drop_merged_rows(mem.dir, folder, packed[folder])
+    uncommitted: list[InputRecord] = []  # merged since the last commit: their own copies go once it is made
 
     def merge_ready(force=False):
         nonlocal last_commit
         while queue and queue[0] in ready:
-            uncommitted.append(queue.pop(0))
-            merge_document(mem, uncommitted[-1])
+            uncommitted.append(merge_document(mem, queue.pop(0)))
             summary.merged += 1
         if uncommitted and (force or time.monotonic() - last_commit >= commit_every):
             mem.commit()
             last_commit = time.monotonic()
             while uncommitted:
-                drop_merged_rows(mem.dir, uncommitted.pop(0))
+                e = uncommitted.pop(0)
+                drop_merged_rows(mem.dir, e.document, e.packed)
 
     with _StopOnSignal() as stop, tqdm(total=sum(len(j.ids) for j in jobs), initial=read_before,
                                        unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,

@@ -11,6 +11,7 @@ read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between q
 """
 
 import time
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -114,9 +115,10 @@ def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage
     if s is not None and block >= mem.blocks.base:
         turn, offset = s.locate(block - mem.blocks.base)
         return Passage(block, None, offset, text, share, s.name, turn)
-    for e in mem.inputs:
-        if e.start <= at < e.start + e.ingested:
-            return Passage(block, e.path, at - e.start, text, share)
+    i = bisect_right(mem.inputs, at, key=lambda e: e.start) - 1  # (inputs in the order their tokens start)
+    e = mem.inputs[i] if i >= 0 else None
+    if e is not None and at < e.start + e.ingested:
+        return Passage(block, e.path, at - e.start, text, share)
     return Passage(block, None, at, text, share)
 
 

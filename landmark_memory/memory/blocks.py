@@ -14,6 +14,7 @@ operations, so one open memory answers any number of questions, each as a fresh 
 ``extend`` adds the blocks a writer committed since (``LandmarkMemory.refresh``).
 """
 
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -72,7 +73,7 @@ class BlockMemory:
         self.sums = KeySums(shape.n_layer)  # (``mean_key``, ``key_sums``)
         try:
             with disk_errors(f"the block store of {self.where}"):
-                store = (self._documents(shards, shard_path) if shards is not None else
+                store = (self._documents(shards, shard_path, store_path) if shards is not None else
                          open_store(options.store, shape.block_entry, store_path, options.store_dtype,
                                     readonly=readonly, checksums=options.block_checksums))
         except StoreDamagedError as e:
@@ -91,20 +92,28 @@ class BlockMemory:
         self.pool_ready = pool_ready if self.store.quantized else None
         self.cache = HotCache(self.store, device, dtype, cache_bytes, prepare=None if self.store.quantized else pool_ready)
 
-    def _documents(self, shards: list[Shard], shard_path: Callable[[str], Path]) -> ShardedStore:
+    def _documents(self, shards: list[Shard], shard_path: Callable[[str], Path], store_path: Path) -> ShardedStore:
         o, shape = self.options, self.shape
 
-        def open_shard(name):
-            with disk_errors(f"the block store of {name}"):
-                return open_store(o.store, shape.block_entry, shard_path(name), o.store_dtype, readonly=True,
-                                  checksums=o.block_checksums, sealed=True)
+        def opener(path, readonly, sealed):  # a document's store (sealed), or the corpus's own
+            with disk_errors(f"the block store of {path.parent}"):
+                return open_store(o.store, shape.block_entry, path, o.store_dtype, readonly=readonly,
+                                  checksums=o.block_checksums, sealed=sealed)
 
         fds = STORE_KINDS[o.store].files(shape.n_layer)
-        return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums, open_shard, open_budget(fds))
+        return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums,
+                            lambda name: opener(shard_path(name), True, True), open_budget(fds),
+                            lambda readonly: opener(store_path, readonly, False))
 
-    def add_shard(self, shard: Shard) -> None:
-        """A corpus's next document: its blocks, already in its own store, follow the others'."""
-        self.shards.add(shard)
+    def add_document(self, shard: Shard, packed: bool, copy: bool = False) -> None:
+        """A corpus's next document, its blocks after the others': in its own store (``shard``),
+        or ``packed`` into the corpus's (``copy``: the writer copies them now from the shard's)."""
+        if not packed:
+            return self.shards.add(shard)
+        if not copy:
+            return self.shards.extend(shard.blocks)
+        with closing(self.shards.open_shard(shard.name)) as source, disk_errors(f"the block store of {self.where}"):
+            self.shards.pack(source, shard.blocks, self.streams, self.shape.n_layer)
 
     def start(self, streams: int) -> None:
         """Fix the number of streams and create their (empty) landmark keys and indexes."""

@@ -12,6 +12,8 @@ The build's driver is the corpus's one writer: it merges a document once its rea
 (``merge_document``) and commits the corpus as any memory commits.
 """
 
+import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +23,8 @@ from ..storage.sharded import Shard
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
 from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
+
+PACK_BYTES = 64 << 20  # a document whose blocks take at most this much goes into the corpus's own store
 
 
 def document_manifest(corpus: MemoryDir, folder: str) -> Manifest | None:
@@ -49,8 +53,9 @@ def finished(m: Manifest) -> bool:
 def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     """Append the committed blocks of the document in ``folder`` to the corpus ``mem`` (open
     for writing with its model): token and landmark rows, landmark keys into every index, and
-    the document's store as the next shard of the corpus's. A document not read to its end is
-    merged as far as it was committed and marked abandoned. ``mem.commit()`` makes it durable."""
+    its blocks: a small document's (``PACK_BYTES``) copied into the corpus's own store, a large
+    one's store as the next shard of the corpus's. A document not read to its end is merged as
+    far as it was committed and marked abandoned. ``mem.commit()`` makes it durable."""
     d = mem.dir.document(folder)
     m = document_manifest(mem.dir, folder)
     if m is None or not m.inputs:
@@ -68,22 +73,31 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(layout.streams, -1)  # (1, n * bs)
     if mem.streams is None:
         mem.blocks.start(1)
-    start = mem.n_blocks
+    start, packed = mem.n_blocks, m.blocks * m.block_bytes <= PACK_BYTES
+    shard = Shard(start, m.blocks, folder)
+    if packed:  # its blocks copied before any key of them is searched
+        mem.blocks.add_document(shard, packed, copy=True)
     if m.blocks:
         mem.blocks.add_blocks(saved_landmarks(d, m, rows, mem.device), ids)
-    mem.blocks.add_shard(Shard(start, m.blocks, folder))
+    if not packed:
+        mem.blocks.add_document(shard, packed)
     record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
-                         ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder)
+                         ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder,
+                         packed=packed)
     mem.inputs.append(record)
     return record
 
 
-def drop_merged_rows(corpus: MemoryDir, folder: str) -> None:
-    """Keep one copy of a merged document's rows: once its corpus has committed them, the
-    document's own token rows, landmark keys and index state are removed. Its manifest says so
-    first (``rows_merged``), so a stop midway leaves only files that the next call removes; its
-    store stays, the corpus's blocks being read from it."""
-    d = corpus.document(folder)
+def drop_merged_rows(corpus: MemoryDir, folder: str, packed: bool) -> None:
+    """Keep one copy of a merged document: once its corpus has committed it, a ``packed``
+    document's folder is removed, and another's own token rows, landmark keys and index state
+    (its store stays, the corpus's blocks being read from it). The next call removes what a
+    stop midway left (the other's manifest says ``rows_merged`` first)."""
+    d = corpus.document(folder)  # (refused when it is a link; rmtree follows none inside it)
+    if packed:
+        if d.path.exists():
+            shutil.rmtree(d.path)
+        return
     names = {p.name for p in d.path.iterdir()} if d.path.is_dir() else set()
     if not names & {TOKENS, LANDMARKS, KEYS} and not any(n.startswith("state.") for n in names):
         return  # nothing left to drop (every build looks: its manifest need not be read)
@@ -128,16 +142,22 @@ class DocumentState:
     problem: str = ""
 
 
+def document_folders(corpus: MemoryDir) -> list[str]:
+    """The document folders under the corpus's ``docs/`` (``DOCUMENT_FOLDER``), in name order:
+    its large documents and those not merged yet (a packed one's goes once it is merged)."""
+    docs = corpus.path / "docs"
+    names = sorted(os.listdir(docs)) if docs.is_dir() and not docs.is_symlink() else []
+    return [f"docs/{n}" for n in names if DOCUMENT_FOLDER.fullmatch(f"docs/{n}")]
+
+
 def document_states(corpus: MemoryDir, merged: list[InputRecord]) -> list[DocumentState]:
     """Every document of a corpus: the ``merged`` ones (its manifest's inputs) in corpus order,
     then those under ``docs/`` not merged yet (their own last commits say how far they are)."""
     out = [DocumentState(e.document, e.path, e.name, e.sha256, e.tokens, e.ingested, "left" if e.abandoned else "done")
            for e in merged]
     merged = {e.document for e in merged}
-    docs = corpus.path / "docs"
-    for f in sorted(docs.iterdir()) if docs.is_dir() and not docs.is_symlink() else []:
-        folder = f"docs/{f.name}"
-        if folder in merged or not DOCUMENT_FOLDER.fullmatch(folder):
+    for folder in document_folders(corpus):
+        if folder in merged:
             continue
         try:
             m = document_manifest(corpus, folder)

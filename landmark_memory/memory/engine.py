@@ -119,10 +119,10 @@ class LandmarkMemory:
 
     def _new_blocks(self, readonly: bool, key_files: bool = True) -> BlockMemory:
         """The memory's blocks, none yet; a corpus reads those of its documents from their stores
-        (``BlockMemory.add_shard``). ``key_files``: its landmark keys are (or, for a writer, will
+        (``BlockMemory.add_document``). ``key_files``: its landmark keys are (or, for a writer, will
         be) in its key files; else in memory (a reader of a memory from before them)."""
         d, documents = self.files.dir, self.files.documents
-        return BlockMemory(self.shape, self.options, store_path=None if d is None or documents else d.store_path(),
+        return BlockMemory(self.shape, self.options, store_path=None if d is None else d.store_path(),
                            readonly=readonly, device=self.device, dtype=self.dtype, rope=self.rope,
                            cache_bytes=self.cache_bytes, shards=[] if documents else None,
                            shard_path=lambda name: d.document(name).store_path(),

@@ -114,6 +114,10 @@ def verify(path: str | Path) -> VerifyReport:
         _check_state(manifest, state, report, rows_sound=rows is not None)
     if manifest.documents:
         _check_documents(d, manifest, rows, report)
+        bs = manifest.model.shape.block_size
+        packed = [b for e in manifest.inputs if e.packed for b in range(e.start // bs, (e.start + e.ingested) // bs)]
+        if packed:
+            _check_store(d, manifest, report, packed)
     elif manifest.streams is not None:
         _check_store(d, manifest, report)
     if manifest.session is not None:
@@ -162,6 +166,8 @@ def _check_documents(d: MemoryDir, m: Manifest, rows: dict | None, report: Verif
         where = f"document {s.folder} ({s.name or 'unnamed'})"
         if s.problem:
             report.problems.append(f"{where}: {s.problem}")
+            continue
+        if s.folder in merged and merged[s.folder].packed:  # its blocks are the corpus's (checked there), its rows
             continue
         sub = verify(d.path / s.folder)
         report.problems += [f"{where}: {p}" for p in sub.problems]
@@ -212,7 +218,8 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport, rows_sound: boo
                                "of this model's shape")
 
 
-def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport) -> None:
+def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport, blocks: list[int] | None = None) -> None:
+    """Every block of the memory's store (``blocks``: these only) present and sound."""
     shape = m.model.shape
     try:
         store = open_store(m.options.store, shape.block_entry, d.store_path(), m.options.store_dtype, readonly=True,
@@ -223,7 +230,7 @@ def _check_store(d: MemoryDir, m: Manifest, report: VerifyReport) -> None:
     try:
         for b in range(m.streams):
             for layer in range(shape.n_layer):
-                for block in range(m.blocks):
+                for block in range(m.blocks) if blocks is None else blocks:
                     key = (b, layer, block)
                     try:
                         store.get([key])

@@ -24,8 +24,9 @@ FORMAT = "landmark-memory/memory"
 # 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents;
 # 5: landmark keys in keys/ (a file per stream, layer and key/value head, mapped), no exact flat index in the
 # state file (it searches those files), and no state file when there is nothing else to keep; 6: blocks without
-# landmarks (options.block_keys "mean", model.shape.landmarks false), which a reader of format 5 would misread
-FORMAT_VERSION = 6
+# landmarks (options.block_keys "mean", model.shape.landmarks false), which a reader of format 5 would misread;
+# 7: a corpus's small documents packed into its own store (``InputRecord.packed``), their folders removed
+FORMAT_VERSION = 7
 TOKENS, LANDMARKS, KEYS = "tokens.bin", "landmarks.bin", "keys"
 DOCUMENT_FOLDER = re.compile(r"docs/[0-9a-f]{16}")  # a corpus's documents, named by their content's sha256
 
@@ -82,6 +83,7 @@ class InputRecord:
     start: int
     abandoned: bool = False  # left unfinished on purpose (its file changed mid-build)
     document: str | None = None  # a corpus's document folder (``document_folder``); None: read in this context
+    packed: bool = False  # a corpus's document whose blocks are in the corpus's own store (its folder removed)
 
     @property
     def done(self) -> bool:
@@ -305,9 +307,11 @@ class Manifest:
             for name in ("tokens", "ingested", "start"):
                 count(f"the input {e.name!r}'s {name}", getattr(e, name))
             if not all(isinstance(v, str) for v in (e.path, e.name, e.sha256)) or not isinstance(e.abandoned, bool) \
-                    or not isinstance(e.document, (str, type(None))):
-                raise bad(f"the input {e.name!r}", "with a path, name, sha256, document or abandoned flag of the "
-                          "wrong type")
+                    or not isinstance(e.document, (str, type(None))) or not isinstance(e.packed, bool):
+                raise bad(f"the input {e.name!r}", "with a path, name, sha256, document or abandoned or packed flag "
+                          "of the wrong type")
+            if e.packed and (not self.documents or e.document is None):
+                raise bad(f"the input {e.name!r}", "packed into a memory that is no corpus")
             if e.start + e.ingested > self.tokens:
                 raise bad(f"the input {e.name!r}", f"ending at token {e.start + e.ingested:,}, past the memory's "
                           f"{self.tokens:,}")

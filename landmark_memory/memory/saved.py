@@ -185,7 +185,7 @@ class SavedFiles:
             if self.documents:
                 bs = manifest.model.shape.block_size
                 for e in manifest.inputs[known_inputs:]:
-                    blocks.add_shard(Shard(e.start // bs, e.ingested // bs, e.document))
+                    blocks.add_document(Shard(e.start // bs, e.ingested // bs, e.document), e.packed)
             self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
                                          mapped=self.readonly)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit

@@ -1,12 +1,13 @@
-"""One read-only block store over many: the blocks of a corpus memory, each document's in its
-own store.
+"""One block store over many: the blocks of a corpus memory, a large document's in its own
+store, small documents' packed into the corpus's own.
 
 Shard ``i`` holds global blocks ``[start_i, start_i + blocks_i)`` as its own blocks ``0 ..
-blocks_i - 1``; shards are consecutive. A shard's store opens when a block of it is first read
-(opening a corpus costs nothing per document), and at most ``max_open`` stay open, the least
-recently used closed first: as many as the process's file descriptors allow (its soft limit is
-raised to the hard one), since a corpus of thousands of documents would otherwise hold
-thousands of LMDB environments or memory maps at once.
+blocks_i - 1``; shards follow each other in order, and the blocks between them (packed
+documents') are the corpus's own store's, under their global numbers. A store opens when a
+block of it is first read (opening a corpus costs nothing per document), and at most
+``max_open`` shards stay open, the least recently used closed first: as many as the process's
+file descriptors allow (its soft limit is raised to the hard one), since a corpus of thousands
+of documents would otherwise hold thousands of LMDB environments or memory maps at once.
 """
 
 import bisect
@@ -20,6 +21,7 @@ from .base import BlockStore, CorruptBlockError
 
 RESERVED_FDS = 512  # descriptors left for everything else the process opens
 FD_CEILING = 1 << 16  # the soft limit is raised at most this far
+PACK_BATCH = 64  # blocks copied per transaction when a document is packed
 
 
 @dataclass(frozen=True)
@@ -48,30 +50,58 @@ def open_budget(fds_per_store: int) -> int:
 
 
 class ShardedStore(BlockStore):
-    """Read-only union of ``shards`` (``Shard``, consecutive from block 0); ``open_shard(name)``
-    opens a shard's own store read-only, at most ``max_open`` at once; ``add`` appends a shard."""
+    """Union of ``shards`` (``Shard``, in order from block 0), read-only, and of the blocks
+    packed between them into the corpus's own store, which ``open_own(readonly)`` opens when
+    first needed (written only by ``pack``); ``open_shard(name)`` opens a shard's own store
+    read-only, at most ``max_open`` at once; ``add`` appends a shard. ``n_blocks`` starts at
+    ``blocks`` (those of the commit opened)."""
 
     def __init__(self, shape: tuple[int, ...], shards: list[Shard], dtype: str, checksums: bool,
-                 open_shard: Callable[[str], BlockStore], max_open: int = 64):
+                 open_shard: Callable[[str], BlockStore], max_open: int = 64,
+                 open_own: Callable[[bool], BlockStore] | None = None, blocks: int = 0):
         super().__init__(shape, dtype, checksums)
-        self.open_shard, self.max_open = open_shard, max_open
+        self.open_shard, self.max_open, self.open_own = open_shard, max_open, open_own
         self.opens, self.open_seconds = 0, 0.0  # shard stores opened, and the time it took
         self.shards: list[Shard] = []
         self._starts: list[int] = []
         self._open: OrderedDict[int, BlockStore] = OrderedDict()  # shard number -> its store, least recent first
+        self._own: BlockStore | None = None
+        self._own_writable = False
+        self.n_blocks = 0
         for s in shards:
+            self.n_blocks = max(self.n_blocks, s.start)  # (packed blocks before it)
             self.add(s)
-
-    @property
-    def n_blocks(self) -> int:
-        return self.shards[-1].start + self.shards[-1].blocks if self.shards else 0
+        self.n_blocks = max(self.n_blocks, blocks)
 
     def add(self, shard: Shard) -> None:
-        """Append ``shard``; it must start where the last one ends."""
+        """Append ``shard``; it must start where the store's blocks end."""
         if shard.start != self.n_blocks:
             raise ValueError(f"shard at block {shard.start} does not follow the store's {self.n_blocks} blocks")
         self.shards.append(shard)
         self._starts.append(shard.start)
+        self.n_blocks = shard.start + shard.blocks
+
+    def pack(self, source: BlockStore, blocks: int, streams: int, n_layer: int) -> None:
+        """Copy the first ``blocks`` blocks of ``source`` (a document's store, same shape and
+        dtype) into the corpus's own store, as its next blocks: as stored, checked on the way."""
+        if self._own is None or not self._own_writable:
+            if self._own is not None:
+                self._own.close()
+            self._own, self._own_writable = self.open_own(False), True
+        start = self.n_blocks
+        for first in range(0, blocks, PACK_BATCH):  # a batch of blocks per transaction: bounded memory
+            keys = [(s, layer, b) for s in range(streams) for layer in range(n_layer)
+                    for b in range(first, min(first + PACK_BATCH, blocks))]
+            self._own._put({(s, layer, start + b): self._own._encode(stored)
+                            for (s, layer, b), stored in zip(keys, source._blocks(keys))})
+        self.n_blocks = start + blocks
+
+    def extend(self, blocks: int) -> None:
+        """Blocks packed by another process (the writer of the commit this reader opens or
+        follows): the corpus's own store opens now, as a memory's store opens with it."""
+        if self._own is None:
+            self._own = self.open_own(True)
+        self.n_blocks += blocks
 
     def _store(self, i: int) -> BlockStore:
         store = self._open.get(i)
@@ -89,27 +119,37 @@ class ShardedStore(BlockStore):
                               "(`landmark-memory build`), or open the memory read-only to read on after it")
 
     def _blocks(self, keys):
-        by_shard: dict[int, list[int]] = {}
+        by_shard: dict[int, list[int]] = {}  # shard number (-1: the corpus's own store) -> the keys' places
         for n, (s, layer, b) in enumerate(keys):
             if not 0 <= b < self.n_blocks:
                 raise KeyError(f"block {(s, layer, b)} missing in the store")
-            by_shard.setdefault(bisect.bisect_right(self._starts, b) - 1, []).append(n)
+            i = bisect.bisect_right(self._starts, b) - 1
+            inside = i >= 0 and b < self.shards[i].start + self.shards[i].blocks
+            by_shard.setdefault(i if inside else -1, []).append(n)
         out = [None] * len(keys)
         for i, ns in by_shard.items():
-            start = self.shards[i].start
-            try:
-                got = self._store(i)._blocks([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
-            except CorruptBlockError as e:  # name the block as the corpus numbers it, and where it lies
-                s, layer, b = e.key
-                raise CorruptBlockError((s, layer, b + start), f" (block {b} of {self.shards[i].name})") from None
+            if i < 0:
+                if self._own is None:
+                    self._own = self.open_own(True)
+                got = self._own._blocks([keys[n] for n in ns])
+            else:
+                start = self.shards[i].start
+                try:
+                    got = self._store(i)._blocks([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
+                except CorruptBlockError as e:  # name the block as the corpus numbers it, and where it lies
+                    s, layer, b = e.key
+                    raise CorruptBlockError((s, layer, b + start), f" (block {b} of {self.shards[i].name})") from None
             for n, t in zip(ns, got):
                 out[n] = t
         return out
 
     def check(self):
-        for store in self._open.values():
+        for store in [*self._open.values(), *([self._own] if self._own is not None else [])]:
             store.check()
 
     def close(self):
         while self._open:
             self._open.popitem()[1].close()
+        if self._own is not None:
+            self._own.close()
+            self._own = None

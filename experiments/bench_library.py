@@ -1,0 +1,140 @@
+"""A library: what opening, asking, serving, adding a document and building cost as a corpus
+gains documents (2 KB each), as ratios against the smallest library, measured in one run.
+
+    python experiments/bench_library.py --books BOOKS                            # 100, 1,000, 4,000 documents
+    python experiments/bench_library.py --books BOOKS --counts 100,10000 --baseline ../old-checkout
+
+The documents are the paragraphs of the books training held out, gathered into documents of
+about 2 KB, each opened by a line of its own ("Document 17.") and cycled past the last
+paragraph. Each library is built once as a user builds one (``landmark-memory build --workers
+2``, the bundled model) into ``--work``, where later runs find it. Per library, each figure in
+fresh processes as ``bench_scale.py`` measures a memory: the open (the median of three), the
+resident memory after it, a warm ``ask`` (the median of 8), a request to ``serve`` one at a
+time (the median of 8), and adding one 2 KB document (``build`` in the process, after the
+model loads). With ``--baseline``, an earlier checkout of the package builds and measures
+libraries of its own the same way, in the same run.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_scale import CLI, commit_of, env_for, measure_server, run_probe
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENT_CHARS = 2000
+
+
+def write_library(books: Path, folder: Path, n: int) -> None:
+    """``n`` documents of about 2 KB in ``folder`` (kept: a later run finds them)."""
+    if (folder / "DONE").is_file():
+        return
+    from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
+
+    _, held_out = split_books(list_text_files([books]))
+    paragraphs = [p.strip() for f in held_out for p in re.split(r"\n\s*\n", strip_gutenberg(read_text(f)))
+                  if len(p.strip()) > 80]
+    docs, cur = [], ""
+    for p in paragraphs:
+        cur = f"{cur}\n\n{p}" if cur else p
+        if len(cur) >= DOCUMENT_CHARS:
+            docs.append(cur)
+            cur = ""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"doc{i:06d}.txt").write_text(f"Document {i}.\n\n{docs[i % len(docs)]}", encoding="utf-8")
+    (folder / "DONE").write_text(f"{n} documents from {len(docs)} distinct texts\n")
+
+
+def build_library(memory: Path, inputs: Path, package: Path | None, workers: int) -> dict:
+    """``landmark-memory build`` of ``inputs`` (the bundled model, ``workers`` Ray workers): its
+    ``--json`` summary, with the command's wall time; a memory built before is not built again."""
+    done = memory.parent / f"{memory.name}.build.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    argv = CLI + ["build", str(memory), "--input", str(inputs), "--workers", str(workers), "--json", "--quiet"]
+    t0 = time.time()
+    run = subprocess.run(argv, env=env_for(package), capture_output=True, text=True, cwd=memory.parent)
+    if run.returncode:
+        raise SystemExit(f"building {memory} failed:\n{run.stderr[-2000:]}")
+    doc = {**json.loads(run.stdout), "wall_s": time.time() - t0}
+    done.write_text(json.dumps(doc))
+    print(f"  built {memory}: {doc['documents']:,} documents in {doc['wall_s']:.0f} s", file=sys.stderr)
+    return doc
+
+
+def measure(memory: Path, package: Path | None, books: Path, threads: int, append: Path) -> dict:
+    opens = [run_probe(memory, "bundled", package, threads, books) for _ in range(2)]
+    full = run_probe(memory, "bundled", package, threads, books, asks=True, append=append)
+    return {**full, "open_s": statistics.median([o["open_s"] for o in opens] + [full["open_s"]]),
+            **measure_server(memory, "bundled", package)}
+
+
+def report(rows: list[dict]) -> list[str]:
+    out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | add one document | "
+           "build | built documents/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['version']} ({r['commit']}) | {r['documents']:,} | {r['tokens']:,} | "
+                   f"{1000 * r['open_s']:.1f} ms | {r['rss_open_mb']:.0f} MB | {1000 * r['ask_s']:.0f} ms | "
+                   f"{1000 * r['serve_alone_p50_s']:.0f} ms | {r['append_s']:.2f} s | {r['build']['wall_s']:.0f} s | "
+                   f"{r['documents'] / r['build']['seconds']:.1f} |")
+    out += ["", "Ratios against the smallest library of the same version:", "",
+            "| version | documents | open | RSS after open | warm ask | server request | add one document |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next(b for b in rows if b["version"] == r["version"])
+        out.append(f"| {r['version']} | {r['documents']:,} | " + " | ".join(
+            f"{r[k] / base[k]:.2f}x" for k in ("open_s", "rss_open_mb", "ask_s", "serve_alone_p50_s", "append_s"))
+            + " |")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--books", required=True, help="the book corpus (its held-out books give the documents)")
+    ap.add_argument("--counts", default="100,1000,4000", help="documents per library, comma-separated")
+    ap.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "landmark-memory", "bench-library"),
+                    help="where the libraries are built and kept between runs")
+    ap.add_argument("--baseline", default=None, help="a checkout of an earlier version to measure beside this one")
+    ap.add_argument("--workers", type=int, default=2, help="Ray workers that build each library (default 2)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the measuring processes")
+    ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
+    args = ap.parse_args()
+    started, books, work = time.time(), Path(args.books), Path(args.work)
+    counts = [int(c) for c in args.counts.split(",")]
+    versions = [("this version", None)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
+    from _common import write_result
+
+    built = []
+    for n in counts:  # every library built first: nothing else runs while they are measured
+        inputs = work / f"docs-{n}"
+        write_library(books, inputs, n)
+        for label, package in versions:
+            memory = work / f"library-{n}-{'this' if package is None else 'baseline'}"
+            built.append((n, label, package, memory, build_library(memory, inputs, package, args.workers)))
+    rows = []
+    for n, label, package, memory, summary in built:
+        print(f"  measuring {memory} ({label})", file=sys.stderr)
+        rows.append({"version": label, "commit": commit_of(package), "documents": n, "build": summary,
+                     **measure(memory, package, books, args.threads, work / f"append-{n}-{label.split()[0]}.txt")})
+    rows.sort(key=lambda r: (r["version"] != "baseline", r["documents"]))
+    (Path(args.results) / "library.json").write_text(json.dumps(rows, indent=1))
+    body = ["Each library is built once by `landmark-memory build --workers 2` (the bundled model) from documents of "
+            "about 2 KB (paragraphs of the held-out books, each opened by a line of its own), then measured in fresh "
+            "processes (`bench_scale.py`'s probes): the open (median of 3), the resident memory after it, a warm ask "
+            "(median of 8, 8 tokens each), a server request one at a time (median of 8), and adding one 2 KB "
+            "document (`build` in the process, after the model loads). The build's documents/s is over its own "
+            "reading and merging (the command's wall time beside it). The baseline is an earlier checkout "
+            "(`--baseline`) measuring libraries it built itself, in the same run.", ""] + report(rows)
+    write_result("library", "A library of small documents: cost by the number of documents", body, args.results,
+                 started)
+
+
+if __name__ == "__main__":
+    main()
