@@ -61,6 +61,20 @@ def test_lmdb_grows_its_map_when_full(tmp_path):
     store.close()
 
 
+def test_a_writer_after_readers_of_one_lmdb_store_in_a_process_reopens_it_for_all(tmp_path):
+    x, y = torch.randn(*SHAPE), torch.randn(*SHAPE)
+    first = LmdbStore(SHAPE, tmp_path / "s", dtype="float32")
+    first.put({(0, 0, 0): x})
+    first.close()
+    reader = LmdbStore(SHAPE, tmp_path / "s", dtype="float32", readonly=True)  # (a corpus's reader)
+    writer = LmdbStore(SHAPE, tmp_path / "s", dtype="float32")  # (its build, packing a document)
+    writer.put({(0, 0, 1): y})
+    assert torch.equal(reader.get([(0, 0, 0)])[0], x) and torch.equal(reader.get([(0, 0, 1)])[0], y)
+    writer.close()
+    assert torch.equal(reader.get([(0, 0, 1)])[0], y)
+    reader.close()
+
+
 def test_threads_opening_and_closing_one_lmdb_store_at_once_share_its_environment(tmp_path, monkeypatch):
     blocks = {(0, 0, b): torch.randn(SHAPE) for b in range(3)}
     writer = LmdbStore(SHAPE, tmp_path, "float32")

@@ -8,6 +8,8 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     key_sums.py   running sums of the landmark keys (the mean key that centring subtracts)
     token_rows.py the blocks' token ids, as they were added
     manifest.py   the manifest's typed records and the row files' byte layout
+    documents.py  InputRecord, DocumentList: a memory's inputs; a corpus's in pages, read when asked
+    errors.py     MemoryFileError, WriterBusyError
     shape.py      ModelShape: the sizes a memory's files depend on, a block's rows
     directory.py  the files of a saved memory and the commit protocol
     saved.py      SavedFiles, a memory's folder and its commits; open_folder

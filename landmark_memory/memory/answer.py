@@ -11,7 +11,6 @@ read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between q
 """
 
 import time
-from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -115,9 +114,8 @@ def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage
     if s is not None and block >= mem.blocks.base:
         turn, offset = s.locate(block - mem.blocks.base)
         return Passage(block, None, offset, text, share, s.name, turn)
-    i = bisect_right(mem.inputs, at, key=lambda e: e.start) - 1  # (inputs in the order their tokens start)
-    e = mem.inputs[i] if i >= 0 else None
-    if e is not None and at < e.start + e.ingested:
+    e = mem.inputs.containing(at)  # (a corpus reads one page of its document list)
+    if e is not None:
         return Passage(block, e.path, at - e.start, text, share)
     return Passage(block, None, at, text, share)
 

@@ -105,13 +105,11 @@ class BlockMemory:
                             lambda name: opener(shard_path(name), True, True), open_budget(fds),
                             lambda readonly: opener(store_path, readonly, False))
 
-    def add_document(self, shard: Shard, packed: bool, copy: bool = False) -> None:
-        """A corpus's next document, its blocks after the others': in its own store (``shard``),
-        or ``packed`` into the corpus's (``copy``: the writer copies them now from the shard's)."""
+    def add_document(self, shard: Shard, packed: bool) -> None:
+        """The writer's next document of a corpus, its blocks after the others': in its own store
+        (``shard``), or ``packed``: copied now from there into the corpus's."""
         if not packed:
             return self.shards.add(shard)
-        if not copy:
-            return self.shards.extend(shard.blocks)
         with closing(self.shards.open_shard(shard.name)) as source, disk_errors(f"the block store of {self.where}"):
             self.shards.pack(source, shard.blocks, self.streams, self.shape.n_layer)
 

@@ -75,16 +75,13 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
         mem.blocks.start(1)
     start, packed = mem.n_blocks, m.blocks * m.block_bytes <= PACK_BYTES
     shard = Shard(start, m.blocks, folder)
-    if packed:  # its blocks copied before any key of them is searched
-        mem.blocks.add_document(shard, packed, copy=True)
+    mem.blocks.add_document(shard, packed)  # (a packed one's blocks copied before any key of them is searched)
     if m.blocks:
         mem.blocks.add_blocks(saved_landmarks(d, m, rows, mem.device), ids)
-    if not packed:
-        mem.blocks.add_document(shard, packed)
     record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
                          ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder,
                          packed=packed)
-    mem.inputs.append(record)
+    mem.inputs.append(record, None if packed else shard)
     return record
 
 

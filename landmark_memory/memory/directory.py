@@ -46,7 +46,8 @@ from safetensors.torch import save as save_safetensors
 from ..core.fileio import TMP_MARK, LinkError, atomic_write, cut, open_nofollow
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
-from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile, WriterBusyError
+from .errors import WriterBusyError
+from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile
 
 MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
 STATE_NAME = re.compile(r"state\.\d+\.safetensors")
@@ -228,7 +229,9 @@ class MemoryDir:
             raise MemoryFileError(f"cannot read {f}: permission denied; fix the memory's permissions") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MemoryFileError(f"{f} is damaged ({e}); restore the memory from a backup or rebuild it") from None
-        return Manifest.from_json(doc, str(f))
+        m = Manifest.from_json(doc, str(f))
+        m.inputs.attach(self, m.check_input)  # (a corpus's pages are read from here when first needed)
+        return m
 
     def write_manifest(self, manifest: Manifest) -> None:
         """Write ``manifest`` (its ``updated`` time set now) atomically: this is the commit."""

@@ -32,6 +32,7 @@ from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
 from .directory import MemoryDir, model_fingerprint
 from .lookup import BlockLookup
+from .documents import DocumentList
 from .manifest import InputRecord, Manifest, ModelRecord
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
@@ -96,7 +97,7 @@ class LandmarkMemory:
         self.rope = bb.rope
         self.cmt_k = cmt_keys if self.shape.landmarks else None  # per layer the CMT's key at position -1, (1, H, 1, D)
         self.retrieval_stats = RetrievalStats()
-        self.inputs: list[InputRecord] = []
+        self.inputs = DocumentList(paged=documents)
         self.attached = None
         self._fingerprint, self._closed = None if opened is None else opened.fingerprint, False
         if opened is not None:
@@ -393,8 +394,8 @@ class LandmarkMemory:
     def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
         """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
         memory's, its documents' stores, its open chunk."""
-        self.files.follow(self.blocks, manifest, state, self.backbone.vocab_size, len(self.inputs))
-        self.inputs = list(manifest.inputs)
+        self.files.follow(self.blocks, manifest, state, self.backbone.vocab_size)
+        self.inputs = manifest.inputs
         self.decoder.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
         self.decoder.keep()
 

@@ -112,7 +112,9 @@ def verify(path: str | Path) -> VerifyReport:
         except MemoryFileError as e:
             report.problems.append(str(e))
         _check_state(manifest, state, report, rows_sound=rows is not None)
-    if manifest.documents:
+    if manifest.documents and (pages := manifest.inputs.problems()):  # (each damaged page named; no record is
+        report.problems += pages                                        # trusted then)
+    elif manifest.documents:
         _check_documents(d, manifest, rows, report)
         bs = manifest.model.shape.block_size
         packed = [b for e in manifest.inputs if e.packed for b in range(e.start // bs, (e.start + e.ingested) // bs)]

@@ -17,6 +17,8 @@ import torch
 from ..core.names import BLOCK_KEYS, DISK_STORES, MAX_STREAMS
 from ..index import KINDS
 from ..storage import DTYPES, stored_nbytes
+from .documents import PAGE_DOCUMENTS, DocumentList, InputRecord
+from .errors import MemoryFileError
 from .options import MemoryOptions
 from .shape import ModelShape
 
@@ -44,14 +46,6 @@ def document_folder(sha256: str) -> str:
 WINDOW = "window."  # a sliding-window layer's window in a state file: window.<model layer>.k and .v
 
 
-class MemoryFileError(ValueError):
-    """A memory directory that cannot be opened as asked; the message says why and what to do."""
-
-
-class WriterBusyError(MemoryFileError):
-    """A memory another process is writing (it holds the writer lock)."""
-
-
 MAX_SHAPE = 1 << 16  # layers, key/value heads, head width or block size a manifest may say a model has
 MAX_KEY_FILES = 1 << 20  # streams x layers x key/value heads: a key file and an index each
 
@@ -66,29 +60,6 @@ class ModelRecord:
     dtype: str
     name: str = ""  # as the user named it (``kinds.model_name``): "bundled", a named model, a folder
 
-
-
-@dataclass
-class InputRecord:
-    """A text file ingested by ``build``: where its tokens start in the memory and how many of
-    them are in it (``ingested`` advances as the build goes). In a corpus (``Manifest.documents``)
-    each is a document read apart in its own ``document`` folder, and ``ingested`` counts the
-    tokens of its blocks in the corpus."""
-
-    path: str
-    name: str
-    sha256: str
-    tokens: int
-    ingested: int
-    start: int
-    abandoned: bool = False  # left unfinished on purpose (its file changed mid-build)
-    document: str | None = None  # a corpus's document folder (``document_folder``); None: read in this context
-    packed: bool = False  # a corpus's document whose blocks are in the corpus's own store (its folder removed)
-
-    @property
-    def done(self) -> bool:
-        """Nothing more of it will be read: all of it is in memory, or it was abandoned."""
-        return self.ingested == self.tokens or self.abandoned
 
 
 @dataclass(frozen=True)
@@ -131,7 +102,7 @@ class Manifest:
     blocks: int = 0  # blocks per stream
     tokens: int = 0  # normal tokens per stream
     pending_tokens: int = 0  # of those, in the open chunk
-    inputs: list[InputRecord] = field(default_factory=list)
+    inputs: DocumentList = field(default_factory=DocumentList)  # (a list is taken as the records of one)
     commit: int = 0
     state: StateFile | None = None  # None until the first tokens are committed
     rows_crc: dict[str, int] | None = None  # CRC-32 of the committed rows per row file (format 3 on)
@@ -142,6 +113,10 @@ class Manifest:
     rows_merged: bool = False
     version: int = FORMAT_VERSION  # as read (a commit writes FORMAT_VERSION)
     session: SessionRecord | None = None  # a session's memory: its blocks follow those of the memory it is over
+
+    def __post_init__(self):
+        if not isinstance(self.inputs, DocumentList):
+            self.inputs = DocumentList(self.inputs, paged=self.documents)
 
     @property
     def rows(self) -> "RowLayout":
@@ -193,10 +168,16 @@ class Manifest:
         return self.model.shape.n_layer * stored_nbytes(self.model.shape.block_entry, self.options.store_dtype)
 
     def to_json(self) -> dict:
+        listed = self.inputs
+        if listed.paged and listed.tail:
+            raise ValueError("a corpus's new documents go into its pages (DocumentList.write) before its manifest")
+        inputs = {"inputs": [], "pages": [list(asdict(p).values()) for p in listed.pages],
+                  "shards": [[s.start, s.blocks, s.name] for s in listed.shards]} if listed.paged else \
+            {"inputs": [asdict(e) for e in listed.tail]}
         return {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "model": asdict(self.model), "options": self.options.to_dict(),
                 "streams": self.streams, "blocks": self.blocks, "tokens": self.tokens,
-                "pending_tokens": self.pending_tokens, "inputs": [asdict(e) for e in self.inputs],
+                "pending_tokens": self.pending_tokens, **inputs,
                 "documents": self.documents, **({"rows_merged": True} if self.rows_merged else {}),
                 **({"session": asdict(self.session)} if self.session else {}),
                 "commit": self.commit,
@@ -231,20 +212,15 @@ class Manifest:
                                       model.get("name", "")),
                     options=MemoryOptions.from_dict(options), streams=doc["streams"], blocks=doc["blocks"],
                     tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
-                    inputs=[InputRecord(**e) for e in doc["inputs"]], commit=doc["commit"],
+                    inputs=DocumentList.of_manifest(doc, shape["block_size"]), commit=doc["commit"],
                     state=StateFile(**files["state"]) if "state" in files else None,
                     rows_crc=files.get("rows_crc32"), updated=doc.get("updated", ""),
                     documents=bool(doc.get("documents", False)), rows_merged=doc.get("rows_merged", False),
                     version=version, session=_session_record(doc.get("session")))
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
         m._check(where)
-        outside = [e.document for e in m.inputs if e.document is not None and not DOCUMENT_FOLDER.fullmatch(e.document)]
-        if outside or any(e.document is None for e in m.inputs if m.documents):
-            raise MemoryFileError(f"{where} names a document folder {outside[0] if outside else None!r} that is no "
-                                  "document of the memory; the memory is damaged: restore it from a backup or "
-                                  "rebuild it")
         return m
 
     def _check(self, where: str) -> None:
@@ -303,24 +279,15 @@ class Manifest:
                 resolved.block_size != s.block_size:  # one fact, recorded twice: they agree
             raise bad(f"options.block_keys = {resolved.block_keys!r} and block_size = {resolved.block_size}",
                       f"where model.shape says landmarks = {s.landmarks!r} and block_size = {s.block_size}")
-        for e in self.inputs:
-            for name in ("tokens", "ingested", "start"):
-                count(f"the input {e.name!r}'s {name}", getattr(e, name))
-            if not all(isinstance(v, str) for v in (e.path, e.name, e.sha256)) or not isinstance(e.abandoned, bool) \
-                    or not isinstance(e.document, (str, type(None))) or not isinstance(e.packed, bool):
-                raise bad(f"the input {e.name!r}", "with a path, name, sha256, document or abandoned or packed flag "
-                          "of the wrong type")
-            if e.packed and (not self.documents or e.document is None):
-                raise bad(f"the input {e.name!r}", "packed into a memory that is no corpus")
-            if e.start + e.ingested > self.tokens:
-                raise bad(f"the input {e.name!r}", f"ending at token {e.start + e.ingested:,}, past the memory's "
-                          f"{self.tokens:,}")
+        for e in self.inputs.tail:
+            self.check_input(e, where)
+        self._check_pages(bad, count)
         if self.state is not None and (type(self.state.bytes) is not int or not isinstance(self.state.sha256, str)
                                        or not isinstance(self.state.name, str)):
             raise bad("files.state", "with a name or sha256 that is no string, or a size that is no integer")
         r = self.session
         if r is not None:
-            if not isinstance(r.name, str) or not isinstance(r.over.digest, str) or self.documents or self.inputs \
+            if not isinstance(r.name, str) or not isinstance(r.over.digest, str) or self.documents or len(self.inputs) \
                     or (self.streams or 1) != 1:
                 raise bad("session", "that is no session's record (a name and digest that are strings, one stream, "
                           "no inputs)")
@@ -331,6 +298,49 @@ class Manifest:
         if self.rows_crc is not None and (not isinstance(self.rows_crc, dict) or not all(
                 isinstance(k, str) and type(v) is int for k, v in self.rows_crc.items())):
             raise bad("files.rows_crc32", "that is not a map of file names to CRC-32s")
+
+
+    def check_input(self, e: InputRecord, where: str) -> None:
+        """``MemoryFileError`` unless the input record ``e`` (from ``where``) is one of this commit's."""
+        def bad(why):
+            return MemoryFileError(f"{where} holds the input {str(e.name)!r} {why}; the memory is damaged: restore "
+                                   "it from a backup or rebuild it")
+
+        if not all(type(getattr(e, n)) is int and getattr(e, n) >= 0 for n in ("tokens", "ingested", "start")):
+            raise bad("with a count that is no integer >= 0")
+        if not all(isinstance(v, str) for v in (e.path, e.name, e.sha256)) or not isinstance(e.abandoned, bool) \
+                or not isinstance(e.document, (str, type(None))) or not isinstance(e.packed, bool):
+            raise bad("with a path, name, sha256, document or abandoned or packed flag of the wrong type")
+        if e.packed and (not self.documents or e.document is None):
+            raise bad("packed into a memory that is no corpus")
+        if (e.document is None) == self.documents or (e.document is not None and not DOCUMENT_FOLDER.fullmatch(
+                e.document)):
+            raise bad(f"naming a document folder {e.document!r} that is no document of the memory")
+        if e.start + e.ingested > self.tokens:
+            raise bad(f"ending at token {e.start + e.ingested:,}, past the memory's {self.tokens:,}")
+
+    def _check_pages(self, bad, count) -> None:
+        """A paged document list's pages and shards in range and in order (their records are
+        checked as their pages are read)."""
+        listed, start = self.inputs, 0
+        if listed.paged != self.documents:
+            raise bad("pages", "in a memory that is no corpus")
+        for i, p in enumerate(listed.pages):
+            for name in ("count", "bytes", "crc32", "start"):
+                count(f"pages[{i}].{name}", getattr(p, name))
+            if not 0 < p.count <= PAGE_DOCUMENTS or (p.count < PAGE_DOCUMENTS and i < len(listed.pages) - 1) or \
+                    p.start < start or p.start > self.tokens or p.bytes > (1 << 40):
+                raise bad(f"pages[{i}]", f"out of order or range (pages hold 1 to {PAGE_DOCUMENTS:,} documents, all "
+                          "but the last full, in the order their tokens start)")
+            start = p.start
+        end = 0
+        for i, sh in enumerate(listed.shards):
+            count(f"shards[{i}].start", sh.start)
+            count(f"shards[{i}].blocks", sh.blocks)
+            if sh.start < end or sh.start + sh.blocks > self.blocks or not isinstance(sh.name, str) or \
+                    not DOCUMENT_FOLDER.fullmatch(sh.name):
+                raise bad(f"shards[{i}]", "out of order or range, or naming no document folder")
+            end = sh.start + sh.blocks
 
 
 def _session_record(doc) -> SessionRecord | None:

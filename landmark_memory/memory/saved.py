@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from ..core.names import DISK_STORES
-from ..storage.sharded import Shard
 from .blocks import BlockMemory
 from .decoding import OpenChunk
 from .directory import MemoryDir, model_fingerprint
@@ -56,6 +55,7 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
     from block ``keys_committed``), the indexes and the open ``chunk`` in a state file, then the
     manifest (docs/DESIGN.md, "Commit protocol"). ``manifest`` ends as committed: its commit
     number, state file and CRC-32s."""
+    manifest.inputs.write(d)  # a corpus's new documents, into its pages
     if manifest.streams is not None:
         layout = manifest.rows
         for name, data in blocks.rows_since(layout, first).items():
@@ -176,16 +176,13 @@ class SavedFiles:
         self._committed_blocks = self._keys_committed = manifest.blocks
         return self.commit_count
 
-    def follow(self, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor], vocab_size: int,
-               known_inputs: int) -> None:
+    def follow(self, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor], vocab_size: int) -> None:
         """Take into ``blocks`` what the commit ``manifest`` (with its ``state``) holds beyond
-        them: its blocks, and a corpus's documents past the first ``known_inputs``' stores."""
+        them: its blocks, and a corpus's documents' stores."""
         self.commit_count, self.manifest = manifest.commit, manifest
         if manifest.streams is not None:
             if self.documents:
-                bs = manifest.model.shape.block_size
-                for e in manifest.inputs[known_inputs:]:
-                    blocks.add_document(Shard(e.start // bs, e.ingested // bs, e.document), e.packed)
+                blocks.shards.follow(manifest.inputs.shards, manifest.blocks)  # (its documents' stores, its own)
             self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
                                          mapped=self.readonly)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
@@ -203,7 +200,7 @@ class SavedFiles:
                     and manifest.documents == seen.documents and manifest.blocks >= seen.blocks
                     and manifest.commit > seen.commit and seen.streams in (None, manifest.streams)
                     and manifest.version == seen.version
-                    and (not self.documents or manifest.inputs[:len(inputs)] == inputs))
+                    and (not self.documents or manifest.inputs.extends(inputs)))
         if not appended:
             raise MemoryFileError(f"the memory {self.dir.path} changed otherwise than by appending since it was "
                                   f"opened (commit {self.commit_count}, now {manifest.commit}); open it again")

@@ -33,7 +33,8 @@ import numpy as np
 from .blocks import BlockMemory
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
-from .manifest import TOKENS, BaseRecord, Manifest, SessionRecord, WriterBusyError
+from .errors import WriterBusyError
+from .manifest import TOKENS, BaseRecord, Manifest, SessionRecord
 from .decoding import OpenChunk
 from .saved import load_blocks, saved_chunk, write_commit
 from .session_files import (STARTS, TURNS, SessionError, Turn, busy_error, check_record, committed_starts,

@@ -22,7 +22,8 @@ import numpy as np
 from ..core.fileio import TMP_MARK
 from ..core.names import SESSION_NAME_RULE, is_session_name
 from .directory import MANIFEST, MemoryDir
-from .manifest import Manifest, MemoryFileError, WriterBusyError
+from .errors import WriterBusyError
+from .manifest import Manifest, MemoryFileError
 
 SESSIONS, TURNS, STARTS = "sessions", "turns.jsonl", "turns.idx"
 ROLES = ("system", "user", "assistant")

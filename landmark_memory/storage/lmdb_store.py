@@ -22,6 +22,27 @@ def _check_lmdb_size(env, path) -> None:
         raise StoreDamagedError(f"the LMDB store's {f} is truncated ({size:,} of {need:,} bytes)")
 
 
+def _open_env(path, map_size, readonly, sealed):
+    """An LMDB environment at ``path``, its data file checked to hold every page it uses."""
+    import lmdb
+
+    try:
+        # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
+        # media or where no writer will come (``sealed``: a corpus's merged documents)
+        env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
+                        lock=not readonly or (not sealed and os.access(path, os.W_OK)))
+    except lmdb.Error as e:
+        if "No space left" in str(e):
+            raise DiskFullError(errno.ENOSPC, str(e)) from None
+        raise StoreDamagedError(f"the LMDB store {path} cannot be opened ({e})") from None
+    try:
+        _check_lmdb_size(env, path)
+    except StoreDamagedError:
+        env.close()
+        raise
+    return env
+
+
 class LmdbStore(BlockStore):
     """LMDB environment at ``path``; the map grows by doubling when full, and a reader follows
     a map that a writer grew. Stores of one path in one process share the environment.
@@ -38,35 +59,27 @@ class LmdbStore(BlockStore):
             Path(path).mkdir(parents=True, exist_ok=True)
         self.key = os.path.realpath(path)
         with _LMDB_ENVS_LOCK:
-            self.env = self._share(path, map_size, readonly, sealed)
+            self._shared = self._share(path, map_size, readonly, sealed)
+
+    @property
+    def env(self):
+        """The path's environment in this process (the writer's once one opens it)."""
+        return self._shared[0]
 
     def _share(self, path, map_size, readonly, sealed):
-        """The environment of ``path``, opened by the first store of it; the caller holds the lock."""
-        import lmdb
-
+        """``[environment, users]`` of ``path``, opened by the first store of it; a writer after
+        readers reopens it writable for all of them (a corpus's reader and its build in one
+        process: LMDB allows one environment per file). The caller holds the lock."""
         shared = _LMDB_ENVS.get(self.key)
         if shared is None:
             if readonly and not os.path.isfile(os.path.join(path, "data.mdb")):
                 raise StoreDamagedError(f"the LMDB store {path} is missing its data.mdb")
-            try:
-                # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
-                # media or where no writer will come (``sealed``: a corpus's merged documents)
-                env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
-                                lock=not readonly or (not sealed and os.access(path, os.W_OK)))
-            except lmdb.Error as e:
-                if "No space left" in str(e):
-                    raise DiskFullError(errno.ENOSPC, str(e)) from None
-                raise StoreDamagedError(f"the LMDB store {path} cannot be opened ({e})") from None
-            try:
-                _check_lmdb_size(env, path)
-            except StoreDamagedError:
-                env.close()
-                raise
-            shared = _LMDB_ENVS[self.key] = [env, 0]
+            shared = _LMDB_ENVS[self.key] = [_open_env(path, map_size, readonly, sealed), 0]
         elif not readonly and shared[0].flags()["readonly"]:
-            raise ValueError(f"{path} is open read-only in this process; close its readers before writing")
+            shared[0].close()
+            shared[0] = _open_env(path, max(map_size, os.path.getsize(os.path.join(path, "data.mdb"))), False, False)
         shared[1] += 1
-        return shared[0]
+        return shared
 
     def check(self):
         _check_lmdb_size(self.env, self.key)
@@ -129,7 +142,7 @@ class LmdbStore(BlockStore):
     def close(self):
         with _LMDB_ENVS_LOCK:
             shared = _LMDB_ENVS.get(self.key)
-            if shared is None or shared[0] is not self.env:
+            if shared is None or shared is not self._shared:
                 return
             shared[1] -= 1
             if shared[1] == 0:

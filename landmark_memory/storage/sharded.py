@@ -96,12 +96,20 @@ class ShardedStore(BlockStore):
                             for (s, layer, b), stored in zip(keys, source._blocks(keys))})
         self.n_blocks = start + blocks
 
-    def extend(self, blocks: int) -> None:
-        """Blocks packed by another process (the writer of the commit this reader opens or
-        follows): the corpus's own store opens now, as a memory's store opens with it."""
-        if self._own is None:
-            self._own = self.open_own(True)
-        self.n_blocks += blocks
+    def follow(self, shards: list[Shard], n_blocks: int) -> None:
+        """The union as a commit has it (a reader's): ``shards`` (those it holds first, then
+        new ones) and ``n_blocks`` blocks in all, the rest packed by the writer into the
+        corpus's own store, which opens now (as a memory's store opens with it)."""
+        for s in shards[len(self.shards):]:
+            self._packed(s.start)
+            self.add(s)
+        self._packed(n_blocks)
+
+    def _packed(self, end: int) -> None:
+        if end > self.n_blocks:
+            if self._own is None:
+                self._own = self.open_own(True)
+            self.n_blocks = end
 
     def _store(self, i: int) -> BlockStore:
         store = self._open.get(i)

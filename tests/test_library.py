@@ -1,0 +1,138 @@
+"""A library: a corpus's document list in pages (read when a record is asked for, a damaged page
+named alone), and a corpus of an earlier format opening and paging its list at its next commit."""
+
+import json
+import shutil
+
+import pytest
+
+from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
+from landmark_memory.app.build import build, read_inputs
+from landmark_memory.app.cli import main
+from landmark_memory.memory import MemoryFileError
+from landmark_memory.memory.answer import ask
+from landmark_memory.memory.documents import DocumentList, InputRecord, page_file
+from landmark_memory.memory.inspect import verify
+from landmark_memory.training.data import SAMPLE_DIR
+
+PAGE = 2  # records per page in these tests
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LandmarkGPT.from_pretrained()
+
+
+@pytest.fixture
+def small_pages(monkeypatch):
+    monkeypatch.setattr("landmark_memory.memory.documents.PAGE_DOCUMENTS", PAGE)
+    monkeypatch.setattr("landmark_memory.memory.manifest.PAGE_DOCUMENTS", PAGE)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """Five short documents, each its own paragraph of the sample books."""
+    d = tmp_path_factory.mktemp("texts")
+    text = (SAMPLE_DIR / "train" / "treasure_island_excerpt.txt").read_text()
+    for i in range(5):
+        (d / f"d{i}.txt").write_text(f"Document {i}.\n" + text[600 * i:600 * i + 600])
+    return d
+
+
+def build_into(model, path, files):
+    mem = (LandmarkMemory.open(path, model) if (path / "manifest.json").exists() else
+           LandmarkMemory(model, path=path, store="lmdb", chunk_size=100, documents=True))
+    with mem:
+        return build(mem, read_inputs(files), load_tokenizer(), progress=False)
+
+
+def record(i):
+    return InputRecord(f"/d{i}.txt", f"d{i}.txt", f"{i:064x}", 100, 100, 100 * i, document=f"docs/{i:016x}")
+
+
+class Folder:
+    """Just what a document list reads and writes: rows of files in a folder."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def write_rows(self, name, offset, data):
+        with open(self.path / name, "r+b" if (self.path / name).exists() else "wb") as f:
+            f.truncate(offset)
+            f.seek(offset)
+            f.write(data)
+
+    def read_rows(self, name, nbytes):
+        return (self.path / name).read_bytes()[:nbytes]
+
+
+def test_a_paged_list_appends_across_commits_and_reads_back_each_page_alone(tmp_path, small_pages):
+    d, listed = Folder(tmp_path), DocumentList(paged=True)
+    for commit in ([0], [1, 2], [3, 4, 5, 6]):  # pages fill across commits: 1, then 2 + 1, then ...
+        for i in commit:
+            listed.append(record(i))
+        listed.write(d)
+    assert [p.count for p in listed.pages] == [2, 2, 2, 1] and not listed.tail
+    again = DocumentList(paged=True, pages=listed.pages)
+    again.attach(d, lambda e, where: None)
+    assert again[5] == record(5) and list(again._read) == [2]  # one page read for one record
+    assert again.containing(350) == record(3) and again.containing(10_000) is None
+    assert list(again) == [record(i) for i in range(7)] and again[1:3] == [record(1), record(2)]
+    assert again.extends(DocumentList(paged=True, pages=listed.pages[:2])) and not DocumentList(
+        paged=True, pages=listed.pages[:2]).extends(again)
+
+
+def test_a_corpus_opens_without_reading_its_list_and_a_passage_reads_one_page(model, texts, tmp_path, small_pages):
+    path = tmp_path / "m"
+    build_into(model, path, sorted(texts.glob("*.txt")))
+    doc = json.loads((path / "manifest.json").read_text())
+    assert doc["format_version"] == 7 and doc["inputs"] == [] and [p[0] for p in doc["pages"]] == [2, 2, 1]
+    assert doc["shards"] == []  # every document packed
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        assert mem.inputs._read == {}
+        answer = ask(mem, load_tokenizer(), "The captain", max_new_tokens=4, passages=1, raw=True)
+        assert answer.passages[0].source.endswith(".txt") and len(mem.inputs._read) == 1
+
+
+def test_a_damaged_page_is_named_and_costs_no_other(model, texts, tmp_path, small_pages, capsys):
+    path = tmp_path / "m"
+    build_into(model, path, sorted(texts.glob("*.txt")))
+    page = path / page_file(1)
+    page.write_bytes(page.read_bytes().replace(b'"d', b'"x', 1))
+    problems = verify(path).problems
+    assert len(problems) == 1 and page_file(1) in problems[0] and "documents 2 to 3" in problems[0], problems
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        assert mem.inputs[4].name == "d4.txt" and mem.inputs[0].name == "d0.txt"  # the other pages
+        with pytest.raises(MemoryFileError, match="documents 2 to 3"):
+            mem.inputs[2]
+    assert main(["info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and page_file(1) in err
+
+
+def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model, texts, tmp_path, small_pages,
+                                                                         monkeypatch, capsys):
+    files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
+    with monkeypatch.context() as m:  # format 6: every document kept its own store, its list in the manifest
+        m.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        build_into(model, path, files[:3])
+    doc = json.loads((path / "manifest.json").read_text())
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        records = [{**r.__dict__} for r in mem.inputs]
+    for r in records:
+        del r["packed"]
+    old = {**{k: v for k, v in doc.items() if k not in ("pages", "shards")}, "format_version": 6, "inputs": records}
+    (path / "manifest.json").write_text(json.dumps(old))
+    shutil.rmtree(path / "documents")
+    assert main(["ask", str(path), "The captain", "--max-new-tokens", "2", "--json", "--quiet"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    build_into(model, path, files)  # two more documents, packed; the three old ones keep their stores
+    doc = json.loads((path / "manifest.json").read_text())
+    assert doc["format_version"] == 7 and doc["inputs"] == [] and len(doc["shards"]) == 3
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        assert [e.name for e in mem.inputs] == [f.name for f in files] and [e.packed for e in mem.inputs] == [
+            False] * 3 + [True] * 2
+    assert verify(path).ok
+    assert main(["ask", str(path), "The captain", "--max-new-tokens", "2", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"]  # (the corpus answers on)
+    assert before["text"]
