@@ -76,6 +76,48 @@ def measure(memory: Path, package: Path | None, books: Path, threads: int, appen
             **measure_server(memory, "bundled", package)}
 
 
+def served(memory: Path, shares: int) -> dict:
+    """A warm ask (the median of 8) by one process against a front whose ``shares`` Ray actors
+    hold the corpus's blocks (a local cluster on this machine), the same questions; the answers
+    compared, and the front's round trips and bytes per ask."""
+    import torch
+
+    from bench_scale import QUESTIONS
+    from landmark_memory.app.served import Shares
+    from landmark_memory.memory import LandmarkMemory
+    from landmark_memory.memory.answer import ask
+    from landmark_memory.models.kinds import load_model
+
+    model, tok = load_model(None)
+    torch.set_num_threads(1)  # as each share: the front and the shares share 2 cores
+    out, answers = {}, {}
+    group = Shares(memory, None, shares, threads=1)
+    try:
+        for name in ("one process", f"{shares} shares on Ray"):
+            mem = LandmarkMemory.open(memory, model, readonly=True)
+            if name != "one process":
+                group.serve(mem)
+            times = []
+            for i, q in enumerate([QUESTIONS[0]] + QUESTIONS):
+                t0 = time.perf_counter()
+                answers.setdefault(name, []).append(ask(mem, tok, q, max_new_tokens=8, raw=True))
+                times.append(time.perf_counter() - t0)
+                mem.rewind()
+                if i == 0:
+                    searches, moved, steps = group.searches, group.moved, mem.retrieval_stats.searches
+            out[name] = {"ask_s": statistics.median(times[1:])}
+            if name != "one process":
+                n = len(QUESTIONS)
+                out[name].update(searches_per_ask=(group.searches - searches) / n,
+                                 layer_searches_per_ask=(mem.retrieval_stats.searches - steps) / n,
+                                 kib_per_ask=(group.moved - moved) / n / 1024)
+            mem.close()
+    finally:
+        group.close()
+    out["same_answers"] = answers["one process"] == answers[f"{shares} shares on Ray"]
+    return out
+
+
 def report(rows: list[dict]) -> list[str]:
     out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | add one document | "
            "build | built documents/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -99,11 +141,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus (its held-out books give the documents)")
     ap.add_argument("--counts", default="100,1000,4000", help="documents per library, comma-separated")
-    ap.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "landmark-memory", "bench-library"),
-                    help="where the libraries are built and kept between runs")
+    ap.add_argument("--work", help="where the libraries are built and kept between runs (default "
+                    "~/.cache/landmark-memory/bench-library)",
+                    default=os.path.join(os.path.expanduser("~"), ".cache", "landmark-memory", "bench-library"))
     ap.add_argument("--baseline", default=None, help="a checkout of an earlier version to measure beside this one")
     ap.add_argument("--workers", type=int, default=2, help="Ray workers that build each library (default 2)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the measuring processes")
+    ap.add_argument("--shares", type=int, default=2, help="Ray actors serving the second library (0: not measured)")
     ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
     args = ap.parse_args()
     started, books, work = time.time(), Path(args.books), Path(args.work)
@@ -124,7 +168,13 @@ def main():
         rows.append({"version": label, "commit": commit_of(package), "documents": n, "build": summary,
                      **measure(memory, package, books, args.threads, work / f"append-{n}-{label.split()[0]}.txt")})
     rows.sort(key=lambda r: (r["version"] != "baseline", r["documents"]))
-    (Path(args.results) / "library.json").write_text(json.dumps(rows, indent=1))
+    ray_served = None
+    if args.shares:
+        second = counts[min(1, len(counts) - 1)]
+        memory = next(m for n, _, package, m, _ in built if package is None and n == second)
+        print(f"  serving {memory} from {args.shares} shares", file=sys.stderr)
+        ray_served = {"documents": second, **served(memory, args.shares)}
+    (Path(args.results) / "library.json").write_text(json.dumps({"rows": rows, "served": ray_served}, indent=1))
     body = ["Each library is built once by `landmark-memory build --workers 2` (the bundled model) from documents of "
             "about 2 KB (paragraphs of the held-out books, each opened by a line of its own), then measured in fresh "
             "processes (`bench_scale.py`'s probes): the open (median of 3), the resident memory after it, a warm ask "
@@ -132,6 +182,17 @@ def main():
             "document (`build` in the process, after the model loads). The build's documents/s is over its own "
             "reading and merging (the command's wall time beside it). The baseline is an earlier checkout "
             "(`--baseline`) measuring libraries it built itself, in the same run.", ""] + report(rows)
+    if ray_served:
+        one, many = (ray_served[k] for k in ray_served if k not in ("documents", "same_answers"))
+        body += ["", f"## The {ray_served['documents']:,}-document library served by {args.shares} Ray actors", "",
+                 "A warm ask (8 tokens, median of 8) by one process and by a front whose shares hold the blocks "
+                 "(`app/served.py`, a local Ray on this machine; front and shares one thread each): "
+                 f"{1000 * one['ask_s']:.0f} ms against {1000 * many['ask_s']:.0f} ms "
+                 f"({many['ask_s'] / one['ask_s']:.2f}x); "
+                 f"answers the same, text and passages: {ray_served['same_answers']}. Per ask: "
+                 f"{many['searches_per_ask']:.0f} fan-outs (one per memory layer and chunk, every share asked at once) "
+                 f"for {many['layer_searches_per_ask']:.0f} layer searches, {many['kib_per_ask']:,.0f} KiB moved "
+                 "(queries, top-k and blocks)."]
     write_result("library", "A library of small documents: cost by the number of documents", body, args.results,
                  started)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import lmdb
 import numpy as np
@@ -113,11 +114,21 @@ def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, 
     refused(capsys, ["info", str(mem)], "no memory file")
 
 
+@pytest.mark.parametrize("where", ["shards", "page"])
 @pytest.mark.parametrize("folder", ["../..", "docs/../../elsewhere", "/tmp"])
-def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, folder):
+def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, monkeypatch, folder, where):
+    if where == "shards":  # the document keeps its own store: the manifest lists its folder
+        monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
     mem = built(tmp_path, book)
     doc = json.loads((mem / "manifest.json").read_text())
-    doc["inputs"][0]["document"] = folder
+    if where == "shards":
+        doc["shards"][0][2] = folder
+    else:  # a page's record, its CRC-32 made to match
+        page = mem / "documents" / "000000.jsonl"
+        record = json.loads(page.read_text())
+        data = (json.dumps({**record, "document": folder}) + "\n").encode()
+        page.write_bytes(data)
+        doc["pages"][0][1:3] = [len(data), zlib.crc32(data)]
     (mem / "manifest.json").write_text(json.dumps(doc))
     refused(capsys, ["ask", str(mem), "The", "--quiet"], "no document")
 

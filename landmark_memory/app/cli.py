@@ -226,11 +226,13 @@ def cmd_serve(args):
     if key is not None and not key.strip():
         raise UsageError(f"{API_KEY_VARIABLE} is set but empty: an empty key would turn authentication off; set a "
                          "key, or unset it to serve without one")
+    if args.ray_address and not args.shares:
+        raise UsageError("--ray-address runs a corpus's shares on that cluster: give --shares N too")
     saved = saved_model(args)
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), api_key=key, host=args.host,
                       allowed_hosts=tuple(args.allowed_host), parallel=args.parallel, max_tokens=args.max_tokens,
-                      max_body=args.max_body)
+                      max_body=args.max_body, shares=args.shares or 0, ray_address=args.ray_address, model=args.model)
     app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
     say_block_keys(model, saved.options)
     print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",

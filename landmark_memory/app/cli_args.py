@@ -225,6 +225,12 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help=f"the most new tokens a request may ask (default 512, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--max-body", type=positive, default=1 << 20,
                    help="the largest request body in bytes (default 1 MiB)")
+    p.add_argument("--shares", type=_number(int, 1, "a number of shares >= 1"), metavar="N",
+                   help="serve a corpus from N Ray actors, each holding a share of its blocks and searching its part "
+                        "of every index (default: in this process); without --ray-address a local Ray runs them")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="with --shares: the Ray cluster to run them on (auto, or HOST:PORT as `ray start --head` "
+                        "printed)")
 
     p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
     p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")

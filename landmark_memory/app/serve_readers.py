@@ -26,6 +26,9 @@ class ServeConfig:
     max_tokens: int = 512  # the most new tokens a request may ask for
     max_body: int = 1 << 20  # bytes of a request body
     cache_bytes: int = 64 << 20  # hot-block cache of each request's memory
+    shares: int = 0  # a corpus served by this many Ray actors (``served.Shares``); 0: in this process
+    ray_address: str | None = None  # the Ray cluster they run on (None: a local one)
+    model: str | None = None  # the model as the command named it (the shares load it)
 
 
 class Readers:
@@ -35,6 +38,11 @@ class Readers:
 
     def __init__(self, cfg: ServeConfig, model):
         self.cfg, self.model = cfg, model
+        self.shares = None
+        if cfg.shares:
+            from .served import Shares
+
+            self.shares = Shares(cfg.memory, cfg.model, cfg.shares, cfg.ray_address)
         self.turns = threading.Semaphore(cfg.parallel)
         self.idle: queue.LifoQueue[LandmarkMemory] = queue.LifoQueue()  # the warmest first
         first = self._open()
@@ -42,7 +50,14 @@ class Readers:
         self.idle.put(first)
 
     def _open(self) -> LandmarkMemory:
-        return LandmarkMemory.open(self.cfg.memory, self.model, readonly=True, cache_bytes=self.cfg.cache_bytes)
+        mem = LandmarkMemory.open(self.cfg.memory, self.model, readonly=True, cache_bytes=self.cfg.cache_bytes)
+        if self.shares is not None:
+            try:
+                return self.shares.serve(mem)
+            except BaseException:
+                mem.close()
+                raise
+        return mem
 
     @contextlib.contextmanager
     def take(self) -> Iterator[LandmarkMemory]:
@@ -62,7 +77,7 @@ class Readers:
         try:
             if mem is None:
                 mem = self._open()
-            else:
+            elif self.shares is None:  # (shares answer at the commit they opened)
                 mem.refresh()
         except (MemoryFileError, OSError) as e:  # rebuilt in place, damaged, or gone: open it again, or give up
             if mem is not None:
@@ -102,3 +117,5 @@ class Readers:
     def close(self) -> None:
         while not self.idle.empty():
             self.idle.get_nowait().close()
+        if self.shares is not None:
+            self.shares.close()

@@ -79,6 +79,7 @@ class BlockMemory:
         except StoreDamagedError as e:
             raise damaged(str(e)) from None
         self.shards = store if shards is not None else None  # a corpus's documents' stores
+        self.remote = None  # a served corpus's shares (``app.served``), searched instead of the saved indexes
         self.store = OverlayStore(store) if readonly else store
         self.offsets = offsets = torch.arange(self.L, device=device)
 
@@ -97,8 +98,11 @@ class BlockMemory:
 
         def opener(path, readonly, sealed):  # a document's store (sealed), or the corpus's own
             with disk_errors(f"the block store of {path.parent}"):
-                return open_store(o.store, shape.block_entry, path, o.store_dtype, readonly=readonly,
-                                  checksums=o.block_checksums, sealed=sealed)
+                try:
+                    return open_store(o.store, shape.block_entry, path, o.store_dtype, readonly=readonly,
+                                      checksums=o.block_checksums, sealed=sealed)
+                except StoreDamagedError as e:
+                    raise damaged(str(e)) from None
 
         fds = STORE_KINDS[o.store].files(shape.n_layer)
         return ShardedStore(shape.block_entry, shards, o.store_dtype, o.block_checksums,
@@ -262,8 +266,12 @@ class BlockMemory:
         skipped : int, layer-heads not searched.
         """
         B, H, Tq, dim = xq.shape
+        base = self.n_blocks if self.base is None else self.base  # a served corpus's shares search the saved ones
+        s = self.remote.search(layer, xq, need, k, lo, min(hi, base), group) if self.remote and lo < base else None
         if need is None:  # every query: each key/value head's query heads in one call, no masks
-            out = [self._search(b, layer, g, xq[b, g * group:(g + 1) * group].reshape(-1, dim), k, lo, hi)
+            out = [self._search(b, layer, g, xq[b, g * group:(g + 1) * group].reshape(-1, dim), k, lo, hi,
+                                s and (s[0][b, g * group:(g + 1) * group].reshape(-1, k),
+                                       s[1][b, g * group:(g + 1) * group].reshape(-1, k)))
                    for b in range(B) for g in range(H // group)]
             return (np.stack([d for d, _ in out]).reshape(B, H, Tq, k), np.stack([i for _, i in out]).reshape(B, H, Tq, k),
                     0)
@@ -275,15 +283,17 @@ class BlockMemory:
                 heads = slice(g * group, (g + 1) * group)
                 sel = need[b, heads]  # (group, T_q)
                 if sel.any():
-                    D[b, heads][sel], I[b, heads][sel] = self._search(b, layer, g, xq[b, heads][sel], k, lo, hi)
+                    D[b, heads][sel], I[b, heads][sel] = self._search(b, layer, g, xq[b, heads][sel], k, lo, hi,
+                                                                      s and (s[0][b, heads][sel], s[1][b, heads][sel]))
         return D, I, skipped
 
-    def _search(self, b: int, layer: int, h: int, xq: np.ndarray, k: int, lo: int, hi: int):
+    def _search(self, b: int, layer: int, h: int, xq: np.ndarray, k: int, lo: int, hi: int, saved=None):
         """``(D, I)`` (nq, k): the top ``k`` of blocks ``[lo, hi)`` of one index, or of the saved
-        blocks and the upper ones merged (the higher score first; of equal ones, the saved block)."""
+        blocks (``saved``: as a served corpus's shares found them) and the upper ones merged (the
+        higher score first; of equal ones, the saved block)."""
         base = self.n_blocks if self.base is None else self.base
         try:
-            D, I = self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
+            D, I = saved or self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
         except KeyFileError as e:  # (an index may read its own files at its first search)
             raise damaged(str(e)) from None
         if hi <= base:

@@ -83,7 +83,8 @@ class DocumentList:
         """A manifest's (JSON ``doc``) document list: paged (a corpus from format 7), or its inputs
         listed in it (a corpus of format 4 to 6 is paged at its next commit, each document a shard)."""
         if "pages" in doc:
-            return cls(paged=True, pages=[PageRecord(*p) for p in doc["pages"]], shards=[Shard(*s) for s in doc["shards"]])
+            return cls(paged=True, pages=[PageRecord(*p) for p in doc["pages"]],
+                       shards=[Shard(*s) for s in doc["shards"]])
         records, corpus = [InputRecord(**e) for e in doc["inputs"]], bool(doc.get("documents", False))
         bs = block_size if type(block_size) is int and block_size > 0 else 1  # (a wrong one is refused after)
         return cls(records, paged=corpus, shards=[Shard(e.start // bs, e.ingested // bs, e.document)

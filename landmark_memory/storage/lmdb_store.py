@@ -63,8 +63,13 @@ class LmdbStore(BlockStore):
 
     @property
     def env(self):
-        """The path's environment in this process (the writer's once one opens it)."""
+        """The path's environment in this process (the writer's once one opens it), shared by
+        every store of the path: setting it sets theirs."""
         return self._shared[0]
+
+    @env.setter
+    def env(self, env):
+        self._shared[0] = env
 
     def _share(self, path, map_size, readonly, sealed):
         """``[environment, users]`` of ``path``, opened by the first store of it; a writer after

@@ -1,0 +1,148 @@
+"""A corpus served by Ray actors: each holds a share of its blocks (its part of every layer's
+index, and their stores) and one front reads the text, fanning each chunk's queries of a layer
+out to the shares and merging their top-k (docs/DESIGN.md, "A corpus served on Ray").
+
+``Shares`` starts the actors (``_Share``: the corpus opened read-only at its last commit, a
+range of its blocks answered) and ``Shares.serve(mem)`` makes an open memory of the same corpus
+a front: its searches of the saved blocks go to the shares (``BlockMemory.remote``: one call
+per share and layer, all heads at once, in parallel), and the blocks it reads come from them
+(``ShareStore`` under the hot cache). Each share searches its range exactly as one process
+searches the whole, and the merge keeps the higher score first (of equal ones, the lower
+block), so the front retrieves the same blocks and answers the same, bit for bit. A share that
+dies makes the request fail in one line (``MemoryFileError``: a server answers 503 and goes on);
+nothing on disk changes. The shares answer at the commit they opened: restart to serve a newer.
+"""
+
+import numpy as np
+
+from ..memory import LandmarkMemory, MemoryFileError
+from ..storage import BlockStore
+from ..storage.base import DTYPE_NAMES
+from .distributed import set_threads
+
+
+class _Share:
+    """A Ray actor (made remote in ``Shares``): the corpus at ``path`` read-only, answering for
+    its blocks ``[first, end)``."""
+
+    def __init__(self, path: str, model: str | None, first: int, end: int, threads: int):
+        set_threads(threads)
+        self.mem = LandmarkMemory.open(path, _model(model), readonly=True)
+        self.first, self.end = first, end
+
+    def blocks(self) -> int:
+        return self.mem.n_blocks
+
+    def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
+        """``BlockMemory.search`` of the blocks of ``[lo, hi)`` in this share: (D, I) (B, H, T_q, k)."""
+        lo, hi = max(lo, self.first), min(hi, self.end)
+        B, H, Tq, _ = xq.shape
+        if lo >= hi:
+            return np.full((B, H, Tq, k), -np.inf, np.float32), np.full((B, H, Tq, k), -1, np.int64)
+        D, I, _ = self.mem.blocks.search(layer, xq, need, k, lo, hi, group)
+        return D, I
+
+    def read(self, keys: list[tuple[int, int, int]]):
+        """The blocks ``keys`` of this share as stored (``BlockStore._blocks``)."""
+        return self.mem.blocks.store.base._blocks(keys)
+
+
+class Shares:
+    """``n`` Ray actors, each answering for a consecutive ``n``-th of the blocks of the corpus at
+    ``path`` (built by ``model``), ``threads`` cores each. Ray is started locally (the machine's
+    cores shared out) unless a program or ``address`` ("auto" or HOST:PORT) gives one."""
+
+    def __init__(self, path, model: str | None, n: int, address: str | None = None, threads: int | None = None):
+        import ray
+
+        from .distributed import available_cores, check_address
+
+        if n < 1:
+            raise ValueError(f"--shares must be at least 1, got {n}")
+        self._started = False
+        if not ray.is_initialized():
+            if address is not None:
+                check_address(address)
+                ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            else:
+                threads = threads or max(1, available_cores() // n)
+                ray.init(address="local", num_cpus=n * threads, include_dashboard=False, log_to_driver=False,
+                         logging_level="ERROR")
+            self._started = True
+        threads = threads or 1
+        with LandmarkMemory.open(path, _model(model), readonly=True) as mem:
+            total, self.where, self.commit = mem.n_blocks, mem.dir.path.resolve(), mem.manifest.commit
+        self.ranges = [(i * total // n, (i + 1) * total // n) for i in range(n)]
+        actor = ray.remote(_Share).options(num_cpus=threads, max_restarts=0)
+        self.actors = [actor.remote(str(path), model, a, b, threads) for a, b in self.ranges]
+        self._call(lambda a: a.blocks.remote())  # every share up (its corpus opened) before serving
+        self.starts = [a for a, _ in self.ranges]
+        self.searches, self.reads = 0, [0] * n  # round trips of searches (each to every share), blocks read per share
+        self.moved = 0  # bytes of queries, top-k and blocks sent between the front and the shares
+
+    def _call(self, send, actors=None) -> list:
+        import ray
+
+        actors = self.actors if actors is None else actors
+        try:
+            return ray.get([send(a) for a in actors])
+        except ray.exceptions.RayError as e:
+            raise MemoryFileError(f"a share of the corpus {self.where} served on Ray failed ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else 'gone'}); restart the server") from None
+
+    def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
+        """``BlockMemory.search`` of the saved blocks of ``[lo, hi)``, every share asked at once:
+        (D, I) (B, H, T_q, k), the higher score first, of equal ones the lower block."""
+        got = self._call(lambda a: a.search.remote(layer, xq, need, k, lo, hi, group))
+        D, I = np.concatenate([d for d, _ in got], -1), np.concatenate([i for _, i in got], -1)
+        self.searches += 1
+        self.moved += len(got) * (xq.nbytes + (0 if need is None else need.nbytes)) + D.nbytes + I.nbytes
+        order = np.argsort(-D, axis=-1, kind="stable")[..., :k]  # (shares in block order: ties keep the lower)
+        return np.take_along_axis(D, order, -1), np.take_along_axis(I, order, -1)
+
+    def read(self, keys: list[tuple[int, int, int]]) -> list:
+        """The stored blocks ``keys``, each read from its share (the shares holding some, at once)."""
+        which = np.searchsorted(self.starts, [b for _, _, b in keys], side="right") - 1
+        asked = sorted(set(which.tolist()))
+        for i in which.tolist():
+            self.reads[i] += 1
+        got = self._call(lambda i: self.actors[i].read.remote([k for k, w in zip(keys, which) if w == i]), asked)
+        parts = {i: iter(g) for i, g in zip(asked, got)}
+        self.moved += sum(t.nbytes for g in got for stored in g for t in stored if t is not None)
+        return [next(parts[w]) for w in which.tolist()]
+
+    def serve(self, mem: LandmarkMemory) -> LandmarkMemory:
+        """Make ``mem`` (the corpus open read-only, at the shares' commit) their front."""
+        if mem.dir is None or mem.dir.path.resolve() != self.where or mem.manifest.commit != self.commit:
+            raise MemoryFileError(f"the memory {mem.dir.path if mem.dir else 'given'} is not the corpus {self.where} "
+                                  f"at the commit its shares opened ({self.commit}): restart the server")
+        own, mem.blocks.remote = mem.blocks.store.base, self
+        mem.blocks.store.base = ShareStore(own, self)
+        own.close()  # (its files are the shares' to read)
+        return mem
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self._started:
+            ray.shutdown()
+
+
+class ShareStore(BlockStore):
+    """The blocks of a served corpus, read from its shares (as the store ``like`` keeps them)."""
+
+    def __init__(self, like: BlockStore, shares: Shares):
+        super().__init__(like.shape, DTYPE_NAMES[like.dtype], like.checksums)
+        self.shares = shares
+
+    def _blocks(self, keys):
+        return self.shares.read(list(keys))
+
+
+def _model(name: str | None):
+    from ..models.kinds import load_model
+
+    return load_model(name, "cpu", None)[0]
