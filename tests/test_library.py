@@ -3,6 +3,7 @@ named alone), and a corpus of an earlier format opening and paging its list at i
 
 import json
 import shutil
+import zlib
 
 import pytest
 
@@ -46,8 +47,8 @@ def build_into(model, path, files):
         return build(mem, read_inputs(files), load_tokenizer(), progress=False)
 
 
-def record(i):
-    return InputRecord(f"/d{i}.txt", f"d{i}.txt", f"{i:064x}", 100, 100, 100 * i, document=f"docs/{i:016x}")
+def record(i):  # (a name may hold any character: a line separator is no end of a record)
+    return InputRecord(f"/d{i}.txt", f"d{i}\u2028\x85.txt", f"{i:064x}", 100, 100, 100 * i, document=f"docs/{i:016x}")
 
 
 class Folder:
@@ -108,6 +109,21 @@ def test_a_damaged_page_is_named_and_costs_no_other(model, texts, tmp_path, smal
     assert main(["info", str(path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and page_file(1) in err
+
+
+def test_a_page_record_with_a_line_break_in_a_key_is_refused_in_one_line(model, texts, tmp_path, small_pages,
+                                                                          capsys):
+    path = tmp_path / "m"
+    build_into(model, path, sorted(texts.glob("*.txt")))
+    page, doc = path / page_file(0), json.loads((path / "manifest.json").read_text())
+    first, rest = page.read_bytes().split(b"\n", 1)
+    data = json.dumps({**json.loads(first), "\x1e": 0}).encode() + b"\n" + rest
+    page.write_bytes(data)
+    doc["pages"][0][1:3] = [len(data), zlib.crc32(data)]
+    (path / "manifest.json").write_text(json.dumps(doc))
+    assert main(["info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and page_file(0) in err and "garbles" in err, err
 
 
 def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model, texts, tmp_path, small_pages,

@@ -158,12 +158,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--leave-unfinished", action="store_true",
                    help="leave a document an earlier build did not finish as it is (what was read of it stays), "
                         "e.g. when its file has changed since")
-    p.add_argument("--workers", type=_number(int, 1, "a number of workers >= 1"), metavar="N",
-                   help="read documents in parallel on Ray with N workers (default: one after another in this "
-                        "process); without --ray-address a local Ray instance runs them")
-    p.add_argument("--ray-address", metavar="ADDR",
-                   help="join a running Ray cluster: auto, or the HOST:PORT `ray start --head` printed; the memory "
-                        "folder must be on a filesystem every machine reaches")
+    add_ray_args(p, "--workers", "read documents in parallel on Ray with N workers (default: one after another in "
+                 "this process)")
     p.add_argument("--worker-threads", type=positive, metavar="T",
                    help="cores (torch, numba and FAISS threads) per worker (default: the cores shared out)")
 
@@ -225,12 +221,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help=f"the most new tokens a request may ask (default 512, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--max-body", type=positive, default=1 << 20,
                    help="the largest request body in bytes (default 1 MiB)")
-    p.add_argument("--shares", type=_number(int, 1, "a number of shares >= 1"), metavar="N",
-                   help="serve a corpus from N Ray actors, each holding a share of its blocks and searching its part "
-                        "of every index (default: in this process); without --ray-address a local Ray runs them")
-    p.add_argument("--ray-address", metavar="ADDR",
-                   help="with --shares: the Ray cluster to run them on (auto, or HOST:PORT as `ray start --head` "
-                        "printed)")
+    add_ray_args(p, "--shares", "serve a corpus from N Ray actors, each holding a share of its blocks and "
+                 "searching its part of every index (default: in this process)")
 
     p = sub.add_parser("eval", parents=[common], help="perplexity of a text (paper Table 1 protocol)")
     p.add_argument("--input", required=True, metavar="FILE", help="the text file to read")
@@ -279,3 +271,12 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "8192 for others, which read about 100 times slower on a CPU)")
     add_model_args(p)
     return ap
+
+
+def add_ray_args(p, flag: str, what: str) -> None:
+    """``flag`` N (``what`` it does with N Ray actors) and ``--ray-address``, the cluster they run on."""
+    p.add_argument(flag, type=_number(int, 1, f"a number of {flag[2:]} >= 1"), metavar="N",
+                   help=f"{what}; without --ray-address a local Ray instance runs them")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help=f"with {flag}: join a running Ray cluster, auto or the HOST:PORT `ray start --head` printed; "
+                        "the memory folder must be on a filesystem every machine reaches")

@@ -26,8 +26,10 @@ class _Share:
     its blocks ``[first, end)``."""
 
     def __init__(self, path: str, model: str | None, first: int, end: int, threads: int):
+        from ..models.kinds import load_model
+
         set_threads(threads)
-        self.mem = LandmarkMemory.open(path, _model(model), readonly=True)
+        self.mem = LandmarkMemory.open(path, load_model(model, "cpu", None)[0], readonly=True)
         self.first, self.end = first, end
 
     def blocks(self) -> int:
@@ -55,11 +57,21 @@ class Shares:
     def __init__(self, path, model: str | None, n: int, address: str | None = None, threads: int | None = None):
         import ray
 
+        from ..memory import MemoryDir
         from .distributed import available_cores, check_address
 
         if n < 1:
             raise ValueError(f"--shares must be at least 1, got {n}")
-        self._started = False
+        d = MemoryDir(path, writable=False)
+        try:
+            m = d.read_manifest()  # (the commit the shares will open)
+        finally:
+            d.close()
+        self.where, self.commit, self.actors, self._started = d.path.resolve(), m.commit, [], False
+        self.ranges = [(i * m.blocks // n, (i + 1) * m.blocks // n) for i in range(n)]
+        self.starts = [a for a, _ in self.ranges]
+        self.searches, self.reads = 0, [0] * n  # round trips of searches (each to every share), blocks read per share
+        self.moved = 0  # bytes of queries, top-k and blocks sent between the front and the shares
         if not ray.is_initialized():
             if address is not None:
                 check_address(address)
@@ -69,16 +81,13 @@ class Shares:
                 ray.init(address="local", num_cpus=n * threads, include_dashboard=False, log_to_driver=False,
                          logging_level="ERROR")
             self._started = True
-        threads = threads or 1
-        with LandmarkMemory.open(path, _model(model), readonly=True) as mem:
-            total, self.where, self.commit = mem.n_blocks, mem.dir.path.resolve(), mem.manifest.commit
-        self.ranges = [(i * total // n, (i + 1) * total // n) for i in range(n)]
-        actor = ray.remote(_Share).options(num_cpus=threads, max_restarts=0)
-        self.actors = [actor.remote(str(path), model, a, b, threads) for a, b in self.ranges]
-        self._call(lambda a: a.blocks.remote())  # every share up (its corpus opened) before serving
-        self.starts = [a for a, _ in self.ranges]
-        self.searches, self.reads = 0, [0] * n  # round trips of searches (each to every share), blocks read per share
-        self.moved = 0  # bytes of queries, top-k and blocks sent between the front and the shares
+        try:
+            actor = ray.remote(_Share).options(num_cpus=threads or 1, max_restarts=0)
+            self.actors = [actor.remote(str(path), model, a, b, threads or 1) for a, b in self.ranges]
+            self._call(lambda a: a.blocks.remote())  # every share up (its corpus opened) before serving
+        except BaseException:
+            self.close()
+            raise
 
     def _call(self, send, actors=None) -> list:
         import ray
@@ -141,8 +150,3 @@ class ShareStore(BlockStore):
     def _blocks(self, keys):
         return self.shares.read(list(keys))
 
-
-def _model(name: str | None):
-    from ..models.kinds import load_model
-
-    return load_model(name, "cpu", None)[0]

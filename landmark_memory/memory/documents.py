@@ -68,8 +68,8 @@ class DocumentList:
     ``attach`` gives when first needed) then ``tail``, the records not in pages (a list kept in
     the manifest, or those appended since the last commit). ``paged``: a commit writes the
     tail into pages (a corpus from format 7). ``shards``: the documents that keep their own
-    store, in blocks. ``check(record, where)`` checks a record read from a page as the manifest checks its
-    inputs."""
+    store, in blocks. ``check(record, where)`` checks a record read from a page as the
+    manifest checks its inputs."""
 
     def __init__(self, tail: list[InputRecord] = (), *, paged: bool = False, pages: list[PageRecord] = (),
                  shards: list[Shard] = ()):
@@ -145,7 +145,7 @@ class DocumentList:
             mine, theirs = self.pages[len(other.pages) - 1], other.pages[-1]
             if mine.start != theirs.start or mine.count < theirs.count or mine.bytes < theirs.bytes:
                 return False
-        return self.paged or self.tail[:len(other.tail)] == other.tail
+        return self.tail[:len(other.tail)] == other.tail
 
     # ---- pages --------------------------------------------------------------------------
     def page(self, p: int) -> list[InputRecord]:
@@ -158,14 +158,15 @@ class DocumentList:
                 raise MemoryFileError(f"{where} cannot be read: the list is not attached to its memory")
             _own_folder(self.dir)
             data = self.dir.read_rows(page_file(p), r.bytes)  # (a missing or short file is named)
-            lines = data.decode("utf-8", "replace").splitlines()
+            lines = data.split(b"\n")[:-1]  # (a record is one line: JSON escapes a new line in a string)
             if zlib.crc32(data) != r.crc32 or len(lines) != r.count:
                 raise MemoryFileError(f"{where} does not match the manifest (its CRC-32 or records differ); the "
                                       "other documents and every block are sound: restore that file from a backup")
             try:
                 records = [InputRecord(**json.loads(line)) for line in lines]
             except (ValueError, TypeError) as e:
-                raise MemoryFileError(f"{where} garbles a record ({e}); restore that file from a backup") from None
+                why = str(e) if str(e).isprintable() else repr(str(e))  # (a key may hold a line break)
+                raise MemoryFileError(f"{where} garbles a record ({why}); restore that file from a backup") from None
             for e in records:
                 self.check(e, where)
             self._read[p] = records

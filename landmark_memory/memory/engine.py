@@ -31,8 +31,8 @@ from ..storage import DTYPE_NAMES
 from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
 from .directory import MemoryDir, model_fingerprint
-from .lookup import BlockLookup
 from .documents import DocumentList
+from .lookup import BlockLookup
 from .manifest import InputRecord, Manifest, ModelRecord
 from .options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
@@ -119,8 +119,8 @@ class LandmarkMemory:
         self._parts(self._new_blocks(readonly=False))
 
     def _new_blocks(self, readonly: bool, key_files: bool = True) -> BlockMemory:
-        """The memory's blocks, none yet; a corpus reads those of its documents from their stores
-        (``BlockMemory.add_document``). ``key_files``: its landmark keys are (or, for a writer, will
+        """The memory's blocks, none yet; a corpus reads its documents' from their stores or, packed,
+        from its own (``BlockMemory.add_document``). ``key_files``: its landmark keys are (or, for a writer, will
         be) in its key files; else in memory (a reader of a memory from before them)."""
         d, documents = self.files.dir, self.files.documents
         return BlockMemory(self.shape, self.options, store_path=None if d is None else d.store_path(),

@@ -218,7 +218,8 @@ class Manifest:
                     documents=bool(doc.get("documents", False)), rows_merged=doc.get("rows_merged", False),
                     version=version, session=_session_record(doc.get("session")))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise MemoryFileError(f"{where} lacks or garbles an entry ({e}); the memory is damaged: restore it "
+            why = str(e) if str(e).isprintable() else repr(str(e))  # (a key of the file's may hold a line break)
+            raise MemoryFileError(f"{where} lacks or garbles an entry ({why}); the memory is damaged: restore it "
                                   "from a backup or rebuild it") from None
         m._check(where)
         return m

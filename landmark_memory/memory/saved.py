@@ -4,8 +4,8 @@
 commits there: it writes a commit of the blocks and the open chunk it is given, takes the blocks
 of a commit into the block memory it is given, and says whether a later commit only appended.
 ``open_folder`` finds a saved memory's folder as ``LandmarkMemory.open`` needs it. A corpus
-(``documents``) keeps no blocks of its own: its blocks are its documents', read from their
-stores (``memory/corpus.py`` merges them).
+(``documents``) reads its large documents' blocks from their stores and its small ones' from
+its own, where they were packed (``memory/corpus.py`` merges them), and pages its document list.
 """
 
 import zlib

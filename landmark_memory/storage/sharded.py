@@ -53,12 +53,11 @@ class ShardedStore(BlockStore):
     """Union of ``shards`` (``Shard``, in order from block 0), read-only, and of the blocks
     packed between them into the corpus's own store, which ``open_own(readonly)`` opens when
     first needed (written only by ``pack``); ``open_shard(name)`` opens a shard's own store
-    read-only, at most ``max_open`` at once; ``add`` appends a shard. ``n_blocks`` starts at
-    ``blocks`` (those of the commit opened)."""
+    read-only, at most ``max_open`` at once; ``add`` appends a shard, ``follow`` a commit's."""
 
     def __init__(self, shape: tuple[int, ...], shards: list[Shard], dtype: str, checksums: bool,
                  open_shard: Callable[[str], BlockStore], max_open: int = 64,
-                 open_own: Callable[[bool], BlockStore] | None = None, blocks: int = 0):
+                 open_own: Callable[[bool], BlockStore] | None = None):
         super().__init__(shape, dtype, checksums)
         self.open_shard, self.max_open, self.open_own = open_shard, max_open, open_own
         self.opens, self.open_seconds = 0, 0.0  # shard stores opened, and the time it took
@@ -69,9 +68,7 @@ class ShardedStore(BlockStore):
         self._own_writable = False
         self.n_blocks = 0
         for s in shards:
-            self.n_blocks = max(self.n_blocks, s.start)  # (packed blocks before it)
             self.add(s)
-        self.n_blocks = max(self.n_blocks, blocks)
 
     def add(self, shard: Shard) -> None:
         """Append ``shard``; it must start where the store's blocks end."""
