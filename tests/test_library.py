@@ -1,5 +1,6 @@
 """A library: a corpus's document list in pages (read when a record is asked for, a damaged page
-named alone), and a corpus of an earlier format opening and paging its list at its next commit."""
+named alone), found by its digests (a build reads the pages of its inputs alone), and a corpus of
+an earlier format opening and paging its list at its next commit."""
 
 import json
 import shutil
@@ -12,7 +13,7 @@ from landmark_memory.app.build import build, read_inputs
 from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.answer import ask
-from landmark_memory.memory.documents import DocumentList, InputRecord, page_file
+from landmark_memory.memory.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
 from landmark_memory.memory.inspect import verify
 from landmark_memory.training.data import SAMPLE_DIR
 
@@ -145,6 +146,7 @@ def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model,
     build_into(model, path, files)  # two more documents, packed; the three old ones keep their stores
     doc = json.loads((path / "manifest.json").read_text())
     assert doc["format_version"] == 7 and doc["inputs"] == [] and len(doc["shards"]) == 3
+    assert doc["digests_crc32"] == zlib.crc32((path / DIGESTS).read_bytes())  # (every record's, old ones too)
     with LandmarkMemory.open(path, model, readonly=True) as mem:
         assert [e.name for e in mem.inputs] == [f.name for f in files] and [e.packed for e in mem.inputs] == [
             False] * 3 + [True] * 2
@@ -152,3 +154,73 @@ def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model,
     assert main(["ask", str(path), "The captain", "--max-new-tokens", "2", "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["text"]  # (the corpus answers on)
     assert before["text"]
+
+
+def digests_of(path, model):
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        return [folder_digest(e.document) for e in mem.inputs], [int(x) for x in mem.inputs.digests()]
+
+
+def pages_read(monkeypatch) -> list[int]:
+    """The pages of document lists read from now on, in order."""
+    read, page = [], DocumentList.page
+
+    def counted(self, p):
+        if p not in self._read:
+            read.append(p)
+        return page(self, p)
+
+    monkeypatch.setattr(DocumentList, "page", counted)
+    return read
+
+
+def test_a_build_finds_its_inputs_by_the_lists_digests_and_reads_only_their_pages(model, texts, tmp_path,
+                                                                                   small_pages, monkeypatch):
+    files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
+    build_into(model, path, files[:4])
+    doc = json.loads((path / "manifest.json").read_text())
+    assert doc["digests_crc32"] == zlib.crc32((path / DIGESTS).read_bytes())
+    read = pages_read(monkeypatch)
+    summary = build_into(model, path, [files[3], files[4]])  # one the corpus holds (page 1 of 0 and 1), one new
+    assert summary.skipped == [str(files[3])] and summary.merged == 1
+    assert read == [1]
+    listed, digests = digests_of(path, model)
+    assert len(listed) == 5 and digests == listed and verify(path).ok
+
+
+@pytest.mark.parametrize("how", ["damaged", "from before digests"])
+def test_a_list_whose_digests_are_damaged_or_missing_is_read_page_by_page_and_its_next_commit_writes_them(
+        model, texts, tmp_path, small_pages, how):
+    files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
+    build_into(model, path, files[:4])
+    if how == "damaged":
+        data = bytearray((path / DIGESTS).read_bytes())
+        data[3] ^= 0xFF
+        (path / DIGESTS).write_bytes(bytes(data))
+        problems = verify(path).problems
+        assert len(problems) == 1 and DIGESTS in problems[0] and "writes it anew" in problems[0], problems
+    else:  # a corpus of format 7 before digests were kept
+        doc = json.loads((path / "manifest.json").read_text())
+        del doc["digests_crc32"]
+        (path / "manifest.json").write_text(json.dumps(doc))
+        (path / DIGESTS).unlink()
+        assert verify(path).ok
+    summary = build_into(model, path, [files[3], files[4]])
+    assert summary.skipped == [str(files[3])] and summary.merged == 1  # (found in the pages)
+    listed, digests = digests_of(path, model)
+    assert len(listed) == 5 and digests == listed and verify(path).ok
+
+
+def test_a_page_record_whose_folder_is_not_named_by_its_sha256_is_refused_in_one_line(model, texts, tmp_path,
+                                                                                        small_pages, capsys):
+    path = tmp_path / "m"
+    build_into(model, path, sorted(texts.glob("*.txt"))[:2])
+    page, doc = path / page_file(0), json.loads((path / "manifest.json").read_text())
+    first, rest = page.read_bytes().split(b"\n", 1)
+    data = json.dumps({**json.loads(first), "document": "docs/0123456789abcdef"}).encode() + b"\n" + rest
+    page.write_bytes(data)
+    doc["pages"][0][1:3] = [len(data), zlib.crc32(data)]
+    (path / "manifest.json").write_text(json.dumps(doc))
+    assert main(["info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not named by its sha256" in err, err

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from ..core.tokenizer import EOS_TOKEN
 from ..memory import LandmarkMemory, MemoryFileError
-from ..memory.corpus import (committed_tokens, document_folders, document_manifest, document_states,
-                             drop_merged_rows, finished, merge_document)
+from ..memory.corpus import (committed_tokens, document_folders, document_manifest, drop_merged_rows, finished,
+                             merge_document, unmerged_states)
 from ..memory.manifest import InputRecord, document_folder
 from ..memory.options import MemoryOptions
 from ..training.data import list_text_files, read_text, strip_gutenberg
@@ -202,7 +202,8 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
                          "now reads each file as its own document: build these files into a new memory (this one "
                          "still opens for ask and generate)")
     summary, bs = BuildSummary(), mem.shape.block_size
-    merged = {e.sha256 for e in mem.inputs}
+    names = {s for inp in inputs for s in (inp.sha256, inp.bytes_sha256) if s}  # (the list's pages of these alone)
+    merged = {e.sha256 for e in mem.inputs.by_folder(document_folder(s) for s in names).values()}
     given: dict[str, TextInput] = {}
     for inp in inputs:
         old = inp.bytes_sha256
@@ -231,10 +232,8 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha,
                                     encode_document(tokenizer, inp.text, bs), mem.options, commit_every))
     started = last_commit = time.monotonic()
-    packed = {e.document: e.packed for e in mem.inputs}
-    for folder in document_folders(mem.dir):  # copies an earlier build (or version) left: the corpus holds them
-        if folder in packed:
-            drop_merged_rows(mem.dir, folder, packed[folder])
+    for folder, e in mem.inputs.by_folder(document_folders(mem.dir)).items():  # copies an earlier build left
+        drop_merged_rows(mem.dir, folder, e.packed)
     uncommitted: list[InputRecord] = []  # merged since the last commit: their own copies go once it is made
 
     def merge_ready(force=False):
@@ -270,8 +269,8 @@ def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_
     (by content): read ones are merged first; an unfinished one stops the build unless
     ``leave_unfinished``."""
     out = []
-    for s in document_states(mem.dir, mem.inputs):
-        if s.status in ("done", "left") or s.sha256 in given:
+    for s in unmerged_states(mem.dir, mem.inputs):
+        if s.sha256 in given:
             continue
         if s.status == "damaged":
             raise MemoryFileError(f"{s.problem}; or remove {mem.dir.path / s.folder} to drop that document")

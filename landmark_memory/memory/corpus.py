@@ -22,6 +22,7 @@ import torch
 from ..storage.sharded import Shard
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
+from .documents import DocumentList
 from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
 
 PACK_BYTES = 64 << 20  # a document whose blocks take at most this much goes into the corpus's own store
@@ -147,14 +148,21 @@ def document_folders(corpus: MemoryDir) -> list[str]:
     return [f"docs/{n}" for n in names if DOCUMENT_FOLDER.fullmatch(f"docs/{n}")]
 
 
-def document_states(corpus: MemoryDir, merged: list[InputRecord]) -> list[DocumentState]:
+def document_states(corpus: MemoryDir, merged: DocumentList) -> list[DocumentState]:
     """Every document of a corpus: the ``merged`` ones (its manifest's inputs) in corpus order,
-    then those under ``docs/`` not merged yet (their own last commits say how far they are)."""
-    out = [DocumentState(e.document, e.path, e.name, e.sha256, e.tokens, e.ingested, "left" if e.abandoned else "done")
-           for e in merged]
-    merged = {e.document for e in merged}
-    for folder in document_folders(corpus):
-        if folder in merged:
+    then ``unmerged_states``."""
+    return [DocumentState(e.document, e.path, e.name, e.sha256, e.tokens, e.ingested,
+                          "left" if e.abandoned else "done") for e in merged] + unmerged_states(corpus, merged)
+
+
+def unmerged_states(corpus: MemoryDir, merged: DocumentList) -> list[DocumentState]:
+    """The documents under the corpus's ``docs/`` that ``merged`` (its manifest's inputs) does
+    not hold, as their own last commits say how far they are; reads no page but those of the
+    merged documents that keep a folder there."""
+    out, folders = [], document_folders(corpus)
+    held = merged.by_folder(folders)
+    for folder in folders:
+        if folder in held:
             continue
         try:
             m = document_manifest(corpus, folder)

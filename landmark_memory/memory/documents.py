@@ -7,7 +7,10 @@ file, and the manifest holds one ``PageRecord`` per page (its records, committed
 and first token) and the ``Shard`` of each document that keeps its own store. Opening reads
 neither pages nor records; a page is read, checked and parsed when a record of it is first
 asked for (a passage names its document), and a damaged page is named without costing any
-other. ``DocumentList`` is the one sequence of records, paged or not, committed or not.
+other. Beside the pages, ``documents/digests.bin`` holds each committed record's document
+folder as 8 bytes (``folder_digest``), its CRC-32 in the manifest, so that a build finds which
+of its inputs the corpus holds by reading that file and the pages of its hits, not every page.
+``DocumentList`` is the one sequence of records, paged or not, committed or not.
 """
 
 import bisect
@@ -15,13 +18,21 @@ import json
 import os
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
+
+import numpy as np
 
 from ..storage.sharded import Shard
 from .errors import MemoryFileError
 
 PAGE_DOCUMENTS = 1024  # records per page of a corpus's document list
 PAGES = "documents"
+DIGESTS = f"{PAGES}/digests.bin"  # uint64 little-endian, one per committed record: ``folder_digest``
+
+
+def folder_digest(folder: str) -> int:
+    """A document folder (``docs/`` and 16 hex digits, ``manifest.document_folder``) as a number."""
+    return int(folder[-16:], 16)
 
 
 def page_file(i: int) -> str:
@@ -68,14 +79,17 @@ class DocumentList:
     ``attach`` gives when first needed) then ``tail``, the records not in pages (a list kept in
     the manifest, or those appended since the last commit). ``paged``: a commit writes the
     tail into pages (a corpus from format 7). ``shards``: the documents that keep their own
-    store, in blocks. ``check(record, where)`` checks a record read from a page as the
-    manifest checks its inputs."""
+    store, in blocks. ``digests_crc``: the CRC-32 of the committed records' digests (None: a
+    list written before them, whose next commit writes them). ``check(record, where)`` checks
+    a record read from a page as the manifest checks its inputs."""
 
     def __init__(self, tail: list[InputRecord] = (), *, paged: bool = False, pages: list[PageRecord] = (),
-                 shards: list[Shard] = ()):
+                 shards: list[Shard] = (), digests_crc: int | None = None):
         self.paged, self.pages, self.tail, self.shards = paged, list(pages), list(tail), list(shards)
+        self.digests_crc = digests_crc
         self._ends = _running(p.count for p in self.pages)  # records up to the end of each page
         self._read: dict[int, list[InputRecord]] = {}
+        self._digests: np.ndarray | None = None  # uint64 (committed records,) once read and found sound
         self.dir, self.check = None, lambda record, where: None
 
     @classmethod
@@ -84,7 +98,7 @@ class DocumentList:
         listed in it (a corpus of format 4 to 6 is paged at its next commit, each document a shard)."""
         if "pages" in doc:
             return cls(paged=True, pages=[PageRecord(*p) for p in doc["pages"]],
-                       shards=[Shard(*s) for s in doc["shards"]])
+                       shards=[Shard(*s) for s in doc["shards"]], digests_crc=doc.get("digests_crc32"))
         records, corpus = [InputRecord(**e) for e in doc["inputs"]], bool(doc.get("documents", False))
         bs = block_size if type(block_size) is int and block_size > 0 else 1  # (a wrong one is refused after)
         return cls(records, paged=corpus, shards=[Shard(e.start // bs, e.ingested // bs, e.document)
@@ -118,8 +132,9 @@ class DocumentList:
         yield from self.tail
 
     def __eq__(self, other) -> bool:  # as a manifest records it (pages by their records in the manifest)
-        return isinstance(other, DocumentList) and (self.paged, self.pages, self.tail, self.shards) == (
-            other.paged, other.pages, other.tail, other.shards)
+        return isinstance(other, DocumentList) and (self.paged, self.pages, self.tail, self.shards,
+                                                    self.digests_crc) == (
+            other.paged, other.pages, other.tail, other.shards, other.digests_crc)
 
     def append(self, record: InputRecord, shard: Shard | None = None) -> None:
         """Add ``record`` (with its ``shard``: a document that keeps its own store)."""
@@ -136,6 +151,36 @@ class DocumentList:
         i = bisect.bisect_right(records, token, key=lambda e: e.start) - 1
         e = records[i] if i >= 0 else None
         return e if e is not None and token < e.start + e.ingested else None
+
+    def by_folder(self, folders: Iterable[str]) -> dict[str, InputRecord]:
+        """``{folder: record}``: the records of those document ``folders`` the list holds. The
+        committed ones are found by their digests, reading only the pages that hold them; a
+        list without sound digests (written before them, or damaged) reads every page."""
+        wanted = set(folders)
+        found = {e.document: e for e in self.tail if e.document in wanted}
+        if self.pages and wanted:
+            digests = self.digests()
+            if digests is None:
+                records = (e for p in range(len(self.pages)) for e in self.page(p))
+            else:
+                keys = np.array([folder_digest(f) for f in wanted], np.uint64)
+                records = (self[int(i)] for i in np.flatnonzero(np.isin(digests, keys)))
+            found |= {e.document: e for e in records if e.document in wanted}
+        return found
+
+    def digests(self) -> np.ndarray | None:
+        """uint64 (committed records,): each committed record's ``folder_digest``, read and
+        checked when first asked for; None where none are kept or they are not sound (the
+        pages are what a record is: ``problems`` names the file, the next commit writes it anew)."""
+        if self._digests is None and self.digests_crc is not None and self.dir is not None:
+            n = self._ends[-1] if self._ends else 0
+            try:
+                data = self.dir.read_rows(DIGESTS, 8 * n)
+            except MemoryFileError:
+                return None
+            if zlib.crc32(data) == self.digests_crc:
+                self._digests = np.frombuffer(data, "<u8")
+        return self._digests
 
     def extends(self, other: "DocumentList") -> bool:
         """Whether this list is ``other`` with records appended (pages compared, not read)."""
@@ -176,9 +221,11 @@ class DocumentList:
         """Append the tail to the pages in the memory folder ``d`` (each page's file written
         after its committed bytes, fsynced): what a commit does before its manifest. A list
         that is not paged is written in the manifest."""
-        if self.paged and self.tail:
-            _own_folder(d).mkdir(exist_ok=True)
-        while self.paged and self.tail:
+        if not (self.paged and self.tail):
+            return
+        _own_folder(d).mkdir(exist_ok=True)
+        self._write_digests(d, self.tail)
+        while self.tail:
             last = self.pages[-1] if self.pages else None
             if last is None or last.count == PAGE_DOCUMENTS:
                 p, last = len(self.pages), PageRecord(0, 0, 0, self.tail[0].start)
@@ -194,6 +241,20 @@ class DocumentList:
                 self._read[p] = self._read[p] + take
             self._ends = _running(q.count for q in self.pages)
 
+    def _write_digests(self, d, new: list[InputRecord]) -> None:
+        """Append the digests of the ``new`` records after the committed ones in ``d``'s file;
+        where those are not sound (or none were kept), write them all anew from the pages."""
+        n, committed = (self._ends[-1] if self._ends else 0), self.digests()
+        if committed is None:  # (once: a list from before digests, or a damaged file)
+            committed = np.array([folder_digest(e.document) for p in range(len(self.pages)) for e in self.page(p)],
+                                 "<u8")
+            d.write_rows(DIGESTS, 0, committed.tobytes())
+            self.digests_crc = zlib.crc32(committed.tobytes())
+        data = np.array([folder_digest(e.document) for e in new], "<u8")
+        d.write_rows(DIGESTS, 8 * n, data.tobytes())
+        self.digests_crc = zlib.crc32(data.tobytes(), self.digests_crc)
+        self._digests = np.concatenate([committed, data])
+
     def problems(self) -> list[str]:
         """Every page read and checked (``verify``): one line per page that is not sound."""
         out = []
@@ -202,6 +263,12 @@ class DocumentList:
                 self.page(p)
             except MemoryFileError as e:
                 out.append(str(e))
+        if self.pages and not out:
+            listed = np.array([folder_digest(e.document) for e in self if e.document], "<u8")
+            digests = self.digests()
+            if self.digests_crc is not None and (digests is None or not np.array_equal(digests, listed[:len(digests)])):
+                out.append(f"{self.dir.path / DIGESTS} does not match the manifest or the pages (its CRC-32 or digests "
+                           "differ); every document and block is sound, and the next build writes it anew")
         return out
 
 

@@ -172,7 +172,9 @@ class Manifest:
         if listed.paged and listed.tail:
             raise ValueError("a corpus's new documents go into its pages (DocumentList.write) before its manifest")
         inputs = {"inputs": [], "pages": [list(asdict(p).values()) for p in listed.pages],
-                  "shards": [[s.start, s.blocks, s.name] for s in listed.shards]} if listed.paged else \
+                  "shards": [[s.start, s.blocks, s.name] for s in listed.shards],
+                  **({"digests_crc32": listed.digests_crc} if listed.digests_crc is not None else {})} \
+            if listed.paged else \
             {"inputs": [asdict(e) for e in listed.tail]}
         return {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "model": asdict(self.model), "options": self.options.to_dict(),
@@ -317,6 +319,8 @@ class Manifest:
         if (e.document is None) == self.documents or (e.document is not None and not DOCUMENT_FOLDER.fullmatch(
                 e.document)):
             raise bad(f"naming a document folder {e.document!r} that is no document of the memory")
+        if e.document is not None and e.document != document_folder(e.sha256):
+            raise bad(f"whose document folder {e.document!r} is not named by its sha256")
         if e.start + e.ingested > self.tokens:
             raise bad(f"ending at token {e.start + e.ingested:,}, past the memory's {self.tokens:,}")
 
@@ -326,6 +330,8 @@ class Manifest:
         listed, start = self.inputs, 0
         if listed.paged != self.documents:
             raise bad("pages", "in a memory that is no corpus")
+        if listed.digests_crc is not None:
+            count("digests_crc32", listed.digests_crc)
         for i, p in enumerate(listed.pages):
             for name in ("count", "bytes", "crc32", "start"):
                 count(f"pages[{i}].{name}", getattr(p, name))
