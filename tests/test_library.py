@@ -5,6 +5,7 @@ an earlier format opening and paging its list at its next commit."""
 import json
 import shutil
 import zlib
+from functools import partial
 
 import pytest
 
@@ -14,7 +15,9 @@ from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.answer import ask
 from landmark_memory.memory.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
+from landmark_memory.memory import session
 from landmark_memory.memory.inspect import verify
+from landmark_memory.memory.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
 
 PAGE = 2  # records per page in these tests
@@ -224,3 +227,35 @@ def test_a_page_record_whose_folder_is_not_named_by_its_sha256_is_refused_in_one
     assert main(["info", str(path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not named by its sha256" in err, err
+
+
+def test_a_session_over_a_library_names_its_documents_by_their_full_pages_and_reads_one_page(
+        model, texts, tmp_path, small_pages, monkeypatch):
+    files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
+    build_into(model, path, files[:3])  # pages of 2 and 1 documents
+    read = pages_read(monkeypatch)
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        del read[:]
+        with Session.open(mem, "s") as s:
+            s.attach()
+            assert read == [1]  # the full page by its manifest entry, the last one read
+    build_into(model, path, files[3:])  # that page fills, and another begins
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        del read[:]
+        with Session.open(mem, "s", create=False) as s:
+            s.attach()  # (its three documents are still the library's first three)
+            assert read == [1]
+
+
+def test_a_session_that_named_a_librarys_documents_one_by_one_still_opens(model, texts, tmp_path, small_pages,
+                                                                        monkeypatch):
+    files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
+    build_into(model, path, files)
+    with monkeypatch.context() as m:  # as sessions recorded their documents before full pages named them
+        m.setattr(session, "_documents_digest", partial(session._documents_digest, by_pages=False))
+        with LandmarkMemory.open(path, model, readonly=True) as mem, Session.open(mem, "s"):
+            pass
+    with LandmarkMemory.open(path, model, readonly=True) as mem:
+        assert session._documents_digest(mem.manifest, 5) != session._documents_digest(mem.manifest, 5, False)
+        with Session.open(mem, "s", create=False) as s:
+            s.attach()  # (found by its fields)

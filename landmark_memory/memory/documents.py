@@ -152,6 +152,10 @@ class DocumentList:
         e = records[i] if i >= 0 else None
         return e if e is not None and token < e.start + e.ingested else None
 
+    def full_pages(self, n: int) -> list[PageRecord]:
+        """The full pages the first ``n`` records fill (a full page is never written again)."""
+        return [p for p, end in zip(self.pages, self._ends) if p.count == PAGE_DOCUMENTS and end <= n]
+
     def by_folder(self, folders: Iterable[str]) -> dict[str, InputRecord]:
         """``{folder: record}``: the records of those document ``folders`` the list holds. The
         committed ones are found by their digests, reading only the pages that hold them; a

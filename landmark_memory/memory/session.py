@@ -49,9 +49,16 @@ def base_record(m: Manifest) -> BaseRecord:
     return BaseRecord(m.blocks, 0, hashlib.sha256(whole.encode()).hexdigest())
 
 
-def _documents_digest(m: Manifest, n: int) -> str:
-    docs = [[e.document, e.sha256, e.start, e.ingested] for e in m.inputs[:n]]
-    return hashlib.sha256(json.dumps(docs).encode()).hexdigest()
+def _documents_digest(m: Manifest, n: int, by_pages: bool = True) -> str:
+    """The first ``n`` documents of the corpus whose commit is ``m``, named by a SHA-256: the full
+    pages of its list among them by their manifest entries (a full page is never written again:
+    its bytes and CRC-32 stand for its records), the others by their fields, so that naming
+    them reads one page at most; ``by_pages=False``: every one by its fields (as sessions
+    recorded it before)."""
+    whole = m.inputs.full_pages(n) if by_pages else []
+    docs = [[e.document, e.sha256, e.start, e.ingested] for e in m.inputs[sum(p.count for p in whole):n]]
+    pages = [list(asdict(p).values()) for p in whole]
+    return hashlib.sha256(json.dumps([pages, docs] if pages else docs).encode()).hexdigest()
 
 
 def holds(m: Manifest, over: BaseRecord) -> bool:
@@ -59,7 +66,8 @@ def holds(m: Manifest, over: BaseRecord) -> bool:
     the same documents and more for a corpus, the same commit for another memory."""
     if m.documents:
         n = over.documents
-        return len(m.inputs) >= n and m.blocks >= over.blocks and _documents_digest(m, n) == over.digest
+        return len(m.inputs) >= n and m.blocks >= over.blocks and (over.digest == _documents_digest(m, n) or (
+            bool(m.inputs.full_pages(n)) and over.digest == _documents_digest(m, n, by_pages=False)))
     return base_record(m) == over
 
 
