@@ -1,7 +1,7 @@
 """A library: what opening, asking, serving, adding a document and building cost as a corpus
 gains documents (2 KB each), as ratios against the smallest library, measured in one run.
 
-    python experiments/bench_library.py --books BOOKS                            # 100, 1,000, 4,000 documents
+    python experiments/bench_library.py --books BOOKS                            # 100, 1,000, 10,000 documents
     python experiments/bench_library.py --books BOOKS --counts 100,10000 --baseline ../old-checkout
 
 The documents are the paragraphs of the books training held out, gathered into documents of
@@ -12,7 +12,8 @@ fresh processes as ``bench_scale.py`` measures a memory: the open (the median of
 resident memory after it, a warm ``ask`` (the median of 8), a request to ``serve`` one at a
 time (the median of 8), and adding one 2 KB document (``build`` in the process, after the
 model loads). With ``--baseline``, an earlier checkout of the package builds and measures
-libraries of its own the same way, in the same run.
+libraries of its own the same way, in the same run. Then what reading one document costs one
+core, four ways (``reading_ceiling``): what bounds a build's documents per second.
 """
 
 import argparse
@@ -118,6 +119,79 @@ def served(memory: Path, shares: int) -> dict:
     return out
 
 
+def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) -> dict:
+    """Milliseconds a 2 KB document costs one core (torch, FAISS and numba on one thread, as a
+    build's worker), each the best of 2 rounds over ``n`` documents of the library's commonest
+    length: ``layers``, the model's own layers over the document whole in one pass (no memory,
+    no output head: what any reading of it computes at least); ``in_memory``, a build's steps
+    into a memory in RAM; ``batched``, ``batch`` such documents read as the streams of one
+    memory; ``build``, ``build.read_document`` into a folder with ``memory``'s options (its
+    store and commit); and whether the batch's landmark keys equal those read alone, bit for bit."""
+    import tempfile
+    from collections import Counter
+    from dataclasses import replace
+
+    import numpy as np
+    import torch
+
+    from landmark_memory.app.build import DocumentJob, encode_document, read_document
+    from landmark_memory.app.distributed import set_threads
+    from landmark_memory.core.layout import insert_landmarks
+    from landmark_memory.memory import LandmarkMemory
+    from landmark_memory.models.kinds import load_model
+
+    set_threads(1)
+    model, tok = load_model(None)
+    cfg = model.config
+    with LandmarkMemory.open(memory, model, readonly=True) as corpus:
+        options = corpus.options
+    ids = [encode_document(tok, f.read_text(encoding="utf-8"), cfg.block_size)
+           for f in sorted(inputs.glob("doc*.txt"))[:20 * n]]
+    length = Counter(len(x) for x in ids).most_common(1)[0][0]
+    docs = [x for x in ids if len(x) == length][:n]
+
+    def read(x: np.ndarray) -> LandmarkMemory:  # (streams, tokens), as read_document steps
+        mem = LandmarkMemory(model, replace(options, store="memory"))
+        t, pos = torch.from_numpy(x).long(), 0
+        while pos < x.shape[1]:
+            k = min(mem.options.chunk_size - mem.pending_count, x.shape[1] - pos)
+            mem.forward(t[:, pos:pos + k], logits="none")
+            pos += k
+        mem.end_document()
+        return mem
+
+    def layers(x: np.ndarray) -> None:
+        h = insert_landmarks(torch.from_numpy(x[None]).long(), cfg.block_size, cfg.landmark_id)
+        positions, h = torch.arange(h.shape[1]), model.wte(h)
+        for block in model.blocks:
+            h = block(h, positions)
+
+    def best(run) -> float:
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) / len(docs) * 1000)
+        return min(times)
+
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+        out = {"tokens": length, "documents": len(docs), "batch": batch,
+               "layers_ms": best(lambda: [layers(x) for x in docs]),
+               "in_memory_ms": best(lambda: [read(x[None]).close() for x in docs]),
+               "batched_ms": best(lambda: [read(np.stack(docs[i:i + batch])).close()
+                                           for i in range(0, len(docs), batch)])}
+        jobs = iter(DocumentJob(Path(tmp) / f"d{i}", f"d{i}", f"{i:064x}", x, options, 1e9)
+                    for i, x in enumerate(docs * 2))
+        out["build_ms"] = best(lambda: [read_document(next(jobs), model) for _ in docs])
+        alone, together = [read(x[None]) for x in docs[:batch]], read(np.stack(docs[:batch]))
+        out["batch_equal"] = all(torch.equal(a.blocks.landmark_keys(layer, slice(None))[0],
+                                             together.blocks.landmark_keys(layer, slice(None))[s])
+                                 for layer in range(cfg.n_layer) for s, a in enumerate(alone))
+        for m in alone + [together]:
+            m.close()
+    return out
+
+
 def report(rows: list[dict]) -> list[str]:
     out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | add one document | "
            "build | built documents/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -140,7 +214,7 @@ def report(rows: list[dict]) -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus (its held-out books give the documents)")
-    ap.add_argument("--counts", default="100,1000,4000", help="documents per library, comma-separated")
+    ap.add_argument("--counts", default="100,1000,10000", help="documents per library, comma-separated")
     ap.add_argument("--work", help="where the libraries are built and kept between runs (default "
                     "~/.cache/landmark-memory/bench-library)",
                     default=os.path.join(os.path.expanduser("~"), ".cache", "landmark-memory", "bench-library"))
@@ -168,13 +242,17 @@ def main():
         rows.append({"version": label, "commit": commit_of(package), "documents": n, "build": summary,
                      **measure(memory, package, books, args.threads, work / f"append-{n}-{label.split()[0]}.txt")})
     rows.sort(key=lambda r: (r["version"] != "baseline", r["documents"]))
+    print("  timing a document's reading on one core", file=sys.stderr)
+    smallest = next(m for n, _, package, m, _ in built if package is None)
+    ceiling = reading_ceiling(smallest, work / f"docs-{max(counts)}")
     ray_served = None
     if args.shares:
         second = counts[min(1, len(counts) - 1)]
         memory = next(m for n, _, package, m, _ in built if package is None and n == second)
         print(f"  serving {memory} from {args.shares} shares", file=sys.stderr)
         ray_served = {"documents": second, **served(memory, args.shares)}
-    (Path(args.results) / "library.json").write_text(json.dumps({"rows": rows, "served": ray_served}, indent=1))
+    (Path(args.results) / "library.json").write_text(json.dumps({"rows": rows, "served": ray_served,
+                                                                 "ceiling": ceiling}, indent=1))
     body = ["Each library is built once by `landmark-memory build --workers 2` (the bundled model) from documents of "
             "about 2 KB (paragraphs of the held-out books, each opened by a line of its own), then measured in fresh "
             "processes (`bench_scale.py`'s probes): the open (median of 3), the resident memory after it, a warm ask "
@@ -182,6 +260,15 @@ def main():
             "document (`build` in the process, after the model loads). The build's documents/s is over its own "
             "reading and merging (the command's wall time beside it). The baseline is an earlier checkout "
             "(`--baseline`) measuring libraries it built itself, in the same run.", ""] + report(rows)
+    c = ceiling
+    body += ["", "## What reading a document costs one core", "",
+             f"A document of {c['tokens']} tokens (the commonest length; best of 2 rounds over {c['documents']}, one "
+             f"thread, as a build's worker): the model's own layers over it whole, in one pass with no memory and no "
+             f"output head, {c['layers_ms']:.0f} ms, what any reading of it computes at least: at most "
+             f"{2000 / c['layers_ms']:.0f} documents a second on 2 cores. A build's steps into a memory in RAM "
+             f"{c['in_memory_ms']:.0f} ms; with its store and commit (`build.read_document`) {c['build_ms']:.0f} ms; "
+             f"{c['batch']} documents of one length read as the streams of one batch {c['batched_ms']:.0f} ms a "
+             f"document (landmark keys bit for bit those read alone: {c['batch_equal']})."]
     if ray_served:
         one, many = (ray_served[k] for k in ray_served if k not in ("documents", "same_answers"))
         body += ["", f"## The {ray_served['documents']:,}-document library served by {args.shares} Ray actors", "",
