@@ -192,6 +192,58 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     return out
 
 
+def list_costs(sizes: list[int], repeats: int = 5) -> list[dict]:
+    """What a corpus's document list costs by its number of documents, blocks aside (a library
+    of 100,000 documents of 2 KB holds some 66 GB of blocks): ``sizes`` records written into
+    pages as commits of 1,000 write them (``DocumentList.write``), then, each on the list opened
+    anew from its manifest entry (the median of ``repeats``), in milliseconds: finding an input the
+    list holds and one it does not (``by_folder``: what a build asks), the record of a passage's
+    token (``containing``), a session's name for every document (what each turn records), and
+    reading every record (what a build and a turn did before digests and full pages named
+    them); with the manifest's bytes for the list."""
+    import hashlib
+    import tempfile
+    from types import SimpleNamespace
+
+    from landmark_memory.memory import MemoryDir
+    from landmark_memory.memory.documents import DocumentList, InputRecord
+    from landmark_memory.memory.manifest import document_folder
+    from landmark_memory.memory.session import _documents_digest
+
+    def sha(i: int) -> str:
+        return hashlib.sha256(str(i).encode()).hexdigest()
+
+    out = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            d, written = MemoryDir(tmp, writable=True), DocumentList(paged=True)
+            for i in range(n):
+                written.append(InputRecord(f"/library/doc{i:06d}.txt", f"doc{i:06d}.txt", sha(i), 700, 700, 700 * i,
+                                           document=document_folder(sha(i)), packed=True))
+                if (i + 1) % 1000 == 0 or i == n - 1:
+                    written.write(d)
+            entry = {"pages": [list(p.__dict__.values()) for p in written.pages], "digests_crc32": written.digests_crc}
+
+            def timed(run) -> float:
+                times = []
+                for _ in range(repeats):
+                    listed = DocumentList.of_manifest(json.loads(json.dumps({**entry, "shards": []})), 50)
+                    listed.attach(d, lambda e, where: None)
+                    t0 = time.perf_counter()
+                    run(listed)
+                    times.append(1000 * (time.perf_counter() - t0))
+                return statistics.median(times)
+
+            held, new = document_folder(sha(n // 2)), document_folder(sha(n))
+            out.append({"documents": n, "manifest_bytes": len(json.dumps(entry)),
+                        "find_ms": timed(lambda listed: listed.by_folder([held, new])),
+                        "passage_ms": timed(lambda listed: listed.containing(700 * (n // 3) + 5)),
+                        "session_ms": timed(lambda listed: _documents_digest(SimpleNamespace(inputs=listed), n)),
+                        "every_page_ms": timed(lambda listed: [e.sha256 for e in listed])})
+            d.close()
+    return out
+
+
 def report(rows: list[dict]) -> list[str]:
     out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | add one document | "
            "build | built documents/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -242,6 +294,8 @@ def main():
         rows.append({"version": label, "commit": commit_of(package), "documents": n, "build": summary,
                      **measure(memory, package, books, args.threads, work / f"append-{n}-{label.split()[0]}.txt")})
     rows.sort(key=lambda r: (r["version"] != "baseline", r["documents"]))
+    print("  timing document lists of 100 to 100,000 records", file=sys.stderr)
+    lists = list_costs([100, 1000, 10_000, 100_000])
     print("  timing a document's reading on one core", file=sys.stderr)
     smallest = next(m for n, _, package, m, _ in built if package is None)
     ceiling = reading_ceiling(smallest, work / f"docs-{max(counts)}")
@@ -252,7 +306,7 @@ def main():
         print(f"  serving {memory} from {args.shares} shares", file=sys.stderr)
         ray_served = {"documents": second, **served(memory, args.shares)}
     (Path(args.results) / "library.json").write_text(json.dumps({"rows": rows, "served": ray_served,
-                                                                 "ceiling": ceiling}, indent=1))
+                                                                 "ceiling": ceiling, "lists": lists}, indent=1))
     body = ["Each library is built once by `landmark-memory build --workers 2` (the bundled model) from documents of "
             "about 2 KB (paragraphs of the held-out books, each opened by a line of its own), then measured in fresh "
             "processes (`bench_scale.py`'s probes): the open (median of 3), the resident memory after it, a warm ask "
@@ -260,6 +314,17 @@ def main():
             "document (`build` in the process, after the model loads). The build's documents/s is over its own "
             "reading and merging (the command's wall time beside it). The baseline is an earlier checkout "
             "(`--baseline`) measuring libraries it built itself, in the same run.", ""] + report(rows)
+    body += ["", "## The document list by its number of documents, blocks aside", "",
+             "A library of 100,000 documents of 2 KB holds some 66 GB of blocks, more than this machine's free disk; "
+             "what grows with the number of documents, rather than with tokens, is the document list. Records of 2 KB "
+             "documents written into pages as commits of 1,000 write them (`list_costs`), then on the list opened "
+             "anew from its manifest entry (median of 5): finding one input it holds and one it does not (what a "
+             "build asks), the record of a passage's token, a session's name for all its documents (what each turn "
+             "records), and reading every record (what a build and each turn did before).", "",
+             "| documents | the list in the manifest | find two inputs | a passage's record | a session's documents "
+             "| every record |", "|---:|---:|---:|---:|---:|---:|"]
+    body += [f"| {r['documents']:,} | {r['manifest_bytes']:,} B | {r['find_ms']:.1f} ms | {r['passage_ms']:.1f} ms | "
+             f"{r['session_ms']:.1f} ms | {r['every_page_ms']:,.1f} ms |" for r in lists]
     c = ceiling
     body += ["", "## What reading a document costs one core", "",
              f"A document of {c['tokens']} tokens (the commonest length; best of 2 rounds over {c['documents']}, one "
