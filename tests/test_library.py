@@ -1,6 +1,7 @@
 """A library: a corpus's document list in pages (read when a record is asked for, a damaged page
-named alone), found by its digests (a build reads the pages of its inputs alone), and a corpus of
-an earlier format opening and paging its list at its next commit."""
+named alone), found by its digests (a build reads the pages of its inputs alone) and named by its
+full pages (a session reads one page), and a corpus of an earlier format opening and paging its
+list at its next commit."""
 
 import json
 import shutil
@@ -12,10 +13,9 @@ import pytest
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.build import build, read_inputs
 from landmark_memory.app.cli import main
-from landmark_memory.memory import MemoryFileError
+from landmark_memory.memory import MemoryFileError, session
 from landmark_memory.memory.answer import ask
 from landmark_memory.memory.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
-from landmark_memory.memory import session
 from landmark_memory.memory.inspect import verify
 from landmark_memory.memory.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
