@@ -149,7 +149,7 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     import numpy as np
     import torch
 
-    from landmark_memory.app.build import DocumentJob, encode_document, read_document
+    from landmark_memory.app.build import DocumentJob, encode_document, read_document, read_steps
     from landmark_memory.app.distributed import set_threads
     from landmark_memory.core.layout import insert_landmarks
     from landmark_memory.memory import LandmarkMemory
@@ -167,11 +167,8 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
 
     def read(x: np.ndarray) -> LandmarkMemory:  # (streams, tokens), as read_document steps
         mem = LandmarkMemory(model, replace(options, store="memory"))
-        t, pos = torch.from_numpy(x).long(), 0
-        while pos < x.shape[1]:
-            k = min(mem.options.chunk_size - mem.pending_count, x.shape[1] - pos)
-            mem.forward(t[:, pos:pos + k], logits="none")
-            pos += k
+        for _ in read_steps(mem, x):
+            pass
         mem.end_document()
         return mem
 

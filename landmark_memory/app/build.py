@@ -109,11 +109,8 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
             raise MemoryFileError(f"{job.folder} holds another document than {job.path} (or the tokenizer changed); "
                                   "remove that folder and build again")
         added, last_commit = 0, time.monotonic()
-        while entry.ingested < entry.tokens:
-            pos = entry.ingested
-            n = min(mem.options.chunk_size - mem.pending_count, entry.tokens - pos)
-            mem.forward(torch.from_numpy(job.ids[None, pos:pos + n]).long(), logits="none")
-            entry.ingested, added = pos + n, added + n
+        for n in read_steps(mem, job.ids[None], entry.ingested):
+            entry.ingested, added = entry.ingested + n, added + n
             on_tokens(n)
             if stop() or time.monotonic() - last_commit >= job.commit_every:
                 mem.commit()
@@ -126,6 +123,17 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
         return DocumentResult(job.folder, added, True)
     finally:
         mem.close(commit=False)  # everything fed was committed above
+
+
+def read_steps(mem: LandmarkMemory, ids: np.ndarray, pos: int = 0) -> Iterator[int]:
+    """Feed ``mem`` the token ids ``ids`` int32 (streams, n) from ``pos`` on, each step what its
+    open chunk takes (a commit between steps leaves it where the next read goes on); yields
+    each step's tokens."""
+    while pos < ids.shape[1]:
+        n = min(mem.options.chunk_size - mem.pending_count, ids.shape[1] - pos)
+        mem.forward(torch.from_numpy(ids[:, pos:pos + n]).long(), logits="none")
+        pos += n
+        yield n
 
 
 class DocumentReader(Protocol):
