@@ -327,8 +327,8 @@ def main():
             "reading and merging (the command's wall time beside it). The baseline is an earlier checkout "
             "(`--baseline`) measuring libraries it built itself, in the same run. Before a library is measured, "
             "each of its files is read once, so that it lies in the page cache as a library in use does (without "
-            "that, a library that the last builds pushed out of it reads its blocks from the disk: in a run without "
-            "it, warm asks took 252 ms at 5,000 and 257 ms at 10,000 documents against 47 ms at 100).", ""]
+            "that, a library that the last builds pushed out of it reads its blocks from the disk, and its figures "
+            "are the disk's).", ""]
     body += report(rows)
     body += ["", "## The document list by its number of documents, blocks aside", "",
              "A library of 100,000 documents of 2 KB holds some 66 GB of blocks, more than this machine's free disk; "
