@@ -11,8 +11,10 @@ paragraph. Each library is built once as a user builds one (``landmark-memory bu
 once first (``warm``), each figure in fresh processes as ``bench_scale.py`` measures a memory:
 the open (the median of three), the resident memory after it, a warm ``ask`` (the median of
 8), a request to ``serve`` one at a time (the median of 8), and adding one 2 KB document
-(``build`` in the process, after the model loads). With ``--baseline``, an earlier checkout of
-the package builds and measures libraries of its own the same way, in the same run. Then what
+(``build`` in the process, after the model loads; the median of 3), and for this version the
+same with the seals its last writer left removed first (every key file read, as before them).
+With ``--baseline``, an earlier checkout of the package builds and measures libraries of its
+own the same way, in the same run. Then what
 reading one document costs one core, four ways (``reading_ceiling``): what bounds a build's
 documents per second; and the document list alone at up to 100,000 records (``list_costs``).
 """
@@ -87,7 +89,7 @@ def warm(memory: Path) -> float:
 def measure(memory: Path, package: Path | None, books: Path, threads: int, append: Path) -> dict:
     print(f"  {warm(memory):.1f} GB read into the page cache", file=sys.stderr)
     opens = [run_probe(memory, "bundled", package, threads, books) for _ in range(2)]
-    full = run_probe(memory, "bundled", package, threads, books, asks=True, append=append)
+    full = run_probe(memory, "bundled", package, threads, books, asks=True, append=append, unsealed=package is None)
     return {**full, "open_s": statistics.median([o["open_s"] for o in opens] + [full["open_s"]]),
             **measure_server(memory, "bundled", package)}
 
@@ -258,20 +260,22 @@ def list_costs(sizes: list[int], repeats: int = 5) -> list[dict]:
 
 def report(rows: list[dict]) -> list[str]:
     out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | add one document | "
-           "build | built documents/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "the same, seals removed | build | built documents/s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        unsealed = f"{r['append_unsealed_s']:.2f} s" if "append_unsealed_s" in r else "-"
         out.append(f"| {r['version']} ({r['commit']}) | {r['documents']:,} | {r['tokens']:,} | "
                    f"{1000 * r['open_s']:.1f} ms | {r['rss_open_mb']:.0f} MB | {1000 * r['ask_s']:.0f} ms | "
-                   f"{1000 * r['serve_alone_p50_s']:.0f} ms | {r['append_s']:.2f} s | {r['build']['wall_s']:.0f} s | "
-                   f"{r['documents'] / r['build']['seconds']:.1f} |")
+                   f"{1000 * r['serve_alone_p50_s']:.0f} ms | {r['append_s']:.2f} s | {unsealed} | "
+                   f"{r['build']['wall_s']:.0f} s | {r['documents'] / r['build']['seconds']:.1f} |")
     out += ["", "Ratios against the smallest library of the same version:", "",
-            "| version | documents | open | RSS after open | warm ask | server request | add one document |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+            "| version | documents | open | RSS after open | warm ask | server request | add one document | "
+            "the same, seals removed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = next(b for b in rows if b["version"] == r["version"])
         out.append(f"| {r['version']} | {r['documents']:,} | " + " | ".join(
-            f"{r[k] / base[k]:.2f}x" for k in ("open_s", "rss_open_mb", "ask_s", "serve_alone_p50_s", "append_s"))
-            + " |")
+            f"{r[k] / base[k]:.2f}x" if k in r else "-"
+            for k in ("open_s", "rss_open_mb", "ask_s", "serve_alone_p50_s", "append_s", "append_unsealed_s")) + " |")
     return out
 
 
@@ -323,7 +327,9 @@ def main():
             "about 2 KB (paragraphs of the held-out books, each opened by a line of its own), then measured in fresh "
             "processes (`bench_scale.py`'s probes): the open (median of 3), the resident memory after it, a warm ask "
             "(median of 8, 8 tokens each), a server request one at a time (median of 8), and adding one 2 KB "
-            "document (`build` in the process, after the model loads). The build's documents/s is over its own "
+            "document (`build` in the process, after the model loads; the median of 3 added one after the other), "
+            "and for this version the same with the seals its last writer left removed before each (`keys/seals.json`: "
+            "the writer then reads every key and index file, as before seals). The build's documents/s is over its own "
             "reading and merging (the command's wall time beside it). The baseline is an earlier checkout "
             "(`--baseline`) measuring libraries it built itself, in the same run. Before a library is measured, "
             "each of its files is read once, so that it lies in the page cache as a library in use does (without "

@@ -11,7 +11,8 @@ books, copies of them, each with a line of its own at the top), into ``--work``,
 (and a stopped build goes on). Per memory, each in a fresh process: the open (three processes,
 the median), the process's resident memory after it, a warm ``ask`` (8 questions, 8 tokens
 each, on a memory kept open; the median), then appending a 2 KB document of its own and
-committing it as ``build`` does (in the process, after the model loads). Then ``serve`` in its
+committing it as ``build`` does (in the process, after the model loads; three documents, one
+after the other, the median). Then ``serve`` in its
 own process: 8 requests one at a time (p50, against the warm ask) and 16 requests 4 at a time
 (p50, p95), and the disk the memory takes per token. With ``--baseline``, an earlier checkout
 of the package measures memories it built itself the same way, in the same run.
@@ -36,6 +37,7 @@ MODELS = {"bundled": None, "smollm2": "smollm2-landmark"}
 QUESTIONS = ["What did the captain say?", "Who came to the door?", "Where was the house?", "Why did she leave?",
              "What was in the letter?", "Who was the stranger?", "What happened at night?", "How did it end?"]
 SIZES = {"100k": 100_000, "1m": 1_000_000, "3.5m": 3_500_000, "10m": 10_000_000, "30m": 30_000_000}
+APPENDS = 3  # documents appended one after the other per memory (the median is its figure)
 
 
 def size_arg(text: str) -> list[str]:
@@ -138,13 +140,21 @@ def probe(args) -> None:
         out.update(ask_s=statistics.median(times), rss_ask_mb=proc.memory_info().rss / 2**20)
     mem.close()
     if args.append:
-        doc = Path(args.append)
+        doc, seals = Path(args.append), Path(args.probe) / "keys" / "seals.json"
         book = book_files(Path(args.books))[0].read_text(encoding="utf-8")
-        doc.write_text(f"Appended at {time.time_ns()}.\n" + book[20_000:22_000], encoding="utf-8")
-        t0 = time.perf_counter()
-        with LandmarkMemory.open(args.probe, model) as w:
-            build(w, read_inputs([doc]), tok, progress=False)
-        out["append_s"] = time.perf_counter() - t0
+
+        def append(unsealed: bool) -> float:
+            doc.write_text(f"Appended at {time.time_ns()}.\n" + book[20_000:22_000], encoding="utf-8")
+            if unsealed:  # the writer reads every key file, as before seals (memory/seals.py)
+                seals.unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            with LandmarkMemory.open(args.probe, model) as w:
+                build(w, read_inputs([doc]), tok, progress=False)
+            return time.perf_counter() - t0
+
+        out["append_s"] = statistics.median([append(False) for _ in range(APPENDS)])
+        if args.unsealed:
+            out["append_unsealed_s"] = statistics.median([append(True) for _ in range(APPENDS)])
     print(json.dumps(out))
 
 
@@ -182,9 +192,10 @@ def read_speed(args) -> None:
 
 
 def run_probe(memory: Path, model: str, package: Path | None, threads: int, books: Path, asks=False,
-              append: Path | None = None) -> dict:
+              append: Path | None = None, unsealed: bool = False) -> dict:
     argv = [sys.executable, __file__, "--probe", str(memory), "--models", model, "--threads", str(threads),
             "--books", str(books)] + (["--asks"] if asks else []) + (["--append", str(append)] if append else [])
+    argv += ["--unsealed"] if unsealed else []
     run = subprocess.run(argv, env=env_for(package), capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"measuring {memory} failed:\n{run.stderr[-3000:]}")
@@ -259,6 +270,7 @@ def main():
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--asks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--append", help=argparse.SUPPRESS)
+    ap.add_argument("--unsealed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--read-indexes", default="",
                     help="index kinds the long document is read with, comma-separated (default: each version's default)")
     ap.add_argument("--read", type=int, default=0, help=argparse.SUPPRESS)

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main, os_error_text
+from landmark_memory.memory import seals
 from landmark_memory.memory.answer import say
 from landmark_memory.memory.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
@@ -229,11 +230,17 @@ def _flip(f, at, value=None):
     f.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
 @pytest.mark.parametrize("damage", ["another list", "a distance", "a centroid", "two layers swapped", "a key"])
 def test_a_writer_refuses_index_and_key_files_damaged_within_their_bounds_and_writes_nothing(lists_corpus, tmp_path,
-                                                                                            capsys, damage):
+                                                                                            capsys, monkeypatch,
+                                                                                            damage, sealed):
     mem = tmp_path / "m"
     shutil.copytree(lists_corpus, mem)
+    if sealed:  # a writer closed it and sealed its files (memory/seals.py): the damage comes after
+        monkeypatch.setattr(seals, "SEAL_BYTES", 0)
+        LandmarkMemory.open(mem, LandmarkGPT.from_pretrained()).close()
+        assert (mem / seals.SEALS).is_file()
     lists, other = mem / "keys" / "s0_l1_h1.ivf1.lists", mem / "keys" / "s0_l2_h1.ivf1.lists"
     if damage == "another list":  # block 3's list id, still a list that exists
         _flip(lists, 24, np.int32(int(np.frombuffer(lists.read_bytes(), np.int32)[6]) ^ 1).tobytes())

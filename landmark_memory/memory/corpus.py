@@ -24,6 +24,7 @@ from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
 from .documents import DocumentList
 from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
+from .seals import SEALS
 
 PACK_BYTES = 64 << 20  # a document whose blocks take at most this much goes into the corpus's own store
 
@@ -106,7 +107,9 @@ def drop_merged_rows(corpus: MemoryDir, folder: str, packed: bool) -> None:
         m.rows_merged, m.state, m.rows_crc = True, None, None
         d.write_manifest(m)
     keys = d.key_path() / KEYS  # (refused when keys/ is a link: nothing outside the memory is removed)
-    for f in [d.path / TOKENS, d.path / LANDMARKS, *d.path.glob("state.*.safetensors"), *keys.glob("*.f32"), *keys.glob("*.ivf*")]:
+    dropped = [d.path / TOKENS, d.path / LANDMARKS, d.path / SEALS, *d.path.glob("state.*.safetensors"),
+               *keys.glob("*.f32"), *keys.glob("*.ivf*")]
+    for f in dropped:
         f.unlink(missing_ok=True)
     if keys.is_dir() and not any(keys.iterdir()):
         keys.rmdir()

@@ -20,6 +20,7 @@ from .blocks import BlockMemory
 from .decoding import OpenChunk
 from .directory import MemoryDir, model_fingerprint
 from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
+from .seals import seal, unchanged
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
@@ -84,9 +85,11 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     from ``d``'s files; returns the CRC-32s of the rows, carried on from ``rows_crc``. A reader
     maps the token rows (``mapped``: checked where passages read them, and by ``verify``); a
     writer, which appends to them, reads them and checks their CRC-32 and ids first, and the
-    CRC-32 of every key file and index file (before any uncommitted tail is cut)."""
+    CRC-32 of every key file and index file but those sealed unchanged since the last writer
+    closed them (``memory/seals.py``), before any uncommitted tail is cut."""
     if not mapped:
-        for _ in d.key_file_rows(manifest):
+        sealed = unchanged(d.path, d.key_file_sizes(manifest), manifest.rows_crc or {})
+        for _ in d.key_file_rows(manifest, skip=sealed):
             pass
     rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped)
     tokens = np.frombuffer(rows[TOKENS], np.int32) if not mapped else np.zeros(0, np.int32)
@@ -160,6 +163,7 @@ class SavedFiles:
         self._committed_blocks = 0  # blocks of the last commit: a commit writes the rows after them
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
         self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
+        self._sealable = False  # a writer whose key and index files were checked, or written, to its manifest
 
     def commit(self, blocks: BlockMemory, manifest: Manifest, chunk: OpenChunk) -> int:
         """Commit ``blocks`` and the open ``chunk`` as ``manifest`` says (its counts; the commit
@@ -171,9 +175,11 @@ class SavedFiles:
             raise ValueError(f"the memory {self.dir.path} is open read-only; open it with readonly=False to save")
         crcs = {name: crc for name, crc in self._rows_crc.items() if name != LANDMARKS}  # format 5 has key files
         manifest = replace(manifest, commit=self.commit_count, rows_crc=crcs)
+        self._sealable = False
         write_commit(self.dir, blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc, chunk)
         self.manifest, self.commit_count, self._rows_crc = manifest, manifest.commit, manifest.rows_crc
         self._committed_blocks = self._keys_committed = manifest.blocks
+        self._sealable = manifest.version >= 5
         return self.commit_count
 
     def follow(self, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor], vocab_size: int) -> None:
@@ -186,6 +192,7 @@ class SavedFiles:
             self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
                                          mapped=self.readonly)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
+            self._sealable = not self.readonly and manifest.version >= 5
         self._committed_blocks = manifest.blocks
 
     def newer(self, inputs: list) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
@@ -207,6 +214,14 @@ class SavedFiles:
         return manifest, state
 
     def close(self) -> None:
-        """Release the folder (and its writer lock)."""
-        if self.dir is not None:
+        """Release the folder (and its writer lock); a writer whose files hold its last commit
+        seals them first (its key files let go: ``BlockMemory.close``)."""
+        if self.dir is None:
+            return
+        try:
+            if self._sealable:
+                seal(self.dir.path, self.dir.key_file_sizes(self.manifest), self.manifest.rows_crc or {})
+        except OSError:
+            pass  # (seals only spare the next writer reading: without them it reads every file)
+        finally:
             self.dir.close()

@@ -1,0 +1,95 @@
+"""A writer's seals: what its key and index files were when it let them go, so that the next
+writer reads again only the files that changed since (docs/DESIGN.md, "Hostile conditions").
+
+A writer checks every key file and every file an index keeps beside them against the
+manifest's CRC-32 before it appends (``MemoryDir.key_file_rows``): damage within a file's bounds
+must stop it before it writes. Reading them all costs as much as the memory is large, so a
+writer whose files hold their commit's rows leaves ``keys/seals.json`` when it closes: per file,
+the committed bytes and CRC-32 it vouches for and the file's status as it left it (size,
+device, inode, modification and change times in nanoseconds). A file whose status is the
+same at the next open was not written since; every write, truncation, rename or ``utime``
+through the file system sets its change time, which no call sets back. A file whose status
+differs, or whose seal is missing, malformed or for other rows, is read and checked as before.
+
+A change within the same tick of the file system's clock as the file's last write would keep
+its change time, so a seal counts only where the file's change time is before the seals file's
+own (the writer waits out the tick before it writes them). What a seal cannot see (a change to
+the disk beneath the file system, or a seals file forged along with the damage) ``verify``
+finds, as it reads everything: seals spare a writer reading, never ``verify``.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..core.fileio import LinkError, atomic_write, open_nofollow
+from .manifest import KEYS
+
+SEALS = f"{KEYS}/seals.json"
+SEAL_BYTES = 4 << 20  # key and index files smaller than this together are read faster than sealed
+MAX_SEALS_BYTES = 1 << 24  # a seals file longer than this is no writer's: not read
+TICK_WAIT_S = 0.002  # how long a writer sleeps between looks at the file system's clock
+
+
+def _status(path: Path) -> list[int] | None:
+    """``[size, device, inode, mtime_ns, ctime_ns]`` of the regular file ``path`` (not followed
+    where it is a link); None where there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns] if os.path.isfile(path) \
+        and not os.path.islink(path) else None
+
+
+def unchanged(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> set[str]:
+    """The files of ``sizes`` ({name in ``folder``: committed bytes}) sealed with those bytes
+    and the CRC-32 ``crcs`` gives them, whose status is what their seal says: they need not be
+    read again. Anything wrong with the seals file counts as no seal (empty set)."""
+    try:
+        fd = open_nofollow(folder / SEALS, os.O_RDONLY)
+    except (OSError, LinkError):
+        return set()
+    with os.fdopen(fd, "rb") as f:
+        sealed_at = os.fstat(f.fileno()).st_ctime_ns
+        data = f.read(MAX_SEALS_BYTES + 1)
+    try:
+        seals = json.loads(data) if len(data) <= MAX_SEALS_BYTES else None
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return set()
+    files = seals.get("files") if isinstance(seals, dict) and seals.get("version") == 1 else None
+    if not isinstance(files, dict):
+        return set()
+    out = set()
+    for name, nbytes in sizes.items():
+        seal, status = files.get(name), _status(folder / name)
+        if status is not None and name in crcs and seal == [nbytes, crcs[name], *status] and status[4] < sealed_at:
+            out.add(name)
+    return out
+
+
+def seal(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> None:
+    """Write the seals of the files of ``sizes`` ({name in ``folder``: committed bytes}) with a
+    CRC-32 in ``crcs``, whose committed rows the caller (a writer closing) vouches for; none
+    where they hold less than ``SEAL_BYTES`` together. Waits until the file system's clock has
+    passed every file's change time, so that a later change shows."""
+    if sum(sizes.values()) < SEAL_BYTES or os.path.islink(folder / KEYS) or not (folder / KEYS).is_dir():
+        return
+    files = {name: [nbytes, crcs[name], *status] for name, nbytes in sizes.items()
+             if name in crcs and (status := _status(folder / name)) is not None}
+    last = max((s[6] for s in files.values()), default=0)
+    data = json.dumps({"version": 1, "files": files}).encode()
+
+    def write(tmp: str) -> None:
+        Path(tmp).unlink(missing_ok=True)  # a leftover, or a link (hard or symbolic) planted there
+        fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            for _ in range(500):  # a tick is 1 to 10 ms: this waits at most a second
+                if os.fstat(f.fileno()).st_ctime_ns > last:
+                    return
+                time.sleep(TICK_WAIT_S)
+                os.utime(f.fileno())  # (sets its change time to the clock's now)
+
+    atomic_write(folder / SEALS, write)
