@@ -105,6 +105,17 @@ def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, caps
     assert {f: f.read_bytes() for f in before} == before
 
 
+def test_a_temporary_file_planted_as_a_hard_link_is_replaced_never_written_through(tmp_path, book, capsys):
+    mem = built(tmp_path, book)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.link(victim, mem / f".manifest.json.tmp{os.getpid()}")  # the name this process's next commit writes
+    more = tmp_path / "more.txt"
+    more.write_text(BOOK.read_text()[5000:7000])
+    assert main(["build", str(mem), "--input", str(more), "--quiet"]) == 0
+    assert victim.read_text() == "precious" and main(["info", str(mem), "--verify"]) == 0
+
+
 @pytest.mark.parametrize("name", ["../../state.1.safetensors", "/etc/passwd"])
 def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, capsys, name):
     mem = built(tmp_path, book, index="hnsw")

@@ -51,14 +51,14 @@ def atomic_write(dest: str | Path, content: bytes | Callable[[str], None]) -> No
     A crash leaves either the previous ``dest`` or the new one, never a partial file. Bytes
     are written through a file created new (never through a link), with the usual
     permissions (0666 less the umask); the rename replaces a link at ``dest`` itself, never
-    what it points to."""
+    what it points to. Whatever lies at the temporary name (a leftover, a symbolic or hard link
+    planted there) is removed first, and the file is created exclusively."""
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}{TMP_MARK}{os.getpid()}")
     try:
+        tmp.unlink(missing_ok=True)
         if isinstance(content, (bytes, bytearray, memoryview)):
-            if tmp.is_symlink():
-                tmp.unlink()
-            fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             with os.fdopen(fd, "wb") as f:
                 f.write(content)
                 f.flush()

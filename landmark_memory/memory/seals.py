@@ -82,7 +82,6 @@ def seal(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> None:
     data = json.dumps({"version": 1, "files": files}).encode()
 
     def write(tmp: str) -> None:
-        Path(tmp).unlink(missing_ok=True)  # a leftover, or a link (hard or symbolic) planted there
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
