@@ -24,7 +24,7 @@ import stat
 import time
 from pathlib import Path
 
-from ..core.fileio import LinkError, atomic_write, open_nofollow
+from ..core.fileio import atomic_write, open_nofollow
 from .manifest import KEYS
 
 SEALS = f"{KEYS}/seals.json"
@@ -49,7 +49,7 @@ def unchanged(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> set[
     read again. Anything wrong with the seals file counts as no seal (empty set)."""
     try:
         fd = open_nofollow(folder / SEALS, os.O_RDONLY)
-    except (OSError, LinkError):
+    except OSError:  # (none, a link, no regular file)
         return set()
     with os.fdopen(fd, "rb") as f:
         sealed_at = os.fstat(f.fileno()).st_ctime_ns
