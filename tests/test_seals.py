@@ -63,6 +63,7 @@ def test_a_writer_reads_again_only_the_files_changed_since_the_last_writer_seale
     os.utime(sealed / touched)  # the same bytes, a new change time: read again (and found sound)
     assert _key_files_read(sealed, monkeypatch) == [touched]
     assert _key_files_read(sealed, monkeypatch) == []  # sealed again by that writer
+    assert main(["info", str(sealed), "--verify"]) == 0  # (seals are no memory file verify asks about)
 
 
 def test_seals_that_are_damaged_or_for_other_rows_count_for_nothing(sealed, monkeypatch):
