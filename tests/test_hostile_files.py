@@ -230,6 +230,19 @@ def _flip(f, at, value=None):
     f.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("chunk_size", [10**30, 50 * 1311])  # (the first multiple of 50 past 65,536)
+def test_a_manifest_chunk_size_past_any_chunk_is_one_line(corpus, tmp_path, capsys, chunk_size):
+    mem = tmp_path / "m"  # (hypothesis found 10**30: it overflowed making the chunk's positions)
+    shutil.copytree(corpus, mem)
+    doc = json.loads((mem / "manifest.json").read_text())
+    doc["options"]["chunk_size"] = chunk_size
+    (mem / "manifest.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["ask", str(mem), "The captain", "--max-new-tokens", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "chunk_size" in err, err
+
+
 @pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
 @pytest.mark.parametrize("damage", ["another list", "a distance", "a centroid", "two layers swapped", "a key"])
 def test_a_writer_refuses_index_and_key_files_damaged_within_their_bounds_and_writes_nothing(lists_corpus, tmp_path,

@@ -55,7 +55,7 @@ def add_model_args(p):
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
-CHUNK_HELP = "tokens per chunk (default: the multiple of the block size nearest 250)"
+CHUNK_HELP = "tokens per chunk, a multiple of the block size up to 65,536 (default: the multiple nearest 250)"
 
 
 def add_top_k(p, default=None, new=False):

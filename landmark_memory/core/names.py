@@ -15,6 +15,7 @@ TRAIN_SIZES = {"ivf-rows": 1024, "ivf": 4096, "ivfpq": 16384}  # a GPU kind's is
 NPROBE, EF_SEARCH = 16, 128  # index/base.py: IVF lists a query visits, HNSW search breadth, unless told
 DEFAULT_TOP_K = 4  # memory/options.py: blocks retrieved per query (the paper's k)
 MAX_TOP_K = 1024  # memory/options.py: blocks per query; the arrays of a chunk's choices grow with it
+MAX_CHUNK_SIZE = 1 << 16  # memory/options.py: tokens a chunk attends to locally; what a chunk holds grows with it
 MAX_STREAMS = 1024  # memory/engine.py, manifest.py: a memory's batch; its files and indexes are per stream
 DEFAULT_INDEX = "ivf-rows"  # exact until 1024 blocks, then lists over the key rows (experiments/results/scale.md)
 DISK_STORES = ("lmdb", "mmap")  # storage/__init__.py's STORE_KINDS, lmdb the default on disk

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, FREE_BLOCK_SIZE, FREE_READS, MAX_TOP_K, MAPPINGS,
-                          RETRIEVALS, STORE_DTYPES, STORES)
+from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, FREE_BLOCK_SIZE, FREE_READS, MAX_CHUNK_SIZE,
+                          MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES)
 from ..index import default_train_size, new_index
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
@@ -127,9 +127,9 @@ class MemoryOptions:
                          (DEFAULT_TOP_K, 0, 0) if block_keys == "landmark" else FREE_READS))
         self = replace(self, **{k: v for k, v in reads.items() if getattr(self, k) is None})
         chunk_size = self.chunk_size or default_chunk_size(block_size)
-        if type(chunk_size) is not int or chunk_size < block_size or chunk_size % block_size:
+        if type(chunk_size) is not int or not block_size <= chunk_size <= MAX_CHUNK_SIZE or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({block_size}), "
-                             f"got {chunk_size}")
+                             f"at most {MAX_CHUNK_SIZE:,}, got {chunk_size}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an int from 1 to {MAX_TOP_K}, got {self.top_k!r}")
         if self.retrieval not in RETRIEVALS:
