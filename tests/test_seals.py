@@ -56,7 +56,7 @@ def test_a_small_memory_leaves_no_seals(built):
 
 
 def test_a_writer_reads_again_only_the_files_changed_since_the_last_writer_sealed_them(sealed, monkeypatch):
-    every = MemoryDir.key_file_sizes(MemoryDir(sealed, writable=False).read_manifest())
+    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
     assert len(every) > 3 and any(".ivf" in n for n in every)
     assert _key_files_read(sealed, monkeypatch) == []
     touched = sorted(every)[1]
@@ -67,7 +67,7 @@ def test_a_writer_reads_again_only_the_files_changed_since_the_last_writer_seale
 
 
 def test_seals_that_are_damaged_or_for_other_rows_count_for_nothing(sealed, monkeypatch):
-    every = MemoryDir.key_file_sizes(MemoryDir(sealed, writable=False).read_manifest())
+    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
     doc = json.loads((sealed / seals.SEALS).read_text())
     name = sorted(every)[0]
     for forged in ([*doc["files"][name][:1], doc["files"][name][1] ^ 1, *doc["files"][name][2:]],  # another CRC-32
@@ -80,7 +80,7 @@ def test_seals_that_are_damaged_or_for_other_rows_count_for_nothing(sealed, monk
 
 
 def test_a_seals_file_that_is_a_link_is_neither_read_nor_written_through(sealed, tmp_path, monkeypatch):
-    every = MemoryDir.key_file_sizes(MemoryDir(sealed, writable=False).read_manifest())
+    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
     outside = tmp_path / "outside.json"
     outside.write_bytes((sealed / seals.SEALS).read_bytes())
     (sealed / seals.SEALS).unlink()

@@ -12,6 +12,7 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     errors.py     MemoryFileError, WriterBusyError
     shape.py      ModelShape: the sizes a memory's files depend on, a block's rows
     directory.py  the files of a saved memory and the commit protocol
+    seals.py      a writer's seals: the key files as it let them go; the next reads only those changed
     saved.py      SavedFiles, a memory's folder and its commits; open_folder
     engine.py     LandmarkMemory: its parts together, forward, generate, commit, open, refresh
     lookup.py     BlockLookup, which blocks each query reads: landmark scores, policy, positions

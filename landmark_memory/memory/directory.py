@@ -330,19 +330,13 @@ class MemoryDir:
             for name, nbytes in manifest.index_files().items():  # an ivf-rows index's centroids and lists
                 KeyRows(1, self.path / name, writable=False, n=nbytes // 4, dtype=np.int32)
 
-    @staticmethod
-    def key_file_sizes(manifest: Manifest) -> dict[str, int]:
-        """``{file: committed bytes}`` of every key file of the commit ``manifest`` and of every
-        file its index keeps beside them (an ``ivf-rows`` index's centroids and lists)."""
-        return {**{name: manifest.blocks * manifest.rows.key_row_bytes for name in manifest.key_files()},
-                **manifest.index_files()}
-
     def key_file_rows(self, manifest: Manifest, skip: set[str] = frozenset()) -> Iterator[tuple[str, bytes]]:
-        """``(file, bytes)``, one file at a time: the committed rows of each file of
-        ``key_file_sizes(manifest)`` but those in ``skip``, each checked against its CRC-32 in
+        """``(file, bytes)``, one file at a time: the committed rows of every key file of the
+        commit ``manifest`` and of every file its index keeps beside them (an ``ivf-rows``
+        index's centroids and lists) but those in ``skip``, each checked against its CRC-32 in
         the manifest (where kept). A writer reads them before it appends, skipping those its
         last writer sealed unchanged (``memory/seals.py``); ``check_key_files`` checks sizes only."""
-        for name, nbytes in self.key_file_sizes(manifest).items():
+        for name, nbytes in manifest.key_file_bytes().items():
             if name in skip:
                 continue
             data = self.read_rows(name, nbytes)

@@ -136,6 +136,10 @@ class Manifest:
         return {name: nbytes for key in self.key_files()
                 for name, nbytes in saved_files(key, self.blocks, o.train_size, self.model.shape.head_dim).items()}
 
+    def key_file_bytes(self) -> dict[str, int]:
+        """``{file: committed bytes}`` of every key file and of every file its index keeps beside them."""
+        return {**{name: self.blocks * self.rows.key_row_bytes for name in self.key_files()}, **self.index_files()}
+
     def pending_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and
         per layer its un-rotated keys and values (streams, H_kv, P with landmarks, D)."""

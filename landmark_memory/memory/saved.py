@@ -88,7 +88,7 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     CRC-32 of every key file and index file but those sealed unchanged since the last writer
     closed them (``memory/seals.py``), before any uncommitted tail is cut."""
     if not mapped:
-        sealed = unchanged(d.path, d.key_file_sizes(manifest), manifest.rows_crc or {})
+        sealed = unchanged(d.path, manifest.key_file_bytes(), manifest.rows_crc or {})
         for _ in d.key_file_rows(manifest, skip=sealed):
             pass
     rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped)
@@ -220,7 +220,7 @@ class SavedFiles:
             return
         try:
             if self._sealable:
-                seal(self.dir.path, self.dir.key_file_sizes(self.manifest), self.manifest.rows_crc or {})
+                seal(self.dir.path, self.manifest.key_file_bytes(), self.manifest.rows_crc or {})
         except OSError:
             pass  # (seals only spare the next writer reading: without them it reads every file)
         finally:
