@@ -491,3 +491,46 @@ def test_families_experiment_reads_gemma3_270m_when_its_package_is_installed(tmp
     diff = float(report.split("largest logit difference ")[1].split(" ")[0])
     size = float(report.split("(logits up to ")[1].split(" ")[0])
     assert diff < 1e-4 * size  # float32
+
+
+def test_the_second_natural_set_splits_by_book_and_each_evidence_lies_in_its_sentence():
+    evidence = script("exp_evidence")
+    dev, held = evidence.questions("dev"), evidence.questions("eval")
+    first = {q["book"] for q in json.loads(script("exp_natural").FIXTURE.read_text())["questions"]}
+    assert len(dev) + len(held) >= 60 and len({q["question"] for q in dev + held}) == len(dev) + len(held)
+    assert len({q["book"] for q in dev}) >= 3 and len({q["book"] for q in held}) >= 3
+    assert not {q["book"] for q in dev} & {q["book"] for q in held} and not first & {q["book"] for q in dev + held}
+    for q in dev + held:  # the words a right answer or quote holds are the sentence's, and so is the evidence
+        flat = " ".join(q["sentence"].split())
+        assert " ".join(q["evidence"].split()) in flat and all(w.lower() in flat.lower() for w in q["words"]), q
+
+
+def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_path):
+    from safetensors.torch import save_file
+
+    from landmark_memory.models.heads import EvidenceHeads, save_heads
+
+    evidence = script("exp_evidence")
+    work = tmp_path / "work"
+    (work / "base" / "rec").mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for i, gold in enumerate([3, 7]):  # two questions at 8K: head (1, 0) finds both, head (0, 1) neither
+        tokens = torch.rand(2, 4, 10, 5, generator=g) * 0.01
+        tokens[0, 2, gold] += 1.0
+        meta = {"question": f"q{i}", "book": "b", "split": "eval", "size": "8064", "blocks": json.dumps([gold]),
+                "span": "[0, 1]", "token_seconds": "0.1", "n_kv_head": "2"}
+        save_file({"tokens": tokens.half(), "landmarks": torch.rand(2, 4, 10, generator=g)},
+                  str(work / "base" / "rec" / f"b-8064-{i}.safetensors"), metadata=meta)
+    save_heads(EvidenceHeads(((1, 0),)), work / "base" / "heads.json",
+               chosen_by={"questions": 9, "tokens": 100, "recall@5": {"1": 1.0}})
+    row = {"recall5": True, "right": False, "quoted": True, "seconds": 2.0}
+    (work / "base" / "ask.json").write_text(json.dumps({"commands": ["python experiments/exp_evidence.py ask"], "cells": {
+        "heads|b-8064": [row, row], "plain|b-8064": [dict(row, recall5=False)] * 2}}))
+    evidence.report(SimpleNamespace(work=str(work), results=str(tmp_path / "results"), command="x"))
+    text = (tmp_path / "results" / "evidence.md").read_text()
+    assert "| tokens: heads | 2/2 (100%) | - | - | - |" in text
+    assert "| tokens: every head | 2/2 (100%) |" in text  # the one head's mass outweighs the others' noise
+    assert "| `ask` through the retrieval heads (token level, 4 blocks read first) | 2/2 (100%) | 0/2 (0%) | 2/2 (100%) | 2.0 |" in text
+    assert "| `ask` as published (no heads) | 0/2 (0%) |" in text
+    summary = json.loads((tmp_path / "results" / "evidence.json").read_text())
+    assert summary["base"]["ask"]["heads"]["natural, 8K"]["quoted"] == [True, True]

@@ -34,14 +34,15 @@ class ChatOptions:
 
 def answer_json(a: Answer) -> dict:
     """An answer as one line of ``chat --json``."""
-    return {"session": a.session, "text": a.text, "tokens": a.tokens, "passages": [asdict(p) for p in a.passages]}
+    return {"session": a.session, "text": a.text, "tokens": a.tokens, "passages": [asdict(p) for p in a.passages],
+            "quote": a.quote and asdict(a.quote)}
 
 
 def passages_text(a: Answer | None) -> str:
     """The passages of an answer, as the terminal shows them."""
     if a is None or not a.passages:
         return "(no passages: ask something first)" if a is None else "(the answer read no passage of the memory)"
-    out = []
+    out = [f"quote: {a.quote.cited()}"] if a.quote is not None else []
     for p in a.passages:
         where = (f"session {p.session}, turn {p.turn + 1}" if p.session else f"{p.source or 'the memory'}") + \
             f" at token {p.token_offset:,}"

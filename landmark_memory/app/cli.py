@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 
@@ -181,8 +181,11 @@ def cmd_ask(args):
         answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      seed=args.seed, raw=args.raw, passages=args.passages)
     doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
-           "retrieved": [asdict(p) for p in answer.passages], "memory_tokens": answer.memory_tokens}
+           "retrieved": [asdict(p) for p in answer.passages], "memory_tokens": answer.memory_tokens,
+           "quote": answer.quote and asdict(answer.quote)}
     lines = [f"Q: {args.prompt}\nA: {answer.text.strip()}" if answer.chat else args.prompt + answer.text]
+    if answer.quote is not None:
+        lines.append(f"Quote: {answer.quote.cited()}")
     if args.show_retrieved:
         for p in answer.passages:
             lines.append(f"\n--- retrieved block {p.block} ({100 * p.share:.0f}% of lookups), "
@@ -302,6 +305,28 @@ def cmd_passkey(args):
     return 0
 
 
+def cmd_heads(args):
+    from ..memory.choose_heads import choose_heads, shipped_questions
+    from ..models.heads import heads_path, save_heads
+
+    if args.model is None:
+        raise UsageError("the bundled model has no chat template to ask through: pass --model (a Hugging Face "
+                         "model's folder or smollm2, smollm2-landmark)")
+    model, tok = load_model(args.model, args.device)
+    questions, texts = shipped_questions()
+    heads, how = choose_heads(model, tok, questions, texts, tokens=args.tokens, progress=not args.json)
+    heads = replace(heads, blocks=args.blocks)
+    path = heads_path(args.model)
+    save_heads(heads, path, model=model_name(args.model), chosen_by=how)
+    recall = how["recall@5"][how["count"]]
+    emit(args, {"model": model_name(args.model), "path": str(path), "heads": [list(h) for h in heads.heads],
+                "blocks": heads.blocks, **how},
+         f"{len(heads.heads)} retrieval heads (memory layer, key/value head) {list(heads.heads)}: the evidence's block "
+         f"among the first 5 for {100 * recall:.0f}% of {how['questions']} development questions; saved to {path} "
+         "(ask, chat and serve read with them)")
+    return 0
+
+
 def cmd_demo(args):
     from .demo import run_demo
 
@@ -317,7 +342,7 @@ def cmd_train(argv):
 
 COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "chat": cmd_chat, "sessions": cmd_sessions,
             "serve": cmd_serve, "eval": cmd_eval,
-            "compare": cmd_compare, "passkey": cmd_passkey, "demo": cmd_demo}
+            "compare": cmd_compare, "passkey": cmd_passkey, "heads": cmd_heads, "demo": cmd_demo}
 ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (MemoryFileError), files that cannot be
 # read or written, a worker dying again and again
 

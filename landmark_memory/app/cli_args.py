@@ -262,6 +262,15 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_store_dtype(p)
     add_index_tuning(p)
 
+    p = sub.add_parser("heads", parents=[common], help="choose a model's retrieval heads on the shipped "
+                       "development questions and save them where ask finds them")
+    add_model_args(p)
+    p.add_argument("--tokens", type=positive, default=16128,
+                   help="tokens of each development text read into a memory (default 16,128)")
+    p.add_argument("--blocks", type=_number(int, 0, "a count of blocks", 64), default=4,
+                   help="blocks every answer token reads first, as the heads rank them (default 4; 0: none, a quote "
+                        "only)")
+
     p = sub.add_parser("demo", parents=[common], help="build, save, reopen and query a memory over the sample book")
     p.add_argument("--out", help="where to keep the memory (default: a temporary folder, removed afterwards)")
     p.add_argument("--seed", type=seed, help="where the passkey goes and what it is (default: random)")

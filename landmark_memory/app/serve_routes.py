@@ -180,7 +180,7 @@ async def respond(s: "Served", kind: str, messages: list[Message], raw: bool, re
               {"text": a.text, "logprobs": None})
     return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(a),
-            "passages": [asdict(p) for p in a.passages]}
+            "passages": [asdict(p) for p in a.passages], "quote": a.quote and asdict(a.quote)}
 
 async def answered(s: "Served", messages: list[Message], raw: bool, req: _Request, n: int, session: str | None,
                    request: Request) -> Answer | None:
@@ -278,7 +278,7 @@ async def stream(s: "Served", kind, head, messages, raw, req, n, session):
             if a.text[len(shown):]:
                 yield event(a.text[len(shown):])
             yield event(finish_reason=finish(a, n), extra={"passages": [asdict(p) for p in a.passages],
-                                                         "usage": usage(a)})
+                                                         "quote": a.quote and asdict(a.quote), "usage": usage(a)})
         yield "data: [DONE]\n\n"
     finally:  # the client left (or the stream ended): the answer stops at its next token
         left.set()

@@ -23,6 +23,8 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
     inspect.py    a saved memory read without its model: describe (info) and verify
     answer.py     asking a memory: the answer and the passages it read; a session's turns
+    evidence.py   a question's evidence read by retrieval heads token by token: blocks, a quote
+    choose_heads.py  choosing a model's retrieval heads on development questions
     hf_cache.py   LandmarkMemoryCache: a memory as a transformers Cache for ``generate``
 """
 

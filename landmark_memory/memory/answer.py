@@ -22,6 +22,8 @@ from ..core.names import MAX_TURN_CHARS
 from ..models.config import AskPolicy
 from ..models.reader import QuestionReader, head_attention, standardised
 from .engine import LandmarkMemory
+from .evidence import Quote
+from .evidence import point as point_heads
 from .manifest import MemoryFileError
 from .session import Session
 from .session_files import ROLES, Turn
@@ -68,6 +70,7 @@ class Answer:
     session: str | None = None  # the session it was said in (``say``)
     prompt_tokens: int = 0  # the tokens the question was read as (through the chat template)
     end_of_turn: int | None = None  # the end-of-turn token that ended it (read by the memory, not in ``tokens``)
+    quote: Quote | None = None  # the sentence of the memory the question's retrieval heads attend to most
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -184,11 +187,21 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
 
     encoded = tokenizer.encode(prompt)
     ids, rest = encoded.ids, encoded.ids
+    heads = getattr(mem.model, "evidence_heads", None) if chat is not None else None
     reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
-    pointed = []
-    if reader is not None and n_saved and len(ids) > 1:  # the reader reads the prompt (as it was trained: the
-        own = question_tokens(encoded.offsets[:-1], prompt, question)  # memory's own options), the answer its blocks
-        pointed = [b for b, _ in point(mem, *reader, ids[:-1], own, min(policy.reader_blocks, mem.options.top_k))]
+    pointed, found = [], None
+    if (heads or reader) and n_saved and len(ids) > 1:  # the prompt is read first (by the memory's own options),
+        own = question_tokens(encoded.offsets[:-1], prompt, question)  # then the answer reads the blocks it points at
+        if heads is not None:
+            best, found = point_heads(mem, tokenizer, heads, search_states(mem, ids[:-1]), own, n_saved,
+                                      max(min(heads.blocks, mem.options.top_k), 1))
+            pointed = [b for b, _ in best][:heads.blocks]
+            if found is not None:  # where it lies, as its block's passage says
+                at = passage(mem, found.block, tokenizer, 0.0)
+                found = replace(found, source=at.source, session=at.session, turn=at.turn,
+                                token_offset=at.token_offset + found.token - found.block * mem.shape.block_size)
+        else:
+            pointed = [b for b, _ in point(mem, *reader, ids[:-1], own, min(policy.reader_blocks, mem.options.top_k))]
         rest = ids[-1:]
     with mem.querying(centre=True) if centre else nullcontext():
         with mem.reading(pointed):
@@ -205,7 +218,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         at, cut = min(hits)
         text = text[:at]
     return Answer(question, text, answer, chat is not None, most_read, n_tokens, cut, prompt_tokens=len(ids),
-                  end_of_turn=new[-1] if new and new[-1] in stops else None)
+                  end_of_turn=new[-1] if new and new[-1] in stops else None, quote=found)
 
 
 @torch.no_grad()

@@ -8,10 +8,9 @@ and ``files`` (``SavedFiles``, saved.py: the folder and its commits). This class
 together and is what users call: forward, generate, the options' contexts, commit, open,
 refresh, rewind, close.
 
-Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start), and the
-tokens since the last boundary stay local: feeding a text in one call, in pieces, or one token
-at a time (decoding) gives the same result. A document's end (``end_document``) closes its
-chunk early; chunks after it count from there.
+Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start; a document's
+end, ``end_document``, closes its chunk early), and the tokens since the last boundary stay local:
+a text fed in one call, in pieces or a token at a time (decoding) gives the same result.
 """
 
 from collections.abc import Callable, Collection, Sequence
@@ -252,6 +251,14 @@ class LandmarkMemory:
         in memory (default: every block)."""
         return self.blocks.tokens(stream, first, last)
 
+    def keys(self, layer: int, blocks: torch.Tensor, rows: bool = False) -> torch.Tensor:
+        """float32 keys of stream 0's ``blocks`` (n,) at memory layer ``layer``: their search keys
+        (landmarks, or mean keys) (H_kv, n, D), not rotated; with ``rows``, every row's key (n, H_kv,
+        rows, D), rotated by its offset in its block (as a retrieved block's rows are read)."""
+        if not rows:
+            return self.blocks.landmark_keys(layer, blocks)[0].float()
+        return torch.stack(self.blocks.cache.get([(0, layer, int(b)) for b in blocks]))[:, 0].float()
+
     @contextmanager
     def querying(self, **changes):
         """Query options (``QUERY_OPTIONS``, e.g. ``centre=True``) changed for what is fed
@@ -322,9 +329,7 @@ class LandmarkMemory:
         """The memory's folder (None: not saved)."""
         return self.files.dir
 
-    @property
-    def readonly(self) -> bool:
-        return self.files.readonly
+    readonly = property(lambda self: self.files.readonly)
 
     @property
     def documents(self) -> bool:
@@ -336,9 +341,7 @@ class LandmarkMemory:
         """The last commit this memory wrote or read (None: never saved)."""
         return self.files.manifest
 
-    @property
-    def commit_count(self) -> int:
-        return self.files.commit_count
+    commit_count = property(lambda self: self.files.commit_count)
 
     def commit(self) -> int:
         """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit

@@ -19,6 +19,7 @@ import torch
 from ..core.names import NAMED_MODELS
 from ..core.tokenizer import load_tokenizer
 from .backbone import Backbone, GPTBackbone
+from .heads import find_heads
 from .model import BUNDLED_MODEL, LandmarkGPT
 
 
@@ -197,4 +198,5 @@ def load_model(path: str | Path | None = None, device: str = "auto", block_size:
                 raise ValueError("--block-size applies to landmark models only")
             model.config.block_size = block_size  # shared by every layer
     model.landmark_name = model_name(path)  # what a memory built with it records
+    model.evidence_heads = find_heads(path)  # (``models/heads.py``: None for a model without them)
     return model, tok

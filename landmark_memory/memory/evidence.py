@@ -1,0 +1,165 @@
+"""Evidence: the stored tokens a question's retrieval heads attend to, token by token, and the
+sentence that answers it.
+
+A question read into a memory (the chat prompt, as ``ask`` reads it) is scored by a few chosen
+(layer, key/value head) pairs, its retrieval heads, against every stored token key of candidate
+blocks: per head a softmax over all the candidates' tokens of each prompt token's scores, averaged
+over the question's own tokens and the head's query heads, less the same average over the chat
+template's tokens around it (a content-free prompt read in the same forward: the calibration of
+QRHead and ICR, arXiv 2506.09944 and 2410.02642, attention over the full context rather than a
+summary per block). A block's score is the attention mass of its tokens; the quote is the sentence
+of the best blocks whose tokens hold the most. It needs no training and reads keys the store
+already holds, so a stock checkpoint's training-free memory reads its evidence the same way as a
+landmark memory.
+
+Candidates: every block up to ``EvidenceHeads.candidates``; past that, the blocks the same heads
+rank first by their block keys (landmarks, or a training-free memory's mean keys).
+"""
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..models.heads import EvidenceHeads
+from ..models.reader import head_attention
+
+@dataclass(frozen=True)
+class Quote:
+    """The sentence a question's heads attend to most inside the passages read: its ``text``, the
+    ``block`` it starts in, its first token's place in the memory (``token``) and the attention
+    mass of its tokens (``score``); where ``ask`` found it, like a ``Passage``: its document
+    (``source``) and first token's offset there, or its session's ``turn``."""
+
+    text: str
+    block: int
+    token: int
+    score: float
+    source: str | None = None
+    token_offset: int | None = None
+    session: str | None = None
+    turn: int | None = None
+
+    def cited(self) -> str:
+        """The quote as a terminal shows it: in quotation marks, then where it lies."""
+        where = f"session {self.session}, turn {self.turn + 1}" if self.session else self.source or "the memory"
+        at = self.token if self.token_offset is None else self.token_offset
+        return f"\u201c{self.text}\u201d ({where}, token {at:,})"
+
+
+def prompt_weights(own: list[int], n: int) -> torch.Tensor:
+    """float32 (2, n): the average over a prompt's ``n`` tokens of its question's own (positions
+    ``own``), and of the rest, the chat template's (the calibration)."""
+    w = torch.zeros(2, n)
+    mine = torch.zeros(n, dtype=torch.bool)
+    mine[own] = True
+    w[0, mine], w[1, ~mine] = 1 / max(int(mine.sum()), 1), 1 / max(int((~mine).sum()), 1)
+    return w
+
+
+@torch.no_grad()
+def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int
+          ) -> tuple[list[tuple[int, float]], Quote | None]:
+    """The ``k`` of the memory's first ``n`` blocks (those it held before the prompt) the
+    retrieval ``heads`` rank first, as (block, score), best first, and the quote among them, for a
+    prompt read into ``mem`` (``got``: ``answer.search_states``; ``own``: the question's positions
+    in it)."""
+    heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
+    if not own or n == 0:
+        return [], None
+    w = prompt_weights(own, got[0][0].shape[-2])
+    blocks = candidates(mem, got, w, heads.heads, heads.candidates, n)
+    mass = token_attention(mem, got, w, heads.heads, blocks)  # (2, K, n, bs)
+    best = rank_blocks(mass, blocks, k)
+    return best, quote(mem, tokenizer, mass, blocks, [b for b, _ in best], n)
+
+
+@torch.no_grad()
+def token_attention(mem, got, weights: torch.Tensor, heads, blocks: torch.Tensor) -> torch.Tensor:
+    """float32 (M, K, n, block_size): each of the K ``heads``' attention over the normal tokens of
+    ``blocks`` (n,), for M averages over the prompt's tokens ``weights`` (M, T) (rows summing to 1).
+
+    ``got``: per memory layer what the prompt's tokens search with (``answer.search_states``). A
+    query is rotated to where it would read a block at slot 0 (its search position plus the
+    block's key row), each stored key sits at its offset in the block: the scores the attention
+    gives a retrieved block's tokens."""
+    s, bb = mem.shape, mem.backbone
+    G, bs, n = bb.n_head // s.n_kv_head, s.block_size, len(blocks)
+    out = torch.zeros(weights.shape[0], len(heads), n, bs)
+    if n == 0:
+        return out
+    shift = mem.rope.angles(torch.tensor([s.key_row]))  # from the search position to the key row's
+    by_layer = {}
+    for i, (layer, h) in enumerate(heads):
+        by_layer.setdefault(layer, []).append((i, h))
+    for layer, hs in by_layer.items():
+        q, _, cos, sin = got[layer]  # (H, T, D) raw, (T, D) x 2
+        qr = mem.rope.rotate(shift, mem.rope.rotate((cos, sin), q.float()))  # (H, T, D)
+        keys = mem.keys(layer, blocks, rows=True)[:, :, :bs]  # (n, H_kv, bs, D), rotated by offset
+        for i, h in hs:
+            sc = torch.einsum("gtd,nld->gtnl", qr[h * G:(h + 1) * G], keys[:, h]) * bb.scale  # (G, T, n, bs)
+            a = sc.flatten(2).softmax(-1).view_as(sc).mean(0)  # (T, n, bs)
+            out[:, i] = torch.einsum("mt,tnl->mnl", weights, a)
+    return out
+
+
+@torch.no_grad()
+def candidates(mem, got, weights: torch.Tensor, heads, limit: int, nb: int) -> torch.Tensor:
+    """int64 (n,): which of the memory's first ``nb`` blocks are read token by token: every one
+    up to ``limit``, else the ``limit`` the ``heads`` rank first by block keys (the question's
+    tokens less the template's, ``weights`` (2, T))."""
+    if nb <= limit:
+        return torch.arange(nb)
+    total = torch.zeros(nb)
+    for layer in sorted({lh[0] for lh in heads}):
+        q, _, cos, sin = got[layer]
+        keys = mem.keys(layer, torch.arange(nb))[None]  # (1, H_kv, n, D)
+        a = head_attention(q[None, None], cos[None], sin[None], weights[:, None], keys, mem.backbone.scale)[:, 0]
+        for h in [h for lh, h in heads if lh == layer]:
+            total += a[0, h] - a[1, h]
+    return total.topk(limit).indices.sort().values
+
+
+def rank_blocks(mass: torch.Tensor, blocks: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The best ``k`` of ``blocks`` as (block, score), best first, by the calibrated token
+    attention ``mass`` (2, K, n, bs) (the question's, the template's) summed over heads and tokens."""
+    score = (mass[0] - mass[1]).sum((0, 2))  # (n,)
+    top = score.topk(min(k, len(blocks)))
+    return [(int(blocks[i]), float(v)) for v, i in zip(top.values, top.indices)]
+
+
+# a sentence ends at . ! or ? (and closing quotes or brackets) before white space, but not at an initial or a
+# title (P. M., Mr.), or at a paragraph's end
+SENTENCE_END = re.compile(r"(?<!\b[A-Z])(?<!\bM[rs])(?<!\bMrs)(?<!\b[DS][rt])[.!?][\"'\u201d\u2019_)\]]*(?=\s)|\n\s*\n")
+
+
+def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int) -> Quote | None:
+    """The sentence the heads attend to most (the calibrated mass of its tokens summed) that
+    starts or ends in one of the ``best`` blocks (of ``blocks``, the memory's first ``n``, whose
+    token attention ``mass`` (2, K, len(blocks), bs) is); None where there is none."""
+    if not best:
+        return None
+    bs = mem.shape.block_size
+    at = {int(b): i for i, b in enumerate(blocks)}
+    score = (mass[0] - mass[1]).sum(0)  # (n, bs)
+    found = None
+    for b in best:
+        lo, hi = max(b - 1, 0), min(b + 2, n)  # a sentence may cross into a neighbour
+        ids = [int(t) for t in mem.tokens(0, lo, hi)]
+        w = torch.cat([score[at[c]] if c in at else torch.zeros(bs) for c in range(lo, hi)])  # (len(ids),)
+        pieces = [tokenizer.decode([t]) for t in ids]
+        ends = np.cumsum([len(p) for p in pieces])
+        text = "".join(pieces)
+        cuts = [0] + [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]
+        for a, z in zip(cuts, cuts[1:]):
+            first, last = np.searchsorted(ends, a, "right"), np.searchsorted(ends, z, "left")
+            if not text[a:z].strip() or last < first:
+                continue
+            inside = [t for t in range(first, last + 1) if (b - lo) * bs <= t < (b - lo + 1) * bs]
+            if not inside:  # a sentence of a neighbour only
+                continue
+            s = float(w[first:last + 1].sum())
+            if found is None or s > found.score:
+                found = Quote(" ".join(text[a:z].split()), int(lo + first // bs), int(lo * bs + first), s)
+    return found

@@ -1,0 +1,83 @@
+"""A model's retrieval heads: the few (memory layer, key/value head) pairs whose attention, token
+by token, points a question at the text that answers it (``memory/evidence.py`` reads with
+them; ``landmark-memory heads`` chooses them for any model on a development set shipped with the
+package, QRHead's procedure, arXiv 2506.09944). They are kept as a small JSON file
+(``heads_path``): in a Hugging Face model's folder, or, for a named model, in the user's cache,
+else as the package ships them for it (``assets/heads/<name>.json``)."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.fileio import atomic_write
+from ..core.names import ASSETS, NAMED_MODELS
+
+HEADS_FILE = "retrieval_heads.json"  # in a Hugging Face model's folder
+MAX_HEADS = 256
+
+
+@dataclass(frozen=True)
+class EvidenceHeads:
+    """A model's retrieval heads: ``heads``, (memory layer, key/value head) pairs whose token-level
+    attention ranks blocks; ``blocks``, how many of the best every token of an answer reads first
+    (pinned: ``LandmarkMemory.reading``); ``candidates``, the most blocks read token by token."""
+
+    heads: tuple[tuple[int, int], ...]
+    blocks: int = 4
+    candidates: int = 512
+    source: str = ""  # the file they were read from (for messages)
+
+    def check(self, n_layer: int, n_kv_head: int) -> None:
+        """``ValueError`` when a head lies outside a memory of ``n_layer`` layers of ``n_kv_head``
+        key/value heads (another model's heads)."""
+        bad = [lh for lh in self.heads if not (0 <= lh[0] < n_layer and 0 <= lh[1] < n_kv_head)]
+        if bad:
+            raise ValueError(f"{self.source or 'the retrieval heads'}: heads {bad} lie outside this model's "
+                             f"{n_layer} memory layers of {n_kv_head} key/value heads: they are another model's; "
+                             "choose them for this one (`landmark-memory heads --model ...`) or remove the file")
+
+
+def save_heads(heads: EvidenceHeads, path: str | Path, **notes) -> None:
+    """``heads`` as a small JSON file, written whole or not at all (``notes``: how they were chosen)."""
+    body = {"heads": [list(lh) for lh in heads.heads], "blocks": heads.blocks, "candidates": heads.candidates, **notes}
+    atomic_write(path, (json.dumps(body, indent=1) + "\n").encode())
+
+
+def load_heads(path: str | Path) -> EvidenceHeads:
+    """``save_heads``'s file; ``ValueError`` saying what is wrong with one that is not."""
+    path = Path(path)
+    try:
+        body = json.loads(path.read_bytes()[:1 << 20])
+        heads = tuple((int(a), int(b)) for a, b in body["heads"])
+        blocks, candidates = body.get("blocks", 4), body.get("candidates", 512)
+        ok = (all(type(a) is int and type(b) is int for a, b in body["heads"]) and type(candidates) is int
+              and type(blocks) is int and 1 <= candidates <= 1 << 20 and 0 <= blocks <= 64
+              and 0 < len(heads) <= MAX_HEADS)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a retrieval heads file ({type(e).__name__}: {e}); choose them again "
+                         "(`landmark-memory heads`) or remove it") from None
+    if not ok:
+        raise ValueError(f"{path}: retrieval heads must be 1 to {MAX_HEADS} pairs of integers, blocks a count "
+                         "from 0 to 64 and candidates one from 1 on; choose them again (`landmark-memory heads`) or "
+                         "remove it")
+    return EvidenceHeads(heads, blocks, candidates, str(path))
+
+
+def heads_path(model: str) -> Path:
+    """Where ``landmark-memory heads`` saves the heads of ``model`` (a named model, or a Hugging
+    Face model's folder) and ``find_heads`` looks first."""
+    if model in NAMED_MODELS and not Path(model).exists():
+        from .hf.smollm2 import cache_dir
+        return cache_dir() / "heads" / f"{model}.json"
+    return Path(model) / HEADS_FILE
+
+
+def find_heads(model: str | None) -> EvidenceHeads | None:
+    """The retrieval heads of ``model`` (as ``heads_path`` names it; for a named model, else the
+    package's), or None where it has none; ``ValueError`` for a file that is not a heads file."""
+    if model is None:
+        return None
+    for path in (heads_path(str(model)), ASSETS / "heads" / f"{model}.json"):
+        if path.is_file():
+            return load_heads(path)
+    return None

@@ -1,0 +1,183 @@
+"""Evidence read by retrieval heads, token by token: the attention against a loop over heads,
+tokens and every stored token; the quote; choosing heads; their file; ``ask`` reading with them."""
+
+import json
+
+import pytest
+import torch
+
+from landmark_memory import LandmarkGPT, LandmarkMemory, ask
+from landmark_memory.core.layout import landmarked_length
+from landmark_memory.memory.answer import question_tokens, search_states
+from landmark_memory.memory.choose_heads import DevQuestion, choose, choose_heads, head_ranks
+from landmark_memory.memory.evidence import point, prompt_weights, quote, token_attention
+from landmark_memory.models.heads import EvidenceHeads, load_heads, save_heads
+from test_answer import ChatTokenizer
+from test_reader import BS, model  # noqa: F401  (the reader's small random model, blocks of BS tokens)
+
+
+def raw_keys(mem, text):
+    """Per layer the raw (not rotated) keys of ``text``'s normal tokens, (H, T, D), taken from the
+    model's own projections as the memory reads the text (not from the store)."""
+    qkv, got = mem.backbone.qkv, {}
+
+    def rec(layer, h):
+        q, k, v = qkv(layer, h)
+        p0 = landmarked_length(mem.pending_count, BS)
+        rows = [r for r in range(k.shape[2]) if (p0 + r + 1) % (BS + 1)]
+        got.setdefault(layer, []).append(k[0][:, rows])
+        return q, k, v
+
+    mem.backbone.qkv = rec
+    try:
+        mem.forward(text, logits="none")
+    finally:
+        del mem.backbone.qkv
+    return {layer: torch.cat(parts, 1) for layer, parts in got.items()}
+
+
+def loop_attention(mem, keys, got, w, heads, blocks):
+    """(M, K, n, BS): a loop over heads, query heads, tokens and every stored token of ``blocks``;
+    a query rotated to its search position and on by the key row, a key rotated by its offset."""
+    n, rope, G = len(blocks), mem.rope, mem.backbone.n_head // mem.shape.n_kv_head
+    out = torch.zeros(w.shape[0], len(heads), n, BS)
+    for i, (layer, h) in enumerate(heads):
+        q, _, cos, sin = got[layer]
+        for g in range(h * G, (h + 1) * G):
+            for t in range(q.shape[1]):
+                qt = rope.rotate((cos[t:t + 1], sin[t:t + 1]), q[g, t][None])
+                qt = rope(qt, torch.tensor([BS]))[0]  # the key row's place: a block at slot 0
+                s = torch.tensor([[qt @ rope(keys[layer][h, b * BS + j][None], torch.tensor([j]))[0]
+                                   for j in range(BS)] for b in blocks.tolist()]) * mem.backbone.scale
+                a = torch.softmax(s.flatten(), 0).view(n, BS)
+                out[:, i] += w[:, t, None, None] * a / G
+    return out
+
+
+def test_token_attention_is_a_loop_over_heads_tokens_and_every_stored_token(model):
+    text = torch.randint(4, 64, (1, 62), generator=torch.Generator().manual_seed(1))  # 12 blocks, 2 pending
+    prompt = torch.randint(4, 64, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        mem = LandmarkMemory(model, top_k=2, chunk_size=10)
+        keys = raw_keys(mem, text)
+        got = search_states(mem, prompt)
+        w = prompt_weights([2, 3, 4, 5], len(prompt))
+        heads, blocks = [(1, 0), (0, 1), (1, 1)], torch.tensor([0, 3, 4, 9, 11])
+        fast = token_attention(mem, got, w, heads, blocks)
+        want = loop_attention(mem, keys, got, w, heads, blocks)
+    torch.testing.assert_close(fast, want, rtol=1e-4, atol=1e-6)
+    assert torch.isfinite(fast).all()
+    # each head's attention of one average of the prompt's tokens is a distribution over the stored tokens
+    torch.testing.assert_close(fast.sum((2, 3)), torch.ones(2, 3))
+
+
+def test_prompt_weights_average_the_question_and_the_template_apart():
+    w = prompt_weights([1, 2], 5)
+    torch.testing.assert_close(w, torch.tensor([[0, .5, .5, 0, 0], [1 / 3, 0, 0, 1 / 3, 1 / 3]]))
+
+
+def test_the_quote_is_the_sentence_whose_tokens_hold_the_most_attention(corpus):
+    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        n, bs = mem.n_blocks, mem.shape.block_size
+        blocks = torch.arange(n)
+        ids = mem.tokens(0, 8, 11).tolist()  # blocks 8 to 10: a sentence of block 9 (and maybe its neighbours)
+        text = tok.decode(ids)
+        end = text.index(". ", len(tok.decode(ids[:bs])) + 5) + 1  # the first full stop well inside block 9
+        start = text.rindex(". ", 0, end - 1) + 2
+        mass = torch.zeros(2, 1, n, bs)
+        at = 0
+        for i, t in enumerate(ids):  # the attention of the tokens of that sentence, less a little of the rest
+            piece = tok.decode([t])
+            inside = start <= at + len(piece) // 2 < end
+            mass[0, 0, 8 + i // bs, i % bs] = 1.0 if inside else 0.01
+            at += len(piece)
+        got = quote(mem, tok, mass, blocks, [9], n)
+    assert got.text == " ".join(text[start:end].split())
+    assert got.block in (8, 9) and 8 * bs <= got.token < 10 * bs
+
+
+def test_choose_pools_the_heads_that_rank_the_evidence_first_as_many_as_dev_recall_wants():
+    g = torch.Generator().manual_seed(0)
+    masses, golds = [], []
+    for i in range(12):  # heads 3 and 1 put their attention on the evidence, the rest anywhere
+        m = torch.rand(2, 6, 20, 4, generator=g) * 0.1
+        gold = [i % 20]
+        m[0, 3, gold] += 1.0
+        m[0, 1, gold] += 0.5 if i % 3 else 0.0  # head 1 misses a third of the questions
+        masses.append(m)
+        golds.append(gold)
+    heads = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    chosen, how = choose(masses, golds, heads, counts=(1, 2, 4))
+    assert chosen == [(1, 1)] and how["count"] == 1 and how["recall@5"][1] == 1.0
+    assert list(how["mrr"])[:2] == ["1,1", "0,1"]
+    assert head_ranks(masses[0], golds[0])[3] == 1
+
+
+def test_a_heads_file_round_trips_and_a_bad_one_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "heads.json"
+    save_heads(EvidenceHeads(((3, 1), (0, 2)), blocks=2), path, chosen_by={"count": 2})
+    got = load_heads(path)
+    assert got.heads == ((3, 1), (0, 2)) and got.blocks == 2 and got.source == str(path)
+    for body in ["not json", "[]", '{"heads": [[1.5, 0]]}', '{"heads": []}', '{"heads": [[0, 0]], "blocks": 99}',
+                 '{"heads": [[0, 0]], "candidates": 0}', json.dumps({"heads": [[0, 0]] * 300}), '{"heads": [["a", 0]]}']:
+        path.write_text(body)
+        with pytest.raises(ValueError, match="retrieval heads") as e:
+            load_heads(path)
+        assert "\n" not in str(e.value)
+
+
+def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_quotes_among_them(corpus, documents):
+    model, tok, question = LandmarkGPT.from_pretrained(), ChatTokenizer([]), "Who found the treasure map?"
+    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
+    try:
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+            n = mem.n_blocks
+            got = ask(mem, tok, question, max_new_tokens=5, passages=4)
+            mem.rewind()
+            prompt = tok.chat_text([{"role": "user", "content": question}], first=True, answer=True)
+            enc = tok.encode(prompt)
+            own = question_tokens(enc.offsets[:-1], prompt, question)
+            best, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2)
+            seen = []
+            with mem.reading([b for b, _ in best]):
+                mem.generate(torch.tensor([enc.ids[-1:]]), 5, on_read=seen.append)
+    finally:
+        del model.evidence_heads
+    chosen = [b for b, _ in best]
+    assert [p.block for p in got.passages[:2]] == chosen and len(got.passages) == 4
+    for retrieved in seen:
+        for r in retrieved:
+            assert (r[..., :2] == torch.tensor(chosen)).all()
+    q = got.quote
+    assert q is not None and q.text == found.text and min(abs(q.block - b) for b in chosen) <= 1
+    assert q.source in {str(f) for f in documents.glob("*.txt")}
+    whole = " ".join(open(q.source).read().split())
+    assert q.text in whole  # a sentence of the document, where the answer says
+    assert got.to_json()["quote"]["text"] == q.text
+
+
+def test_heads_of_another_model_are_refused_at_ask_in_one_line(corpus):
+    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
+    model.evidence_heads = EvidenceHeads(((0, 0), (30, 2)), source="heads.json")
+    try:
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem, pytest.raises(ValueError, match="another") as e:
+            ask(mem, tok, "Who found the treasure map?", max_new_tokens=2)
+    finally:
+        del model.evidence_heads
+    assert "heads.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_choose_heads_reads_each_text_and_asks_each_question_as_ask_does():
+    from landmark_memory.memory.choose_heads import shipped_questions
+
+    questions, texts = shipped_questions()
+    assert len(questions) >= 30 and set(texts) == {q.text for q in questions}
+    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
+    name = "train/treasure_island_excerpt.txt"
+    mine = [q for q in questions if q.text == name] + [DevQuestion(name, "Who?", "no such words in the text", ())]
+    heads, how = choose_heads(model, tok, mine, {name: texts[name]}, tokens=2600, progress=False, chunk_size=200)
+    assert how["questions"] == 4  # the four whose evidence lies in the first 2,600 tokens (and not the made-up one)
+    assert 1 <= len(heads.heads) <= 32 and len(set(heads.heads)) == len(heads.heads)
+    c = model.config
+    assert all(0 <= layer < c.n_layer and 0 <= h < c.n_head for layer, h in heads.heads)
