@@ -176,7 +176,38 @@ def report(args):
             body.append(f"- {r['question']} ask: {r['ask_answer']!r} ({'right' if r['ask_right'] else 'wrong'}, "
                         f"block {'found' if r['ask_recall5'] else 'not found'}); base: {b.get('answer', '-')!r}")
     write_result("natural_questions", "Natural questions: the answer's block and the answer, through memory and in "
-                 "context", body, results=args.results, commands=trials.commands)
+                 "context", body + second_set(args.results), results=args.results, commands=trials.commands)
+
+
+def second_set(results):
+    """The second set's evaluation table (``exp_evidence.py``'s summary, ``evidence.json``), or nothing."""
+    f = Path(results) / "evidence.json"
+    if not f.is_file():
+        return []
+    summary = json.loads(f.read_text())
+    groups = ["natural, 8K", "natural, 32K", "planted, 8K", "planted, 32K"]
+    body = ["", "## The second set (`fixtures/natural_questions_2.json`, `exp_evidence.py`)", "",
+            "78 questions over six books other than the three above: 38 about three development books (shipped with "
+            "the package, `landmark_memory/samples/questions.json`), by which heads and counts were chosen, and 40 "
+            "about three evaluation books, reported here (8K: those whose evidence lies in a book's first 8,064 "
+            "tokens, asked of a memory of them; 32K: all 40, asked of a memory of the first 32,256), with the "
+            "retrieval suite's planted facts beside them. `ask` recall@5: the evidence's block among the 5 passages `ask` "
+            "reports; ranking: among the 5 blocks a ranking puts first; right: the answer holds the expected words; "
+            "quoted: the quote holds them. Every figure with its trials: `evidence.md`.", "",
+            "| model, variant | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+    names = {"stage9": "`ask`, stage 9 (no reader)", "shipped": "`ask` through issue 59's question reader",
+             "plain": "`ask` as published", "heads": "`ask` through its retrieval heads (token level)"}
+    for model, s in summary.items():
+        for variant, cells in s.get("ask", {}).items():
+            body.append(f"| {model}: {names[variant]} | " + " | ".join(
+                "; ".join(f"{x} {sum(v)}/{len(v)}" for x, v in cells[g].items() if v and (x != "quoted" or
+                                                                                            variant == "heads"))
+                or "-" for g in groups) + " |")
+        for ranking, _ in s["ranking"].get(groups[1], {}).items():
+            body.append(f"| {model}: ranking by {ranking} | " + " | ".join(
+                (lambda v: f"recall5 {sum(v)}/{len(v)}" if v else "-")(s["ranking"][g].get(ranking, []))
+                for g in groups) + " |")
+    return body
 
 
 def options(ap):
