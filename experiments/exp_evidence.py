@@ -340,6 +340,11 @@ def ranking_rows(work, model, split, size):
     return out
 
 
+def blocks_of(folder, cell_key):
+    """The blocks of the memory ``ask``'s cell ``cell_key`` (variant|memory) was asked of."""
+    return json.loads((folder / cell_key.split("|")[1] / "m" / "manifest.json").read_text())["blocks"]
+
+
 def frac(v):
     return f"{sum(v)}/{len(v)} ({np.mean(v):.0%})" if v else "-"
 
@@ -389,6 +394,10 @@ def report(args):
                             frac([r["quoted"] for r in rows]) if variant == "heads" else "-",
                             f"{np.median([r['seconds'] for r in rows]):.1f}" if rows else "-"]
                 body.append(f"| {ASKED[variant]} | " + " | ".join(row) + " |")
+            ends = [b in (0, blocks_of(work / model, k) - 1) for k, v in cells["cells"].items()
+                    if k.startswith("heads|") for r in v for b in r["passages"][:4]]
+            body += ["", f"The memory's first or last block among the 4 blocks the heads have every answer token "
+                     f"read first: {frac(ends)} of them."]
         cost = work / model / "cost.json"
         if cost.exists():
             body += ["", f"What pointing costs per question (`exp_evidence.py cost`, {COST_BOOK}'s evaluation "

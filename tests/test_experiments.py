@@ -523,7 +523,9 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
                   str(work / "base" / "rec" / f"b-8064-{i}.safetensors"), metadata=meta)
     save_heads(EvidenceHeads(((1, 0),)), work / "base" / "heads.json",
                chosen_by={"questions": 9, "tokens": 100, "recall@5": {"1": 1.0}})
-    row = {"recall5": True, "right": False, "quoted": True, "seconds": 2.0}
+    (work / "base" / "b-8064" / "m").mkdir(parents=True)
+    (work / "base" / "b-8064" / "m" / "manifest.json").write_text(json.dumps({"blocks": 10}))
+    row = {"recall5": True, "right": False, "quoted": True, "seconds": 2.0, "passages": [3, 9, 4, 5, 0]}
     (work / "base" / "ask.json").write_text(json.dumps({"commands": ["python experiments/exp_evidence.py ask"], "cells": {
         "heads|b-8064": [row, row], "plain|b-8064": [dict(row, recall5=False)] * 2}}))
     evidence.report(SimpleNamespace(work=str(work), results=str(tmp_path / "results"), command="x"))
@@ -532,5 +534,6 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
     assert "| tokens: every head | 2/2 (100%) |" in text  # the one head's mass outweighs the others' noise
     assert "| `ask` through the retrieval heads (token level, 4 blocks read first) | 2/2 (100%) | 0/2 (0%) | 2/2 (100%) | 2.0 |" in text
     assert "| `ask` as published (no heads) | 0/2 (0%) |" in text
+    assert "read first: 2/8 (25%) of them" in text  # block 9, the last of 10, twice; block 0 is no block read first
     summary = json.loads((tmp_path / "results" / "evidence.json").read_text())
     assert summary["base"]["ask"]["heads"]["natural, 8K"]["quoted"] == [True, True]
