@@ -181,3 +181,11 @@ def test_choose_heads_reads_each_text_and_asks_each_question_as_ask_does():
     assert 1 <= len(heads.heads) <= 32 and len(set(heads.heads)) == len(heads.heads)
     c = model.config
     assert all(0 <= layer < c.n_layer and 0 <= h < c.n_head for layer, h in heads.heads)
+
+
+def test_the_heads_command_needs_a_model_with_a_chat_template(capsys):
+    from landmark_memory.app.cli import main
+
+    assert main(["heads", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "chat template" in err and "--model" in err and len(err.strip().splitlines()) == 1
