@@ -259,11 +259,12 @@ def heads_step(args):
     print(f"{len(heads.heads)} heads in {time.perf_counter() - t0:.0f} s: {heads.heads}\n{how}")
 
 
-COST_BOOK, COST_SIZES = "345_dracula", (8064, 32256, 129024)
+COST_BOOK = "345_dracula"
 
 
 def cost_step(args):
-    """What pointing costs per question, by memory size (``COST_SIZES`` tokens of ``COST_BOOK``):
+    """What pointing costs per question, by memory size (``--sizes`` tokens of ``COST_BOOK``, e.g.
+    ``8064,32256,129024``):
     the prompt read alone, then with the retrieval heads' token-level reading (``evidence.point``)
     and with the shipped question reader (``answer.point``), the median over the book's evaluation
     questions, each after a warm-up; written to ``WORK/MODEL/cost.json``."""
@@ -277,7 +278,7 @@ def cost_step(args):
     text = encode(tok, read_text(Path(args.books) / f"{COST_BOOK}.txt"))
     asked = [q for q in questions("eval") if q["book"] == COST_BOOK]
     out = {}
-    for n in COST_SIZES:
+    for n in args.sizes:
         path = memory_of(model, Path(args.work) / args.model, f"{COST_BOOK}-{n}", text[:n])
         with LandmarkMemory.open(path, model, readonly=True) as m:
             nb, times = m.n_blocks, {"prompt": [], "heads": [], "reader": []}

@@ -93,6 +93,8 @@ def test_ask_answers_in_words_through_the_chat_template(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["chat"] and doc["text"].strip() and doc["retrieved"]
     assert "<|im_start|>" not in doc["text"]
+    assert doc["quote"]["source"] == str(book.resolve())  # the shipped retrieval heads quote a sentence of the book
+    assert " ".join(doc["quote"]["text"].split()) in " ".join(book.read_text().split())
 
 
 def test_the_chat_prompt_is_a_user_turn_ready_for_the_answer(landmark):
