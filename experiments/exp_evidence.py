@@ -418,7 +418,13 @@ def report(args):
                   "of Oz, Dracula); 8K: the questions whose evidence lies in a book's first 8,064 tokens, asked of a "
                   "memory of them; 32K: every question, asked of a memory of the first 32,256. Planted: the "
                   "retrieval suite's haystacks (held-out books, ten facts each; 4 at 8K, 1 at 32K). Heads, counts "
-                  "and the quote's rule were chosen on the development books only.", ""] + body,
+                  "and the quote's rule were chosen on the development books only.", "",
+                  "The steps, for each model (`--model landmark`, `--model base`; SmolLM2 as published at 8K only, "
+                  "`--sizes 8064`): `exp_evidence.py record --books $BOOKS --work WORK` (and `--planted`), "
+                  "`heads --work WORK` (what `landmark-memory heads` runs), `choose --work WORK` (the heads a choice "
+                  "at 32K on the development books' whole memories would make), `ask --books $BOOKS --work WORK` "
+                  "(and `--planted`), `cost --books $BOOKS --work WORK --sizes 8064,32256,129024`, `report --work "
+                  "WORK`; the trials' commands are listed above.", ""] + body,
                  results=args.results, commands=list(dict.fromkeys(commands)) or [args.command])
 
 

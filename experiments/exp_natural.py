@@ -203,7 +203,7 @@ def second_set(results):
                 "; ".join(f"{x} {sum(v)}/{len(v)}" for x, v in cells[g].items() if v and (x != "quoted" or
                                                                                             variant == "heads"))
                 or "-" for g in groups) + " |")
-        for ranking, _ in s["ranking"].get(groups[1], {}).items():
+        for ranking in dict.fromkeys(k for g in groups for k in s["ranking"].get(g, {})):
             body.append(f"| {model}: ranking by {ranking} | " + " | ".join(
                 (lambda v: f"recall5 {sum(v)}/{len(v)}" if v else "-")(s["ranking"][g].get(ranking, []))
                 for g in groups) + " |")
