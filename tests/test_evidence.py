@@ -10,7 +10,7 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length
 from landmark_memory.memory.answer import question_tokens, search_states
 from landmark_memory.memory.choose_heads import DevQuestion, choose, choose_heads, head_ranks
-from landmark_memory.memory.evidence import point, prompt_weights, quote, token_attention
+from landmark_memory.memory.evidence import candidates, point, prompt_weights, quote, token_attention
 from landmark_memory.models.heads import EvidenceHeads, load_heads, save_heads
 from test_answer import ChatTokenizer
 from test_reader import BS, model  # noqa: F401  (the reader's small random model, blocks of BS tokens)
@@ -189,3 +189,26 @@ def test_the_heads_command_needs_a_model_with_a_chat_template(capsys):
     assert main(["heads", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "chat template" in err and "--model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_past_the_candidate_limit_the_heads_read_the_blocks_their_block_keys_rank_first(model):
+    text = torch.randint(4, 64, (1, 62), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(4, 64, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    heads = [(1, 0), (0, 1)]
+    with torch.no_grad():
+        mem = LandmarkMemory(model, top_k=2, chunk_size=10)
+        mem.forward(text, logits="none")
+        got = search_states(mem, prompt)
+        w = prompt_weights([2, 3, 4, 5], len(prompt))
+        want = torch.zeros(12)  # a loop: each head's softmax over the block keys, question less template
+        for layer, h in heads:
+            q, _, cos, sin = got[layer]
+            for t in range(q.shape[1]):
+                qt = mem.rope.rotate((cos[t:t + 1], sin[t:t + 1]), q[h, t][None])[0]
+                a = torch.softmax(mem.keys(layer, torch.arange(12))[h] @ qt * mem.backbone.scale, 0)
+                want += (w[0, t] - w[1, t]) * a
+        got_blocks = candidates(mem, got, w, heads, 4, 12)
+        assert candidates(mem, got, w, heads, 12, 12).tolist() == list(range(12))
+    assert got_blocks.tolist() == sorted(want.topk(4).indices.tolist())
+    best, _ = point(mem, ChatTokenizer([]), EvidenceHeads(tuple(heads), candidates=4), got, [2, 3, 4, 5], 12, 3)
+    assert {b for b, _ in best} <= set(got_blocks.tolist())

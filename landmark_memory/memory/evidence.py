@@ -148,9 +148,9 @@ def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[i
         lo, hi = max(b - 1, 0), min(b + 2, n)  # a sentence may cross into a neighbour
         ids = [int(t) for t in mem.tokens(0, lo, hi)]
         w = torch.cat([score[at[c]] if c in at else torch.zeros(bs) for c in range(lo, hi)])  # (len(ids),)
-        pieces = [tokenizer.decode([t]) for t in ids]
-        ends = np.cumsum([len(p) for p in pieces])
-        text = "".join(pieces)
+        # where each token ends in the text, from prefixes: a token alone may hold part of a character
+        ends = np.array([len(tokenizer.decode(ids[:i + 1])) for i in range(len(ids))])
+        text = tokenizer.decode(ids)
         cuts = [0] + [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]
         for a, z in zip(cuts, cuts[1:]):
             first, last = np.searchsorted(ends, a, "right"), np.searchsorted(ends, z, "left")
