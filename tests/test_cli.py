@@ -292,3 +292,31 @@ def test_ctrl_c_commits_what_is_done_and_a_rerun_finishes(tmp_path, capsys):
     assert 0 < read < n_tokens(book), "an hourly commit interval means only Ctrl-C committed these"
     doc = run_json(capsys, "build", str(mem), "--input", str(book))
     assert doc["added"] + read == n_tokens(book)
+
+
+def test_info_writes_a_document_names_control_characters_as_escapes(texts, tmp_path, capsys):
+    name = tmp_path / "red\x1b[31mtext\x07.txt"  # a name that would colour a terminal and ring its bell
+    name.write_text(BOOK.read_text()[:400])
+    assert main(["build", str(tmp_path / "m"), "--input", str(name), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "red\\x1b[31mtext\\x07.txt" in out and "\x1b" not in out and "\x07" not in out
+    assert main(["info", str(tmp_path / "m"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"][0]["path"] == str(name)  # JSON keeps the name as it is
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(built, monkeypatch, capsys):
+    class Closed:  # stdout of `landmark-memory info MEMORY | head -1` once head has gone
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):  # (not a real file: the command cannot point it at /dev/null)
+            raise OSError("no file descriptor")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["info", str(built)]) == 141  # as a Unix tool killed by SIGPIPE
+    assert capsys.readouterr().err == ""

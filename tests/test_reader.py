@@ -146,6 +146,17 @@ class Settings:
     num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 2, 2, 2, 32
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_reader_with_non_finite_weights_is_refused_at_load_in_one_line(tmp_path, value):
+    reader = blended(random_reader(2, 2, 16, 32), torch.tensor([1.0, 0.0, 1.0, 0.0]), 0.25)
+    name, t = next((k, v) for k, v in reader.state_dict().items() if v.is_floating_point() and v.numel() > 1)
+    t.view(-1)[1] = value  # (the state dict shares the parameter's storage)
+    save_reader(reader, tmp_path / "r.safetensors", "template")
+    with pytest.raises(ValueError, match="NaN or infinite") as e:
+        load_reader(tmp_path / "r.safetensors")
+    assert name in str(e.value) and "\n" not in str(e.value)
+
+
 def test_an_adapter_whose_reader_is_missing_or_reads_another_model_is_refused(tmp_path):
     class Model:
         ask_policy, config = AskPolicy(reader_blocks=2), Settings()

@@ -5,6 +5,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import sys
 from dataclasses import asdict, replace
@@ -32,9 +33,18 @@ class UsageError(ValueError):
 
 
 # ---- shared helpers ---------------------------------------------------------------------
+# control characters but new lines and tabs: a document's name may hold a terminal's escape sequences
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x1b``), safe to show on a terminal."""
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
 def emit(args, doc, text):
-    """One JSON document with --json, else human-readable text."""
-    print(json.dumps(doc, indent=1) if args.json else text)
+    """One JSON document with --json (its strings escaped by JSON), else human-readable text."""
+    print(json.dumps(doc, indent=1) if args.json else printable(text))
 
 
 def memory_options(args, model, **settings) -> MemoryOptions:
@@ -310,8 +320,8 @@ def cmd_heads(args):
     from ..models.heads import heads_path, save_heads
 
     if args.model is None:
-        raise UsageError("the bundled model has no chat template to ask through: pass --model (a Hugging Face "
-                         "model's folder or smollm2, smollm2-landmark)")
+        raise UsageError("the bundled model was trained on books alone and answers no questions: pass --model (a "
+                         "Hugging Face model's folder or smollm2, smollm2-landmark)")
     model, tok = load_model(args.model, args.device)
     questions, texts = shipped_questions()
     heads, how = choose_heads(model, tok, questions, texts, tokens=args.tokens, progress=not args.json)
@@ -365,9 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:  # whoever read the output stopped (`info | head`): end quietly, as Unix tools do
+        with contextlib.suppress(OSError, ValueError):  # (and let the exit's flush write nowhere)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ERRORS as e:
-        print(f"landmark-memory {args.command}: error: {os_error_text(e) if isinstance(e, OSError) else e}",
-              file=sys.stderr)
+        text = os_error_text(e) if isinstance(e, OSError) else str(e)
+        print(f"landmark-memory {args.command}: error: {printable(text)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"landmark-memory {args.command}: interrupted", file=sys.stderr)

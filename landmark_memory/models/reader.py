@@ -169,4 +169,8 @@ def load_reader(path: str | Path) -> tuple[QuestionReader, str]:
     if not isinstance(config.blend, (int, float)) or not 0.0 <= config.blend < 1.0:
         raise ValueError(f"{path}: blend {config.blend} is no share (0 <= blend < 1); restore the adapter's "
                          f"{READER_FILE}")
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:  # NaN or infinite weights would move the pinned passages silently
+        raise ValueError(f"{path}: the question reader's {', '.join(bad)} hold NaN or infinite values; restore the "
+                         f"adapter's {READER_FILE} or remove it to answer without one")
     return reader.eval(), calibration
