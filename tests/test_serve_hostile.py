@@ -86,7 +86,9 @@ def test_only_the_hosts_the_server_is_bound_as_and_those_allowed_are_answered(se
     ({"Origin": "http://evil.example"}, 403, "origin_not_allowed"),
     ({"Origin": "null"}, 403, "origin_not_allowed"),
     ({"Origin": "http://127.0.0.1:1"}, 403, "origin_not_allowed"),  # this machine, another port: another page
-    ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, 403, "origin_not_allowed")])
+    ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, 403, "origin_not_allowed"),
+    ({"Origin": "http://[::1"}, 403, "origin_not_allowed"),  # no URL: no bare 500
+    ({"Origin": "http://[evil]"}, 403, "origin_not_allowed")])
 @pytest.mark.parametrize("body", [None, b"", b'{"name": "from-a-page"}'])
 def test_a_web_page_of_another_origin_or_a_body_not_declared_json_changes_nothing(server, headers, status, code, body):
     got, data = call(server, "/v1/sessions", method="POST", raw=body, headers=headers)
@@ -95,6 +97,23 @@ def test_a_web_page_of_another_origin_or_a_body_not_declared_json_changes_nothin
     got, data = call(server, "/v1/completions", COMPLETION, headers=headers)
     assert got == status
     assert json.loads(call(server, "/v1/sessions")[1])["data"] == []  # no session was made
+
+
+def test_a_request_with_two_origin_headers_is_refused_whichever_comes_last(server):
+    u = urlparse(server)
+    for origins in (("http://evil.example", f"http://127.0.0.1:{u.port}"), (f"http://127.0.0.1:{u.port}",) * 2):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        body = json.dumps({"name": "two-origins"}).encode()
+        conn.putrequest("POST", "/v1/sessions")
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                            ("Authorization", b"Bearer " + KEY.encode()), *[("Origin", o) for o in origins]]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        r = conn.getresponse()
+        status, data = r.status, r.read()
+        conn.close()
+        assert status == 403 and "more than one Origin" in refusal(status, data, "origin_not_allowed")["message"]
+    assert json.loads(call(server, "/v1/sessions")[1])["data"] == []
 
 
 def test_the_servers_own_page_and_allowed_hosts_pages_may_change_what_they_ask(server):

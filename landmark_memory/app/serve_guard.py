@@ -37,6 +37,14 @@ def host_of(header: bytes) -> str:
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
+def netloc_of(origin: str) -> str:
+    """The ``host:port`` of an Origin header's URL; "" where it has none or is no URL (``[::1``)."""
+    try:
+        return urlsplit(origin).netloc if "://" in origin else ""
+    except ValueError:  # an unclosed or invalid IPv6 address
+        return ""
+
+
 GONE = "landmark_memory.client_gone"  # the scope's entry that ``Guard`` sets when the client leaves
 CHANGING = ("POST", "PUT", "PATCH", "DELETE")  # methods of requests that change something
 JSON_BODY = ("POST", "PUT", "PATCH")  # ... and send a body: a page's form or text/plain needs no preflight
@@ -58,9 +66,11 @@ def refusal(scope, headers: dict[bytes, bytes], hosts: set[str] | None, origins:
     method, origin = scope.get("method", "GET"), headers.get(b"origin")
     if method not in CHANGING:
         return None
+    if sum(k.lower() == b"origin" for k, _ in scope.get("headers", [])) > 1:  # a page has one origin, never two
+        return APIError(403, f"a {method} with more than one Origin header is refused", "origin_not_allowed")
     if origin is not None and origins is not None:
         told = origin.decode("latin-1").strip().lower()
-        netloc = urlsplit(told).netloc if "://" in told else ""
+        netloc = netloc_of(told)
         own = host is not None and netloc == host.decode("latin-1").strip().lower()
         if not own and (not netloc or host_of(netloc.encode()) not in origins):
             return APIError(403, f"a {method} from the web page at {told!r} is refused: this server takes requests "
