@@ -5,7 +5,7 @@ three of them development books, three evaluation books).
     python experiments/exp_evidence.py record --books BOOKS --work DIR [--model landmark|base|gemma]
     python experiments/exp_evidence.py choose --work DIR [--model ...]    # heads, on dev books only
     python experiments/exp_evidence.py ask --books BOOKS --work DIR [--model ...]
-    python experiments/exp_evidence.py report --work DIR                  # evidence.md
+    python experiments/exp_evidence.py report --work DIR [--out NAME]     # evidence.md
 
 ``record``: each book's first 8,064 and 32,256 tokens are read into memories at the defaults
 (``--model``: ``landmark``, SmolLM2 with the shipped adapter; ``base``, SmolLM2 as published, a
@@ -42,6 +42,7 @@ from landmark_memory.app.build import encode
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import question_tokens, search_states
 from landmark_memory.memory.evidence import prompt_weights, token_attention
+from landmark_memory.models.heads import question_prompt
 from landmark_memory.models.reader import head_attention
 from landmark_memory.training.data import read_text
 
@@ -72,9 +73,9 @@ def questions(split=None):
 
 
 def prompt_of(tok, question):
-    """(the prompt's ids less its last token, as ``ask``'s heads read them; the question's own
-    positions in it)."""
-    prompt = tok.chat_prompt(question)
+    """(the prompt's ids less its last token, as ``ask``'s heads read them: a user turn of the chat
+    template, else ``PLAIN_FRAME``; the question's own positions in it)."""
+    prompt, _ = question_prompt(tok, question)
     enc = tok.encode(prompt)
     return enc.ids[:-1], question_tokens(enc.offsets[:-1], prompt, question)
 
@@ -364,16 +365,19 @@ def report(args):
                  f"{heads['chosen_by']['questions']} questions over the first {heads['chosen_by']['tokens']:,} tokens "
                  f"of three books): {len(heads['heads'])} (memory layer, key/value head) "
                  f"{', '.join(map(str, map(tuple, heads['heads'])))}; development recall@5 by heads pooled "
-                 f"{heads['chosen_by']['recall@5']}.", "",
-                 "Ranking recall@5: the evidence's block among the 5 blocks each ranking puts first (the question "
-                 "read as `ask` reads it; calibrated by the chat template's tokens).", "",
-                 "| ranking | " + " | ".join(g[2] for g in groups) + " |", "|---|" + "---|" * len(groups)]
+                 f"{heads['chosen_by']['recall@5']}.", ""]
         table = {g[2]: ranking_rows(work, model, g[0], g[1]) for g in groups}
         names = list(dict.fromkeys(k for t in table.values() for k in t))
-        for name in names:
-            body.append(f"| {name} | " + " | ".join(frac([r <= 5 for r in table[g[2]].get(name, [])])
-                                                    for g in groups) + " |")
-        summary[model] = {"ranking": {g[2]: {k: [r <= 5 for r in v] for k, v in table[g[2]].items()} for g in groups}}
+        if names:  # (a model measured for its cost only has none)
+            body += ["Ranking recall@5: the evidence's block among the 5 blocks each ranking puts first (the question "
+                     "read as `ask` reads it; calibrated by the chat template's tokens, or the plain frame's where a "
+                     "model has none).", "",
+                     "| ranking | " + " | ".join(g[2] for g in groups) + " |", "|---|" + "---|" * len(groups)]
+            for name in names:
+                body.append(f"| {name} | " + " | ".join(frac([r <= 5 for r in table[g[2]].get(name, [])])
+                                                        for g in groups) + " |")
+            summary[model] = {"ranking": {g[2]: {k: [r <= 5 for r in v] for k, v in table[g[2]].items()}
+                                          for g in groups}}
         state = work / model / "ask.json"
         if state.exists():
             cells = json.loads(state.read_text())
@@ -384,7 +388,7 @@ def report(args):
                      "| `ask` | " + " | ".join(f"{g[2]}: recall@5 | right | quoted | s" for g in groups) + " |",
                      "|---|" + "---|---|---|---|" * len(groups)]
             for variant in VARIANTS[model]:
-                row, summary[model].setdefault("ask", {})[variant] = [], {}
+                row, summary.setdefault(model, {"ranking": {}}).setdefault("ask", {})[variant] = [], {}
                 for split, n, label in groups:
                     rows = [r for k, v in cells["cells"].items() if k.startswith(f"{variant}|")
                             and k.endswith(f"-{n}") and k.split("|")[1].startswith("planted") == (split == "planted")
@@ -412,20 +416,22 @@ def report(args):
                             + (f"{t['reader']:.2f} |" if "reader" in t else "- |"))
         body.append("")
     Path(args.results).mkdir(parents=True, exist_ok=True)
-    (Path(args.results) / "evidence.json").write_text(json.dumps(summary) + "\n")
-    write_result("evidence", "Evidence read by retrieval heads, token by token: natural and planted questions",
+    kept = Path(args.results) / "evidence.json"  # every model's summary: those of WORK replace theirs
+    summary = {**(json.loads(kept.read_text()) if kept.is_file() else {}), **summary}
+    kept.write_text(json.dumps(summary) + "\n")
+    write_result(args.out, "Evidence read by retrieval heads, token by token: natural and planted questions",
                  ["Evaluation books only (`fixtures/natural_questions_2.json`: Sherlock Holmes, The Wonderful Wizard "
                   "of Oz, Dracula); 8K: the questions whose evidence lies in a book's first 8,064 tokens, asked of a "
                   "memory of them; 32K: every question, asked of a memory of the first 32,256. Planted: the "
                   "retrieval suite's haystacks (held-out books, ten facts each; 4 at 8K, 1 at 32K). Heads, counts "
                   "and the quote's rule were chosen on the development books only.", "",
-                  "The steps, for each model (`--model landmark`, `--model base`; SmolLM2 as published at 8K only, "
-                  "`--sizes 8064`): `exp_evidence.py record --books $BOOKS --work WORK` (and `--planted`), "
+                  "The steps, for each model (`--model landmark`, `--model base`, `--model gemma`; the last two at 8K "
+                  "only, `--sizes 8064`): `exp_evidence.py record --books $BOOKS --work WORK` (and `--planted`), "
                   "`heads --work WORK` (what `landmark-memory heads` runs), `choose --work WORK` (the heads a choice "
                   "at 32K on the development books' whole memories would make), `ask --books $BOOKS --work WORK` "
-                  "(and `--planted`), `cost --books $BOOKS --work WORK --sizes 8064,32256` (a 128K memory did not finish "
-                  "reading beside the other runs), `report --work "
-                  "WORK`; the trials' commands are listed above.", ""] + body,
+                  "(and `--planted`), `cost --books $BOOKS --work WORK --sizes 8064,32256,129024`, `report --work WORK "
+                  "[--out NAME]` (the models of WORK, each in its section); the trials' commands are listed "
+                  "above.", ""] + body,
                  results=args.results, commands=list(dict.fromkeys(commands)) or [args.command])
 
 
@@ -442,6 +448,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16128, help="heads: tokens of each development text read")
     ap.add_argument("--planted", action="store_true", help="the retrieval suite's planted facts instead")
     ap.add_argument("--split", default="eval", choices=["dev", "eval"], help="the questions ask asks (default eval)")
+    ap.add_argument("--out", default="evidence", help="report: the results file's name (models of WORK only)")
     ap.add_argument("--heads", help="the retrieval heads ask reads with (default: WORK/MODEL/heads.json)")
     args = ap.parse_args(argv)
     args.command = command_line(argv)

@@ -11,7 +11,8 @@ from landmark_memory.core.layout import landmarked_length
 from landmark_memory.memory.answer import question_tokens, search_states
 from landmark_memory.memory.choose_heads import DevQuestion, choose, choose_heads, head_ranks
 from landmark_memory.memory.evidence import candidates, point, prompt_weights, quote, token_attention
-from landmark_memory.models.heads import EvidenceHeads, load_heads, save_heads
+from landmark_memory.core.tokenizer import load_tokenizer
+from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
 from test_answer import ChatTokenizer
 from test_reader import BS, model  # noqa: F401  (the reader's small random model, blocks of BS tokens)
 
@@ -112,30 +113,40 @@ def test_choose_pools_the_heads_that_rank_the_evidence_first_as_many_as_dev_reca
     assert chosen == [(1, 1)] and how["count"] == 1 and how["recall@5"][1] == 1.0
     assert list(how["mrr"])[:2] == ["1,1", "0,1"]
     assert head_ranks(masses[0], golds[0])[3] == 1
+    _, few = choose([m[:, :3] for m in masses], golds, heads[:3], counts=(2, 4, 8))
+    assert set(few["recall@5"]) == {2, 3}  # a model of 3 heads may pool them all
 
 
 def test_a_heads_file_round_trips_and_a_bad_one_is_refused_in_one_line(tmp_path):
-    path = tmp_path / "heads.json"
+    path = tmp_path / "heads" / "heads.json"  # (its folder made on first use)
     save_heads(EvidenceHeads(((3, 1), (0, 2)), blocks=2), path, chosen_by={"count": 2})
     got = load_heads(path)
-    assert got.heads == ((3, 1), (0, 2)) and got.blocks == 2 and got.source == str(path)
+    assert got.heads == ((3, 1), (0, 2)) and got.blocks == 2 and got.source == str(path) and got.frame is None
+    save_heads(EvidenceHeads(((1, 0),), frame=PLAIN_FRAME), path)
+    assert load_heads(path).frame == PLAIN_FRAME
     for body in ["not json", "[]", '{"heads": [[1.5, 0]]}', '{"heads": []}', '{"heads": [[0, 0]], "blocks": 99}',
-                 '{"heads": [[0, 0]], "candidates": 0}', json.dumps({"heads": [[0, 0]] * 300}), '{"heads": [["a", 0]]}']:
+                 '{"heads": [[0, 0]], "candidates": 0}', json.dumps({"heads": [[0, 0]] * 300}), '{"heads": [["a", 0]]}',
+                 '{"heads": [[0, 0]], "frame": "no place for it"}', '{"heads": [[0, 0]], "frame": " {question} "}',
+                 '{"heads": [[0, 0]], "frame": 3}', '{"heads": [[0, 0]], "frame": "{question} or {question}"}']:
         path.write_text(body)
         with pytest.raises(ValueError, match="retrieval heads") as e:
             load_heads(path)
         assert "\n" not in str(e.value)
 
 
-def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_quotes_among_them(corpus, documents):
-    model, tok, question = LandmarkGPT.from_pretrained(), ChatTokenizer([]), "Who found the treasure map?"
-    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
+@pytest.mark.parametrize("chat", [True, False], ids=["chat template", "plain frame"])
+def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_quotes_among_them(corpus, documents,
+                                                                                               chat):
+    model, question = LandmarkGPT.from_pretrained(), "Who found the treasure map?"
+    tok = ChatTokenizer([]) if chat else load_tokenizer()  # (a model without a template reads the heads' frame)
+    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2, frame=None if chat else "Q: {question}\nA:")
     try:
         with LandmarkMemory.open(corpus, model, readonly=True) as mem:
             n = mem.n_blocks
             got = ask(mem, tok, question, max_new_tokens=5, passages=4)
             mem.rewind()
-            prompt = tok.chat_text([{"role": "user", "content": question}], first=True, answer=True)
+            prompt, _ = question_prompt(tok, question, model.evidence_heads.frame)
+            assert prompt.startswith("user:" if chat else "Q: Who found")
             enc = tok.encode(prompt)
             own = question_tokens(enc.offsets[:-1], prompt, question)
             best, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2)
@@ -154,7 +165,32 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
     assert q.source in {str(f) for f in documents.glob("*.txt")}
     whole = " ".join(open(q.source).read().split())
     assert q.text in whole  # a sentence of the document, where the answer says
-    assert got.to_json()["quote"]["text"] == q.text
+    assert got.to_json()["quote"]["text"] == q.text and got.prompt_tokens == len(enc.ids) and got.chat == chat
+
+
+def test_a_framed_answer_ends_where_the_model_writes_the_frames_words_again(corpus):
+    model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
+    model.evidence_heads = EvidenceHeads(((0, 1),), frame="(The {question}\n")  # the bundled model writes "(The"
+    try:
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+            got = ask(mem, tok, "Who found the treasure map?", max_new_tokens=60)
+    finally:
+        del model.evidence_heads
+    assert got.stop == "(The" and "(The" not in got.text and len(got.tokens) < 60
+    assert "(The" in tok.decode(got.tokens)  # cut from the text, as a stop string is
+
+
+def test_heads_without_a_frame_leave_a_model_without_a_chat_template_asking_as_it_did(corpus):
+    model, tok, question = LandmarkGPT.from_pretrained(), load_tokenizer(), "Who found the treasure map?"
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        want = ask(mem, tok, question, max_new_tokens=4)
+    model.evidence_heads = EvidenceHeads(((0, 1),))  # chosen through a chat template: nothing to read with here
+    try:
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+            got = ask(mem, tok, question, max_new_tokens=4)
+    finally:
+        del model.evidence_heads
+    assert got.quote is None and got.tokens == want.tokens and got.prompt_tokens == want.prompt_tokens
 
 
 def test_heads_of_another_model_are_refused_at_ask_in_one_line(corpus):
@@ -168,12 +204,13 @@ def test_heads_of_another_model_are_refused_at_ask_in_one_line(corpus):
     assert "heads.json" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_choose_heads_reads_each_text_and_asks_each_question_as_ask_does():
+@pytest.mark.parametrize("chat", [True, False], ids=["chat template", "plain frame"])
+def test_choose_heads_reads_each_text_and_asks_each_question_as_ask_does(chat):
     from landmark_memory.memory.choose_heads import shipped_questions
 
     questions, texts = shipped_questions()
     assert len(questions) >= 30 and set(texts) == {q.text for q in questions}
-    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
+    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([]) if chat else load_tokenizer()
     name = "train/treasure_island_excerpt.txt"
     mine = [q for q in questions if q.text == name] + [DevQuestion(name, "Who?", "no such words in the text", ())]
     heads, how = choose_heads(model, tok, mine, {name: texts[name]}, tokens=2600, progress=False, chunk_size=200)
@@ -181,14 +218,15 @@ def test_choose_heads_reads_each_text_and_asks_each_question_as_ask_does():
     assert 1 <= len(heads.heads) <= 32 and len(set(heads.heads)) == len(heads.heads)
     c = model.config
     assert all(0 <= layer < c.n_layer and 0 <= h < c.n_head for layer, h in heads.heads)
+    assert heads.frame == (None if chat else PLAIN_FRAME)  # what ask reads a question in for them
 
 
-def test_the_heads_command_needs_a_model_with_a_chat_template(capsys):
+def test_the_heads_command_needs_a_model_that_answers_questions(capsys):
     from landmark_memory.app.cli import main
 
     assert main(["heads", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "chat template" in err and "--model" in err and len(err.strip().splitlines()) == 1
+    assert "bundled model" in err and "--model" in err and len(err.strip().splitlines()) == 1
 
 
 def test_past_the_candidate_limit_the_heads_read_the_blocks_their_block_keys_rank_first(model):

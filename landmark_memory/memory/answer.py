@@ -140,7 +140,9 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     ----------
     raw : bool, continue the messages' text as written (joined by new lines); by default a
         chat model (a tokenizer with ``chat_text``) gets them as turns of its chat template,
-        and its answer ends at any of its end-of-turn tokens (``end_of_turn_ids``).
+        and its answer ends at any of its end-of-turn tokens (``end_of_turn_ids``); a model
+        without one whose retrieval heads were chosen in a plain frame (``EvidenceHeads.frame``)
+        gets the question in it, and its answer ends where it writes the frame's words again.
     passages : int, how many of the passages read to report.
     stop : strings that end the answer where it first produces one of them (cut from its text).
     on_token : called with each new token id of the answer as it is generated (streaming; not
@@ -168,7 +170,15 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     question = messages[-1].content
     chat = None if raw else getattr(tokenizer, "chat_text", lambda *a, **k: None)(
         [asdict(m) for m in messages], first=first, answer=True)
-    prompt = chat if chat is not None else "\n".join(m.content for m in messages)
+    heads = getattr(mem.model, "evidence_heads", None)
+    # a model without a chat template reads the question in the frame its heads were chosen with
+    frame = heads.frame if heads is not None and chat is None and not raw else None
+    if chat is None and frame is None:
+        heads = None
+    last = question if frame is None else frame.replace("{question}", question)
+    if frame is not None:  # a model that writes the frame's words again has ended its answer
+        stop = (*stop, *[w.strip() for w in frame.split("{question}") if w.strip()])
+    prompt = chat if chat is not None else "\n".join([m.content for m in messages[:-1]] + [last])
     n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
     uses = Counter()
     stops = set(tokenizer.end_of_turn_ids) if chat else set()
@@ -187,7 +197,6 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
 
     encoded = tokenizer.encode(prompt)
     ids, rest = encoded.ids, encoded.ids
-    heads = getattr(mem.model, "evidence_heads", None) if chat is not None else None
     reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
     pointed, found = [], None
     if (heads or reader) and n_saved and len(ids) > 1:  # the prompt is read first (by the memory's own options),

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..models.heads import EvidenceHeads
+from ..models.heads import EvidenceHeads, question_prompt
 from .answer import question_tokens, search_states
 from .engine import LandmarkMemory
 from .evidence import prompt_weights, token_attention
@@ -78,8 +78,9 @@ def choose(masses: list[torch.Tensor], golds: list[list[int]], heads: list[tuple
     (2, K, n, bs) of every head of ``heads`` and its evidence's blocks ``golds``."""
     rr = torch.stack([1.0 / head_ranks(m, g).float() for m, g in zip(masses, golds)]).mean(0)  # (K,)
     order = torch.argsort(rr, descending=True).tolist()
+    sizes = [n for n in counts if n < len(order)] + ([len(order)] if len(order) <= max(counts) else [])
     recall = {n: sum(pooled_rank(m, g, order[:n]) <= RECALL_AT for m, g in zip(masses, golds)) / len(masses)
-              for n in counts if n <= len(order)}
+              for n in sizes}
     best = max(recall, key=lambda n: (recall[n], -n))
     return [heads[i] for i in order[:best]], {"count": best, f"recall@{RECALL_AT}": recall,
                                               "mrr": {f"{heads[i][0]},{heads[i][1]}": round(float(rr[i]), 4)
@@ -91,14 +92,11 @@ def choose_heads(model, tokenizer, questions: list[DevQuestion], texts: dict[str
                  progress: bool = True, **options) -> tuple[EvidenceHeads, dict]:
     """Read the first ``tokens`` tokens of each text into a memory (``options``: its
     ``MemoryOptions`` settings, the model's defaults for the rest), ask each question about it as
-    ``ask`` reads a question, and ``choose`` the heads; a question whose evidence lies past
-    ``tokens`` is left out. Returns the heads and how they were chosen (``choose``'s record and
-    the questions used)."""
-    chat_text = getattr(tokenizer, "chat_text", None)
-    if chat_text is None or chat_text([{"role": "user", "content": "?"}], first=True, answer=True) is None:
-        raise ValueError("the model has no chat template: ask reads a question through retrieval heads only where "
-                         "it has one, so there are none to choose")
-    masses, golds, used, heads = [], [], [], None
+    ``ask`` reads a question (a user turn of the chat template, else in ``PLAIN_FRAME``), and
+    ``choose`` the heads; a question whose evidence lies past ``tokens`` is left out. Returns the
+    heads (with the frame, where there is no template) and how they were chosen (``choose``'s
+    record and the questions used)."""
+    masses, golds, used, heads, frame = [], [], [], None, None
     bar = tqdm(total=len(questions), desc="choosing heads", unit="question", disable=not progress)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, text) in enumerate(texts.items()):
@@ -122,7 +120,7 @@ def choose_heads(model, tokenizer, questions: list[DevQuestion], texts: dict[str
                     if not gold or max(gold) >= mem.n_blocks:  # past the tokens read, or in the open chunk
                         continue
                     mem.rewind()
-                    prompt = chat_text([{"role": "user", "content": q.question}], first=True, answer=True)
+                    prompt, frame = question_prompt(tokenizer, q.question)
                     p = tokenizer.encode(prompt)
                     own = question_tokens(p.offsets[:-1], prompt, q.question)
                     got = search_states(mem, p.ids[:-1])
@@ -135,4 +133,4 @@ def choose_heads(model, tokenizer, questions: list[DevQuestion], texts: dict[str
         raise ValueError(f"only {len(masses)} development questions have their evidence in the first {tokens:,} "
                          "tokens of their texts: choosing heads needs at least 4")
     chosen, record = choose(masses, golds, heads)
-    return EvidenceHeads(tuple(chosen)), {**record, "questions": len(used), "tokens": tokens}
+    return EvidenceHeads(tuple(chosen), frame=frame), {**record, "questions": len(used), "tokens": tokens}
