@@ -487,3 +487,32 @@ def test_an_lmdb_commit_that_fails_is_one_line_and_the_build_finishes_after(tmp_
     final = LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True)
     np.testing.assert_array_equal(final.tokens(), encode_document(load_tokenizer(), book.read_text(), 50))
     final.close()
+
+
+@pytest.mark.parametrize("kind", ["landmark-gpt", "hugging-face"])
+@pytest.mark.parametrize("damage", ["cut weights", "config field of the wrong type"])
+def test_a_damaged_model_folder_is_one_line_naming_its_file(tmp_path, capsys, kind, damage):
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from landmark_memory.models.model import BUNDLED_MODEL
+
+    folder = tmp_path / kind
+    if kind == "landmark-gpt":
+        shutil.copytree(BUNDLED_MODEL, folder)
+    else:
+        LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2, vocab_size=300)).save_pretrained(folder)
+    if damage == "cut weights":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+        bad = "model.safetensors"
+    else:
+        doc = json.loads((folder / "config.json").read_text())
+        (doc["config"] if kind == "landmark-gpt" else doc)["n_layer" if kind == "landmark-gpt" else
+                                                            "num_hidden_layers"] = "two"
+        (folder / "config.json").write_text(json.dumps(doc))
+        bad = "config.json"
+    capsys.readouterr()  # (what saving the model printed)
+    refused(capsys, ["heads", "--model", str(folder), "--quiet"], str(folder / bad), "restore the model's files")

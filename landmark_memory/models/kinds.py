@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
 
 from ..core.names import NAMED_MODELS
 from ..core.tokenizer import load_tokenizer
@@ -175,6 +177,16 @@ def load_model(path: str | Path | None = None, device: str = "auto", block_size:
     with its ``model_name`` as ``landmark_name``. ``block_size`` must match a landmark model's
     own, except that a LandmarkGPT may be read with another (its trained blocks may suit it less)."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else check_device(device)
+    try:
+        model, tok = _load(path, dev, block_size)
+    except _DAMAGE as e:  # a cut weights file, a config field of the wrong type
+        raise damaged_model(path, e) from None
+    model.landmark_name = model_name(path)  # what a memory built with it records
+    model.evidence_heads = find_heads(path)  # (``models/heads.py``: None for a model without them)
+    return model, tok
+
+
+def _load(path, dev: str, block_size: int | None):
     config = hf_config(path) if path else None
     named = path in NAMED_MODELS and not Path(path).exists()
     if config is not None or named:
@@ -197,6 +209,22 @@ def load_model(path: str | Path | None = None, device: str = "auto", block_size:
             if model.config.attention != "landmark":
                 raise ValueError("--block-size applies to landmark models only")
             model.config.block_size = block_size  # shared by every layer
-    model.landmark_name = model_name(path)  # what a memory built with it records
-    model.evidence_heads = find_heads(path)  # (``models/heads.py``: None for a model without them)
     return model, tok
+
+
+_DAMAGE = (SafetensorError, StrictDataclassError, TypeError, KeyError, RuntimeError)
+
+
+def damaged_model(path, e: Exception) -> ValueError:
+    """One line for a model that could not be read (``e``): the weights file of its folder that
+    does not open, else its config.json, and why."""
+    folder = Path(path or BUNDLED_MODEL)
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (SafetensorError, OSError) as bad:
+            return ValueError(f"{f}: damaged weights ({bad}); restore the model's files or save it again")
+    why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    where = folder / "config.json" if folder.is_dir() else f"the model {path}"
+    return ValueError(f"{where}: the model cannot be built from it ({why}); restore the model's files or save it again")
