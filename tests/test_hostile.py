@@ -516,3 +516,17 @@ def test_a_damaged_model_folder_is_one_line_naming_its_file(tmp_path, capsys, ki
         bad = "config.json"
     capsys.readouterr()  # (what saving the model printed)
     refused(capsys, ["heads", "--model", str(folder), "--quiet"], str(folder / bad), "restore the model's files")
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_later_build(tmp_path, book, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    name = docs / os.fsdecode(b"caf\xe9.txt")  # Latin-1 bytes: not UTF-8
+    name.write_text(book.read_text()[:500])
+    mem = tmp_path / "m"
+    refused(capsys, ["build", str(mem), "--input", str(docs), "--quiet"], "caf\\udce9.txt", "not UTF-8", "rename it")
+    assert not mem.exists() or not any(mem.rglob("manifest*"))  # nothing read, nothing committed
+    good = tmp_path / "good.txt"
+    good.write_text(book.read_text()[:500])
+    assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0
+    assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0  # and again: nothing stands in the way

@@ -52,9 +52,14 @@ def content_sha256(text: str) -> str:
 
 def read_inputs(paths: list[str | Path]) -> list[TextInput]:
     """Every text file named or found under ``paths``, read and checked before anything is
-    written (empty, binary and non-UTF-8 files raise ``ValueError``)."""
+    written (empty, binary and non-UTF-8 files, and names that are not UTF-8, raise ``ValueError``)."""
     out = []
     for f in list_text_files(paths):
+        try:  # a memory records its documents by name, in UTF-8
+            str(f).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{ascii(str(f))[1:-1]}: the file's name is not UTF-8, and a memory records its "
+                             "documents by name; rename it (e.g. convmv -f latin1 -t utf8 --notest)") from None
         text = read_text(f)
         out.append(TextInput(f, text, content_sha256(text), hashlib.sha256(text.encode()).hexdigest()))
     return out
