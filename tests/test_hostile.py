@@ -530,3 +530,26 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_la
     good.write_text(book.read_text()[:500])
     assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0
     assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0  # and again: nothing stands in the way
+
+
+@pytest.mark.parametrize("name, replaced", [
+    ("tokens.bin", False), ("keys/s0_l0_h0.f32", False), ("documents/000000.jsonl", False),
+    ("documents/digests.bin", False), ("store/lmdb/data.mdb", False), ("store/lmdb/lock.mdb", False),
+    ("manifest.json", True), ("state.1.safetensors", True)])  # (the last two are replaced whole at a commit)
+def test_a_memory_file_hard_linked_outside_is_refused_or_replaced_never_written_through(tmp_path, book, capsys,
+                                                                                         name, replaced):
+    mem = built(tmp_path, book)
+    outside, target = tmp_path / "outside", mem / name
+    if not target.exists():
+        pytest.skip(f"this memory has no {name}")
+    outside.write_bytes(target.read_bytes())
+    target.unlink()
+    os.link(outside, target)  # `ln -f outside memory/NAME`: one file, two names
+    before = outside.read_bytes()
+    more = tmp_path / "more.txt"
+    more.write_text(BOOK.read_text()[5000:7000])
+    if replaced:
+        assert main(["build", str(mem), "--input", str(more), "--quiet"]) == 0
+    else:
+        refused(capsys, ["build", str(mem), "--input", str(more), "--quiet"], str(target), "hard links")
+    assert outside.read_bytes() == before

@@ -66,6 +66,19 @@ def test_a_turn_log_that_is_a_link_is_refused_and_what_it_points_to_is_never_cut
     assert outside.read_text() == "x" * 22_000
 
 
+@pytest.mark.parametrize("name", ["turns.jsonl", "turns.idx"])
+def test_a_session_file_hard_linked_outside_is_refused_and_never_written_through(memory, tmp_path, name):
+    outside, f = tmp_path / "outside", memory / "sessions" / "s" / name
+    outside.write_bytes(f.read_bytes())
+    f.unlink()
+    os.link(outside, f)  # `ln -f outside turns.jsonl`: one file, two names
+    before = outside.read_bytes()
+    rc, err = chat(memory, "s")
+    assert rc == 2
+    one_line(err, name, "hard links")
+    assert outside.read_bytes() == before
+
+
 @pytest.mark.parametrize("damage", ["half", "flipped", "deleted", "pipe"])
 def test_a_damaged_turn_log_is_refused_before_the_turn_and_nothing_is_written(memory, damage):
     folder = memory / "sessions" / "s"

@@ -18,7 +18,8 @@ class LinkError(OSError):
 def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
     """``os.open`` of a regular file that refuses a symbolic link at ``path`` (its last
     component) or anything but a regular file there (opened without blocking, so a named pipe
-    is refused, never waited on) with ``LinkError``."""
+    is refused, never waited on) with ``LinkError``, and so a file opened to write that has
+    other hard links."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
@@ -27,10 +28,21 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
         if e.errno == errno.ENXIO:  # a named pipe opened to write with no reader
             raise LinkError(errno.ENXIO, f"{path} is no regular file") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise LinkError(errno.EINVAL, f"{path} is no regular file")
+    if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+        os.close(fd)
+        raise hard_linked(path, st.st_nlink)
     return fd
+
+
+def hard_linked(path: str | Path, links: int) -> LinkError:
+    """The error for a file to be written that has other names (``links`` in all): writing it
+    would change a file outside the folder too."""
+    return LinkError(errno.EMLINK, f"{path} has {links} hard links, so writing it would change another name's file "
+                                   "too (copy it over itself to break the link)")
 
 
 def cut(path: str | Path, nbytes: int) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.fileio import cut, reserve
+from ..core.fileio import cut, open_nofollow, reserve
 
 MIN_ROWS = 64  # the least a file or a buffer grows to
 
@@ -124,7 +124,7 @@ class KeyRows:
             reserve(f, rows * row)
             have = rows
         mapped = have if self.writable else rows  # a reader maps the rows that count, no further
-        fd = os.open(f, (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_NOFOLLOW)
+        fd = open_nofollow(f, os.O_RDWR if self.writable else os.O_RDONLY)
         if self.writable and isinstance(self._rows, np.memmap):
             self._rows.flush()  # the old map's writes, before the new one reads the file
         with os.fdopen(fd, "rb+" if self.writable else "rb") as fh:

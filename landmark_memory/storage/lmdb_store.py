@@ -7,6 +7,7 @@ import struct
 import threading
 from pathlib import Path
 
+from ..core.fileio import hard_linked
 from .base import BlockStore, DiskFullError, StoreDamagedError, StoreWriteError
 
 _LMDB_ENVS = {}  # real path -> [environment, users]: LMDB allows one environment per file and process
@@ -26,11 +27,15 @@ def _open_env(path, map_size, readonly, sealed):
     """An LMDB environment at ``path``, its data file checked to hold every page it uses."""
     import lmdb
 
+    # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
+    # media or where no writer will come (``sealed``: a corpus's merged documents)
+    lock = not readonly or (not sealed and os.access(path, os.W_OK))
+    for name in ("data.mdb",) * (not readonly) + ("lock.mdb",) * lock:  # what LMDB will write, itself
+        f = os.path.join(path, name)
+        if os.path.isfile(f) and (links := os.stat(f).st_nlink) > 1:
+            raise hard_linked(f, links)
     try:
-        # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
-        # media or where no writer will come (``sealed``: a corpus's merged documents)
-        env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0,
-                        lock=not readonly or (not sealed and os.access(path, os.W_OK)))
+        env = lmdb.open(str(path), map_size=map_size, readonly=readonly, max_dbs=0, lock=lock)
     except lmdb.Error as e:
         if "No space left" in str(e):
             raise DiskFullError(errno.ENOSPC, str(e)) from None
