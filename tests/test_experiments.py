@@ -528,7 +528,9 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
     row = {"recall5": True, "right": False, "quoted": True, "seconds": 2.0, "passages": [3, 9, 4, 5, 0]}
     (work / "base" / "ask.json").write_text(json.dumps({"commands": ["python experiments/exp_evidence.py ask"], "cells": {
         "heads|b-8064": [row, row], "plain|b-8064": [dict(row, recall5=False)] * 2}}))
-    evidence.report(SimpleNamespace(work=str(work), results=str(tmp_path / "results"), command="x"))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "evidence.json").write_text(json.dumps({"landmark": {"ranking": {}}}))  # an earlier run's
+    evidence.report(SimpleNamespace(work=str(work), results=str(tmp_path / "results"), command="x", out="evidence"))
     text = (tmp_path / "results" / "evidence.md").read_text()
     assert "| tokens: heads | 2/2 (100%) | - | - | - |" in text
     assert "| tokens: every head | 2/2 (100%) |" in text  # the one head's mass outweighs the others' noise
@@ -537,3 +539,4 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
     assert "read first: 2/8 (25%) of them" in text  # block 9, the last of 10, twice; block 0 is no block read first
     summary = json.loads((tmp_path / "results" / "evidence.json").read_text())
     assert summary["base"]["ask"]["heads"]["natural, 8K"]["quoted"] == [True, True]
+    assert summary["landmark"] == {"ranking": {}}  # a model this work folder does not hold keeps its summary
