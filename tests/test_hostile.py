@@ -553,3 +553,14 @@ def test_a_memory_file_hard_linked_outside_is_refused_or_replaced_never_written_
     else:
         refused(capsys, ["build", str(mem), "--input", str(more), "--quiet"], str(target), "hard links")
     assert outside.read_bytes() == before
+
+
+def test_a_manifest_that_loses_its_streams_but_keeps_its_tokens_is_one_line(tmp_path, book, capsys):
+    mem = built(tmp_path, book)
+    doc = json.loads((mem / "manifest.json").read_text())
+    doc["streams"] = None  # (found by the manifest fuzz: `info --verify` counted blocks in range(None))
+    (mem / "manifest.json").write_text(json.dumps(doc))
+    for argv in (["info", str(mem)], ["info", str(mem), "--verify"], ["build", str(mem), "--input", str(book)]):
+        assert main([*argv, "--quiet"] if argv[0] == "build" else argv) == 2
+        out, err = capsys.readouterr()
+        assert "streams = None" in out + err and "Traceback" not in err

@@ -266,6 +266,8 @@ class Manifest:
             raise bad(f"rows_merged = {self.rows_merged!r}", "(true or false, and only in a corpus's document)")
         for name in ("blocks", "tokens", "pending_tokens", "commit"):
             count(name, getattr(self, name))
+        if self.streams is None and self.tokens:  # the first forward, which read them, fixed it
+            raise bad("streams = None", f"(a memory of {self.tokens:,} tokens has read them in streams)")
         if self.tokens != self.blocks * s.block_size + self.pending_tokens:
             raise bad(f"tokens = {self.tokens:,}", f"where its {self.blocks:,} blocks of {s.block_size} and "
                       f"{self.pending_tokens:,} pending tokens make {self.blocks * s.block_size + self.pending_tokens:,}")
