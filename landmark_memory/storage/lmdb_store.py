@@ -30,7 +30,8 @@ def _open_env(path, map_size, readonly, sealed):
     # readers take LMDB's reader lock where they may (safe beside a writer), none on read-only
     # media or where no writer will come (``sealed``: a corpus's merged documents)
     lock = not readonly or (not sealed and os.access(path, os.W_OK))
-    for name in ("data.mdb",) * (not readonly) + ("lock.mdb",) * lock:  # what LMDB will write, itself
+    written = ([] if readonly else ["data.mdb"]) + (["lock.mdb"] if lock else [])  # by LMDB itself
+    for name in written:
         f = os.path.join(path, name)
         if os.path.isfile(f) and (links := os.stat(f).st_nlink) > 1:
             raise hard_linked(f, links)
