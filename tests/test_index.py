@@ -113,7 +113,7 @@ def test_the_index_registry_is_what_the_command_line_offers_and_each_kind_makes_
     from landmark_memory.index.on_rows import ListsIndex, RowsIndex
 
     assert tuple(KINDS) == INDEX_KINDS
-    assert [k for k, spec in KINDS.items() if spec.on_rows] == ["ivf-rows", "flat", "flat-gpu"]
+    assert [k for k, spec in KINDS.items() if spec.on_rows] == ["ivf-rows", "flat", "flat-gpu", "flat-torch"]
     for kind in (k for k in KINDS if gpu_available() or not KINDS[k].gpu):
         index = new_index(kind, 8)
         assert type(index) is KINDS[kind].make and index.kind == kind
@@ -176,6 +176,36 @@ def test_a_gpu_kind_returns_the_top_k_of_the_range_searched_never_a_block_outsid
         np.testing.assert_allclose(D, D_want, rtol=1e-5)
     with pytest.raises(ValueError, match="ignores a range") if kind != "flat-gpu" else contextlib.nullcontext():
         gpu.search(xq, 2047, 0, 2)  # more results than faiss-gpu returns would be needed: refused, never wrong
+
+
+def test_flat_torch_returns_flats_ids_over_any_range_as_rows_grow_and_roll_back(monkeypatch):
+    from landmark_memory.index.on_rows import TorchRowsIndex
+
+    monkeypatch.setattr(TorchRowsIndex, "SCORES", 7 * 40)  # slices of 40 rows for 7 queries: merging is exercised
+    rng = np.random.default_rng(1)
+    xq = rng.standard_normal((7, 16)).astype(np.float32)
+    gpu, flat = new_index("flat-torch", 16), new_index("flat", 16)
+    assert gpu.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    for step in range(3):
+        xb = rng.standard_normal((250, 16)).astype(np.float32)
+        gpu.add(xb)
+        flat.add(xb)
+        n = gpu.ntotal
+        for lo, hi, k in [(0, n, 5), (0, n - 3, 5), (100, 230, 12), (n - 2, n, 5), (37, 38, 3), (0, n, 300)]:
+            D, I = gpu.search(xq, k, lo, hi)
+            D_want, I_want = flat.search(xq, k, lo, hi)
+            assert D.dtype == np.float32 and not np.isnan(D).any()
+            np.testing.assert_allclose(D, D_want, rtol=1e-5, atol=1e-5)  # (-inf where fewer than k)
+            # the same ids in the same order, but for two scores tied within rounding
+            assert all(set(a) == set(b) for a, b in zip(I.tolist(), I_want.tolist()))
+            assert (I == I_want).mean() > 0.99
+        if step == 1:  # a rollback: the last 100 rows dropped, other rows written in their place
+            for ix in (gpu, flat):
+                ix.rows.follow(n - 100)
+                ix.follow(n - 100)
+            xb = rng.standard_normal((100, 16)).astype(np.float32)
+            gpu.add(xb)
+            flat.add(xb)
 
 
 def test_approximate_indexes_reach_recall_on_trained_landmark_keys():

@@ -1,10 +1,10 @@
 """Landmark key search by inner product, one index per (stream, layer, key/value head), of a
 kind from the registry ``KINDS``.
 
-Kinds, by module: ``on_rows.py`` (``ivf-rows``, the default, ``flat`` and ``flat-gpu``: over
-the key rows where they lie, nothing in a memory's state file), ``faiss_kinds.py`` (``hnsw``,
-``ivf``, ``ivfpq`` and their GPU variants: FAISS's own indexes, serialised into the state file). Ids are
-block numbers: blocks are added in order, so a search restricted to a block range is a range of
+Kinds, by module: ``on_rows.py`` (``ivf-rows``, the default, ``flat``, ``flat-gpu`` and
+``flat-torch``: over the key rows where they lie, nothing in a memory's state file),
+``faiss_kinds.py`` (``hnsw``, ``ivf``, ``ivfpq`` and their GPU variants: FAISS's own indexes,
+serialised into the state file). Ids are block numbers: blocks are added in order, so a search restricted to a block range is a range of
 ids. Adding a kind is a class (in one of those modules or one of its own), a line in ``KINDS``
 and its name in ``core/names.py`` (which the command line reads without importing FAISS); a
 kind that keeps files beside the key files says which through its class (``base.py``), and
@@ -19,7 +19,7 @@ import numpy as np
 from ..core.names import TRAIN_SIZES
 from .base import IndexFile, LandmarkIndex
 from .faiss_kinds import FaissIndex, gpu_available
-from .on_rows import GpuRowsIndex, ListsIndex, RowsIndex
+from .on_rows import GpuRowsIndex, ListsIndex, RowsIndex, TorchRowsIndex
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ KINDS: dict[str, IndexKind] = {
     "ivf": IndexKind(FaissIndex, TRAIN_SIZES["ivf"]),
     "ivfpq": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"]),
     "flat-gpu": IndexKind(GpuRowsIndex, in_state=False, gpu=True),
+    "flat-torch": IndexKind(TorchRowsIndex, in_state=False),
     "ivf-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivf"], gpu=True),
     "ivfpq-gpu": IndexKind(FaissIndex, TRAIN_SIZES["ivfpq"], gpu=True),
 }

@@ -6,6 +6,9 @@ no key:
   bit, as an IndexFlatIP with an IDSelectorRange);
 - ``flat-gpu``: the same on a GPU (``faiss.knn_gpu`` over the range's rows, where faiss-gpu and a
   GPU are present);
+- ``flat-torch``: the same through PyTorch, on a GPU where CUDA is present (faiss-gpu or not) and
+  on the CPU elsewhere: a matrix product and a top-k over slices of the range's rows, which it
+  copies to the device once, as they are appended;
 - ``ivf-rows`` (the default): exact the same way until ``train_size`` keys, then lists of block
   ids over the rows (``lists.ListIndex``, in files beside them): a search costs about the same
   however many blocks a memory holds, and a commit writes only what it appends.
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+import torch
 
 from .base import IndexFile, LandmarkIndex
 from .faiss_kinds import gpu_resources
@@ -68,6 +72,51 @@ class GpuRowsIndex(RowsIndex):
         D, I = faiss.knn_gpu(gpu_resources(), xq, self.rows.array()[lo:hi], k, metric=faiss.METRIC_INNER_PRODUCT)
         I[I >= 0] += lo
         return D, I
+
+
+class TorchRowsIndex(RowsIndex):
+    """``flat-torch``: ``flat``'s exact search by PyTorch on ``device`` (default: CUDA when
+    present, else the CPU), the rows copied there as they are appended and scored a slice at a
+    time, so that a search holds at most ``SCORES`` float32 scores (256 MiB) whatever the memory's
+    size and the number of queries."""
+
+    SCORES = 1 << 26
+
+    def __init__(self, kind: str, dim: int, *, device: str | None = None, **options):
+        super().__init__(kind, dim, **options)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._copy = torch.empty(0, dim, device=self.device)  # (capacity, dim): rows [0, _copied) as they are
+        self._copied = 0
+
+    def follow(self, n: int) -> None:
+        super().follow(n)
+        self._copied = min(self._copied, n)  # rows past n may be written again
+
+    def _rows_on_device(self, hi: int) -> torch.Tensor:
+        """The first ``hi`` rows on the device (those not copied yet go now)."""
+        self._copied = min(self._copied, self.rows.n)
+        if hi > self._copied:
+            if hi > len(self._copy):
+                grown = torch.empty(max(hi, 2 * len(self._copy)), self.dim, device=self.device)
+                grown[:self._copied] = self._copy[:self._copied]
+                self._copy = grown
+            self._copy[self._copied:hi] = torch.from_numpy(self.rows.array()[self._copied:hi]).to(self.device)
+            self._copied = hi
+        return self._copy[:hi]
+
+    @torch.no_grad()
+    def _search(self, xq, k, lo, hi):
+        xb = self._rows_on_device(hi)
+        q = torch.from_numpy(xq).to(self.device)  # (nq, dim)
+        D = torch.full((len(xq), k), float("-inf"), device=self.device)
+        I = torch.full((len(xq), k), -1, dtype=torch.int64, device=self.device)
+        step = max(k, self.SCORES // len(xq))
+        for start in range(lo, hi, step):  # each slice's top k merged into the best k so far
+            scores = q @ xb[start:min(start + step, hi)].T  # (nq, slice)
+            d, i = scores.topk(min(k, scores.shape[1]), dim=1)
+            D, order = torch.cat([D, d], 1).topk(k, dim=1)
+            I = torch.cat([I, i + start], 1).gather(1, order)
+        return D.cpu().numpy(), I.cpu().numpy()
 
 
 class ListsIndex(RowsIndex):
