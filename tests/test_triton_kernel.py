@@ -1,11 +1,14 @@
-"""The Triton kernel against the reference, under TRITON_INTERPRET=1 on CPU (see conftest)."""
+"""The Triton kernels (two-pass and one-pass) against the reference, under TRITON_INTERPRET=1 on
+CPU (see conftest)."""
 
 import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.kernels import landmark_attention
-from landmark_memory.kernels import triton_landmark
+from landmark_memory.kernels import landmark_attention, landmark_attention_inference
+from landmark_memory.kernels import triton_landmark, triton_onepass
+
+TRITON = ["triton", "triton-onepass"]
 
 # fp32: both sides compute in fp32 (the interpreter's tl.dot is exact fp32), measured ~2e-6.
 # bf16/fp16: the kernel rounds its output and gradients to the input dtype; the reference runs in
@@ -14,11 +17,11 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2
        torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
-def _compare(block_size, T, D, dtype, B=2, H=2, seed=0):
+def _compare(block_size, T, D, dtype, B=2, H=2, seed=0, backend="triton"):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
     do = torch.randn(B, H, T, D, generator=g).to(dtype)
-    out = landmark_attention(q, k, v, block_size, backend="triton")
+    out = landmark_attention(q, k, v, block_size, backend=backend)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = landmark_attention(*ref_in, block_size, backend="reference")
@@ -29,24 +32,41 @@ def _compare(block_size, T, D, dtype, B=2, H=2, seed=0):
         torch.testing.assert_close(a.double(), b, **TOL[dtype], msg=lambda m: f"{name}: {m}")
 
 
+# (block sizes that divide nothing, one block per key tile, many per tile with key tiles
+# wholly before a query tile: the one-pass kernel's unmasked loops)
+@pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("block_size,T,D", [(50, 130, 64), (63, 150, 32), (7, 61, 64), (3, 37, 32), (1, 20, 32),
-                                            (50, 70, 128)])
-def test_forward_and_gradients_match_reference_fp32(block_size, T, D):
-    _compare(block_size, T, D, torch.float32)
+                                            (50, 70, 128), (5, 300, 32)])
+def test_forward_and_gradients_match_reference_fp32(block_size, T, D, backend):
+    _compare(block_size, T, D, torch.float32, backend=backend)
 
 
+@pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("block_size,T,D", [(50, 101, 64), (7, 45, 32)])
-def test_forward_and_gradients_match_reference_bf16(block_size, T, D):
-    _compare(block_size, T, D, torch.bfloat16)
+def test_forward_and_gradients_match_reference_bf16(block_size, T, D, backend):
+    _compare(block_size, T, D, torch.bfloat16, backend=backend)
 
 
-def test_forward_and_gradients_match_reference_fp16():
-    _compare(63, 70, 32, torch.float16)
+@pytest.mark.parametrize("backend", TRITON)
+def test_forward_and_gradients_match_reference_fp16(backend):
+    _compare(63, 70, 32, torch.float16, backend=backend)
 
 
-def test_poisoned_outputs_are_fully_overwritten(monkeypatch):
-    monkeypatch.setattr(triton_landmark, "_empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
-    _compare(5, 53, 32, torch.float32, seed=3)
+@pytest.mark.parametrize("backend,module", [("triton", triton_landmark), ("triton-onepass", triton_onepass)])
+def test_poisoned_outputs_are_fully_overwritten(monkeypatch, backend, module):
+    monkeypatch.setattr(module, "_empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    _compare(5, 53, 32, torch.float32, seed=3, backend=backend)
+
+
+def test_onepass_serves_training_without_a_context_miss_token_only():
+    q = torch.randn(1, 2, 30, 32)
+    with pytest.raises(ValueError, match="no Context Miss Token path; use backend='triton'"):
+        landmark_attention(q, q, q, 4, backend="triton-onepass", cmt_k=q[:, :, :1],
+                           cmt_blocks=torch.zeros(1, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="serves landmark_attention only"):
+        landmark_attention_inference(q, q, q, 4, pool_k=q[:0, :, :5], pool_v=q[:0, :, :5],
+                                     block_table=torch.zeros(1, 2, 30, 1, dtype=torch.long),
+                                     block_pos=torch.zeros(1, 2, 30, 1, dtype=torch.long), backend="triton-onepass")
 
 
 def test_auto_backend_uses_dense_pytorch_on_cpu():

@@ -11,7 +11,7 @@ from .plain import block_inference_dense, block_inference_reference
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 from .window import sliding_window_attention
 
-BACKENDS = ("auto", "reference", "dense", "triton", "numba")
+BACKENDS = ("auto", "reference", "dense", "triton", "triton-onepass", "numba")
 FEW_QUERIES = 16  # queries per head below which (decoding) "auto" takes the compiled CPU kernel
 
 
@@ -38,13 +38,16 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
         share of the query's group (equations 5-6).
     cmt_blocks : bool Tensor (B, T // (block_size + 1)), with ``cmt_k``: which landmarks
         (blocks) are CMT-controlled.
-    backend : {"auto", "reference", "dense", "triton"}
+    backend : {"auto", "reference", "dense", "triton", "triton-onepass"}
         (``"numba"`` serves ``landmark_attention_inference`` only)
         ``"reference"``: the paper's equations in plain PyTorch with autograd, O(T^2) memory.
         ``"dense"``: one softmax over effective scores in plain PyTorch with autograd, O(T^2)
         memory, about 1.6x faster than the reference on CPUs.
         ``"triton"``: fused forward and backward, O(T) memory; CUDA tensors (or CPU tensors
         under ``TRITON_INTERPRET=1``), head dims 16-256 in powers of two.
+        ``"triton-onepass"``: the same contract with one exponential per score
+        (``triton_onepass.py``), no Context Miss Token; kept beside ``"triton"`` until a GPU has
+        timed both.
         ``"auto"``: Triton on CUDA tensors, dense elsewhere.
 
     Returns
@@ -54,6 +57,14 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     _check_common(q, k, v, block_size, backend)
     if backend == "numba":
         raise ValueError("the numba backend serves landmark_attention_inference only; use auto, dense or triton")
+    if backend == "triton-onepass":
+        from .triton_landmark import _check_backend
+        from .triton_onepass import landmark_attention_onepass
+
+        if cmt_k is not None:
+            raise ValueError("the triton-onepass backend has no Context Miss Token path; use backend='triton'")
+        default_scale = _check_backend(q)
+        return landmark_attention_onepass(q, k, v, block_size, default_scale if scale is None else float(scale))
     if q.shape != k.shape:
         raise ValueError(f"q and k shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}")
     _check_cmt(q, cmt_k)
@@ -129,6 +140,8 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Tensor (B, H, T_q, D).
     """
     Tq = q.shape[2]
+    if backend == "triton-onepass":
+        raise ValueError("the triton-onepass backend serves landmark_attention only; use auto or triton")
     if check:
         _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend)
     if pool_k.shape[0] == 0:  # nothing to retrieve: every slot is empty
