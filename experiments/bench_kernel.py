@@ -2,6 +2,8 @@
 
     python experiments/bench_kernel.py                       # GPU: bf16, T = 1K..16K, D = 64, 128
     python experiments/bench_kernel.py --T 512,1024 --D 64 --decode 4096   # CPU: reference and dense vs SDPA
+    TRITON_INTERPRET=1 python experiments/bench_kernel.py --T 128 --D 64 --backends sdpa,triton,triton-onepass \
+        --decoder triton --decode 2048 --reps 1           # CPU: the Triton kernels interpreted (slow; a smoke run)
 
 Prints forward and forward+backward time and peak memory per backend, each backend's time as
 a ratio of SDPA's measured in the same run, and (up to ``--check-T``) each landmark backend's
@@ -17,6 +19,7 @@ retrieved blocks of a GPU-resident pool.
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -141,46 +144,63 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--cmt", action="store_true", help="landmark backends with a Context Miss Token (half the "
                                                         "landmarks controlled)")
+    ap.add_argument("--backends", help="comma-separated, sdpa first (default: sdpa, reference, triton and "
+                                       "triton-onepass on a GPU; sdpa, reference, dense on a CPU)")
+    ap.add_argument("--decoder", help="the landmark backend of the decode rows (default: triton on a GPU, auto on a "
+                                      "CPU, its compiled decode kernel)")
+    ap.add_argument("--out", type=Path, help="also append the tables to this markdown file")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     reps = args.reps or (10 if device.type == "cuda" else 2)
-    backends = ["sdpa", "reference", "triton" if device.type == "cuda" else "dense"]  # dense: the CPU fast path
+    backends = (args.backends.split(",") if args.backends else  # dense: the CPU fast path
+                ["sdpa", "reference", *(("triton", "triton-onepass") if device.type == "cuda" else ("dense",))])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs"
-          + (", landmark backends with a Context Miss Token" if args.cmt else ""))
-    print("| T | D | backend | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd / SDPA | fwd+bwd / SDPA | rel. error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def emit(line=""):
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+    emit(f"device {name}, {dtype}, B={args.B} H={args.H} block_size={args.block_size}, mean of {reps} runs"
+         + (", landmark backends with a Context Miss Token" if args.cmt else ""))
+    emit("| T | D | backend | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | fwd / SDPA | fwd+bwd / SDPA | rel. error |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     for D in map(int, args.D.split(",")):
         for T in map(int, args.T.split(",")):
             base = None
             for backend in backends:
+                if args.cmt and backend == "triton-onepass":
+                    emit(f"| {T} | {D} | {backend} | no Context Miss Token path | | | | | | |")
+                    continue
                 r = None if backend in ("reference", "dense") and T > args.max_reference_T else \
                     bench(backend, args.B, args.H, T, D, args.block_size, dtype, device, reps, args.cmt)
                 if backend == "sdpa":
                     base = r
                 if r is None:
-                    print(f"| {T} | {D} | {backend} | skipped (too large) | | | | | | |")
+                    emit(f"| {T} | {D} | {backend} | skipped (too large) | | | | | | |")
                     continue
                 ratio = (f"{r[0] / base[0]:.2f}x | {r[2] / base[2]:.2f}x" if base else "- | -")
                 mib = [f"{m:.0f}" if m == m else "-" for m in (r[1], r[3])]  # no peak memory on CPU
                 err = (f"{rel_error(backend, args.B, args.H, T, D, args.block_size, dtype, device, args.cmt):.1e}"
                        if backend != "sdpa" and T <= args.check_T else "-")
-                print(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} | {err} |")
+                emit(f"| {T} | {D} | {backend} | {r[0]:.2f} | {mib[0]} | {r[2]:.2f} | {mib[1]} | {ratio} | {err} |")
 
     contexts = args.decode or ("4096,16384,65536,262144,1048576" if device.type == "cuda" else "4096,16384")
     if contexts == "0":
         return
     D = int(args.D.split(",")[-1])
-    decoders = ["sdpa", "triton" if device.type == "cuda" else "auto"]  # auto on a CPU: the compiled decode kernel
-    print(f"\ndecode, one token, D={D}, top_k={args.top_k}: ms per layer")
-    print("| context | " + " | ".join(decoders) + " | landmark / SDPA |")
-    print("|---|" + "---|" * (len(decoders) + 1))
+    decoders = ["sdpa", args.decoder or ("triton" if device.type == "cuda" else "auto")]
+    emit()
+    emit(f"decode, one token, D={D}, top_k={args.top_k}: ms per layer")
+    emit("| context | " + " | ".join(decoders) + " | landmark / SDPA |")
+    emit("|---|" + "---|" * (len(decoders) + 1))
     for n in map(int, contexts.split(",")):
         r = [bench_decode(b, n, args.B, args.H, D, args.block_size, args.top_k, dtype, device, reps) for b in decoders]
         cells = [f"{x:.3f}" if x is not None else "OOM" for x in r]
         ratio = f"{r[1] / r[0]:.2f}x" if None not in r else "-"
-        print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+        emit(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,28 @@ def test_kernel_benchmark_checks_cmt_backends_against_the_reference(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| 64 | 32 | reference |"))
     assert "Context Miss Token" in out and float(row.split("|")[-2]) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_step_on_a_cpu_and_writes_its_files(tmp_path):
+    import subprocess
+
+    run = subprocess.run(["bash", str(EXPERIMENTS / "gpu" / "check.sh"), str(tmp_path / "out"), "--cpu"],
+                         env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+    out = tmp_path / "out"
+    summary = (out / "summary.md").read_text()
+    assert run.returncode == 0, summary + run.stdout[-3000:]
+    for step in ("kernels", "bench", "demo", "search"):
+        assert f"| {step} | ok |" in summary
+    assert {p.name for p in out.iterdir()} == {"summary.md", "kernels.md", "bench.md", "demo.md", "search.md",
+                                               "check.json", "log.txt"}
+    check = json.loads((out / "check.json").read_text())
+    assert check["kernels"] and all(case["ok"] for case in check["kernels"])
+    assert {case["case"].split()[0] for case in check["kernels"]} >= {"triton", "triton-onepass", "inference"}
+    assert all(row["ok"] for row in check["search"]["rows"])
+    bench = (out / "bench.md").read_text()
+    assert "| triton-onepass |" in bench and "B=2" in bench and "decode, one token" in bench
+    assert "(correct)" in (out / "demo.md").read_text()
 
 
 def test_index_benchmark_reports_recall_for_every_kind(capsys):

@@ -100,6 +100,8 @@ def run_demo(args: argparse.Namespace) -> int:
         bundled = isinstance(model, LandmarkGPT)  # IVF kinds need 256 landmarks a layer-head: 16K tokens of blocks
         length = min(COMPARE_TOKENS if bundled else LARGE_MODEL_TOKENS // 2, len(ids) - 1)
         kinds = DEMO_INDEXES if bundled else ("flat", "ivf-rows")
+        if next(model.parameters()).is_cuda:  # the exact search on the GPU beside FAISS's on the CPU
+            kinds += ("flat-torch",)
         say(f"3. Perplexity of the book's first {length:,} tokens read through memory, exact vs approximate "
             "landmark search" + (" (IVF kinds train on the first 256 landmarks of each layer and head)" if bundled else ""))
         rows = compare_indexes(model, ids, kinds, length, COMPARE_OPTIONS, max_segments=1, progress=not args.quiet)
