@@ -25,14 +25,16 @@ def text():
 
 
 def reads(mem):
-    """Record every (layer, step) block table the memory reads: the ids (B, H, Tq, reads)."""
-    got, pool = [], mem.blocks.pool
+    """Record every (layer, step) choice of the memory: the ids (B, H, Tq, reads') each query
+    reads and how many of their first columns it chose (``lookup.chosen``)."""
+    got, choose = [], mem.lookup.choose
 
-    def recording(layer, ids):
-        got.append(ids.clone())
-        return pool(layer, ids)
+    def recording(*args, **kwargs):
+        ids, pos = choose(*args, **kwargs)
+        got.append((ids.clone(), mem.lookup.chosen))
+        return ids, pos
 
-    mem.blocks.pool = recording
+    mem.lookup.choose = recording
     return got
 
 
@@ -45,6 +47,19 @@ def test_retrieve_all_with_sink_local_blocks_or_centring_equals_in_sequence_forw
     torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
 
 
+def test_a_top_k_over_the_memorys_size_reads_the_blocks_there_are_and_stays_exact(model, text):
+    with torch.no_grad():
+        full = model(text)
+    mem = LandmarkMemory(model, top_k=1000, position_mapping="exact", chunk_size=10)
+    widths, pool = [], mem.blocks.pool
+    mem.blocks.pool = lambda layer, ids: (widths.append((ids.shape[-1], mem.blocks.n_blocks)), pool(layer, ids))[1]
+    out = mem.forward(text)
+    torch.testing.assert_close(out.logits, full, rtol=1e-5, atol=1e-5)
+    assert all(width <= nb for width, nb in widths)  # the kernels' tables: a column per block at most
+    assert [r.shape for r in out.retrieved] == [(2, 2, 73, 1000)] * 2  # what a forward reports keeps its shape
+    assert mem.forward(text[:, :20], retrieved=False).retrieved == []  # (an evaluation need not hold them)
+
+
 @pytest.mark.parametrize("mapping", ["stingy", "exact"])
 @pytest.mark.parametrize("retrieval", ["per_token_head", "per_head"])
 def test_sink_and_local_blocks_are_read_by_every_query_and_never_chosen(model, text, mapping, retrieval):
@@ -52,10 +67,10 @@ def test_sink_and_local_blocks_are_read_by_every_query_and_never_chosen(model, t
                          retrieval=retrieval)
     tables = reads(mem)
     out = mem.forward(text)
-    for ids in tables:
+    for ids, k in tables:
         nb = int(ids.max()) + 1 if (ids >= 0).any() else 0
-        chosen, forced = ids[..., :2], ids[..., 2:]
-        assert ids.shape[-1] == 5
+        chosen, forced = ids[..., :k], ids[..., k:]
+        assert k <= 2 and ids.shape[-1] == k + 3  # no more chosen columns than candidates, 3 forced ones
         if nb:  # chunk c sees 2c blocks: block 0 and the last two are read by every query, once
             want = sorted({0, *range(max(0, nb - 2), nb)})
             assert (forced[..., :len(want)] == torch.tensor(want)).all() and (forced[..., len(want):] == -1).all()
@@ -121,14 +136,14 @@ def test_pinned_blocks_are_read_first_by_every_query_and_the_rest_chosen_among_t
     tables = reads(mem)
     with mem.reading([7, 2]):
         out = mem.forward(text[:, 60:])
-    for ids in tables:
-        assert (ids[..., :2] == torch.tensor([7, 2])).all() and (ids[..., 3] == 0).all()
+    for ids, k in tables:
+        assert k == 3 and (ids[..., :2] == torch.tensor([7, 2])).all() and (ids[..., 3] == 0).all()
         assert not torch.isin(ids[..., 2], torch.tensor([7, 2, 0])).any()
     for ids in out.retrieved:  # a forward reports the pinned blocks among what its queries read
         assert (ids[..., :2] == torch.tensor([7, 2])).all()
     tables.clear()
     mem.forward(text[:, :5])  # outside the with block: the queries choose freely again
-    assert any(not (ids[..., :2] == torch.tensor([7, 2])).all() for ids in tables)
+    assert any(not (ids[..., :2] == torch.tensor([7, 2])).all() for ids, _ in tables)
 
 
 @pytest.mark.parametrize("blocks", [[1, 2, 3, 4], [2, 2], [12], [-1]])

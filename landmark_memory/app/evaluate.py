@@ -97,7 +97,7 @@ def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: MemoryO
             # key is, may be ordered differently by a search over fewer queries)
             piece = mem.options.chunk_size * max(1, PIECE // mem.options.chunk_size)
             for a in range(0, x.shape[1], piece):
-                out = mem.forward(x[:, a:a + piece], y[:, a:a + piece])
+                out = mem.forward(x[:, a:a + piece], y[:, a:a + piece], retrieved=keep_retrieved)
                 loss += out.loss * out.logits.shape[1] / x.shape[1]
                 if keep_retrieved:
                     got.append([r.cpu() for r in out.retrieved])

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..core.layout import insert_landmarks, landmark_mask
 from ..core.rope import rotation_dtype
@@ -153,13 +154,15 @@ class Decoder:
                 if o.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
                     skip = cmt_share(qr, local_k, bs, cmt_k) < o.cmt_cutoff  # (B, H, Tq)
             ids_used, block_pos = self.lookup.choose(m, q, qr, at_search, skip)
-            table, pool_k, pool_v, pool_scale = self.blocks.pool(m, ids_used)
+            read, block_pos, shared = _read_columns(ids_used, block_pos, self._shared())
+            table, pool_k, pool_v, pool_scale = self.blocks.pool(m, read)
             blocks = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=block_pos, rope=self.rope,
                           scale=bb.scale, pool_scale=pool_scale, backend=self.backend, check=False)
             y = (landmark_attention_inference(qr, local_k, local_v, bs, cmt_k=cmt_k, **blocks) if s.landmarks else
-                 block_attention_inference(qr, local_k, local_v, shared=self._shared(), **blocks))
+                 block_attention_inference(qr, local_k, local_v, shared=shared, **blocks))
             h = bb.finish(layer, h, y)
-            retrieved.append(ids_used[:, :, normal, :o.top_k])  # the chosen blocks, not the forced ones
+            chosen = ids_used[:, :, normal, :self.lookup.chosen]  # the chosen blocks, not the forced ones
+            retrieved.append(F.pad(chosen, (0, o.top_k - chosen.shape[-1]), value=-1))
         h = h[:, normal]  # (B, n, C)
         if logits != "all":  # "last": the step's last token; "none": no head at all
             h = h[:, h.shape[1] - (logits == "last"):]
@@ -207,3 +210,15 @@ class Decoder:
             self._chunk_angles = base, self.rope.angles(pos, dtype=rotation_dtype(self.blocks.dtype))
         cos, sin = self._chunk_angles[1]
         return (cos[p0 + r:Tk + r], sin[p0 + r:Tk + r]), (cos[p0:Tk], sin[p0:Tk])
+
+
+def _read_columns(ids: torch.Tensor, pos: torch.Tensor, shared: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The columns of a step's block table (B, H, Tq, reads) that some query reads, with their
+    positions, and how many of the last ``shared`` remain: a ``top_k`` larger than the blocks
+    in memory (every block read, at exact positions, to prove the memory exact) leaves most
+    columns empty, and the kernels' work grows with the columns, not the blocks."""
+    live = (ids >= 0).flatten(0, -2).any(0)  # (reads,)
+    if bool(live.all()):
+        return ids, pos, shared
+    return ids[..., live], pos[..., live], shared - int((~live[live.shape[0] - shared:]).sum())
+

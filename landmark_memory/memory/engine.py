@@ -4,9 +4,8 @@ A memory is a few named parts, each handed what it works on (docs/DESIGN.md, "Th
 parts"): ``blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block store, hot
 cache), ``lookup`` (``BlockLookup``, lookup.py: which blocks each query reads), ``decoder``
 (``Decoder``, decoding.py: the open chunk and the step that reads tokens through the memory)
-and ``files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds them
-together and is what users call: forward, generate, the options' contexts, commit, open,
-refresh, rewind, close.
+and ``files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds them together
+and is what users call: forward, generate, the options' contexts, commit, open, refresh, rewind, close.
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start; a document's
 end, ``end_document``, closes its chunk early), and the tokens since the last boundary stay local:
@@ -137,10 +136,12 @@ class LandmarkMemory:
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, logits: str = "all") -> MemoryOutput:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, logits: str = "all",
+                retrieved: bool = True) -> MemoryOutput:
         """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``. ``logits``: ``"all"``
         (B, T, vocab); ``"last"`` (B, 1, vocab), all that generating after a prompt needs;
-        ``"none"`` (B, 0, vocab), for reading text into memory (``build``): no output head."""
+        ``"none"`` (B, 0, vocab), for reading text into memory (``build``): no output head.
+        ``retrieved``: report the blocks each token chose (False: none, T x top_k ids a layer)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
         if logits not in LOGITS:
@@ -155,26 +156,26 @@ class LandmarkMemory:
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
         idx = idx.to(self.device)
-        out, retrieved, pos = [], [], 0
+        out, chosen, pos = [], [], 0
         while pos < idx.shape[1]:
             n = min(self.options.chunk_size - self.pending_count, idx.shape[1] - pos)
             last = logits != "last" or pos + n == idx.shape[1]
             lg, ret = self.decoder.step(idx[:, pos:pos + n], logits if last else "none")
             out.append(lg)
-            retrieved.append(ret)
+            chosen += [ret] if retrieved else []
             pos += n
         V, H, K = self.backbone.vocab_size, self.backbone.n_head, self.options.top_k
         if len(out) == 1:  # one step (a chunk, or a token): nothing to join, and logits are large
-            out, retrieved = out[0], retrieved[0]
+            out, chosen = out[0], chosen[0] if retrieved else []
         else:
             out = torch.cat(out, 1) if out else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
-            retrieved = [torch.cat([r[layer] for r in retrieved], 2) if retrieved else
-                         idx.new_full((idx.shape[0], H, 0, K), -1) for layer in range(self.shape.n_layer)]
+            chosen = [torch.cat([r[layer] for r in chosen], 2) if chosen else idx.new_full((idx.shape[0], H, 0, K), -1)
+                      for layer in range(self.shape.n_layer)] if retrieved else []
         loss = None
         if targets is not None:
             loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten(),
                                    ignore_index=IGNORE_INDEX)
-        return MemoryOutput(out, loss, retrieved)
+        return MemoryOutput(out, loss, chosen)
 
     __call__ = forward
 
