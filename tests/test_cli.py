@@ -190,6 +190,22 @@ def test_a_memory_refuses_another_model(built, tmp_path, capsys):
     assert dir_digest(built) == before
 
 
+def test_a_memory_is_read_with_the_model_it_was_built_with_when_none_is_given(texts, tmp_path, capsys):
+    LandmarkGPT.from_pretrained().save_pretrained(tmp_path / "own")
+    mem = tmp_path / "mem"
+    assert main(["build", str(mem), "--input", str(texts / "a.txt"), "--model", str(tmp_path / "own"), "--quiet"]) == 0
+    assert main(["build", str(mem), "--input", str(texts / "b.txt"), "--quiet"]) == 0  # appended with its model
+    capsys.readouterr()
+    assert main(["ask", str(mem), "Hello", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_tokens"] > 0
+    other = LandmarkGPT.from_pretrained()
+    with torch.no_grad():
+        other.lm_head.weight[0, 0] += 1.0
+    other.save_pretrained(tmp_path / "own")  # the folder now holds other weights: refused as another model
+    assert main(["ask", str(mem), "Hello", "--quiet"]) == 2
+    assert "another model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["build", "m", "--input", "x", "--workers", "0"]])
 def test_help_and_wrong_options_answer_before_torch_or_faiss_load(argv):
     probe = ("import sys; from landmark_memory.app import entry; sys.argv = ['landmark-memory', *sys.argv[1:]]\n"

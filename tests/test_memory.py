@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,6 +117,25 @@ def test_retrieval_modes_share_blocks_as_documented(model, text):
         assert (chunk == chunk[:, :, :1]).all()
     per_token = LandmarkMemory(model, top_k=2, chunk_size=10, retrieval="per_token").forward(text).retrieved[1]
     assert (per_token == per_token[:, :1]).all()  # one set per token for all heads
+
+
+@pytest.mark.parametrize("mapping", ["stingy", "exact"])
+def test_a_decoding_steps_choice_per_head_is_its_one_querys_choice(model, text, mapping):
+    mem = LandmarkMemory(model, top_k=2, chunk_size=10, position_mapping=mapping)
+    mem.forward(text[:, :40])
+    calls, choose = [], mem.lookup.choose
+    mem.lookup.choose = lambda *args: (calls.append(args), choose(*args))[1]
+    for t in range(40, 55):  # one token a step (two where it closes a block: token and landmark)
+        mem.forward(text[:, t:t + 1])
+    del mem.lookup.choose
+    single = [args for args in calls if args[1].shape[2] == 1]
+    assert single
+    for args in single:
+        mem.lookup.use(dataclasses.replace(mem.options, retrieval="per_head"))
+        ids, pos = mem.lookup.choose(*args)
+        mem.lookup.use(mem.options)
+        want_ids, want_pos = mem.lookup.choose(*args)
+        assert torch.equal(ids, want_ids) and torch.equal(pos, want_pos)
 
 
 def test_stingy_positions_keep_order_and_recent_slots():

@@ -76,10 +76,13 @@ def say_block_keys(model, options: MemoryOptions):
 def saved_model(args, required=True):
     """The manifest of the memory ``args.memory`` (unless ``required``, None where there is none
     yet), refused in one line, before any model loads, when it records another model than
-    ``--model``."""
+    ``--model``. Without ``--model``, ``args.model`` becomes the model the memory records (its
+    weights are checked against the memory's fingerprint as it opens)."""
     if not required and not (Path(args.memory) / "manifest.json").exists():
         return None
     saved = MemoryDir(args.memory, writable=False).read_manifest()
+    if args.model is None and saved.model.name not in ("", "bundled"):
+        args.model = saved.model.name
     if saved.model.name and saved.model.name != model_name(args.model):
         raise UsageError(wrong_model(args.memory, saved.model, model_name(args.model)))
     return saved

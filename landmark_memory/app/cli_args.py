@@ -51,7 +51,8 @@ def session_name(text):
 
 def add_model_args(p):
     p.add_argument("--model", help="model directory (save_pretrained layout) or a name: "
-                   + "; ".join(f"{k}: {v}" for k, v in NAMED_MODELS.items()) + " (default: the bundled model)")
+                   + "; ".join(f"{k}: {v}" for k, v in NAMED_MODELS.items()) + " (default: the model an existing "
+                   "memory was built with, else the bundled model)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
@@ -117,7 +118,8 @@ DESCRIPTION = """The landmark-memory command: build, inspect, query, serve and m
     landmark-memory train --preset tiny                    # experiments/train.py's options
 
 Every command takes ``--help``; ``--json`` prints one JSON document on stdout (progress bars
-go to stderr). ``--model`` defaults to the bundled model. Errors exit with status 2 and a
+go to stderr). ``--model`` defaults to the model an existing memory was built with (its weights
+checked against the memory's), else the bundled model. Errors exit with status 2 and a
 message saying what to do; a build stopped by Ctrl-C (or SIGTERM) commits and exits with 130
 (143).
 """

@@ -124,7 +124,8 @@ class BlockLookup:
                 stats.skipped_searches += skipped
             else:
                 S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
-            if device.type == "cpu" and o.retrieval == "per_token_head":  # the steps below in one call
+            # the steps below in one compiled call (a head's choice for one query, a decoding step's, is that query's)
+            if device.type == "cpu" and (o.retrieval == "per_token_head" or o.retrieval == "per_head" and Tq == 1):
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
                 return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W, pinned_np)
