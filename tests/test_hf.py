@@ -26,6 +26,8 @@ from landmark_memory.core.layout import insert_landmarks, normal_positions
 from landmark_memory.core.tokenizer import LANDMARK_TOKEN
 from test_experiments import script
 
+pytestmark = pytest.mark.slow  # Hugging Face models converted, fine-tuned and run by the command line
+
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),

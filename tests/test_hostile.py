@@ -276,6 +276,7 @@ def start_build(mem, book, *extra):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+@pytest.mark.slow
 def test_sigterm_commits_what_is_done_like_ctrl_c(tmp_path, capsys):
     long = tmp_path / "long.txt"
     long.write_text(BOOK.read_text()[:40000])
@@ -291,6 +292,7 @@ def test_sigterm_commits_what_is_done_like_ctrl_c(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["inputs"][0]["ingested"] > 0  # hourly commits: the signal's
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, book):
     proc = subprocess.Popen([sys.executable, "-c", "from landmark_memory.app.entry import main; raise SystemExit(main())",
                              "build", str(tmp_path / "m"), "--input", str(book)],
@@ -425,6 +427,7 @@ KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_rename_or_sync_leaves_a_memory_that_finishes_exactly(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text(BOOK.read_text()[:2500])
@@ -536,6 +539,7 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_la
     ("tokens.bin", False), ("keys/s0_l0_h0.f32", False), ("documents/000000.jsonl", False),
     ("documents/digests.bin", False), ("store/lmdb/data.mdb", False), ("store/lmdb/lock.mdb", False),
     ("manifest.json", True), ("state.1.safetensors", True)])  # (the last two are replaced whole at a commit)
+@pytest.mark.slow
 def test_a_memory_file_hard_linked_outside_is_refused_or_replaced_never_written_through(tmp_path, book, capsys,
                                                                                          name, replaced):
     mem = built(tmp_path, book)

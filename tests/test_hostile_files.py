@@ -104,6 +104,7 @@ def one_line(r, *words):
         assert w in err, err
 
 
+@pytest.mark.slow
 def test_a_truncated_lmdb_store_is_named_never_a_sigbus(corpus, text, tmp_path):
     mem = tmp_path / "m"
     shutil.copytree(corpus, mem)
@@ -329,6 +330,7 @@ def _outcomes(mem, text):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), which=st.sampled_from(["corpus", "context", "document"]),
        how=st.sampled_from(["set", "drop", "extra"]), value=VALUES)
+@pytest.mark.slow
 def test_damaged_manifest_entries_are_exit_0_or_one_line(corpus, sharded_corpus, context_memory, text, tmp_path_factory,
                                                          data, which, how, value):
     mem = tmp_path_factory.mktemp("fuzz") / "m"
@@ -353,6 +355,7 @@ def _stdin(text):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), which=st.sampled_from(["corpus", "context", "lists", "session"]),
        how=st.sampled_from(["truncate", "extend", "flip"]))
+@pytest.mark.slow
 def test_damaged_files_are_exit_0_or_one_line(corpus, context_memory, lists_corpus, session_corpus, text,
                                               tmp_path_factory, data, which, how):
     mem = tmp_path_factory.mktemp("fuzz") / "m"

@@ -208,6 +208,7 @@ def test_flat_torch_returns_flats_ids_over_any_range_as_rows_grow_and_roll_back(
             flat.add(xb)
 
 
+@pytest.mark.slow
 def test_approximate_indexes_reach_recall_on_trained_landmark_keys():
     """Landmark keys and queries of the bundled tiny model on the bundled sample text."""
     from landmark_memory import LandmarkGPT, load_tokenizer

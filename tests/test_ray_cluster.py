@@ -20,6 +20,8 @@ from landmark_memory.app.cli import main
 from landmark_memory.training.data import SAMPLE_DIR
 from test_corpus import files_of
 
+pytestmark = pytest.mark.slow  # Ray clusters of several processes
+
 
 @pytest.fixture
 def cluster():

@@ -13,6 +13,8 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app.cli import main
 from landmark_memory.memory.inspect import describe
 
+pytestmark = pytest.mark.slow  # servers in processes of their own
+
 KEY, MODEL = "test-key", "landmark-memory-tiny"
 QUESTIONS = ["The captain said", "Alice was beginning", "Holmes looked at", "The door opened and",
              "It was a dark night", "The doctor came", "She said nothing", "At the inn"]

@@ -21,6 +21,8 @@ from landmark_memory.app import serve as served
 from landmark_memory.app import serve_routes
 from landmark_memory.app.cli import API_KEY_VARIABLE, main
 
+pytestmark = pytest.mark.slow  # servers in processes of their own
+
 KEY, MODEL = "kéy-ü", "landmark-memory-tiny"  # not ASCII: clients send it as UTF-8 bytes
 ALLOWED = "memory.example"
 

@@ -15,6 +15,8 @@ from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.answer import ask
 from test_hostile_files import snapshot
 
+pytestmark = pytest.mark.slow  # servers and Ray shares
+
 QUESTIONS = ["What did the captain keep in his chest?", "Who came to the inn?", "The rabbit ran"]
 
 

@@ -77,6 +77,7 @@ with LandmarkMemory.open({str(corpus)!r}, LandmarkGPT.from_pretrained(), readonl
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_session_resumed_in_a_new_process_answers_bit_for_bit_as_one_that_never_stopped(corpus, model):
     straight = held(corpus, model, "straight", TURNS)
     for i in range(len(TURNS) - 1):  # every turn but the last in processes of their own, one each
@@ -209,6 +210,7 @@ def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
 
 
+@pytest.mark.slow
 def test_the_openai_client_holds_a_session_by_sending_only_its_new_messages(server, corpus, model):
     c = client(server)
     c.post("/sessions", body={"name": "web"}, cast_to=object)
@@ -306,6 +308,7 @@ def test_a_session_folder_that_is_a_link_is_refused(corpus, model, tmp_path):
         os.unlink(corpus / "sessions" / "linked")
 
 
+@pytest.mark.slow
 def test_sessions_outlive_the_server(corpus, serving, model):
     for attempt in range(2):  # a turn, the server stopped, a turn on a new server
         with serving(corpus, "--api-key", KEY) as url:
@@ -319,6 +322,7 @@ def test_sessions_outlive_the_server(corpus, serving, model):
     assert got.choices[0].message.content == want[1].text
 
 
+@pytest.mark.slow
 def test_chat_on_a_terminal_streams_answers_and_shows_passages_and_sessions(corpus):
     import pty
     import select

@@ -19,6 +19,8 @@ from landmark_memory.models.hf.tokenizer import TextTokenizer
 from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
 
+pytestmark = pytest.mark.slow  # SmolLM2 loads
+
 BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 
 

@@ -101,6 +101,7 @@ def test_full_attention_baseline_trains_from_the_same_command(books, tmp_path):
     assert t.model.config.attention == "full"
 
 
+@pytest.mark.slow
 def test_two_process_ddp_step(books, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

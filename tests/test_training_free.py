@@ -224,6 +224,7 @@ def test_options_without_landmarks_resolve_to_mean_keys_and_the_free_block_size(
     assert MemoryOptions().resolved(50, "float32", False, 16).block_keys == "landmark"
 
 
+@pytest.mark.slow
 def test_build_ask_and_eval_take_a_model_as_published_with_no_training(plain_dir, tmp_path):
     book = tmp_path / "book.txt"
     book.write_text(BOOK.read_text()[30_000:34_000])
@@ -254,6 +255,7 @@ def plain_dir(tokenizer_object, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_a_training_free_corpus_builds_on_ray_keeps_sessions_and_serves(plain_dir, documents, tmp_path, serving):
     assert not ray.is_initialized()
     argv = ["--input", str(documents), "--model", str(plain_dir), "--block-size", "16", "--chunk-size", "64",

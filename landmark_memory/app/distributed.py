@@ -39,6 +39,38 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def start_ray(address: str | None, cpus: int) -> bool:
+    """Ray for this process's actors: joined at ``address`` ("auto" or HOST:PORT), or started on
+    this machine with ``cpus`` CPUs; nothing where a program already started it. Returns whether
+    it was started here (``stop_ray`` then shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None:
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        return True
+    check_address(address)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError) as e:
+        raise ValueError(f"cannot join the Ray cluster at {address} ({e}); start one with `ray start --head`, or leave "
+                         "out the address to run on this machine") from None
+    return True
+
+
+def stop_ray(actors: list, started: bool) -> None:
+    """Kill ``actors`` (Ray actor handles) and shut Ray down if ``start_ray`` started it here:
+    nothing this process began is left running."""
+    import ray
+
+    for a in actors:
+        ray.kill(a)
+    actors.clear()
+    if started:
+        ray.shutdown()
+
+
 def set_threads(n: int) -> None:
     """torch, FAISS (OpenMP) and numba use ``n`` threads in this process."""
     import faiss
@@ -131,23 +163,13 @@ class RayReader:
             raise ValueError("--workers reads documents on Ray, which is not installed here: install the package's "
                              "ray extra (pip install -e '.[ray]')") from None
 
-        if not ray.is_initialized():
-            if self.address is None:
-                cores = available_cores()
-                if self.workers > cores:
-                    raise ValueError(f"--workers {self.workers} on a machine with {cores} cores: give at most {cores} "
-                                     "(one core each), or join a cluster with --ray-address")
-                self.threads = self.threads or cores // self.workers
-                ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False,
-                         log_to_driver=False, logging_level="ERROR")
-            else:
-                check_address(self.address)
-                try:
-                    ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
-                except (ConnectionError, RuntimeError) as e:
-                    raise ValueError(f"cannot join the Ray cluster at {self.address} ({e}); start one with "
-                                     "`ray start --head`, or drop --ray-address to run on this machine") from None
-            self._started = True
+        if not ray.is_initialized() and self.address is None:
+            cores = available_cores()
+            if self.workers > cores:
+                raise ValueError(f"--workers {self.workers} on a machine with {cores} cores: give at most {cores} "
+                                 "(one core each), or join a cluster with --ray-address")
+            self.threads = self.threads or cores // self.workers
+        self._started = start_ray(self.address, self.workers * (self.threads or 1))
         try:
             self._start_workers(ray)
         except BaseException:
@@ -229,14 +251,8 @@ class RayReader:
             ray.kill(progress.actor)
 
     def __exit__(self, *exc):
-        import ray
-
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-        if self._started:
-            ray.shutdown()
-            self._started = False
+        stop_ray(self.actors, self._started)
+        self._started = False
 
 
 def _committed(folder: Path) -> int:

@@ -58,7 +58,7 @@ class Shares:
         import ray
 
         from ..memory import MemoryDir
-        from .distributed import available_cores, check_address
+        from .distributed import available_cores, start_ray
 
         if n < 1:
             raise ValueError(f"--shares must be at least 1, got {n}")
@@ -72,15 +72,9 @@ class Shares:
         self.starts = [a for a, _ in self.ranges]
         self.searches, self.reads = 0, [0] * n  # round trips of searches (each to every share), blocks read per share
         self.moved = 0  # bytes of queries, top-k and blocks sent between the front and the shares
-        if not ray.is_initialized():
-            if address is not None:
-                check_address(address)
-                ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-            else:
-                threads = threads or max(1, available_cores() // n)
-                ray.init(address="local", num_cpus=n * threads, include_dashboard=False, log_to_driver=False,
-                         logging_level="ERROR")
-            self._started = True
+        if not ray.is_initialized() and address is None:
+            threads = threads or max(1, available_cores() // n)
+        self._started = start_ray(address, n * (threads or 1))
         try:
             actor = ray.remote(_Share).options(num_cpus=threads or 1, max_restarts=0)
             self.actors = [actor.remote(str(path), model, a, b, threads or 1) for a, b in self.ranges]
@@ -131,13 +125,10 @@ class Shares:
         return mem
 
     def close(self) -> None:
-        import ray
+        from .distributed import stop_ray
 
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-        if self._started:
-            ray.shutdown()
+        stop_ray(self.actors, self._started)
+        self._started = False
 
 
 class ShareStore(BlockStore):

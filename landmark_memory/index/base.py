@@ -7,8 +7,8 @@ per family of kinds implements them (``on_rows.py``: over the key rows where the
 A saved memory asks a kind, never a kind's module, about its files: ``files`` (those an open
 index maps: a commit syncs them and records their CRC-32s, ``refresh`` checks them, ``close``
 lets them go), ``saved_files`` (those a commit of n blocks holds: what opening checks and
-``verify`` reads), ``stale_files`` (those no reader needs after a commit) and ``search_words``
-(``info``'s words for its search)."""
+``verify`` reads), ``stale_files`` (those no reader needs after a commit), ``own_files`` (all
+of them, whatever the commit) and ``search_words`` (``info``'s words for its search)."""
 
 import time
 from dataclasses import dataclass
@@ -93,6 +93,12 @@ class LandmarkIndex:
     def stale_files(cls, folder: Path, indexes: list["LandmarkIndex"]) -> list[Path]:
         """The files of this kind in ``folder`` (a memory's ``keys/``) that no reader needs once
         a commit of ``indexes`` (every index of the memory) is made."""
+        return []
+
+    @classmethod
+    def own_files(cls, folder: Path) -> list[Path]:
+        """Every file of this kind in ``folder`` (a memory's ``keys/``), whatever commit it
+        belongs to (what goes when the key files it lies beside go)."""
         return []
 
     @classmethod

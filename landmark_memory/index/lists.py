@@ -324,12 +324,16 @@ class ListIndex:
             f.close()
 
 
+def lists_files(folder: Path) -> dict[Path, int]:
+    """Every ``ivf-rows`` file in ``folder`` (a memory's ``keys/``) and its level."""
+    if not folder.is_dir():
+        return {}
+    return {folder / e.name: int(m.group(1)) for e in os.scandir(folder) if (m := FILE_NAME.fullmatch(e.name))}
+
+
 def stale_files(folder: Path, level: int) -> list[Path]:
     """The ``ivf-rows`` files in ``folder`` (a memory's ``keys/``) that no reader needs once a
     commit of ``level`` is made: those of levels before ``level - 1`` and an uncommitted training
     a stopped writer left. (The level before stays: a reader that has read the previous commit's
     manifest but not yet mapped its files still finds them.)"""
-    if not folder.is_dir():
-        return []
-    return [folder / e.name for e in os.scandir(folder)
-            if (m := FILE_NAME.fullmatch(e.name)) and int(m.group(1)) not in (level, level - 1)]
+    return [f for f, at in lists_files(folder).items() if at not in (level, level - 1)]

@@ -22,7 +22,7 @@ import torch
 
 from .base import IndexFile, LandmarkIndex
 from .faiss_kinds import gpu_resources
-from .lists import ListIndex, level_files, stale_files, summary
+from .lists import ListIndex, level_files, lists_files, stale_files, summary
 from .rows import KeyRows
 
 
@@ -156,6 +156,10 @@ class ListsIndex(RowsIndex):
     def stale_files(cls, folder: Path, indexes) -> list[Path]:
         levels = {ix.lists.level for ix in indexes}  # every index trains at the same count: one level
         return stale_files(folder, levels.pop()) if len(levels) == 1 else []
+
+    @classmethod
+    def own_files(cls, folder: Path) -> list[Path]:
+        return list(lists_files(folder))
 
     @classmethod
     def search_words(cls, n, train_size, nprobe):

@@ -156,6 +156,19 @@ def _online_softmax(m, l, acc, s, v):
 
 
 @triton.jit
+def _query_tile(Q, base_q, pid_m, T_q, T_k, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """Tile ``pid_m`` of the queries, the last T_q of T_k positions: their rows, positions and
+    vectors (BLOCK_M, HEAD_DIM), and an empty online softmax (max, sum, output)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + base_q + rows[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < T_q, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    return rows, rows + (T_k - T_q), q, m, tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, S_CMT, CTRL, CMT_STATS, O_CTRL, T_q, T_k, H, n_lm, scale,
                 BS: tl.constexpr, LP: tl.constexpr, BPT: tl.constexpr, BLOCK_M: tl.constexpr,
                 HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, HAS_CMT: tl.constexpr):
@@ -164,15 +177,8 @@ def _fwd_kernel(Q, K, V, O, LSE, S_CMT, CTRL, CMT_STATS, O_CTRL, T_q, T_k, H, n_
     0) per query and O_CTRL the controlled blocks' normalised output, for backward."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     base_q, base_k = bh.to(tl.int64) * T_q * HEAD_DIM, bh.to(tl.int64) * T_k * HEAD_DIM
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    qpos = rows + (T_k - T_q)
+    rows, qpos, q, m_i, l_i, acc = _query_tile(Q, base_q, pid_m, T_q, T_k, BLOCK_M, HEAD_DIM, UPCAST)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + base_q + rows[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < T_q, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     m_c, l_c, acc_c = m_i, l_i, acc  # the controlled blocks' accumulator (CMT only)
     ctrl_row = (bh // H).to(tl.int64) * n_lm
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T_q) - 1 + (T_k - T_q)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_landmark import _INTERPRET, _load_kv_tile, _load_q_tile, _tiling
+from .triton_landmark import _INTERPRET, _load_kv_tile, _load_q_tile, _query_tile, _tiling
 
 _empty_like = torch.empty_like  # every element of an output is written; tests poison this
 
@@ -90,15 +90,8 @@ def _fwd_kernel(Q, K, V, O, LSE, T_q, T_k, scale, BS: tl.constexpr, LP: tl.const
     """Queries are the last T_q of T_k in-sequence positions (T_q = T_k in training)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     base_q, base_k = bh.to(tl.int64) * T_q * HEAD_DIM, bh.to(tl.int64) * T_k * HEAD_DIM
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    qpos = rows + (T_k - T_q)
+    rows, qpos, q, m_i, l_i, acc = _query_tile(Q, base_q, pid_m, T_q, T_k, BLOCK_M, HEAD_DIM, UPCAST)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + base_q + rows[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] < T_q, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     first = pid_m * BLOCK_M + (T_k - T_q)  # the tile's first query position
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T_q) - 1 + (T_k - T_q)
     before = (first // (BS + 1)) // BPT  # key tiles wholly before every query's block

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..index import KINDS
 from ..storage.sharded import Shard
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
@@ -108,7 +109,7 @@ def drop_merged_rows(corpus: MemoryDir, folder: str, packed: bool) -> None:
         d.write_manifest(m)
     keys = d.key_path() / KEYS  # (refused when keys/ is a link: nothing outside the memory is removed)
     dropped = [d.path / TOKENS, d.path / LANDMARKS, d.path / SEALS, *d.path.glob("state.*.safetensors"),
-               *keys.glob("*.f32"), *keys.glob("*.ivf*")]
+               *keys.glob("*.f32"), *(f for kind in {k.make for k in KINDS.values()} for f in kind.own_files(keys))]
     for f in dropped:
         f.unlink(missing_ok=True)
     if keys.is_dir() and not any(keys.iterdir()):
