@@ -90,6 +90,51 @@ def test_opening_with_another_model_is_refused(model, text, tmp_path):
         LandmarkMemory.open(tmp_path, small_model(seed=1))
 
 
+def test_opening_with_the_same_weights_but_another_tokenizer_is_refused(tmp_path, text):
+    model = small_model()
+    model.tokenizer_digest = "a" * 64  # as load_model tags a model with its tokenizer
+    with LandmarkMemory(model, store="lmdb", path=tmp_path, chunk_size=10) as mem:
+        mem.forward(text[:, :30])
+    assert json.loads((tmp_path / "manifest.json").read_text())["model"]["tokenizer"] == "a" * 64
+    model.tokenizer_digest = "b" * 64
+    with pytest.raises(MemoryFileError, match="another tokenizer"):
+        LandmarkMemory.open(tmp_path, model, readonly=True)
+    del model.tokenizer_digest  # a model given without its tokenizer (the Python API): its weights decide
+    LandmarkMemory.open(tmp_path, model, readonly=True).close()
+
+
+def test_a_memory_that_records_no_tokenizer_opens_and_its_next_commit_records_it(tmp_path, text):
+    model = small_model()
+    with LandmarkMemory(model, store="lmdb", path=tmp_path, chunk_size=10) as mem:  # (no tokenizer known)
+        mem.forward(text[:, :30])
+    assert json.loads((tmp_path / "manifest.json").read_text())["model"]["tokenizer"] == ""
+    model.tokenizer_digest = "c" * 64
+    with LandmarkMemory.open(tmp_path, model) as mem:
+        mem.forward(text[:, 30:60])
+    assert json.loads((tmp_path / "manifest.json").read_text())["model"]["tokenizer"] == "c" * 64
+
+
+def test_the_tokenizer_digest_covers_its_ids_and_its_chat_template():
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from landmark_memory.core.tokenizer import load_tokenizer
+    from landmark_memory.models.hf.tokenizer import TextTokenizer
+    from landmark_memory.models.kinds import tokenizer_digest
+
+    tok = load_tokenizer()
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped
+    swapped = Tokenizer.from_str(json.dumps(spec))
+    assert tokenizer_digest(load_tokenizer()) == tokenizer_digest(tok) != tokenizer_digest(swapped)
+    chat = TextTokenizer(PreTrainedTokenizerFast(tokenizer_object=load_tokenizer()))
+    plain = tokenizer_digest(chat)
+    chat.hf.chat_template = "{{ messages[0]['content'] }}"
+    assert plain != tokenizer_digest(chat)
+
+
 def test_structural_options_cannot_change_on_open(model, tmp_path):
     LandmarkMemory(model, store="lmdb", path=tmp_path, chunk_size=10).close()
     with pytest.raises(ValueError, match="chunk_size cannot change"):

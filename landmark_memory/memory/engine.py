@@ -428,7 +428,7 @@ class LandmarkMemory:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
         return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype],
-                           getattr(self.model, "landmark_name", ""))
+                           getattr(self.model, "landmark_name", ""), getattr(self.model, "tokenizer_digest", ""))
 
     def close(self, commit: bool = True) -> None:
         """Release the store and the writer lock; a writable saved memory commits first

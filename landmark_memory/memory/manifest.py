@@ -59,6 +59,7 @@ class ModelRecord:
     shape: ModelShape
     dtype: str
     name: str = ""  # as the user named it (``kinds.model_name``): "bundled", a named model, a folder
+    tokenizer: str = ""  # sha256 of what turned text into ids (``kinds.tokenizer_digest``); "" where unknown
 
 
 
@@ -215,7 +216,7 @@ class Manifest:
             if version < 6:  # before format 6 every memory was a landmark memory of its model's block size
                 options = {"block_size": shape["block_size"], **options}
             m = cls(model=ModelRecord(model["fingerprint"], cfg, ModelShape(**shape), model["dtype"],
-                                      model.get("name", "")),
+                                      model.get("name", ""), model.get("tokenizer", "")),
                     options=MemoryOptions.from_dict(options), streams=doc["streams"], blocks=doc["blocks"],
                     tokens=doc["tokens"], pending_tokens=doc["pending_tokens"],
                     inputs=DocumentList.of_manifest(doc, shape["block_size"]), commit=doc["commit"],
@@ -251,8 +252,9 @@ class Manifest:
         if s.windows and len(s.memory_layers) != s.n_layer:
             raise bad(f"model.shape.windows = {list(s.windows)}", f"(it must name n_layer = {s.n_layer} layers with a "
                       "memory, 0 each)")
-        if not isinstance(self.model.fingerprint, str) or not isinstance(self.model.config, dict):
-            raise bad("model", "with a fingerprint that is no string or a config that is no object")
+        if not isinstance(self.model.fingerprint, str) or not isinstance(self.model.config, dict) or \
+                not isinstance(self.model.tokenizer, str):
+            raise bad("model", "with a fingerprint or tokenizer that is no string or a config that is no object")
         if not isinstance(self.model.dtype, str) or self.model.dtype not in DTYPES:  # (a list is no key)
             raise bad(f"model.dtype = {self.model.dtype!r}", f"(not one of {', '.join(DTYPES)})")
         if self.streams is not None:

@@ -135,6 +135,11 @@ def open_folder(path: str | Path, model: torch.nn.Module, readonly: bool) -> Ope
                                   f"(the folder that holds {Path(path).parent.name}/)")
         if manifest.model.fingerprint != fingerprint:
             raise MemoryFileError(wrong_model(path, manifest.model, getattr(model, "landmark_name", "")))
+        given = getattr(model, "tokenizer_digest", "")  # (a model loaded with its tokenizer: ``kinds.load_model``)
+        if manifest.model.tokenizer and given and manifest.model.tokenizer != given:
+            raise MemoryFileError(f"the memory {path} was built with this model's weights but another tokenizer (its "
+                                  "tokenizer files or chat template changed since): its token ids would read as other "
+                                  "words; give the model the tokenizer it was built with, or build a new memory")
         return Opened(d, manifest, state, readonly, fingerprint)
     except BaseException:
         d.close()

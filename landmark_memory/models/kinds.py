@@ -10,6 +10,7 @@ The Hugging Face side is imported only when a Hugging Face model is at hand: imp
 transformers takes seconds, and a LandmarkGPT needs none of it.
 """
 
+import hashlib
 import inspect
 import json
 from pathlib import Path
@@ -182,8 +183,20 @@ def load_model(path: str | Path | None = None, device: str = "auto", block_size:
     except _DAMAGE as e:  # a cut weights file, a config field of the wrong type
         raise damaged_model(path, e) from None
     model.landmark_name = model_name(path)  # what a memory built with it records
+    model.tokenizer_digest = tokenizer_digest(tok)  # and what turned its text into ids
     model.evidence_heads = find_heads(path)  # (``models/heads.py``: None for a model without them)
     return model, tok
+
+
+def tokenizer_digest(tok) -> str:
+    """sha256 of what turns text into ids for ``tok`` (a ``tokenizers.Tokenizer`` or an
+    ``hf.TextTokenizer``): its whole definition (vocabulary, merges, normalisation, special
+    tokens) and, where it has one, its chat template."""
+    h = hashlib.sha256(getattr(tok, "backend", tok).to_str().encode())
+    template = getattr(getattr(tok, "hf", None), "chat_template", None)
+    if template:
+        h.update((template if isinstance(template, str) else json.dumps(template, sort_keys=True)).encode())
+    return h.hexdigest()
 
 
 def _load(path, dev: str, block_size: int | None):
