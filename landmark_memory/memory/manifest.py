@@ -1,11 +1,10 @@
 """The manifest of a saved memory as typed records, and the byte layout of its row files.
 
-``manifest.json`` (docs/DESIGN.md, "On-disk format") is written from a ``Manifest`` and read
-back into one; nothing else reads its JSON. ``RowLayout`` owns the layout of ``tokens.bin``
-(one row per block, token ids as int32 (streams, block_size)) and of the landmark keys: from
-format 5 one file per (stream, layer, key/value head) of float32 rows (``key_file``), before
-it the rows of ``landmarks.bin`` (every layer and key/value head's keys of a block,
-(streams, n_layer, n_kv_head, head_dim) in the model's dtype), still read.
+``manifest.json`` (docs/DESIGN.md, "On-disk format") is written from a ``Manifest`` and read back into
+one; nothing else reads its JSON. ``RowLayout`` owns the layout of ``tokens.bin`` (one row per block,
+token ids as int32 (streams, block_size)) and of the landmark keys: from format 5 one file per (stream,
+layer, key/value head) of float32 rows (``key_file``), before it the rows of ``landmarks.bin`` (every
+layer and key/value head's keys of a block, (streams, n_layer, n_kv_head, head_dim) in the model's dtype), still read.
 """
 
 import re
@@ -60,7 +59,6 @@ class ModelRecord:
     dtype: str
     name: str = ""  # as the user named it (``kinds.model_name``): "bundled", a named model, a folder
     tokenizer: str = ""  # sha256 of what turned text into ids (``kinds.tokenizer_digest``); "" where unknown
-
 
 
 @dataclass(frozen=True)
@@ -252,8 +250,8 @@ class Manifest:
         if s.windows and len(s.memory_layers) != s.n_layer:
             raise bad(f"model.shape.windows = {list(s.windows)}", f"(it must name n_layer = {s.n_layer} layers with a "
                       "memory, 0 each)")
-        if not isinstance(self.model.fingerprint, str) or not isinstance(self.model.config, dict) or \
-                not isinstance(self.model.tokenizer, str):
+        if not all(isinstance(x, str) for x in (self.model.fingerprint, self.model.tokenizer)) or \
+                not isinstance(self.model.config, dict):
             raise bad("model", "with a fingerprint or tokenizer that is no string or a config that is no object")
         if not isinstance(self.model.dtype, str) or self.model.dtype not in DTYPES:  # (a list is no key)
             raise bad(f"model.dtype = {self.model.dtype!r}", f"(not one of {', '.join(DTYPES)})")
