@@ -92,8 +92,9 @@ def shared_blocks(D, dtype, device, Tq=40, B=2, H=4, H_kv=2, L=64, K=3, S=3, n_p
     return rel_error([out], [ref])
 
 
-def cases(small: bool):
-    """(name, dtype, thunk) of every check; ``small``: sizes the Triton interpreter runs in seconds."""
+def cases(small: bool, device: torch.device):
+    """(name, dtype, thunk) of every check on ``device``; ``small``: sizes the Triton interpreter
+    runs in seconds."""
     T, B, H = (70, 1, 2) if small else (1000, 2, 4)
     dtypes = (torch.float32, torch.bfloat16) if small else (torch.float32, torch.bfloat16, torch.float16)
     block_sizes = (50, 7) if small else (50, 64, 37)
@@ -102,18 +103,18 @@ def cases(small: bool):
         for bs in block_sizes:
             for dt in dtypes:
                 yield (f"{backend} bs={bs} T={T} D=64", dt,
-                       lambda be=backend, bs=bs, dt=dt: in_sequence(be, bs, T, 64, dt, DEVICE, B, H))
+                       lambda be=backend, bs=bs, dt=dt: in_sequence(be, bs, T, 64, dt, device, B, H))
         yield (f"{backend} bs=50 T={T} D=128", torch.bfloat16,
-               lambda be=backend: in_sequence(be, 50, T, 128, torch.bfloat16, DEVICE, B, H))
+               lambda be=backend: in_sequence(be, 50, T, 128, torch.bfloat16, device, B, H))
     yield (f"triton bs=50 T={T} D=64 with a CMT", torch.float32,
-           lambda: in_sequence("triton", 50, T, 64, torch.float32, DEVICE, B, H, cmt=True))
+           lambda: in_sequence("triton", 50, T, 64, torch.float32, device, B, H, cmt=True))
     for bs in block_sizes[::2]:
         for int8 in (False, True):
             for cmt in (False, True):
                 dt = torch.float32 if int8 else torch.bfloat16
                 yield (f"inference triton bs={bs} {'int8' if int8 else 'bf16'} pool{' CMT' if cmt else ''}", dt,
-                       lambda bs=bs, int8=int8, cmt=cmt, dt=dt: inference(bs, 64, dt, DEVICE, int8, cmt, **shape))
-    yield "training-free blocks, shared columns", torch.float32, lambda: shared_blocks(64, torch.float32, DEVICE)
+                       lambda bs=bs, int8=int8, cmt=cmt, dt=dt: inference(bs, 64, dt, device, int8, cmt, **shape))
+    yield "training-free blocks, shared columns", torch.float32, lambda: shared_blocks(64, torch.float32, device)
 
 
 def merge_json(path: Path, key: str, value) -> None:
@@ -124,18 +125,17 @@ def merge_json(path: Path, key: str, value) -> None:
 
 
 def main(argv=None) -> int:
-    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--small", action="store_true", help="interpreter sizes (a CPU under TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
-    DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU, Triton interpreter"
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU, Triton interpreter"
     lines = [f"# Kernels against the float64 reference ({name})", "",
              "| case | dtype | rel. error | bound | |", "|---|---|---|---|---|"]
     results, failed = [], 0
-    for case, dt, thunk in cases(args.small):
+    for case, dt, thunk in cases(args.small, device):
         try:
             err = thunk()
         except Exception as e:  # a case that cannot run fails, and the others still run
@@ -154,8 +154,6 @@ def main(argv=None) -> int:
     print(lines[-1])
     return 1 if failed else 0
 
-
-DEVICE = torch.device("cpu")
 
 if __name__ == "__main__":
     sys.exit(main())

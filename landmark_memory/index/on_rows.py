@@ -94,7 +94,6 @@ class TorchRowsIndex(RowsIndex):
 
     def _rows_on_device(self, hi: int) -> torch.Tensor:
         """The first ``hi`` rows on the device (those not copied yet go now)."""
-        self._copied = min(self._copied, self.rows.n)
         if hi > self._copied:
             if hi > len(self._copy):
                 grown = torch.empty(max(hi, 2 * len(self._copy)), self.dim, device=self.device)

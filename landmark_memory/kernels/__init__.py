@@ -57,14 +57,6 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     _check_common(q, k, v, block_size, backend)
     if backend == "numba":
         raise ValueError("the numba backend serves landmark_attention_inference only; use auto, dense or triton")
-    if backend == "triton-onepass":
-        from .triton_landmark import _check_backend
-        from .triton_onepass import landmark_attention_onepass
-
-        if cmt_k is not None:
-            raise ValueError("the triton-onepass backend has no Context Miss Token path; use backend='triton'")
-        default_scale = _check_backend(q)
-        return landmark_attention_onepass(q, k, v, block_size, default_scale if scale is None else float(scale))
     if q.shape != k.shape:
         raise ValueError(f"q and k shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}")
     _check_cmt(q, cmt_k)
@@ -78,6 +70,14 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
         from .triton_landmark import landmark_attention_triton
 
         return landmark_attention_triton(q, k, v, block_size, scale, cmt_k, cmt_blocks)
+    if backend == "triton-onepass":
+        from .triton_landmark import _check_backend
+        from .triton_onepass import landmark_attention_onepass
+
+        if cmt_k is not None:
+            raise ValueError("the triton-onepass backend has no Context Miss Token path; use backend='triton'")
+        default_scale = _check_backend(q)
+        return landmark_attention_onepass(q, k, v, block_size, default_scale if scale is None else float(scale))
     if backend == "reference":
         return landmark_attention_reference(q, k, v, block_size, scale, cmt_k, cmt_blocks)
     return landmark_attention_dense(q, k, v, block_size, scale, cmt_k, cmt_blocks)

@@ -161,7 +161,8 @@ class Decoder:
             y = (landmark_attention_inference(qr, local_k, local_v, bs, cmt_k=cmt_k, **blocks) if s.landmarks else
                  block_attention_inference(qr, local_k, local_v, shared=shared, **blocks))
             h = bb.finish(layer, h, y)
-            chosen = ids_used[:, :, normal, :self.lookup.chosen]  # the chosen blocks, not the forced ones
+            # the chosen blocks, not the forced ones after them (fewer than top_k where fewer are candidates)
+            chosen = ids_used[:, :, normal, :ids_used.shape[-1] - (o.reads - o.top_k)]
             retrieved.append(F.pad(chosen, (0, o.top_k - chosen.shape[-1]), value=-1))
         h = h[:, normal]  # (B, n, C)
         if logits != "all":  # "last": the step's last token; "none": no head at all
@@ -221,4 +222,3 @@ def _read_columns(ids: torch.Tensor, pos: torch.Tensor, shared: int) -> tuple[to
     if bool(live.all()):
         return ids, pos, shared
     return ids[..., live], pos[..., live], shared - int((~live[live.shape[0] - shared:]).sum())
-

@@ -30,9 +30,6 @@ class BlockLookup:
     Attributes
     ----------
     pinned : int64 (p,), blocks every query reads first among its top-k (``LandmarkMemory.reading``).
-    chosen : int, the columns of the last ``choose``'s ids that hold each query's top-k: ``top_k``,
-        or fewer where fewer blocks are candidates (a ``top_k`` over the memory's size, every block
-        read to prove the memory exact, would otherwise make every step's tables that wide).
     """
 
     def __init__(self, blocks: BlockMemory, options: MemoryOptions, *, key_row: int, group: int,
@@ -40,7 +37,6 @@ class BlockLookup:
         self.blocks, self.options, self.key_row, self.group = blocks, options, key_row, group
         self.rope, self.scale, self.stats = rope, scale, stats
         self.pinned = np.zeros(0, np.int64)
-        self.chosen = options.top_k
         self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
         self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their keys at their slots)
@@ -59,15 +55,17 @@ class BlockLookup:
 
     def choose(self, layer: int, q: torch.Tensor, qr: torch.Tensor, at_search: tuple, skip: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block ids (B, H, Tq, reads) each query reads (-1 = none): its ``top_k`` (the pinned
-        blocks, ``pinned``, then its own choice; ``chosen`` columns), then the sink and local
-        blocks every query reads; and the positions their first rows sit at. ``at_search``:
+        """Block ids (B, H, Tq, reads') each query reads (-1 = none): its ``top_k`` (the pinned
+        blocks, ``pinned``, then its own choice), then ``reads - top_k`` columns of the sink and
+        local blocks every query reads; and the positions their first rows sit at. The chosen
+        columns are fewer than ``top_k`` where fewer blocks are candidates (a ``top_k`` over the
+        memory's size, every block read to prove it exact, would make every step's tables that
+        wide): reads' = reads - top_k + the chosen columns. ``at_search``:
         ``rope.angles`` of the positions the raw queries ``q`` search older blocks from;
         ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         o, L, r, nb, device = self.options, self.blocks.L, self.key_row, self.blocks.n_blocks, self.blocks.device
         K, W = o.top_k, o.reads
-        self.chosen = K
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
         empty = q.new_full((B, H, Tq, W), -1, dtype=torch.long)
         if nb == lo:
@@ -134,9 +132,9 @@ class BlockLookup:
             S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
-        self.chosen = min(K, c_hi - c_lo)  # no wider than the candidates
-        chosen = select_blocks(S, I, c_lo, max(c_lo, c_hi), self.chosen - len(pinned_np), o.retrieval)
-        ids = with_forced(with_pinned(chosen, pinned), forced, W - K + self.chosen)
+        k = min(K, c_hi - c_lo)  # no wider than the candidates
+        chosen = select_blocks(S, I, c_lo, max(c_lo, c_hi), k - len(pinned_np), o.retrieval)
+        ids = with_forced(with_pinned(chosen, pinned), forced, W - K + k)
         if skip is not None:  # shared selections (per head, per token) and forced blocks must not reach skipped queries
             ids = ids.masked_fill(skip[..., None], -1)
         return ids, block_positions(ids, nb, W, L, o.position_mapping)
