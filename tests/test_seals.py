@@ -11,6 +11,7 @@ from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main
 from landmark_memory.memory import corpus, seals
 from landmark_memory.memory.directory import MemoryDir
+from landmark_memory.memory.errors import MemoryFileError
 from landmark_memory.training.data import SAMPLE_DIR
 
 
@@ -106,3 +107,27 @@ def test_a_merged_document_that_keeps_its_store_keeps_no_seals(built, tmp_path, 
     assert main(["build", str(mem), "--input", str(text), "--chunk-size", "50", "--quiet"]) == 0
     kept = list(mem.glob("docs/*"))
     assert (mem / seals.SEALS).is_file() and kept and not [d for d in kept if (d / "keys").exists()]
+
+
+def test_damage_made_while_a_writer_runs_is_never_sealed(sealed):
+    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
+    name = sorted(every)[0]
+    mem = LandmarkMemory.open(sealed, LandmarkGPT.from_pretrained())
+    with open(sealed / name, "r+b") as f:  # a committed row changed behind the writer's back
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x10]))
+    mem.close()
+    assert name not in json.loads((sealed / seals.SEALS).read_text())["files"]
+    with pytest.raises(MemoryFileError, match=name.replace(".", r"\.") + ".*CRC-32"):
+        LandmarkMemory.open(sealed, LandmarkGPT.from_pretrained())
+
+
+def test_a_writer_that_appended_seals_the_files_it_grew(sealed, tmp_path, monkeypatch):
+    text = tmp_path / "more.txt"
+    text.write_text((SAMPLE_DIR / "val" / "alice_excerpt.txt").read_text()[:1500])
+    before = MemoryDir(sealed, writable=False).read_manifest()
+    assert main(["build", str(sealed), "--input", str(text), "--chunk-size", "50", "--quiet"]) == 0
+    after = MemoryDir(sealed, writable=False).read_manifest()
+    assert after.blocks > before.blocks
+    assert _key_files_read(sealed, monkeypatch) == []

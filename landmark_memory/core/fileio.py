@@ -38,6 +38,17 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
     return fd
 
 
+def file_status(path: str | Path) -> list[int] | None:
+    """``[size, device, inode, mtime_ns, ctime_ns]`` of the regular file ``path`` (not followed
+    where it is a link); None where there is none. Every write, truncation, rename or ``utime``
+    through the file system sets the change time, which no call sets back."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns] if stat.S_ISREG(st.st_mode) else None
+
+
 def hard_linked(path: str | Path, links: int) -> LinkError:
     """The error for a file to be written that has other names (``links`` in all): writing it
     would change a file outside the folder too."""

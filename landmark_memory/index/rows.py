@@ -9,15 +9,20 @@ reads nothing. A writer maps its files read-write and grows them by doubling wit
 reserved first (a full disk is ``ENOSPC`` at the growth, never a SIGBUS later); rows past the
 committed count are scratch, ignored and overwritten. A reader maps the committed rows only,
 after checking that the file holds them, so a missing page is an error, never a SIGBUS.
+
+A writer's file notes its status when taken and after each change the writer makes to it
+(``watch``): a change that finds another status than the last noted was preceded by another's,
+and its seals (``memory/seals.py``) then never vouch for the file.
 """
 
 import os
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from ..core.fileio import cut, open_nofollow, reserve
+from ..core.fileio import cut, file_status, open_nofollow, reserve
 
 MIN_ROWS = 64  # the least a file or a buffer grows to
 
@@ -36,6 +41,12 @@ class KeyRows:
     writable : bool, rows may be appended to the file (a writer); a reader maps ``n`` rows.
     n : int, the rows that count (committed); the file must hold them.
     dtype : numpy dtype of the values (float32 keys; int32 list ids).
+
+    Attributes
+    ----------
+    watch : a writer's file: ``(status when taken, status after the writer's last change)``
+        (``core.fileio.file_status``; None for a file not there yet); None where another
+        changed it between two of the writer's changes, or for rows that are no writer's file.
     """
 
     def __init__(self, dim: int, path: Path | None = None, *, writable: bool = True, n: int = 0,
@@ -43,6 +54,8 @@ class KeyRows:
         self.dim, self.path, self.writable, self.n, self.dtype = dim, path, writable, 0, np.dtype(dtype)
         self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), self.dtype)
         self._synced = 0  # rows made durable by this object's last sync (a sync with none since does nothing)
+        status = file_status(path) if writable and path is not None else None
+        self.watch = (status, status) if writable and path is not None else None
         self.follow(n)
 
     @property
@@ -53,6 +66,15 @@ class KeyRows:
     def array(self) -> np.ndarray:
         """(n, dim) of ``dtype``, C-contiguous, the rows that count (a view: valid until they grow)."""
         return self._rows[:self.n]
+
+    @contextmanager
+    def _changing(self):
+        """A change the writer makes to its file, noted (``watch``)."""
+        if self.watch is not None and file_status(self.path) != self.watch[1]:
+            self.watch = None  # (another's change came first)
+        yield
+        if self.watch is not None:
+            self.watch = (self.watch[0], file_status(self.path))
 
     def follow(self, n: int) -> None:
         """Count ``n`` rows: a reader maps them (its file must hold them), a writer checks its
@@ -66,15 +88,16 @@ class KeyRows:
     def append(self, xb: np.ndarray) -> None:
         """Append rows ``xb`` float32 (m, dim)."""
         m = len(xb)
-        if self.n + m > len(self._rows):
-            want = max(self.n + m, 2 * len(self._rows), MIN_ROWS)
-            if self.path is None:
-                grown = np.empty((want, self.dim), self.dtype)
-                grown[:self.n] = self._rows[:self.n]
-                self._rows = grown
-            else:
-                self._map(want, grow=True)
-        self._rows[self.n:self.n + m] = xb
+        with self._changing():
+            if self.n + m > len(self._rows):
+                want = max(self.n + m, 2 * len(self._rows), MIN_ROWS)
+                if self.path is None:
+                    grown = np.empty((want, self.dim), self.dtype)
+                    grown[:self.n] = self._rows[:self.n]
+                    self._rows = grown
+                else:
+                    self._map(want, grow=True)
+            self._rows[self.n:self.n + m] = xb
         self.n += m
 
     def crc32(self, first: int, crc: int = 0) -> int:
@@ -85,12 +108,13 @@ class KeyRows:
         """Make the rows durable (a writer's file: its map written back, the file synced)."""
         if self.path is None or not self.writable or not len(self._rows) or self._synced == self.n:
             return
-        self._rows.flush()
-        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with self._changing():
+            self._rows.flush()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         self._synced = self.n
 
     def check(self) -> None:
@@ -104,11 +128,12 @@ class KeyRows:
         """Release the map; a writer's file is cut to the rows that count (the room it grew
         into is given back)."""
         if self.path is not None and len(self._rows):
-            if self.writable:
-                self._rows.flush()
-            self._rows = np.empty((0, self.dim), self.dtype)  # the map goes with its last array
-            if self.writable:
-                cut(self.path, self.nbytes)
+            with self._changing():
+                if self.writable:
+                    self._rows.flush()
+                self._rows = np.empty((0, self.dim), self.dtype)  # the map goes with its last array
+                if self.writable:
+                    cut(self.path, self.nbytes)
 
     def _map(self, rows: int, grow: bool) -> None:
         """Map the file, at least ``rows`` rows of it; ``grow``: a writer makes room first."""

@@ -211,10 +211,8 @@ class BlockMemory:
 
     def _each_key(self):
         """``(stream, layer, head, KeyRows)`` of every key file or buffer."""
-        for b, stream in enumerate(self.keys):
-            for layer, heads in enumerate(stream):
-                for h, rows in enumerate(heads):
-                    yield b, layer, h, rows
+        yield from ((b, layer, h, rows) for b, stream in enumerate(self.keys) for layer, heads in enumerate(stream)
+                    for h, rows in enumerate(heads))
 
     def _index_files(self) -> list[IndexFile]:
         """The files the indexes keep beside the key files (``LandmarkIndex.files``)."""
@@ -383,11 +381,14 @@ class BlockMemory:
         base = self.base
         self.cache.forget(lambda key: key[2] >= base)
 
-    def close(self) -> None:
-        """Release the key files (a writer's cut to the keys that count) and the store."""
-        for rows in [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]:
+    def close(self) -> dict[str, tuple]:
+        """Release the key files (a writer's cut to the keys that count) and the store; returns
+        ``{file: KeyRows.watch}`` of a writer's files no other changed: what its seals vouch for."""
+        every = [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]
+        for rows in every:
             rows.close()
         self.store.close()
+        return {rows.path.relative_to(self.key_path).as_posix(): rows.watch for rows in every if rows.watch}
 
     # ---- files: what a commit writes of the blocks, what opening or following one reads -------
     def rows_since(self, layout: RowLayout, first: int) -> dict[str, bytes]:

@@ -440,8 +440,7 @@ class LandmarkMemory:
                 self.commit()
         finally:  # a commit that failed (a full disk) leaves the last one standing: the files are let go all the same
             self._closed = True
-            self.blocks.close()
-            self.files.close()
+            self.files.close(self.blocks.close())
 
     def __enter__(self) -> "LandmarkMemory":
         return self

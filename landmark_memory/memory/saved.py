@@ -20,7 +20,7 @@ from .blocks import BlockMemory
 from .decoding import OpenChunk
 from .directory import MemoryDir, model_fingerprint
 from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
-from .seals import seal, unchanged
+from .seals import seal, statuses, unchanged, vouched
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
@@ -168,6 +168,7 @@ class SavedFiles:
         self._committed_blocks = 0  # blocks of the last commit: a commit writes the rows after them
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
         self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
+        self._checked: dict[str, list[int]] = {}  # a writer's key and index files' status before it checked them
         self._sealable = False  # a writer whose key and index files were checked, or written, to its manifest
 
     def commit(self, blocks: BlockMemory, manifest: Manifest, chunk: OpenChunk) -> int:
@@ -194,6 +195,8 @@ class SavedFiles:
         if manifest.streams is not None:
             if self.documents:
                 blocks.shards.follow(manifest.inputs.shards, manifest.blocks)  # (its documents' stores, its own)
+            if not self.readonly:  # (before the check: a change while it reads shows at close)
+                self._checked = statuses(self.dir.path, manifest.key_file_bytes())
             self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
                                          mapped=self.readonly)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
@@ -218,14 +221,16 @@ class SavedFiles:
                                   f"opened (commit {self.commit_count}, now {manifest.commit}); open it again")
         return manifest, state
 
-    def close(self) -> None:
-        """Release the folder (and its writer lock); a writer whose files hold its last commit
-        seals them first (its key files let go: ``BlockMemory.close``)."""
+    def close(self, kept: dict[str, tuple] | None = None) -> None:
+        """Release the folder (and its writer lock); a writer seals first those of its files
+        that hold its last commit and that it ``kept`` from others (their statuses when it took
+        them and after its last change, ``BlockMemory.close``; its key files let go)."""
         if self.dir is None:
             return
         try:
-            if self._sealable:
-                seal(self.dir.path, self.manifest.key_file_bytes(), self.manifest.rows_crc or {})
+            if self._sealable and kept:
+                m = self.manifest
+                seal(self.dir.path, m.key_file_bytes(), m.rows_crc or {}, vouched(self._checked, kept))
         except OSError:
             pass  # (seals only spare the next writer reading: without them it reads every file)
         finally:

@@ -11,6 +11,14 @@ same at the next open was not written since; every write, truncation, rename or 
 through the file system sets its change time, which no call sets back. A file whose status
 differs, or whose seal is missing, malformed or for other rows, is read and checked as before.
 
+A seal vouches only for bytes its writer checked or wrote. The writer notes each file's
+status before it checks it (opening, ``statuses``); each of its files (``KeyRows``) notes the
+status it found when taken and after each change the writer makes to it, and counts itself
+changed by another where a change finds a status other than the last noted. At close the writer
+seals only the files that no other changed, whose status when taken was the one it checked and
+whose status now is the one after its own last change: damage made while it ran (same-size
+damage to committed rows included) goes unsealed, and is read at the next open.
+
 A change within the same tick of the file system's clock as the file's last write would keep
 its change time, so a seal counts only where the file's change time is before the seals file's
 own (the writer waits out the tick before it writes them). What a seal cannot see (a change to
@@ -20,27 +28,16 @@ finds, as it reads everything: seals spare a writer reading, never ``verify``.
 
 import json
 import os
-import stat
 import time
 from pathlib import Path
 
-from ..core.fileio import atomic_write, open_nofollow
+from ..core.fileio import atomic_write, file_status, open_nofollow
 from .manifest import KEYS
 
 SEALS = f"{KEYS}/seals.json"
 SEAL_BYTES = 4 << 20  # key and index files smaller than this together are read faster than sealed
 MAX_SEALS_BYTES = 1 << 24  # a seals file longer than this is no writer's: not read
 TICK_WAIT_S = 0.002  # how long a writer sleeps between looks at the file system's clock
-
-
-def _status(path: Path) -> list[int] | None:
-    """``[size, device, inode, mtime_ns, ctime_ns]`` of the regular file ``path`` (not followed
-    where it is a link); None where there is none."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return [st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns] if stat.S_ISREG(st.st_mode) else None
 
 
 def unchanged(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> set[str]:
@@ -63,21 +60,35 @@ def unchanged(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> set[
         return set()
     out = set()
     for name, nbytes in sizes.items():
-        seal, status = files.get(name), _status(folder / name)
+        seal, status = files.get(name), file_status(folder / name)
         if status is not None and name in crcs and seal == [nbytes, crcs[name], *status] and status[4] < sealed_at:
             out.add(name)
     return out
 
 
-def seal(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> None:
+def statuses(folder: Path, names) -> dict[str, list[int]]:
+    """``{name: status}`` of the files ``names`` in ``folder`` as they are now (those that are
+    no regular file left out): what a writer notes before it checks them."""
+    return {name: status for name in names if (status := file_status(folder / name)) is not None}
+
+
+def vouched(checked: dict[str, list[int]], kept: dict[str, tuple[list[int] | None, list[int]]]) -> dict[str, list[int]]:
+    """``{name: status}`` a writer closing may seal: of its files ``kept`` ({name: (status when
+    taken, status after its last change)}, those no other changed while it held them), those it
+    took as it ``checked`` them (or created: none then), with their last status."""
+    return {name: last for name, (first, last) in kept.items() if first == checked.get(name)}
+
+
+def seal(folder: Path, sizes: dict[str, int], crcs: dict[str, int], vouched: dict[str, list[int]]) -> None:
     """Write the seals of the files of ``sizes`` ({name in ``folder``: committed bytes}) with a
-    CRC-32 in ``crcs``, whose committed rows the caller (a writer closing) vouches for; none
-    where they hold less than ``SEAL_BYTES`` together. Waits until the file system's clock has
-    passed every file's change time, so that a later change shows."""
+    CRC-32 in ``crcs`` whose status is still ``vouched[name]``, the one the caller (a writer
+    closing) noted when it last checked or wrote them (``statuses``); none where they hold less
+    than ``SEAL_BYTES`` together. Waits until the file system's clock has passed every file's
+    change time, so that a later change shows."""
     if sum(sizes.values()) < SEAL_BYTES or os.path.islink(folder / KEYS) or not (folder / KEYS).is_dir():
         return
     files = {name: [nbytes, crcs[name], *status] for name, nbytes in sizes.items()
-             if name in crcs and (status := _status(folder / name)) is not None}
+             if name in crcs and (status := file_status(folder / name)) is not None and status == vouched.get(name)}
     last = max((s[6] for s in files.values()), default=0)
     data = json.dumps({"version": 1, "files": files}).encode()
 
