@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main, os_error_text
 from landmark_memory.memory import seals
 from landmark_memory.memory.answer import say
+from landmark_memory.memory.documents import page_file
 from landmark_memory.memory.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
 
@@ -310,17 +312,26 @@ def _edit(doc, path, how, value):
 
 
 def _outcomes(mem, text):
-    """``info``, ``info --verify``, ``ask``, ``build``, and where the memory has one a turn of
-    its session ``s`` (``chat``) on ``mem``: each exit 0, or exit 2 with one line; no traceback
-    (a signal would end the tests). A failed command leaves every file as it was."""
+    """``info``, ``info --verify``, ``ask``, ``build`` (its text and a new one), and where the
+    memory has one a turn of its session ``s`` (``chat``) on ``mem``: each exit 0, or exit 2
+    with one line; no traceback (a signal would end the tests). A failed command leaves every
+    file as it was; a build never appends to a page of the document list it did not find sound."""
     chat = [["chat", mem, "--session", "s", "--raw", "--max-new-tokens", "1"]] if (mem / "sessions").is_dir() else []
+    new = mem.parent / "new.txt"  # (a document the memory lacks: a build appends to its list)
+    new.write_text((SAMPLE_DIR / "val" / "alice_excerpt.txt").read_text()[:400])
     for argv in (["info", mem], ["info", mem, "--verify"], ["ask", mem, "The", "--max-new-tokens", "1", "--quiet"],
-                 ["build", mem, "--input", text, "--chunk-size", "50", "--quiet"], *chat):
+                 ["build", mem, "--input", text, new, "--chunk-size", "50", "--quiet"], *chat):
         before, err, out = snapshot(mem), io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), _stdin("The captain said\n"):
             rc = main([str(a) for a in argv])
         err = err.getvalue()
         assert rc in (0, 2) and "Traceback" not in err, (argv, rc, err[-3000:])
+        if rc == 0 and argv[0] == "build":  # a build never appends to a page it did not find sound
+            after, pages = snapshot(mem), json.loads((mem / "manifest.json").read_text()).get("pages", [])
+            for i, (_, nbytes, crc, _) in enumerate(pages):
+                name = mem.joinpath(page_file(i)).relative_to(mem)
+                if after.get(name) != before.get(name):
+                    assert zlib.crc32(after[name][:nbytes]) == crc, name
         if rc == 2:  # one line; ``info --verify`` reports its problems on stdout instead
             verified = "--verify" in argv and not err and "damaged" in out.getvalue()
             assert verified or len(err.strip().splitlines()) == 1, (argv, err, out.getvalue())

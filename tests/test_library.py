@@ -259,3 +259,30 @@ def test_a_session_that_named_a_librarys_documents_one_by_one_still_opens(model,
         assert session._documents_digest(mem.manifest, 5) != session._documents_digest(mem.manifest, 5, False)
         with Session.open(mem, "s", create=False) as s:
             s.attach()  # (found by its fields)
+
+
+@pytest.mark.parametrize("damage", ["a digit", "cut to nothing", "pages swapped"])
+def test_a_writer_refuses_a_damaged_page_it_would_append_to_and_writes_nothing(model, texts, tmp_path, small_pages,
+                                                                               capsys, damage):
+    files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
+    build_into(model, path, files[:3])  # pages of 2 and 1 records: the next document goes on page 1
+    first, last = path / page_file(0), path / page_file(1)
+    if damage == "a digit":  # the same length, another number
+        data = last.read_bytes()
+        at = data.index(b'"tokens": ') + len(b'"tokens": ')
+        last.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    elif damage == "cut to nothing":
+        last.write_bytes(b"")
+    else:
+        a, b = first.read_bytes(), last.read_bytes()
+        first.write_bytes(b)
+        last.write_bytes(a)
+    before = {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+              and p.name not in ("writer.lock", "lock.mdb")}
+    capsys.readouterr()
+    assert main(["build", str(path), "--input", str(files[3]), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and page_file(1) in err, err
+    after = {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+             and p.name not in ("writer.lock", "lock.mdb")}
+    assert after == before

@@ -200,19 +200,9 @@ class DocumentList:
     def page(self, p: int) -> list[InputRecord]:
         """The records of page ``p``, read and checked when first asked for."""
         if p not in self._read:
-            r, first = self.pages[p], self._ends[p] - self.pages[p].count
-            where = f"{self.dir.path / page_file(p) if self.dir else page_file(p)} (documents {first:,} to " \
-                    f"{first + r.count - 1:,})"
-            if self.dir is None:
-                raise MemoryFileError(f"{where} cannot be read: the list is not attached to its memory")
-            _own_folder(self.dir)
-            data = self.dir.read_rows(page_file(p), r.bytes)  # (a missing or short file is named)
-            lines = data.split(b"\n")[:-1]  # (a record is one line: JSON escapes a new line in a string)
-            if zlib.crc32(data) != r.crc32 or len(lines) != r.count:
-                raise MemoryFileError(f"{where} does not match the manifest (its CRC-32 or records differ); the "
-                                      "other documents and every block are sound: restore that file from a backup")
+            where, data = self._page_bytes(p, self.dir)
             try:
-                records = [InputRecord(**json.loads(line)) for line in lines]
+                records = [InputRecord(**json.loads(line)) for line in data.split(b"\n")[:-1]]
             except (ValueError, TypeError) as e:
                 why = str(e) if str(e).isprintable() else repr(str(e))  # (a key may hold a line break)
                 raise MemoryFileError(f"{where} garbles a record ({why}); restore that file from a backup") from None
@@ -221,12 +211,38 @@ class DocumentList:
             self._read[p] = records
         return self._read[p]
 
+    def _page_bytes(self, p: int, d) -> tuple[str, bytes]:
+        """``(where, bytes)``: page ``p``'s committed bytes read afresh from the memory folder
+        ``d`` and checked against its CRC-32 and count of records in the manifest (``where``
+        names it in messages)."""
+        r, first = self.pages[p], self._ends[p] - self.pages[p].count
+        where = f"{d.path / page_file(p) if d else page_file(p)} (documents {first:,} to {first + r.count - 1:,})"
+        if d is None:
+            raise MemoryFileError(f"{where} cannot be read: the list is not attached to its memory")
+        _own_folder(d)
+        data = d.read_rows(page_file(p), r.bytes)  # (a missing or short file is named)
+        if zlib.crc32(data) != r.crc32 or data.count(b"\n") != r.count:  # (JSON escapes a new line in a string)
+            raise MemoryFileError(f"{where} does not match the manifest (its CRC-32 or records differ); the "
+                                  "other documents and every block are sound: restore that file from a backup")
+        return where, data
+
+    def check_appendable(self, d) -> None:
+        """Check, read afresh from the memory folder ``d``, the page a commit appends to (the
+        last, if not full) against the manifest, as a writer checks its key files before it
+        writes: ``MemoryFileError`` names it otherwise. (``digests.bin`` is checked as it is
+        read; unsound, it is written anew from the pages.)"""
+        if self.paged and self.pages and self.pages[-1].count < PAGE_DOCUMENTS:
+            self._page_bytes(len(self.pages) - 1, d)
+
     def write(self, d) -> None:
         """Append the tail to the pages in the memory folder ``d`` (each page's file written
-        after its committed bytes, fsynced): what a commit does before its manifest. A list
-        that is not paged is written in the manifest."""
+        after its committed bytes, fsynced), the page it appends to and the digests checked
+        afresh first: what a commit does before its manifest. A list that is not paged is
+        written in the manifest."""
         if not (self.paged and self.tail):
             return
+        self.check_appendable(d)
+        self._digests = None  # (read and checked again: what changed since is not appended to)
         _own_folder(d).mkdir(exist_ok=True)
         self._write_digests(d, self.tail)
         while self.tail:

@@ -86,11 +86,13 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     maps the token rows (``mapped``: checked where passages read them, and by ``verify``); a
     writer, which appends to them, reads them and checks their CRC-32 and ids first, and the
     CRC-32 of every key file and index file but those sealed unchanged since the last writer
-    closed them (``memory/seals.py``), before any uncommitted tail is cut."""
+    closed them (``memory/seals.py``) and of the page its commit appends to, before any
+    uncommitted tail is cut."""
     if not mapped:
         sealed = unchanged(d.path, manifest.key_file_bytes(), manifest.rows_crc or {})
         for _ in d.key_file_rows(manifest, skip=sealed):
             pass
+        manifest.inputs.check_appendable(d)  # (a corpus's page its next commit appends to)
     rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped)
     tokens = np.frombuffer(rows[TOKENS], np.int32) if not mapped else np.zeros(0, np.int32)
     if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
