@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.memory import LandmarkMemory, MemoryFileError
-from landmark_memory.memory.directory import model_fingerprint
+from landmark_memory.models.fingerprint import model_fingerprint
 
 OPTS = dict(top_k=2, chunk_size=10, index_options={"train_size": 16})
 

@@ -5,6 +5,7 @@ at its last commit and nothing outside its folder is written."""
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -250,6 +251,40 @@ def test_a_full_disk_is_one_line_and_the_memory_stays_at_its_last_commit(small_d
         ids = encode_document(load_tokenizer(), book.read_text(), 50)
         np.testing.assert_array_equal(opened.tokens(), ids[:opened.n_blocks * 50])
         opened.close()
+
+
+@pytest.mark.parametrize("room", [0, 4096])
+def test_a_chat_that_meets_a_full_disk_leaves_no_session_and_the_memory_sound(small_disk, book, capsys,
+                                                                               monkeypatch, room):
+    mem = small_disk / "mem"
+    short = small_disk.parent / "short.txt"
+    short.write_text(book.read_text()[:1500])
+    assert main(["build", str(mem), "--input", str(short), "--chunk-size", "50", "--quiet"]) == 0
+    with open(small_disk / "filler", "wb") as f:  # the disk full but for ``room`` bytes
+        os.posix_fallocate(f.fileno(), 0, os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - room)
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who was the captain?\n"))
+    refused(capsys, ["chat", str(mem), "--session", "t", "--raw", "--max-new-tokens", "2"], "no space left")
+    assert main(["info", str(mem), "--verify"]) == 0
+    capsys.readouterr()
+    assert main(["sessions", str(mem), "--json"]) == 0 and json.loads(capsys.readouterr().out) == []
+
+
+def test_a_session_a_chat_stopped_before_its_first_commit_is_no_damage_and_chats_again(tmp_path, book, capsys,
+                                                                                      monkeypatch):
+    mem = built(tmp_path, book)
+    (mem / "sessions" / "t").mkdir(parents=True)
+    (mem / "sessions" / "t" / "writer.lock").write_text("process 1\n")  # (what a kill mid-creation leaves)
+    assert main(["info", str(mem), "--verify"]) == 0
+    capsys.readouterr()
+    assert main(["sessions", str(mem), "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["name"] == "t" and "never committed" in listed["problem"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who was the captain?\n"))
+    assert main(["chat", str(mem), "--session", "t", "--raw", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["sessions", str(mem), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["turns"] == 2
 
 
 # ---- 5. a stop before the first commit ------------------------------------------------------

@@ -28,8 +28,9 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     hf_cache.py   LandmarkMemoryCache: a memory as a transformers Cache for ``generate``
 """
 
+from ..models.fingerprint import model_fingerprint
 from .blocks import BlockMemory
-from .directory import MemoryDir, model_fingerprint
+from .directory import MemoryDir
 from .engine import LandmarkMemory
 from .manifest import InputRecord, Manifest, MemoryFileError
 from .options import MAPPINGS, QUERY_OPTIONS, RETRIEVALS, MemoryOptions, default_chunk_size

@@ -32,7 +32,6 @@ import os
 import re
 import stat
 import time
-import weakref
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -53,34 +52,6 @@ MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
 STATE_NAME = re.compile(r"state\.\d+\.safetensors")
 TEMPORARY = re.compile(r"\..+" + re.escape(TMP_MARK) + r"\d+|\.tmp\w{6,}")  # ours, and older safetensors' own
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-# config entries that say where or how a model was loaded, not what it computes (Hugging Face),
-# or how it was trained: p_cmt and p_jump change nothing at inference, and a Context Miss Token
-# (cmt) shows in the weights, so memories built before these entries existed still open
-UNFINGERPRINTED = {"transformers_version", "architectures", "use_cache", "landmark_backend", "cmt", "p_cmt", "p_jump"}
-
-
-_FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of a model's config and weights: a memory only makes sense with the model that
-    computed its keys and values. Hashed once per loaded model (SmolLM2's weights take most of a
-    second): kept until its config or any weight changes (a tensor replaced, or written in place,
-    which moves its version counter)."""
-    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in UNFINGERPRINTED}
-    state = sorted(model.state_dict().items())
-    seen = (json.dumps(config, sort_keys=True), tuple((name, t.data_ptr(), t._version) for name, t in state))
-    cached = _FINGERPRINTS.get(model)
-    if cached is not None and cached[0] == seen:
-        return cached[1]
-    h = hashlib.sha256(seen[0].encode())
-    for name, t in state:
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    _FINGERPRINTS[model] = seen, h.hexdigest()
-    return h.hexdigest()
-
 
 @contextlib.contextmanager
 def disk_errors(what: str):
@@ -117,6 +88,13 @@ def damaged(what: str, why: str = "") -> MemoryFileError:
                            "or rebuild it")
 
 
+def leftovers(path: Path) -> list[Path] | None:
+    """What a first commit stopped midway left in the folder ``path`` (its lock file, temporary
+    files), or None where it holds anything else."""
+    found = [p for p in path.iterdir() if p.name == LOCK or TEMPORARY.fullmatch(p.name)] if path.is_dir() else []
+    return found if not path.is_dir() or len(found) == sum(1 for _ in path.iterdir()) else None
+
+
 class MemoryDir:
     """One memory directory, opened for reading or for writing (``writable``: takes the
     writer lock)."""
@@ -130,31 +108,37 @@ class MemoryDir:
     @classmethod
     def create(cls, path: str | Path, manifest: Manifest) -> "MemoryDir":
         """A new memory at ``path`` (absent or empty), its manifest at commit 0. What an
-        interrupted first commit left (the lock file, temporary files) does not count."""
+        interrupted first commit left (``leftovers``) does not count; a folder this makes is
+        removed again when its first commit fails (a full disk)."""
         path = Path(path)
         if (path / MANIFEST).exists():
             raise MemoryFileError(f"{path} already holds a memory; open it with LandmarkMemory.open(path, model) "
                                   "to continue it, or choose another path")
         if path.exists() and not path.is_dir():
             raise MemoryFileError(f"{path} is a file; a memory is a directory: choose another path")
-        if path.is_dir():
-            leftovers = [p for p in path.iterdir() if p.name == LOCK or TEMPORARY.fullmatch(p.name)]
-            if len(leftovers) < sum(1 for _ in path.iterdir()):
-                raise MemoryFileError(f"{path} is not empty and holds no memory (no {MANIFEST}); "
-                                      "choose a new or empty directory")
-            for p in leftovers:
-                if p.is_symlink():
-                    raise MemoryFileError(f"{p} is a symbolic link: a memory writes only its own files; remove it")
+        if path.is_dir() and leftovers(path) is None:
+            raise MemoryFileError(f"{path} is not empty and holds no memory (no {MANIFEST}); "
+                                  "choose a new or empty directory")
+        for p in leftovers(path) or []:
+            if p.is_symlink():
+                raise MemoryFileError(f"{p} is a symbolic link: a memory writes only its own files; remove it")
+        made, d = not path.exists(), None
         try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MemoryFileError(f"cannot create the memory directory {path}: {e.strerror}") from None
-        d = cls(path, writable=True)
-        try:
+            with disk_errors(f"the memory directory {path}"):
+                path.mkdir(parents=True, exist_ok=True)
+            d = cls(path, writable=True)
             d.drop_old_states(keep=None)
             d.write_manifest(manifest)
-        except BaseException:
-            d.close()
+        except BaseException as e:
+            if d is not None:
+                d.close()
+            if made:
+                with contextlib.suppress(OSError):
+                    for p in leftovers(path) or []:
+                        p.unlink()
+                    path.rmdir()
+            if isinstance(e, OSError) and not isinstance(e, MemoryFileError):
+                raise MemoryFileError(f"cannot create the memory directory {path}: {e.strerror}") from None
             raise
         return d
 
@@ -168,17 +152,20 @@ class MemoryDir:
         except FileNotFoundError:
             raise MemoryFileError(f"no memory at {self.path}: the directory does not exist "
                                   "(build one with `landmark-memory build`)") from None
-        fh = os.fdopen(fd, "r+")
+        fh = os.fdopen(fd, "rb+", buffering=0)  # (unbuffered: a full disk fails the write, never the close)
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with disk_errors(str(self.path / LOCK)):
+                fh.truncate()
+                fh.write(f"process {os.getpid()}\n".encode())
         except BlockingIOError:
-            who = fh.read().strip() or "another process"
+            who = fh.read(200).decode(errors="replace").strip() or "another process"
             fh.close()
             raise WriterBusyError(f"the memory {self.path} is being written by {who}; only one writer at a time: "
                                   "wait for it to finish, or open the memory read-only") from None
-        fh.truncate()
-        fh.write(f"process {os.getpid()}\n")
-        fh.flush()
+        except BaseException:
+            fh.close()
+            raise
         self._lock = fh
 
     def close(self):

@@ -24,11 +24,12 @@ from ..core.decode import decode
 from ..core.layout import IGNORE_INDEX
 from ..core.names import DISK_STORES, MAX_STREAMS
 from ..kernels import BACKENDS
+from ..models.fingerprint import model_fingerprint
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
-from .directory import MemoryDir, model_fingerprint
+from .directory import MemoryDir
 from .documents import DocumentList
 from .lookup import BlockLookup
 from .manifest import InputRecord, Manifest, ModelRecord

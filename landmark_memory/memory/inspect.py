@@ -134,8 +134,9 @@ def verify(path: str | Path) -> VerifyReport:
 
 
 def _check_sessions(path: Path, report: VerifyReport) -> None:
-    """Every session of the memory verified as the memory it is, its turns too."""
-    for s in list_sessions(path):
+    """Every session of the memory verified as the memory it is, its turns too (one a chat
+    stopped before its first commit holds nothing to verify)."""
+    for s in (s for s in list_sessions(path) if s.committed):
         sub = verify(sessions_folder(path) / s.name)
         report.problems += [f"session {s.name}: {p}" for p in sub.problems]
         report.blocks_checked += sub.blocks_checked

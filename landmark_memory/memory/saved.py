@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from ..core.names import DISK_STORES
+from ..models.fingerprint import model_fingerprint
 from .blocks import BlockMemory
 from .decoding import OpenChunk
-from .directory import MemoryDir, model_fingerprint
+from .directory import MemoryDir
 from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
 from .seals import seal, statuses, unchanged, vouched
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..core.fileio import TMP_MARK
 from ..core.names import SESSION_NAME_RULE, is_session_name
-from .directory import MANIFEST, MemoryDir
+from .directory import MANIFEST, MemoryDir, leftovers
 from .errors import WriterBusyError
 from .manifest import Manifest, MemoryFileError
 
@@ -62,6 +62,7 @@ class SessionInfo:
     tokens: int
     updated: str
     problem: str = ""
+    committed: bool = True  # False: a chat stopped before the session's first commit (no damage)
 
 
 def check_name(name: str) -> str:
@@ -173,6 +174,10 @@ def list_sessions(memory: str | Path) -> list[SessionInfo]:
     folder, out = sessions_folder(memory), []
     for p in sorted(folder.iterdir()) if folder.is_dir() else []:
         if not is_session_name(p.name) or p.is_symlink():
+            continue
+        if not (p / MANIFEST).exists() and leftovers(p) is not None:
+            out.append(SessionInfo(p.name, 0, 0, "", "never committed: a chat stopped before its first commit; chat "
+                                   "in it again, or delete it", committed=False))
             continue
         try:
             d = MemoryDir(p, writable=False)
