@@ -1,6 +1,10 @@
 """A corpus served by Ray actors, each holding a share of its blocks, on a local cluster of two
 nodes: the same retrieved blocks and answers as one process, bit for bit; a share that dies
-fails the request in one line, the server lives on and nothing on disk changes."""
+fails the request in one line, the server lives on and nothing on disk changes; a key file cut
+under it is a 503, not a SIGBUS."""
+
+import os
+import shutil
 
 import pytest
 import ray
@@ -92,3 +96,20 @@ def test_serve_takes_a_ray_address_only_with_shares(corpus, capsys):
     assert main(["serve", str(corpus), "--ray-address", "auto", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--shares" in err
+
+
+def test_a_key_file_cut_under_a_served_corpus_is_a_503_not_a_sigbus(corpus, cluster, model, tmp_path):
+    served = tmp_path / "m"
+    shutil.copytree(corpus, served)
+    readers = Readers(ServeConfig(served, "landmark-memory-tiny", shares=2), model)
+    try:
+        with readers.take() as mem:
+            ask(mem, load_tokenizer(), QUESTIONS[0], max_new_tokens=4, raw=True)
+        key = served / "keys" / "s0_l1_h0.f32"
+        os.truncate(key, 8)  # (the front and both shares map it)
+        with pytest.raises(APIError) as e:
+            with readers.take():
+                pass  # (checked before an answer reads anything)
+        assert e.value.status == 503 and "truncated" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        readers.close()

@@ -77,8 +77,11 @@ class Readers:
         try:
             if mem is None:
                 mem = self._open()
-            elif self.shares is None:  # (shares answer at the commit they opened)
+            elif self.shares is None:
                 mem.refresh()
+            else:  # (shares answer at the commit they opened: their files and the front's checked)
+                self.shares.check_files()
+                mem.check_files()
         except (MemoryFileError, OSError) as e:  # rebuilt in place, damaged, or gone: open it again, or give up
             if mem is not None:
                 mem.close()

@@ -35,6 +35,10 @@ class _Share:
     def blocks(self) -> int:
         return self.mem.n_blocks
 
+    def check_files(self) -> None:
+        """``LandmarkMemory.check_files`` of this share (``MemoryFileError``: a file it maps was cut)."""
+        self.mem.check_files()
+
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
         """``BlockMemory.search`` of the blocks of ``[lo, hi)`` in this share: (D, I) (B, H, T_q, k)."""
         lo, hi = max(lo, self.first), min(hi, self.end)
@@ -86,12 +90,23 @@ class Shares:
     def _call(self, send, actors=None) -> list:
         import ray
 
-        actors = self.actors if actors is None else actors
-        try:
-            return ray.get([send(a) for a in actors])
-        except ray.exceptions.RayError as e:
-            raise MemoryFileError(f"a share of the corpus {self.where} served on Ray failed ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else 'gone'}); restart the server") from None
+        refs, out, failed = [send(a) for a in (self.actors if actors is None else actors)], [], None
+        for ref in refs:  # (every answer taken, failed ones too: Ray logs those never asked for)
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                failed = failed or e
+        if isinstance(getattr(failed, "cause", None), MemoryFileError):  # (a share's own: a file cut under it)
+            raise MemoryFileError(str(failed.cause))
+        if failed is not None:
+            raise MemoryFileError(f"a share of the corpus {self.where} served on Ray failed ({type(failed).__name__}: "
+                                  f"{str(failed).splitlines()[0] if str(failed) else 'gone'}); restart the server")
+        return out
+
+    def check_files(self) -> None:
+        """Every share's ``LandmarkMemory.check_files``, asked at once: a file cut under a share
+        is a ``MemoryFileError`` (a server's 503), not a share dead of a SIGBUS."""
+        self._call(lambda a: a.check_files.remote())
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
         """``BlockMemory.search`` of the saved blocks of ``[lo, hi)``, every share asked at once:

@@ -221,25 +221,16 @@ class LandmarkMemory:
             step(new[:, -1:])
         return new
 
-    @property
-    def streams(self) -> int | None:
-        """Batch size, fixed by the first forward."""
-        return self.blocks.streams
-
-    @property
-    def n_blocks(self) -> int:
-        """Blocks in memory per stream."""
-        return self.blocks.n_blocks
+    streams = property(lambda self: self.blocks.streams, doc="Batch size, fixed by the first forward (None before).")
+    n_blocks = property(lambda self: self.blocks.n_blocks, doc="Blocks in memory per stream.")
 
     @property
     def n_tokens(self) -> int:
         """Normal tokens fed per stream."""
         return self.n_blocks * self.shape.block_size + self.pending_count
 
-    @property
-    def pending_count(self) -> int:
-        """Tokens of the open chunk (fed since the last chunk boundary)."""
-        return self.decoder.count
+    pending_count = property(lambda self: self.decoder.count,
+                             doc="Tokens of the open chunk (fed since the last chunk boundary).")
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
@@ -389,12 +380,17 @@ class LandmarkMemory:
             raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
                              "is the newest there is")
         newer = self.files.newer(self.inputs)
-        self.blocks.check_files()
+        self.check_files()
         if newer is None:
             return False
         self.rewind()
         self._follow(*newer)
         return True
+
+    def check_files(self) -> None:
+        """``MemoryFileError`` where a file this memory maps was cut short since it was mapped
+        (a read there would be a SIGBUS): what a server asks before each answer."""
+        self.blocks.check_files()
 
     def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
         """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
