@@ -99,6 +99,16 @@ def test_ask_answers_in_words_through_the_chat_template(tmp_path):
     assert " ".join(doc["quote"]["text"].split()) in " ".join(book.read_text().split())
 
 
+def test_smollm2s_tokenizer_reads_a_text_in_pieces_as_whole(landmark, monkeypatch):
+    from landmark_memory.app import build
+
+    _, tok = landmark
+    text = BOOK.read_text()[:30_000] + " 1,234  numbers\u00a0and  spaces 42nd "
+    monkeypatch.setattr(build, "PIECE_CHARS", 500)
+    whole = tok.encode(build.strip_gutenberg(text)).ids + [tok.token_to_id(build.EOS_TOKEN)]
+    assert build.encode(tok, text).tolist() == whole
+
+
 def test_the_chat_prompt_is_a_user_turn_ready_for_the_answer(landmark):
     _, tok = landmark
     assert isinstance(tok, TextTokenizer)

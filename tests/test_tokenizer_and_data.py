@@ -10,7 +10,8 @@ from landmark_memory.training.data import Answer, PasskeyMix, WindowSampler, lis
 from landmark_memory.app.evaluate import parse_lengths
 from landmark_memory.core.passkey import PasskeyPrompts, first_int, run_passkey
 from landmark_memory.core.layout import IGNORE_INDEX
-from landmark_memory.core.tokenizer import LANDMARK_TOKEN, SPECIAL_TOKENS
+from landmark_memory.core.tokenizer import EOS_TOKEN, LANDMARK_TOKEN, SPECIAL_TOKENS
+from landmark_memory.training.data import SAMPLE_DIR
 
 LM = 1
 
@@ -199,3 +200,24 @@ def test_window_sampler_weighs_the_targets_of_answer_tokens_and_marks_where_they
     assert all(torch.equal(batch.answer[r], answer) and torch.equal(batch.source[r], source) for r in range(2))
     with pytest.raises(ValueError, match="answer weight must be positive"):
         WindowSampler(tokens, seq_len=32, batch_size=2, seed=0, answer_weight=0.0)
+
+
+ODD_TEXT = ("It was 1,234 years ago,  said   the captain.\n\n\tNaïve café — “quoted” words; a_b c-d e'f "
+            "don't 42nd\u2028next\r\nline ") * 40
+
+
+def test_a_text_tokenized_in_pieces_has_the_ids_of_the_whole(monkeypatch):
+    from landmark_memory.app import build
+
+    tok, book = load_tokenizer(), read_text(SAMPLE_DIR / "train" / "treasure_island_excerpt.txt")[:20000]
+    monkeypatch.setattr(build, "PIECE_CHARS", 300)
+    for text in (book, ODD_TEXT, "one" * 2000, book.replace(" ", "\n")):
+        whole = tok.encode(strip_gutenberg(text)).ids + [tok.token_to_id(EOS_TOKEN)]
+        parts = list(build.pieces(strip_gutenberg(text), lambda a, b: True, 300))
+        assert "".join(parts) == strip_gutenberg(text)
+        assert build.encode(tok, text).tolist() == whole
+    assert len(list(build.pieces(book, lambda a, b: True, 300))) > 20  # (cut into many pieces)
+    assert list(build.pieces(book, lambda a, b: False, 300)) == [book]  # a tokenizer that never cuts: whole
+    refused = set()
+    kept = list(build.pieces(book, lambda a, b: len(refused) > 3 or refused.add(a) or False, 300))
+    assert len(refused) == 4 and "".join(kept) == book and len(kept) > 20  # (refused places passed over)

@@ -11,6 +11,7 @@ same inputs give the same memory bit for bit however many workers read them.
 """
 
 import hashlib
+import re
 import signal
 import threading
 import time
@@ -65,17 +66,47 @@ def read_inputs(paths: list[str | Path]) -> list[TextInput]:
     return out
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of a text as the memory holds it: Gutenberg licence stripped, end-of-text after."""
-    return tokenizer.encode(strip_gutenberg(text)).ids + [tokenizer.token_to_id(EOS_TOKEN)]
+PIECE_CHARS = 1 << 20  # a text is tokenized a piece of about this many characters at a time
+CUT_WINDOW = 256  # characters each side of a cut that must tokenize as their two sides do
+_CUT = re.compile(r"(?<=\S)(?= \w)")  # before a space that starts a word, after one that ends one
+
+
+def encode(tokenizer, text: str) -> np.ndarray:
+    """int32 (n,) token ids of a text as the memory holds it: Gutenberg licence stripped,
+    end-of-text after. Tokenized a piece at a time (``pieces``), so that the tokenizer's own
+    memory stays bounded whatever the shape of the text (a 50 MB line held 7 GB at once): the
+    ids are those of the text tokenized whole."""
+    def splits(left: str, right: str) -> bool:  # the tokenizer cuts there: the window's ids are its sides'
+        return tokenizer.encode(left + right).ids == tokenizer.encode(left).ids + tokenizer.encode(right).ids
+
+    parts = [np.asarray(tokenizer.encode(piece).ids, np.int32) for piece in pieces(strip_gutenberg(text), splits)]
+    return np.concatenate(parts + [np.array([tokenizer.token_to_id(EOS_TOKEN)], np.int32)])
+
+
+def pieces(text: str, splits: Callable[[str, str], bool], size: int | None = None) -> Iterator[str]:
+    """``text`` in consecutive pieces of about ``size`` (``PIECE_CHARS``) characters. Each but
+    the last ends before a space that starts a word after a character that ends one (where a
+    tokenizer's pre-tokenizer cuts before it merges anything) and where ``splits`` says the
+    ``CUT_WINDOW`` characters each side tokenize as their two sides do: so each piece tokenizes
+    as that span of the whole does. A span with no such place stays whole."""
+    size, at = size or PIECE_CHARS, 0
+    while len(text) - at > size:
+        cut = _CUT.search(text, at + size)
+        while cut is not None and not splits(text[max(cut.start() - CUT_WINDOW, 0):cut.start()],
+                                             text[cut.start():cut.start() + CUT_WINDOW]):
+            cut = _CUT.search(text, cut.start() + 1)
+        if cut is None:
+            break
+        yield text[at:cut.start()]
+        at = cut.start()
+    yield text[at:]
 
 
 def encode_document(tokenizer, text: str, block_size: int) -> np.ndarray:
     """int32 (n * block_size,) a document's token ids: ``encode``'s, then end-of-text tokens up
     to the end of its last block, so that every token of it is in a block."""
     ids = encode(tokenizer, text)
-    ids += [ids[-1]] * (-len(ids) % block_size)
-    return np.array(ids, np.int32)
+    return np.concatenate([ids, np.full(-len(ids) % block_size, ids[-1], np.int32)])
 
 
 @dataclass(frozen=True)
