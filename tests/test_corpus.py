@@ -299,3 +299,16 @@ def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, docu
     assert row_bytes(path, everywhere=True) == row_bytes(path, everywhere=False)
     assert files_of(path) == before and verify(path).ok
     assert len(list((path / "docs").iterdir())) == (3 if packing == "sharded" else 0)
+
+
+def test_a_long_reading_gives_the_heaps_free_pages_back_as_it_goes(model, documents, tmp_path, monkeypatch):
+    from landmark_memory.app import build as building
+    from landmark_memory.core import heap
+
+    trims = []
+    monkeypatch.setattr(heap, "TRIM_TOKENS", 200)
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    ids = encode_document(load_tokenizer(), (documents / "a.txt").read_text(), 50)
+    with LandmarkMemory(model, path=tmp_path / "m", store="lmdb", chunk_size=100) as mem:
+        read = sum(building.read_steps(mem, ids[None]))
+    assert read == len(ids) and len(trims) == len(ids) // 200 > 2

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import zlib
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -568,6 +569,30 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_la
     good.write_text(book.read_text()[:500])
     assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0
     assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0  # and again: nothing stands in the way
+
+
+def test_a_document_an_earlier_build_left_that_cannot_be_merged_blocks_no_later_build(tmp_path, book, capsys):
+    from landmark_memory.app.build import DocumentJob
+    from landmark_memory.memory.manifest import document_folder
+
+    mem = built(tmp_path, book)
+    inp = read_inputs([book])[0]  # read apart under a name no UTF-8 file holds (as a build before the refusal did)
+    text = inp.text[:800] + " More."
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    with LandmarkMemory.open(mem, LandmarkGPT.from_pretrained(), readonly=True) as m:
+        options = m.options
+    read_document(DocumentJob(mem / document_folder(sha), str(tmp_path / "caf\udce9.txt"), sha,
+                              encode_document(load_tokenizer(), text, 50), options, 60.0),
+                  LandmarkGPT.from_pretrained())
+    good = tmp_path / "good.txt"
+    good.write_text(book.read_text()[1000:1600])
+    for _ in range(2):  # the document set aside, the build goes on, and so does the next
+        assert main(["build", str(mem), "--input", str(good), "--quiet"]) == 0
+        out = capsys.readouterr().out
+        assert "set aside, not merged" in out and "not UTF-8" in out and document_folder(sha) in out, out
+    assert main(["info", str(mem), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["inputs"]
+    assert [Path(d["path"]).name for d in listed if d["status"] == "done"] == [book.name, good.name]
 
 
 @pytest.mark.parametrize("name, replaced", [

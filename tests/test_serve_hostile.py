@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -138,7 +139,7 @@ def test_a_session_name_is_bounded_in_bytes_and_every_session_made_can_be_delete
     assert json.loads(call(server, "/v1/sessions")[1])["data"] == []
 
 
-def test_a_session_whose_turn_log_is_a_link_or_damaged_is_503_and_nothing_is_written(server, corpus, tmp_path):
+def test_a_session_whose_turn_log_is_a_link_a_hard_link_or_damaged_is_503_and_nothing_is_written(server, corpus, tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("x" * 22_000)
     body = {**CHAT, "session": "linked"}
@@ -153,6 +154,12 @@ def test_a_session_whose_turn_log_is_a_link_or_damaged_is_503_and_nothing_is_wri
         error = refusal(status, data, "session_unavailable") if not stream else events(data)[-2]["error"]
         assert (status == 503 or stream) and "symbolic link" in error["message"]
     assert outside.read_text() == "x" * 22_000
+    log.unlink()
+    outside.write_bytes(good)
+    os.link(outside, log)  # a hard link to a file outside: refused, never written through
+    status, data = call(server, "/v1/chat/completions", body)
+    assert status == 503 and "hard links" in refusal(status, data, "session_unavailable")["message"]
+    assert outside.read_bytes() == good
     log.unlink()
     log.write_bytes(good[:len(good) // 2])
     status, data = call(server, "/v1/chat/completions", body)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..core import heap
 from ..core.tokenizer import EOS_TOKEN
 from ..memory import LandmarkMemory, MemoryFileError
 from ..memory.corpus import (committed_tokens, document_folders, document_manifest, drop_merged_rows, finished,
@@ -164,11 +165,16 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
 def read_steps(mem: LandmarkMemory, ids: np.ndarray, pos: int = 0) -> Iterator[int]:
     """Feed ``mem`` the token ids ``ids`` int32 (streams, n) from ``pos`` on, each step what its
     open chunk takes (a commit between steps leaves it where the next read goes on); yields
-    each step's tokens."""
+    each step's tokens. The C heap's free pages go back every ``TRIM_TOKENS`` tokens
+    (``core.heap``): a long document's reading holds the same memory from start to end."""
+    since_trim = 0
     while pos < ids.shape[1]:
         n = min(mem.options.chunk_size - mem.pending_count, ids.shape[1] - pos)
         mem.forward(torch.from_numpy(ids[:, pos:pos + n]).long(), logits="none")
-        pos += n
+        pos, since_trim = pos + n, since_trim + n
+        if since_trim >= heap.TRIM_TOKENS:
+            heap.trim()
+            since_trim = 0
         yield n
 
 
@@ -228,6 +234,7 @@ class BuildSummary:
     merged: int = 0
     skipped: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)  # documents an earlier build left damaged: why, what to do
     interrupted: str | None = None
 
 
@@ -258,7 +265,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
         else:
             given[inp.sha256] = inp
     root = mem.dir.path.resolve()  # workers elsewhere (Ray) find documents by absolute paths
-    queue = _unmerged_documents(mem, given, leave_unfinished)  # folders still to merge, read ones first
+    queue = _unmerged_documents(mem, given, leave_unfinished, summary)  # folders still to merge, read ones first
     jobs, ready, read_before = [], set(), 0
     for folder in queue:  # read to their end, or left as they are
         m = document_manifest(mem.dir, folder)
@@ -308,16 +315,19 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
     return summary
 
 
-def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_unfinished: bool) -> list[str]:
+def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_unfinished: bool,
+                        summary: BuildSummary) -> list[str]:
     """Folders under ``docs/`` of documents not merged yet whose files are not among the inputs
     (by content): read ones are merged first; an unfinished one stops the build unless
-    ``leave_unfinished``."""
+    ``leave_unfinished``; a damaged one is set aside (``summary.set_aside``: a failed build
+    never blocks the next)."""
     out = []
     for s in unmerged_states(mem.dir, mem.inputs):
         if s.sha256 in given:
             continue
         if s.status == "damaged":
-            raise MemoryFileError(f"{s.problem}; or remove {mem.dir.path / s.folder} to drop that document")
+            summary.set_aside.append(f"{s.problem}; or remove {mem.dir.path / s.folder} to drop that document")
+            continue
         if s.status == "partial" and not leave_unfinished:
             changed = any(str(i.path.resolve()) == s.path for i in given.values())
             raise ValueError(

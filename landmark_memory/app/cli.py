@@ -136,6 +136,7 @@ def cmd_build(args):
              f"{summary.seconds:,.1f} s ({summary.added / max(summary.seconds, 1e-9):,.0f} tokens/s)"]
     lines += [f"skipped (already in memory): {s}" for s in summary.skipped]
     lines += [f"left unfinished: {s}" for s in summary.left]
+    lines += [f"set aside, not merged: {s}" for s in summary.set_aside]
     if summary.interrupted:
         lines.append(f"interrupted ({summary.interrupted}): every document read so far is committed; run the same "
                      "build again to continue")

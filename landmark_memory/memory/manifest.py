@@ -30,6 +30,7 @@ FORMAT = "landmark-memory/memory"
 FORMAT_VERSION = 7
 TOKENS, LANDMARKS, KEYS = "tokens.bin", "landmarks.bin", "keys"
 DOCUMENT_FOLDER = re.compile(r"docs/[0-9a-f]{16}")  # a corpus's documents, named by their content's sha256
+SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: text no UTF-8 file holds (a name not UTF-8)
 
 
 def key_file(stream: int, layer: int, head: int) -> str:
@@ -143,10 +144,9 @@ class Manifest:
         """Shapes of the open chunk's entries in the state file: its token ids (streams, P) and
         per layer its un-rotated keys and values (streams, H_kv, P with landmarks, D)."""
         s, P, B = self.model.shape, self.pending_tokens, self.streams
-        if not P:
-            return {}
         kv = (B, s.n_kv_head, s.rows_of(P), s.head_dim)
-        return {"pending_ids": (B, P), **{f"pending.{layer}.{n}": kv for layer in range(s.n_layer) for n in "kv"}}
+        return {"pending_ids": (B, P), **{f"pending.{layer}.{n}": kv for layer in range(s.n_layer) for n in "kv"}} \
+            if P else {}
 
     def window_entries(self, state: dict) -> tuple[dict[int, tuple[str, str]], list[str]]:
         """The sliding-window layers' windows in a commit's ``state``: ``({model layer: (key
@@ -308,7 +308,6 @@ class Manifest:
                 isinstance(k, str) and type(v) is int for k, v in self.rows_crc.items())):
             raise bad("files.rows_crc32", "that is not a map of file names to CRC-32s")
 
-
     def check_input(self, e: InputRecord, where: str) -> None:
         """``MemoryFileError`` unless the input record ``e`` (from ``where``) is one of this commit's."""
         def bad(why):
@@ -317,9 +316,10 @@ class Manifest:
 
         if not all(type(getattr(e, n)) is int and getattr(e, n) >= 0 for n in ("tokens", "ingested", "start")):
             raise bad("with a count that is no integer >= 0")
-        if not all(isinstance(v, str) for v in (e.path, e.name, e.sha256)) or not isinstance(e.abandoned, bool) \
-                or not isinstance(e.document, (str, type(None))) or not isinstance(e.packed, bool):
-            raise bad("with a path, name, sha256, document or abandoned or packed flag of the wrong type")
+        if not all(isinstance(v, str) and not SURROGATE.search(v) for v in (e.path, e.name, e.sha256)) \
+                or not isinstance(e.abandoned, bool) or not isinstance(e.document, (str, type(None))) \
+                or not isinstance(e.packed, bool):
+            raise bad("with a path, name, sha256, document or flag of the wrong type, or text that is not UTF-8")
         if e.packed and (not self.documents or e.document is None):
             raise bad("packed into a memory that is no corpus")
         if (e.document is None) == self.documents or (e.document is not None and not DOCUMENT_FOLDER.fullmatch(
