@@ -5,6 +5,7 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     retrieval.py  the retrieval policy as pure functions: top-k selection, block positions
     blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache, and
                   what a commit writes of them and opening reads back
+    landmark_keys.py  the landmark key rows and their indexes per (stream, layer, kv head)
     key_sums.py   running sums of the landmark keys (the mean key that centring subtracts)
     token_rows.py the blocks' token ids, as they were added
     manifest.py   the manifest's typed records and the row files' byte layout

@@ -1,7 +1,7 @@
-"""The blocks a memory holds: per (stream, layer, key/value head) the landmark keys (float32
-rows, ``index.rows.KeyRows``: a saved memory's in files of their own, mapped) and their index
-(a flat one searches those rows where they lie), every block's keys and values in the store
-behind the hot cache, and the token ids of every block.
+"""The blocks a memory holds: their landmark keys and indexes (``landmark_keys.py``: per
+(stream, layer, key/value head) float32 rows, a saved memory's in files of their own, mapped,
+and the index that searches them), every block's keys and values in the store behind the hot
+cache, and the token ids of every block.
 
 Block ``b`` of a stream holds normal tokens ``[b * block_size, (b + 1) * block_size)``; ids are
 dense and FAISS's sequential ids are the block numbers. Keys are kept without RoPE.
@@ -23,13 +23,14 @@ import numpy as np
 import torch
 
 from ..core.rope import RotaryEmbedding
-from ..index import KINDS, IndexFile, LandmarkIndex, derived_from_rows, index_from_bytes, new_index
-from ..index.rows import KeyFileError, KeyRows
+from ..index import LandmarkIndex, derived_from_rows
+from ..index.rows import KeyFileError
 from ..storage import STORE_KINDS, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import damaged, disk_errors
 from .key_sums import KeySums
-from .manifest import KEYS, LANDMARKS, TOKENS, MemoryFileError, RowLayout, key_file
+from .landmark_keys import LandmarkKeys
+from .manifest import LANDMARKS, TOKENS, MemoryFileError, RowLayout
 from .shape import ModelShape
 from .options import MemoryOptions
 from .token_rows import TokenRows
@@ -64,8 +65,7 @@ class BlockMemory:
         self.streams: int | None = None  # batch size, fixed by the first chunk
         self.n_blocks = 0  # blocks per stream
         self.key_path = key_path
-        self.keys: list[list[list[KeyRows]]] = []  # [stream][layer][key/value head] (n_blocks, D) landmark keys
-        self.indexes: list[list[list[LandmarkIndex]]] = []  # [stream][layer][key/value head]
+        self.landmarks = LandmarkKeys(shape, options, key_path, not readonly, self.where)  # keys and indexes
         self.ids = TokenRows(shape.block_size)  # the token ids of the blocks in ``indexes``
         # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``upper``; None: all in ``indexes``
         self.base: int | None = 0 if readonly else None
@@ -119,18 +119,8 @@ class BlockMemory:
 
     def start(self, streams: int) -> None:
         """Fix the number of streams and create their (empty) landmark keys and indexes."""
-        self.streams, D = streams, self.shape.head_dim
-        self.keys = [[[KeyRows(D, None if self.key_path is None else self.key_path / key_file(b, layer, h),
-                               writable=self.base is None) for h in range(self.shape.n_kv_head)]
-                      for layer in range(self.shape.n_layer)] for b in range(streams)]
-        self.indexes = self._grid()
-
-    def _grid(self) -> list[list[list[LandmarkIndex]]]:
-        """Empty indexes per [stream][layer][key/value head] (a flat one over the keys)."""
-        o, D = self.options, self.shape.head_dim
-        return [[[new_index(o.index, D, **({"rows": self.keys[b][layer][h]} if KINDS[o.index].on_rows else {}),
-                            **o.index_options) for h in range(self.shape.n_kv_head)]
-                 for layer in range(self.shape.n_layer)] for b in range(self.streams)]
+        self.streams = streams
+        self.landmarks.start(streams)
 
     # ---- the blocks past a read-only memory's saved ones -----------------------------------
     def attach(self, upper: "BlockMemory") -> None:
@@ -194,29 +184,10 @@ class BlockMemory:
         """Add blocks whose keys and values the store holds already: per layer their landmark
         keys (B, H_kv, n, D), and their normal token ids (B, n * block_size); ``indexed=False``
         leaves the indexes to the caller."""
-        with self._key_errors():
+        with self.landmarks.errors():
             for layer, lm in enumerate(landmarks):
-                xb = lm.float().cpu().numpy()  # (B, H, n, D)
-                for b in range(self.streams):
-                    for h in range(xb.shape[1]):
-                        ix = self.indexes[b][layer][h]
-                        if ix.rows is None:  # an index of its own kind: the keys lie beside it
-                            self.keys[b][layer][h].append(xb[b, h])
-                        if indexed or ix.rows is not None:  # (a flat index appends to the keys it searches)
-                            ix.add(xb[b, h])
+                self.landmarks.add(lm.float().cpu().numpy(), layer, indexed)  # (B, H, n, D)
         self.n_blocks += self.ids.add(ids)
-
-    def _key_errors(self):
-        return disk_errors(f"the landmark keys of {self.where}")
-
-    def _each_key(self):
-        """``(stream, layer, head, KeyRows)`` of every key file or buffer."""
-        yield from ((b, layer, h, rows) for b, stream in enumerate(self.keys) for layer, heads in enumerate(stream)
-                    for h, rows in enumerate(heads))
-
-    def _index_files(self) -> list[IndexFile]:
-        """The files the indexes keep beside the key files (``LandmarkIndex.files``)."""
-        return [f for stream in self.indexes for heads in stream for ix in heads for f in ix.files()]
 
     # ---- reading --------------------------------------------------------------------------
     def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
@@ -240,11 +211,9 @@ class BlockMemory:
         base = self.n_blocks if self.base is None else self.base
         saved, fed = ids < base, ids >= base
         out = np.empty((self.streams, self.shape.n_kv_head, len(ids), self.shape.head_dim), np.float32)
-        for b in range(self.streams):
-            for h in range(self.shape.n_kv_head):
-                out[b, h, saved] = self.keys[b][layer][h].array()[ids[saved]]
-                if fed.any():
-                    out[b, h, fed] = self.upper.keys[b][layer][h].array()[ids[fed] - base]
+        self.landmarks.read(layer, ids[saved], out, saved)
+        if fed.any():
+            self.upper.landmarks.read(layer, ids[fed] - base, out, fed)
         return out
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int,
@@ -291,7 +260,7 @@ class BlockMemory:
         higher score first; of equal ones, the saved block)."""
         base = self.n_blocks if self.base is None else self.base
         try:
-            D, I = saved or self.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
+            D, I = saved or self.landmarks.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
         except KeyFileError as e:  # (an index may read its own files at its first search)
             raise damaged(str(e)) from None
         if hi <= base:
@@ -343,7 +312,7 @@ class BlockMemory:
         was cut since it was mapped: reading a page past a file's end would be a SIGBUS."""
         try:
             self.store.check()
-            for rows in [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]:
+            for rows in self.landmarks.files():
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
             raise damaged(str(e)) from None
@@ -352,21 +321,16 @@ class BlockMemory:
             self.upper.check_files()
 
     def all_indexes(self) -> list[LandmarkIndex]:
-        return [ix for stream in self.indexes for layer in stream for ix in layer] + (
-            self.upper.all_indexes() if self.upper is not None else [])
+        return self.landmarks.all_indexes() + (self.upper.all_indexes() if self.upper is not None else [])
 
     def index(self, stream: int, layer: int, head: int) -> LandmarkIndex:
         """The landmark index of key/value head ``head`` of ``layer`` in ``stream``."""
-        return self.indexes[stream][layer][head]
+        return self.landmarks.indexes[stream][layer][head]
 
     def usage(self) -> tuple[int, int]:
         """``(fast, store)`` bytes: landmark keys, indexes and resident hot blocks; every
         block's keys and values in the store."""
-        keys = {id(rows): rows for *_, rows in self._each_key()}
-        fast = sum(r.nbytes for r in keys.values()) + self.cache.bytes
-        fast += sum(ix.nbytes - (ix.rows.nbytes if id(ix.rows) in keys else 0)  # (a flat index is its keys)
-                    for stream in self.indexes for layer in stream for ix in layer)
-        fast += self.upper.usage()[0] if self.upper is not None else 0
+        fast = self.landmarks.nbytes() + self.cache.bytes + (self.upper.usage()[0] if self.upper is not None else 0)
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
 
     def rewind(self) -> None:
@@ -384,11 +348,9 @@ class BlockMemory:
     def close(self) -> dict[str, tuple]:
         """Release the key files (a writer's cut to the keys that count) and the store; returns
         ``{file: KeyRows.watch}`` of a writer's files no other changed: what its seals vouch for."""
-        every = [r for *_, r in self._each_key()] + [f.rows for f in self._index_files()]
-        for rows in every:
-            rows.close()
+        kept = self.landmarks.close()
         self.store.close()
-        return {rows.path.relative_to(self.key_path).as_posix(): rows.watch for rows in every if rows.watch}
+        return kept
 
     # ---- files: what a commit writes of the blocks, what opening or following one reads -------
     def rows_since(self, layout: RowLayout, first: int) -> dict[str, bytes]:
@@ -398,33 +360,17 @@ class BlockMemory:
     def sync_keys(self, first: int, crcs: dict[str, int]) -> dict[str, int]:
         """Make the landmark keys durable; ``{key file: CRC-32}`` of all its rows, carried on
         from ``crcs`` (those of its rows before block ``first``)."""
-        out = {}
-        with self._key_errors():
-            for b, layer, h, rows in self._each_key():
-                rows.sync()
-                name = key_file(b, layer, h)
-                out[name] = rows.crc32(first, crcs.get(name, 0))
-            for f in self._index_files():  # a file new since the last commit is read whole
-                f.rows.sync()
-                name = f"{KEYS}/{f.rows.path.name}"
-                out[name] = (f.rows.crc32(first, crcs[name]) if name in crcs and f.per_block else
-                             crcs[name] if name in crcs else f.rows.crc32(0))
-        return out
+        return self.landmarks.sync(first, crcs)
 
     def drop_stale_files(self) -> None:
         """Remove the index files no reader needs any more (after a commit: the kind's
         ``stale_files``)."""
-        if self.key_path is not None:
-            for f in KINDS[self.options.index].make.stale_files(self.key_path / KEYS, self.all_indexes()):
-                f.unlink(missing_ok=True)
+        self.landmarks.drop_stale_files(self.all_indexes())
 
     def index_state(self) -> dict[str, torch.Tensor]:
         """Every index in FAISS's serialisation, named ``index.<stream>.<layer>.<head>``; none
         for a kind that the landmark rows rebuild (``index.derived_from_rows``)."""
-        if derived_from_rows(self.options.index):
-            return {}
-        return {f"index.{b}.{layer}.{h}": torch.from_numpy(ix.to_bytes())
-                for b, s in enumerate(self.indexes) for layer, heads in enumerate(s) for h, ix in enumerate(heads)}
+        return self.landmarks.state()
 
     def extend(self, layout: RowLayout, n_blocks: int, rows: dict[str, bytes], state: dict[str, torch.Tensor],
                where: Path) -> None:
@@ -449,20 +395,11 @@ class BlockMemory:
                 self.add_blocks(layout.decode_landmarks(rows[LANDMARKS], self.device), ids, indexed=derived)
                 self.base = base
             else:  # the key files hold them: mapped as far as they count now
-                with self._key_errors():
-                    for b, layer, h, rows in self._each_key():
-                        rows.follow(n_blocks)
-                        self.indexes[b][layer][h].follow(n_blocks)  # (an ivf-rows index maps its lists as far)
+                self.landmarks.follow(n_blocks)
                 self.n_blocks += self.ids.add(ids)
         if not derived:
-            try:
-                self.indexes = [[[index_from_bytes(self.options.index, cfg.head_dim,
-                                                   state[f"index.{b}.{layer}.{h}"].numpy(),
-                                                   **self.options.index_options)
-                                  for h in range(cfg.n_kv_head)] for layer in range(cfg.n_layer)] for b in range(B)]
-            except (KeyError, RuntimeError, ValueError) as e:  # a missing entry, or bytes FAISS cannot read
-                raise damaged(f"the state file of {where}", f"lacks or garbles a landmark index ({e})") from None
-        if any(ix.ntotal != n_blocks for stream in self.indexes for layer in stream for ix in layer):
+            self.landmarks.load(state, B, where)
+        if any(ix.ntotal != n_blocks for ix in self.landmarks.all_indexes()):
             raise damaged(f"the indexes of {where}", f"do not hold the {n_blocks} blocks the manifest names")
         try:
             if n_blocks:
