@@ -12,6 +12,7 @@ from landmark_memory.app.cli import main
 from landmark_memory.memory import corpus, seals
 from landmark_memory.memory.directory import MemoryDir
 from landmark_memory.memory.errors import MemoryFileError
+from landmark_memory.memory.saved import sealable_files
 from landmark_memory.training.data import SAMPLE_DIR
 
 
@@ -38,13 +39,14 @@ def sealed(built, tmp_path, monkeypatch):
 
 
 def _key_files_read(mem, monkeypatch) -> list[str]:
-    """The key and index files a writer opening ``mem`` reads (then closes it)."""
+    """The key and index files, and ``tokens.bin`` unless mapped, a writer opening ``mem`` reads
+    (then closes it)."""
     read, original = [], MemoryDir.read_rows
 
-    def spy(self, name, *args, **kwargs):
-        if name.startswith("keys/"):
+    def spy(self, name, nbytes, offset=0, mapped=False):
+        if name.startswith("keys/") or (name == "tokens.bin" and not mapped and nbytes):
             read.append(name)
-        return original(self, name, *args, **kwargs)
+        return original(self, name, nbytes, offset, mapped)
 
     monkeypatch.setattr(MemoryDir, "read_rows", spy)
     LandmarkMemory.open(mem, LandmarkGPT.from_pretrained()).close()
@@ -57,7 +59,7 @@ def test_a_small_memory_leaves_no_seals(built):
 
 
 def test_a_writer_reads_again_only_the_files_changed_since_the_last_writer_sealed_them(sealed, monkeypatch):
-    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
+    every = sealable_files(MemoryDir(sealed, writable=False).read_manifest())
     assert len(every) > 3 and any(".ivf" in n for n in every)
     assert _key_files_read(sealed, monkeypatch) == []
     touched = sorted(every)[1]
@@ -68,7 +70,7 @@ def test_a_writer_reads_again_only_the_files_changed_since_the_last_writer_seale
 
 
 def test_seals_that_are_damaged_or_for_other_rows_count_for_nothing(sealed, monkeypatch):
-    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
+    every = sealable_files(MemoryDir(sealed, writable=False).read_manifest())
     doc = json.loads((sealed / seals.SEALS).read_text())
     name = sorted(every)[0]
     for forged in ([*doc["files"][name][:1], doc["files"][name][1] ^ 1, *doc["files"][name][2:]],  # another CRC-32
@@ -81,7 +83,7 @@ def test_seals_that_are_damaged_or_for_other_rows_count_for_nothing(sealed, monk
 
 
 def test_a_seals_file_that_is_a_link_is_neither_read_nor_written_through(sealed, tmp_path, monkeypatch):
-    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
+    every = sealable_files(MemoryDir(sealed, writable=False).read_manifest())
     outside = tmp_path / "outside.json"
     outside.write_bytes((sealed / seals.SEALS).read_bytes())
     (sealed / seals.SEALS).unlink()
@@ -110,7 +112,7 @@ def test_a_merged_document_that_keeps_its_store_keeps_no_seals(built, tmp_path, 
 
 
 def test_damage_made_while_a_writer_runs_is_never_sealed(sealed):
-    every = MemoryDir(sealed, writable=False).read_manifest().key_file_bytes()
+    every = sealable_files(MemoryDir(sealed, writable=False).read_manifest())
     name = sorted(every)[0]
     mem = LandmarkMemory.open(sealed, LandmarkGPT.from_pretrained())
     with open(sealed / name, "r+b") as f:  # a committed row changed behind the writer's back
@@ -131,3 +133,17 @@ def test_a_writer_that_appended_seals_the_files_it_grew(sealed, tmp_path, monkey
     after = MemoryDir(sealed, writable=False).read_manifest()
     assert after.blocks > before.blocks
     assert _key_files_read(sealed, monkeypatch) == []
+
+
+def test_tokens_bin_is_sealed_too_and_a_writer_maps_it_unread(sealed, monkeypatch):
+    assert "tokens.bin" in json.loads((sealed / seals.SEALS).read_text())["files"]
+    assert _key_files_read(sealed, monkeypatch) == []  # (mapped as a reader maps it)
+    os.utime(sealed / "tokens.bin")
+    assert _key_files_read(sealed, monkeypatch) == ["tokens.bin"]  # changed since: read and checked
+    mem = LandmarkMemory.open(sealed, LandmarkGPT.from_pretrained())
+    with open(sealed / "tokens.bin", "r+b") as f:  # a committed row changed behind the writer's back
+        f.write(b"\x01")
+    mem.close()
+    assert "tokens.bin" not in json.loads((sealed / seals.SEALS).read_text())["files"]
+    with pytest.raises(MemoryFileError, match="tokens.bin.*CRC-32"):
+        LandmarkMemory.open(sealed, LandmarkGPT.from_pretrained())

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.fileio import file_status
 from ..core.names import DISK_STORES
 from ..models.fingerprint import model_fingerprint
 from .blocks import BlockMemory
@@ -61,7 +62,8 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
     if manifest.streams is not None:
         layout = manifest.rows
         for name, data in blocks.rows_since(layout, first).items():
-            d.write_rows(name, first * layout.sizes[name], data)
+            if data:  # (no new rows: the file is left as it is, its seal standing)
+                d.write_rows(name, first * layout.sizes[name], data)
             manifest.rows_crc[name] = zlib.crc32(data, rows_crc[name])
         kept = blocks.sync_keys(keys_committed, rows_crc)  # every key file and index file of this commit
         manifest.rows_crc = {name: crc for name, crc in manifest.rows_crc.items()  # (files no longer kept go)
@@ -80,22 +82,29 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
     blocks.drop_stale_files()
 
 
+def sealable_files(m: Manifest) -> dict[str, int]:
+    """``{file: committed bytes}`` of the files a writer's seals cover (``memory/seals.py``):
+    ``tokens.bin`` and every key and index file of the commit ``m``."""
+    return {TOKENS: m.blocks * m.rows.sizes[TOKENS], **m.key_file_bytes()} if m.streams is not None else {}
+
+
 def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor],
                 rows_crc: dict[str, int], vocab_size: int, mapped: bool) -> dict[str, int]:
     """Take the blocks of the commit ``manifest`` (with its ``state``) that ``blocks`` lacks,
     from ``d``'s files; returns the CRC-32s of the rows, carried on from ``rows_crc``. A reader
     maps the token rows (``mapped``: checked where passages read them, and by ``verify``); a
-    writer, which appends to them, reads them and checks their CRC-32 and ids first, and the
-    CRC-32 of every key file and index file but those sealed unchanged since the last writer
-    closed them (``memory/seals.py``) and of the page its commit appends to, before any
-    uncommitted tail is cut."""
+    writer, which appends to them, checks their CRC-32 and ids first, and the CRC-32 of every
+    key file and index file, but of the files sealed unchanged since the last writer closed them
+    (``memory/seals.py``: those it maps as a reader does), and of the page its commit appends
+    to, before any uncommitted tail is cut."""
+    sealed = set()
     if not mapped:
-        sealed = unchanged(d.path, manifest.key_file_bytes(), manifest.rows_crc or {})
+        sealed = unchanged(d.path, sealable_files(manifest), manifest.rows_crc or {})
         for _ in d.key_file_rows(manifest, skip=sealed):
             pass
         manifest.inputs.check_appendable(d)  # (a corpus's page its next commit appends to)
-    rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped)
-    tokens = np.frombuffer(rows[TOKENS], np.int32) if not mapped else np.zeros(0, np.int32)
+    rows, crcs = d.read_block_rows(manifest, blocks.n_blocks, rows_crc, mapped=mapped or TOKENS in sealed)
+    tokens = np.frombuffer(rows[TOKENS], np.int32) if not isinstance(rows[TOKENS], np.memmap) else np.zeros(0, np.int32)
     if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
         raise MemoryFileError(f"{d.path / TOKENS} holds token ids outside the model's vocabulary; the "
                               "memory is damaged: restore it from a backup or rebuild it")
@@ -171,7 +180,8 @@ class SavedFiles:
         self._committed_blocks = 0  # blocks of the last commit: a commit writes the rows after them
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
         self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
-        self._checked: dict[str, list[int]] = {}  # a writer's key and index files' status before it checked them
+        self._checked: dict[str, list[int]] = {}  # a writer's sealable files' status before it checked them
+        self._tokens: tuple | None = (None, None)  # tokens.bin's status when taken, after the last commit's write
         self._sealable = False  # a writer whose key and index files were checked, or written, to its manifest
 
     def commit(self, blocks: BlockMemory, manifest: Manifest, chunk: OpenChunk) -> int:
@@ -185,7 +195,11 @@ class SavedFiles:
         crcs = {name: crc for name, crc in self._rows_crc.items() if name != LANDMARKS}  # format 5 has key files
         manifest = replace(manifest, commit=self.commit_count, rows_crc=crcs)
         self._sealable = False
+        if self._tokens is not None and file_status(self.dir.path / TOKENS) != self._tokens[1]:
+            self._tokens = None  # (changed by another since this writer's last write: never sealed)
         write_commit(self.dir, blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc, chunk)
+        if self._tokens is not None:
+            self._tokens = (self._tokens[0], file_status(self.dir.path / TOKENS))
         self.manifest, self.commit_count, self._rows_crc = manifest, manifest.commit, manifest.rows_crc
         self._committed_blocks = self._keys_committed = manifest.blocks
         self._sealable = manifest.version >= 5
@@ -199,9 +213,11 @@ class SavedFiles:
             if self.documents:
                 blocks.shards.follow(manifest.inputs.shards, manifest.blocks)  # (its documents' stores, its own)
             if not self.readonly:  # (before the check: a change while it reads shows at close)
-                self._checked = statuses(self.dir.path, manifest.key_file_bytes())
+                self._checked = statuses(self.dir.path, sealable_files(manifest))
             self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
                                          mapped=self.readonly)
+            status = file_status(self.dir.path / TOKENS)  # (after its uncommitted tail was cut)
+            self._tokens = (status, status)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
             self._sealable = not self.readonly and manifest.version >= 5
         self._committed_blocks = manifest.blocks
@@ -232,8 +248,8 @@ class SavedFiles:
             return
         try:
             if self._sealable and kept:
-                m = self.manifest
-                seal(self.dir.path, m.key_file_bytes(), m.rows_crc or {}, vouched(self._checked, kept))
+                m, kept = self.manifest, {**kept, **({TOKENS: self._tokens} if self._tokens else {})}
+                seal(self.dir.path, sealable_files(m), m.rows_crc or {}, vouched(self._checked, kept))
         except OSError:
             pass  # (seals only spare the next writer reading: without them it reads every file)
         finally:
