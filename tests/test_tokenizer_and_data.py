@@ -217,7 +217,9 @@ def test_a_text_tokenized_in_pieces_has_the_ids_of_the_whole(monkeypatch):
         assert "".join(parts) == strip_gutenberg(text)
         assert build.encode(tok, text).tolist() == whole
     assert len(list(build.pieces(book, lambda a, b: True, 300))) > 20  # (cut into many pieces)
-    assert list(build.pieces(book, lambda a, b: False, 300)) == [book]  # a tokenizer that never cuts: whole
+    tried = []
+    assert list(build.pieces(book, lambda a, b: tried.append(a) or False, 300)) == [book]  # never cuts: whole
+    assert len(tried) == build.CUT_TRIES  # (after a few places tried, not every word of the text)
     refused = set()
     kept = list(build.pieces(book, lambda a, b: len(refused) > 3 or refused.add(a) or False, 300))
     assert len(refused) == 4 and "".join(kept) == book and len(kept) > 20  # (refused places passed over)

@@ -69,6 +69,7 @@ def read_inputs(paths: list[str | Path]) -> list[TextInput]:
 
 PIECE_CHARS = 1 << 20  # a text is tokenized a piece of about this many characters at a time
 CUT_WINDOW = 256  # characters each side of a cut that must tokenize as their two sides do
+CUT_TRIES = 16  # places tried for a cut: a tokenizer that cuts at none of them reads the rest whole
 _CUT = re.compile(r"(?<=\S)(?= \w)")  # before a space that starts a word, after one that ends one
 
 
@@ -89,13 +90,14 @@ def pieces(text: str, splits: Callable[[str, str], bool], size: int | None = Non
     the last ends before a space that starts a word after a character that ends one (where a
     tokenizer's pre-tokenizer cuts before it merges anything) and where ``splits`` says the
     ``CUT_WINDOW`` characters each side tokenize as their two sides do: so each piece tokenizes
-    as that span of the whole does. A span with no such place stays whole."""
+    as that span of the whole does. Where none of ``CUT_TRIES`` such places passes (a tokenizer
+    that does not cut there), the rest stays whole."""
     size, at = size or PIECE_CHARS, 0
     while len(text) - at > size:
-        cut = _CUT.search(text, at + size)
+        cut, tries = _CUT.search(text, at + size), 1
         while cut is not None and not splits(text[max(cut.start() - CUT_WINDOW, 0):cut.start()],
                                              text[cut.start():cut.start() + CUT_WINDOW]):
-            cut = _CUT.search(text, cut.start() + 1)
+            cut, tries = (_CUT.search(text, cut.start() + 1) if tries < CUT_TRIES else None), tries + 1
         if cut is None:
             break
         yield text[at:cut.start()]
