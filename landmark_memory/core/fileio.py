@@ -1,6 +1,7 @@
 """Crash-safe file writes that never follow a symbolic link: nothing on disk is ever left
 half-written, and nothing is written outside the folder named."""
 
+import contextlib
 import errno
 import os
 import stat
@@ -47,6 +48,25 @@ def file_status(path: str | Path) -> list[int] | None:
     except OSError:
         return None
     return [st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns] if stat.S_ISREG(st.st_mode) else None
+
+
+class FileWatch:
+    """A writer's own file: ``kept``, its status when taken (``file_status``; None where it is
+    not there yet) and after the writer's last change to it (``change``). A change that finds
+    another status than the last noted was preceded by another's: ``kept`` is None from then on."""
+
+    def __init__(self, path: str | Path):
+        self.path = path
+        self.kept: tuple[list[int] | None, list[int] | None] | None = (file_status(path),) * 2
+
+    @contextlib.contextmanager
+    def change(self):
+        """A change the writer makes to the file, noted."""
+        if self.kept is not None and file_status(self.path) != self.kept[1]:
+            self.kept = None  # (another's change came first)
+        yield
+        if self.kept is not None:
+            self.kept = (self.kept[0], file_status(self.path))
 
 
 def hard_linked(path: str | Path, links: int) -> LinkError:

@@ -11,18 +11,18 @@ committed count are scratch, ignored and overwritten. A reader maps the committe
 after checking that the file holds them, so a missing page is an error, never a SIGBUS.
 
 A writer's file notes its status when taken and after each change the writer makes to it
-(``watch``): a change that finds another status than the last noted was preceded by another's,
-and its seals (``memory/seals.py``) then never vouch for the file.
+(``watch``, a ``core.fileio.FileWatch``): a change that finds another status than the last noted
+was preceded by another's, and its seals (``memory/seals.py``) then never vouch for the file.
 """
 
 import os
 import zlib
-from contextlib import contextmanager
+import contextlib
 from pathlib import Path
 
 import numpy as np
 
-from ..core.fileio import cut, file_status, open_nofollow, reserve
+from ..core.fileio import FileWatch, cut, open_nofollow, reserve
 
 MIN_ROWS = 64  # the least a file or a buffer grows to
 
@@ -44,9 +44,8 @@ class KeyRows:
 
     Attributes
     ----------
-    watch : a writer's file: ``(status when taken, status after the writer's last change)``
-        (``core.fileio.file_status``; None for a file not there yet); None where another
-        changed it between two of the writer's changes, or for rows that are no writer's file.
+    watch : FileWatch of a writer's file (None: rows that are no writer's file); every change
+        this object makes to the file is made within ``watch.change()``.
     """
 
     def __init__(self, dim: int, path: Path | None = None, *, writable: bool = True, n: int = 0,
@@ -54,8 +53,7 @@ class KeyRows:
         self.dim, self.path, self.writable, self.n, self.dtype = dim, path, writable, 0, np.dtype(dtype)
         self._rows = np.empty((0 if path is not None else MIN_ROWS, dim), self.dtype)
         self._synced = 0  # rows made durable by this object's last sync (a sync with none since does nothing)
-        status = file_status(path) if writable and path is not None else None
-        self.watch = (status, status) if writable and path is not None else None
+        self.watch = FileWatch(path) if writable and path is not None else None
         self.follow(n)
 
     @property
@@ -67,14 +65,9 @@ class KeyRows:
         """(n, dim) of ``dtype``, C-contiguous, the rows that count (a view: valid until they grow)."""
         return self._rows[:self.n]
 
-    @contextmanager
     def _changing(self):
-        """A change the writer makes to its file, noted (``watch``)."""
-        if self.watch is not None and file_status(self.path) != self.watch[1]:
-            self.watch = None  # (another's change came first)
-        yield
-        if self.watch is not None:
-            self.watch = (self.watch[0], file_status(self.path))
+        """A change made to the file (noted by ``watch``), or to rows that are no writer's file."""
+        return self.watch.change() if self.watch is not None else contextlib.nullcontext()
 
     def follow(self, n: int) -> None:
         """Count ``n`` rows: a reader maps them (its file must hold them), a writer checks its

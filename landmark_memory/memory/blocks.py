@@ -347,7 +347,7 @@ class BlockMemory:
 
     def close(self) -> dict[str, tuple]:
         """Release the key files (a writer's cut to the keys that count) and the store; returns
-        ``{file: KeyRows.watch}`` of a writer's files no other changed: what its seals vouch for."""
+        ``{file: FileWatch.kept}`` of a writer's files no other changed: what its seals vouch for."""
         kept = self.landmarks.close()
         self.store.close()
         return kept

@@ -140,8 +140,9 @@ class LandmarkKeys:
 
     def close(self) -> dict[str, tuple]:
         """Release the files (a writer's cut to the rows that count); returns ``{file:
-        KeyRows.watch}`` of a writer's files no other changed: what its seals vouch for."""
+        FileWatch.kept}`` of a writer's files no other changed: what its seals vouch for."""
         every = self.files()
         for rows in every:
             rows.close()
-        return {rows.path.relative_to(self.key_path).as_posix(): rows.watch for rows in every if rows.watch}
+        return {rows.path.relative_to(self.key_path).as_posix(): rows.watch.kept for rows in every
+                if rows.watch is not None and rows.watch.kept is not None}

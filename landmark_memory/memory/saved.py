@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.fileio import file_status
+from ..core.fileio import FileWatch
 from ..core.names import DISK_STORES
 from ..models.fingerprint import model_fingerprint
 from .blocks import BlockMemory
@@ -181,7 +181,7 @@ class SavedFiles:
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
         self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
         self._checked: dict[str, list[int]] = {}  # a writer's sealable files' status before it checked them
-        self._tokens: tuple | None = (None, None)  # tokens.bin's status when taken, after the last commit's write
+        self._tokens = FileWatch(dir.path / TOKENS) if dir is not None else None  # a writer's: its commits write it
         self._sealable = False  # a writer whose key and index files were checked, or written, to its manifest
 
     def commit(self, blocks: BlockMemory, manifest: Manifest, chunk: OpenChunk) -> int:
@@ -195,11 +195,9 @@ class SavedFiles:
         crcs = {name: crc for name, crc in self._rows_crc.items() if name != LANDMARKS}  # format 5 has key files
         manifest = replace(manifest, commit=self.commit_count, rows_crc=crcs)
         self._sealable = False
-        if self._tokens is not None and file_status(self.dir.path / TOKENS) != self._tokens[1]:
-            self._tokens = None  # (changed by another since this writer's last write: never sealed)
-        write_commit(self.dir, blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc, chunk)
-        if self._tokens is not None:
-            self._tokens = (self._tokens[0], file_status(self.dir.path / TOKENS))
+        with self._tokens.change():
+            write_commit(self.dir, blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc,
+                         chunk)
         self.manifest, self.commit_count, self._rows_crc = manifest, manifest.commit, manifest.rows_crc
         self._committed_blocks = self._keys_committed = manifest.blocks
         self._sealable = manifest.version >= 5
@@ -216,8 +214,7 @@ class SavedFiles:
                 self._checked = statuses(self.dir.path, sealable_files(manifest))
             self._rows_crc = load_blocks(self.dir, blocks, manifest, state, self._rows_crc, vocab_size,
                                          mapped=self.readonly)
-            status = file_status(self.dir.path / TOKENS)  # (after its uncommitted tail was cut)
-            self._tokens = (status, status)
+            self._tokens = FileWatch(self.dir.path / TOKENS)  # (taken after its uncommitted tail was cut)
             self._keys_committed = manifest.blocks if manifest.version >= 5 else 0  # else: converted at a commit
             self._sealable = not self.readonly and manifest.version >= 5
         self._committed_blocks = manifest.blocks
@@ -248,7 +245,7 @@ class SavedFiles:
             return
         try:
             if self._sealable and kept:
-                m, kept = self.manifest, {**kept, **({TOKENS: self._tokens} if self._tokens else {})}
+                m, kept = self.manifest, {**kept, **({TOKENS: self._tokens.kept} if self._tokens.kept else {})}
                 seal(self.dir.path, sealable_files(m), m.rows_crc or {}, vouched(self._checked, kept))
         except OSError:
             pass  # (seals only spare the next writer reading: without them it reads every file)
