@@ -29,7 +29,7 @@ def question_states(m, tok, question):
 def landmark_keys(m, n_blocks):
     """float32 (n_layer, H_kv, n_blocks, D): the raw landmark keys of the memory's first blocks."""
     ids = torch.arange(n_blocks)
-    return torch.stack([m.blocks.landmark_keys(layer, ids)[0].float() for layer in range(m.shape.n_layer)])
+    return torch.stack([m.keys(layer, ids) for layer in range(m.shape.n_layer)])
 
 
 def attention_of(queries, angles, keys, scale):

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from landmark_memory.app.build import encode
+from landmark_memory.jobs.build import encode
 from landmark_memory.app.cli_args import positive
 from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
-from landmark_memory.app.evaluate import perplexity
+from landmark_memory.jobs.evaluate import perplexity
 from landmark_memory.core.fileio import atomic_write
 from landmark_memory.memory import MemoryOptions, RetrievalStats
 from landmark_memory.models.model import LandmarkGPT

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from _common import RESULTS, plt, some_of, write_result
-from landmark_memory.app.build import build, read_inputs
+from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
 from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
@@ -111,7 +111,7 @@ def documents(counts: list[int], n_tokens: int, work: Path) -> list[dict]:
         open_s = time.perf_counter() - t0
         mem.generate(prompt, 16)
         asked = time.perf_counter() - t0
-        shards = mem.blocks.store.base  # the reader's overlay over the documents' stores
+        shards = mem.cache.store.base  # the reader's overlay over the documents' stores
         opened, opening = shards.opens, shards.open_seconds
         for _ in range(4):  # warm: the decoding step as a conversation goes on
             mem.step(torch.tensor([5]))

@@ -151,8 +151,8 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     import numpy as np
     import torch
 
-    from landmark_memory.app.build import DocumentJob, encode_document, read_document, read_steps
-    from landmark_memory.app.distributed import set_threads
+    from landmark_memory.jobs.build import DocumentJob, encode_document, read_document, read_steps
+    from landmark_memory.jobs.distributed import set_threads
     from landmark_memory.core.layout import insert_landmarks
     from landmark_memory.memory import LandmarkMemory
     from landmark_memory.models.kinds import load_model
@@ -198,8 +198,7 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
                     for i, x in enumerate(docs * 2))
         out["build_ms"] = best(lambda: [read_document(next(jobs), model) for _ in docs])
         alone, together = [read(x[None]) for x in docs[:batch]], read(np.stack(docs[:batch]))
-        out["batch_equal"] = all(torch.equal(a.blocks.landmark_keys(layer, slice(None))[0],
-                                             together.blocks.landmark_keys(layer, slice(None))[s])
+        out["batch_equal"] = all(torch.equal(a.keys(layer, slice(None)), together.keys(layer, slice(None), stream=s))
                                  for layer in range(cfg.n_layer) for s, a in enumerate(alone))
         for m in alone + [together]:
             m.close()

@@ -38,7 +38,7 @@ def tokenize(text_file: str, how: str, ids_file: str) -> dict:
     import numpy as np
 
     from landmark_memory import load_tokenizer
-    from landmark_memory.app.build import encode, read_inputs
+    from landmark_memory.jobs.build import encode, read_inputs
     from landmark_memory.core.tokenizer import EOS_TOKEN
     from landmark_memory.training.data import strip_gutenberg
 
@@ -54,7 +54,7 @@ def read(ids_file: str, n: int, trim: bool, folder: str) -> dict:
     import numpy as np
 
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.app.build import read_steps
+    from landmark_memory.jobs.build import read_steps
     from landmark_memory.core import heap
 
     def anon_mb() -> int:

@@ -116,7 +116,7 @@ def probe(args) -> None:
     import torch
 
     from landmark_memory.memory.answer import ask
-    from landmark_memory.app.build import build, read_inputs
+    from landmark_memory.jobs.build import build, read_inputs
     from landmark_memory.models.kinds import load_model
     from landmark_memory.memory import LandmarkMemory
 
@@ -164,7 +164,7 @@ def read_speed(args) -> None:
     default index, int8 blocks, no output head); tokens/s over each 50K. One JSON line on stdout."""
     import torch
 
-    from landmark_memory.app.build import encode_document
+    from landmark_memory.jobs.build import encode_document
     from landmark_memory.models.kinds import backbone_for, load_model
     from landmark_memory.memory import LandmarkMemory
 

@@ -22,7 +22,7 @@ import openai
 
 from _common import RESULTS, serving, write_result
 from landmark_memory.memory.answer import ask
-from landmark_memory.app.build import build, read_inputs
+from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
 from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory

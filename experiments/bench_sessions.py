@@ -91,7 +91,7 @@ def full_attention_turn(base, tok, session, question, n_new):
     from transformers import DynamicCache
 
     mem = session.mem
-    ids = mem.tokens(0, mem.blocks.base).tolist() + (mem.decoder.ids[0].tolist() if mem.decoder.ids is not None
+    ids = mem.tokens(0, mem.base_blocks).tolist() + (mem.pending_ids[0].tolist() if mem.pending_ids is not None
                                                      else [])
     prompt = ids + tok.encode(tok.chat_text([{"role": "user", "content": question}], first=False, answer=True)).ids
     if len(prompt) + n_new > base.config.max_position_embeddings:

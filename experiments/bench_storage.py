@@ -24,7 +24,7 @@ from pathlib import Path
 
 from _common import book_tokens, write_result
 from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.app.evaluate import passkey_accuracy, perplexity
+from landmark_memory.jobs.evaluate import passkey_accuracy, perplexity
 from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory, MemoryOptions
 from landmark_memory.memory.inspect import describe

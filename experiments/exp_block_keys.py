@@ -32,7 +32,7 @@ import torch
 from _common import Trials, load_smollm2, suite_main, write_result
 from _texts import haystack, held_out
 from exp_retrieval import ASK_NEW, Lookups, Queries
-from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import ask, search_states
 
@@ -65,7 +65,7 @@ def block_keys(m, states):
     n, L, out = m.n_blocks, m.shape.block_size, []
     offsets = torch.arange(L)
     for layer, (q, _, _, _) in enumerate(states):
-        raw = torch.stack([m.blocks.store.get([(0, layer, b)])[0][0] for b in range(n)]).float()  # (n, H_kv, L, D)
+        raw = torch.stack([k for k, _ in m.stored([(0, layer, b) for b in range(n)])]).float()  # (n, H_kv, L, D)
         rot = m.rope(raw, offsets)
         got = received(q[:, :n * L], raw.permute(1, 0, 2, 3).reshape(raw.shape[1], n * L, -1), m.rope, m.group)
         top = got.view(-1, n, L).permute(1, 0, 2).topk(R, -1).indices  # (n, H_kv, R)
@@ -82,8 +82,8 @@ def rows_of(model, tok, folder, n_blocks, facts, keys, bs):
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
-            ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
-            del m.lookup.choose  # the class's again
+            with m.choosing(qs.wrap):
+                ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
             hits, counts = {}, {}
             for layer, q in enumerate(qs.layers):
                 q = torch.stack(q)  # (N, H, D) rotated where the queries sit; every block at slot 0

@@ -10,6 +10,7 @@ decode time per token after a long context, against cutoff 0 measured in the sam
     python experiments/exp_cmt.py --books BOOKS
 """
 
+import dataclasses
 import time
 
 import numpy as np
@@ -27,13 +28,14 @@ def decode_ms(model, ids, context, steps, **memory):
     the memory's retrieval counts over the decoded tokens alone."""
     mem = LandmarkMemory(model, **memory)
     logits = mem.forward(torch.as_tensor(np.asarray(ids[:context], dtype=np.int64))[None], logits="last").logits[:, -1]
-    mem.retrieval_stats = mem.lookup.stats = RetrievalStats()  # the decoded tokens' alone
+    start = dataclasses.replace(mem.retrieval_stats)  # (the counts of the decoded tokens alone)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         logits = mem.step(logits.argmax(-1))
         times.append(time.perf_counter() - t0)
-    stats = mem.retrieval_stats
+    stats = RetrievalStats(*(getattr(mem.retrieval_stats, f.name) - getattr(start, f.name)
+                             for f in dataclasses.fields(start)))
     mem.close()
     return 1e3 * float(np.median(times)), stats
 

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from _common import ROOT, command_line, load_smollm2, write_result
 from _texts import build, haystack, held_out, is_right
 from exp_natural import evidence_span
-from landmark_memory.app.build import encode
+from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import question_tokens, search_states
 from landmark_memory.memory.evidence import prompt_weights, token_attention

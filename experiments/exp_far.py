@@ -29,7 +29,7 @@ from _common import ADAPTER, ROOT, Trials, load_smollm2, suite_main, write_resul
 from _needles import passkey_trial
 from _texts import build_timed, haystack, held_out, is_right
 from exp_retrieval import ASK_NEW
-from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.core.passkey import PasskeyPrompts
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import ask

@@ -32,8 +32,8 @@ import numpy as np
 from _attention import NULL, block_attention, pooled_rank, rank_of
 from _common import ADAPTER, ROOT, Trials, load_smollm2, plt, suite_main, write_result
 from _texts import build, haystack, held_out, is_right
-from landmark_memory.app.build import encode
-from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.jobs.build import encode
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import ask
 from landmark_memory.training.data import list_text_files, read_text, split_books

@@ -29,7 +29,7 @@ import torch
 from _attention import NULL, block_attention, pooled_rank
 from _common import HEADS_READER, SHIPPED_READER, ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
 from _texts import build, is_right
-from landmark_memory.app.build import encode
+from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import ask
 from landmark_memory.models.kinds import cache_keyword

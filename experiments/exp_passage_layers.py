@@ -24,8 +24,8 @@ import numpy as np
 
 from _common import write_result
 from landmark_memory import LandmarkMemory, ask
-from landmark_memory.app.build import build, read_inputs
-from landmark_memory.app.demo import (LARGE_MODEL_TOKENS, MAX_KEY, QUESTION, SAMPLE_BOOK, plant_passkey, read_text,
+from landmark_memory.jobs.build import build, read_inputs
+from landmark_memory.jobs.demo import (LARGE_MODEL_TOKENS, MAX_KEY, QUESTION, SAMPLE_BOOK, plant_passkey, read_text,
                                       strip_gutenberg)
 from landmark_memory.models.kinds import load_model
 from landmark_memory.models.model import LandmarkGPT

@@ -17,7 +17,7 @@ import time
 import torch
 
 from _common import load, load_optional, parse, parser, plt, publish
-from landmark_memory.app.evaluate import parse_lengths, passkey_accuracy
+from landmark_memory.jobs.evaluate import parse_lengths, passkey_accuracy
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.core.passkey import PasskeyPrompts, run_passkey
 from landmark_memory.core.tokenizer import load_tokenizer

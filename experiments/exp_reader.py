@@ -45,7 +45,7 @@ from _texts import build, haystack, held_out, is_right
 from exp_heads import DEV_FACTS, DEV_SEED, trained_books
 from exp_natural import ASK_NEW as NATURAL_NEW, FIXTURE, TOKENS, evidence_span
 from exp_retrieval import ASK_NEW as SUITE_NEW
-from landmark_memory.app.build import encode
+from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.answer import ask
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, head_attention, save_reader

@@ -38,7 +38,7 @@ import torch
 from _common import (ADAPTER, BASE, BASE_WINDOW, Trials, adapter_specs, books_perplexity, load_smollm2, some_of,
                      suite_main, top_k_label, top_k_memory, top_k_option, write_result)
 from _texts import ASK_NEW, ask_case, ask_in_memory, book_filler, held_out, is_right, trial_rng
-from landmark_memory.app.evaluate import greedy_continuation, parse_lengths
+from landmark_memory.jobs.evaluate import greedy_continuation, parse_lengths
 from landmark_memory.core.passkey import MAX_KEY, PasskeyPrompts, first_int
 
 PARTS = ("passkey", "ask", "ppl")

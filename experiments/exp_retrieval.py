@@ -49,7 +49,7 @@ from _common import (HEADS_READER, SHIPPED_READER, ADAPTER, ROOT, Trials, books_
 from _needles import passkey_trial, ruler_trial
 from _texts import FACTS, build, build_timed, haystack, held_out, is_right
 from landmark_memory.memory.answer import ask
-from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory, MemoryOptions
 from landmark_memory.core.passkey import PasskeyPrompts
 
@@ -159,21 +159,21 @@ def part_questions(args, state, model, tok, books):
 
 
 class Queries:
-    """Per layer, the rotated query (H, D) at the last position of each step of ``lookup.choose``
-    (what ``Lookups`` counts the choices of), and every query of the first step, the prompt
-    (H, T, D)."""
+    """Per layer, the rotated query (H, D) at the last position of each block choice made inside
+    ``mem.choosing(queries.wrap)`` (what ``Lookups`` counts the choices of), and every query of
+    the first, the prompt (H, T, D)."""
 
     def __init__(self, mem):
-        self.layers, retrieve = [[] for _ in range(mem.shape.n_layer)], mem.lookup.choose
-        self.prompt = [None] * mem.shape.n_layer
+        self.layers, self.prompt = [[] for _ in range(mem.shape.n_layer)], [None] * mem.shape.n_layer
 
+    def wrap(self, choose):
         def recording(layer, q, qr, *a):
             self.layers[layer].append(qr[0, :, -1].float())
             if self.prompt[layer] is None:
                 self.prompt[layer] = qr[0].float()
-            return retrieve(layer, q, qr, *a)
+            return choose(layer, q, qr, *a)
 
-        mem.lookup.choose = recording
+        return recording
 
 
 def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
@@ -186,17 +186,16 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
     question's own tokens ("question" scores: a question pooled to choose the answer's blocks)."""
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True) as m:
-        G, scale, every = m.group, m.shape.head_dim ** -0.5, torch.arange(n_blocks).view(1, 1, 1, -1)
+        G, scale, every = m.group, m.shape.head_dim ** -0.5, torch.arange(n_blocks)
         keys = []
         for layer in range(m.shape.n_layer):  # (n_blocks, H, L, D) keys rotated by their offset in the block
-            table, pool_k, _, _ = m.blocks.pool(layer, every)
-            keys.append(pool_k[table[0, 0, 0]].float().repeat_interleave(G, 1))
+            keys.append(m.keys(layer, every, rows=True).repeat_interleave(G, 1))
         for sentence, question, words, (a, b) in facts:
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
-            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
-            del m.lookup.choose  # the class's again
+            with m.choosing(qs.wrap):
+                got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
             prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
             at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)  # the question's tokens
             assert got.prompt_tokens == len(prompt)

@@ -39,7 +39,7 @@ from _common import (ADAPTER, BASE, BASE_WINDOW, Trials, adapter_specs, load_smo
                      top_k_label, top_k_memory, top_k_option, write_result)
 from _ruler_tasks import TASKS, trial_prompt
 from _texts import held_out
-from landmark_memory.app.evaluate import greedy_continuation, parse_lengths
+from landmark_memory.jobs.evaluate import greedy_continuation, parse_lengths
 
 MAX_NEW = {"single": 12, "multikey": 12, "multivalue": 48, "multiquery": 48, "vartrack": 32, "qa": 16}
 

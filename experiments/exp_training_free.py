@@ -44,8 +44,8 @@ from _common import ADAPTER, ROOT, Trials, load_smollm2, some_of, suite_main, wr
 from _needles import passkey_trial
 from _texts import build, haystack, held_out
 from exp_far import question_rows
-from landmark_memory.app.build import encode
-from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.jobs.build import encode
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.core.passkey import PasskeyPrompts
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.inspect import describe

@@ -2,9 +2,9 @@
 
 The package is built in layers, each a folder that imports only from those below it: ``core/``
 (leaf utilities); ``kernels/``, ``index/``, ``storage/``; ``models/``; ``memory/``; ``training/``;
-``app/`` (what users run). The public names below are imported on first use: ``import
-landmark_memory`` costs nothing, so the ``landmark-memory`` command answers Ctrl-C and ``--help``
-before torch is loaded.
+``jobs/`` (what users run over a memory); ``app/`` (the command line and the server). The
+public names below are imported on first use: ``import landmark_memory`` costs nothing, so the
+``landmark-memory`` command answers Ctrl-C and ``--help`` before torch is loaded.
 """
 
 import importlib

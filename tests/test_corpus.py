@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.app.build import LocalReader, build, encode_document, read_document, read_inputs
+from landmark_memory.jobs.build import LocalReader, build, encode_document, read_document, read_inputs
 from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.inspect import verify
@@ -53,8 +53,8 @@ def files_of(path, model=None):
     out = {f.relative_to(path).as_posix(): f.read_bytes() for f in [path / "tokens.bin", *(path / "keys").iterdir()]}
     mem = LandmarkMemory.open(path, model or LandmarkGPT.from_pretrained(), readonly=True)
     keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(mem.n_blocks)]
-    out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.blocks.store.get(keys))
-    out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.blocks.all_indexes())
+    out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.stored(keys))
+    out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.indexes())
     mem.close()
     return out
 
@@ -93,9 +93,9 @@ def test_one_index_per_layer_and_head_holds_every_documents_landmarks(model, doc
     mem = LandmarkMemory.open(tmp_path / "m", model, readonly=True)
     docs = [tmp_path / f"alone{i}" for i in range(len(files))]
     for layer in range(mem.shape.n_layer):
-        keys = mem.blocks.landmark_keys(layer, slice(None))[0]  # (H_kv, n_blocks, D)
+        keys = mem.keys(layer, slice(None))  # (H_kv, n_blocks, D)
         for h in range(mem.shape.n_kv_head):
-            ix = mem.blocks.index(0, layer, h)
+            ix = mem.indexes()[layer * mem.shape.n_kv_head + h]
             assert ix.ntotal == mem.n_blocks == len(mem.tokens()) // 50
             np.testing.assert_array_equal(ix.rows.array(), keys[h].float().numpy())  # the flat index is the keys
             own = [np.fromfile(d / "keys" / f"s0_l{layer}_h{h}.f32", np.float32).reshape(-1, 32) for d in docs]
@@ -278,7 +278,7 @@ def test_a_merged_document_opened_alone_says_to_open_its_corpus(model, documents
 
 def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, documents, tmp_path, monkeypatch,
                                                                      packing):
-    import landmark_memory.app.build as building
+    import landmark_memory.jobs.build as building
 
     files, path = sorted(documents.glob("*.txt")), tmp_path / "m"
     with monkeypatch.context() as m:  # a build from before one copy, or one stopped before it dropped them
@@ -302,7 +302,7 @@ def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, docu
 
 
 def test_a_long_reading_gives_the_heaps_free_pages_back_as_it_goes(model, documents, tmp_path, monkeypatch):
-    from landmark_memory.app import build as building
+    from landmark_memory.jobs import build as building
     from landmark_memory.core import heap
 
     trims = []

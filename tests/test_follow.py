@@ -73,7 +73,7 @@ def test_rewind_forgets_what_was_fed_and_reads_on_as_a_writer_would(model, tmp_p
         reader.forward(a)  # blocks of its own, past the recent ones: its overlay is searched
         assert reader.n_blocks > 12 + OPTS["top_k"]
         reader.rewind()
-        assert reader.n_tokens == 60 and reader.blocks.upper is None
+        assert reader.n_tokens == 60 and reader._blocks.upper is None  # (a peek inside: no blocks fed)
         assert torch.equal(reader.forward(b).logits, expected)  # a text longer than top_k blocks reads its overlay
 
 

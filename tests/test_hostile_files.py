@@ -77,7 +77,7 @@ def session_corpus(corpus, tmp_path_factory):
 def context_memory(text, tmp_path_factory):
     """A memory read in one context (no documents), stopped mid-chunk: it has a state file."""
     from landmark_memory import load_tokenizer
-    from landmark_memory.app.build import encode_document
+    from landmark_memory.jobs.build import encode_document
 
     mem = tmp_path_factory.mktemp("context") / "m"
     ids = encode_document(load_tokenizer(), text.read_text(), 50)
@@ -404,7 +404,7 @@ def test_the_same_text_with_a_bom_or_other_line_ends_is_one_document(text, tmp_p
 def test_a_document_an_earlier_version_named_by_its_bytes_is_not_read_again(text, tmp_path, monkeypatch, capsys):
     import hashlib
 
-    import landmark_memory.app.build as build
+    import landmark_memory.jobs.build as build
 
     crlf = tmp_path / "crlf.txt"
     crlf.write_bytes(text.read_bytes().replace(b"\n", b"\r\n"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, RotaryEmbedding, load_tokenizer
-from landmark_memory.app.evaluate import passkey_accuracy, perplexity
+from landmark_memory.jobs.evaluate import passkey_accuracy, perplexity
 from landmark_memory.models.infini import InfiniState, LayerState, infini_attention
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "landmark_memory"
 # a folder's rank: it may import from lower ranks and from itself, never from its own rank's others
-LAYERS = {"core": 0, "kernels": 1, "index": 1, "storage": 1, "models": 2, "memory": 3, "training": 4, "app": 5}
+LAYERS = {"core": 0, "kernels": 1, "index": 1, "storage": 1, "models": 2, "memory": 3, "training": 4, "jobs": 5,
+          "app": 6}
 PUBLIC = {"__init__.py", "hf.py"}  # the package's face at its root: it names what users import
 
 
@@ -144,3 +145,24 @@ def test_each_packages_map_lists_every_module_of_its_folder():
         unlisted += [f"{init.parent.relative_to(ROOT)}/{f.name}" for f in sorted(init.parent.glob("*.py"))
                      if f.name != "__init__.py" and f.name not in listed]
     assert not unlisted, "modules a package's map leaves out:\n" + "\n".join(unlisted)
+
+
+PARTS = {"_blocks", "_lookup", "_decoder", "_files"}  # a LandmarkMemory's parts (memory/engine.py)
+
+
+def test_nothing_but_the_engine_reaches_into_a_memorys_parts():
+    """``LandmarkMemory`` is the one door to its parts: no module of the package or of the
+    experiments but ``memory/engine.py`` names them on another object than itself (the tests
+    that peek inside, at the kernels' tables or the key rows read, name them as private)."""
+    from landmark_memory import LandmarkMemory
+
+    engine, reaches = PACKAGE / "memory" / "engine.py", []
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]:
+        if path == engine:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PARTS and \
+                    not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not reaches, "reaches into a memory's parts (ask LandmarkMemory instead):\n" + "\n".join(reaches)
+    assert not {p.lstrip("_") for p in PARTS} & set(dir(LandmarkMemory))  # no public name hands a part out

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.app.build import build, read_inputs
+from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError, session
 from landmark_memory.memory.answer import ask

@@ -40,7 +40,7 @@ def test_retrieve_all_equivalence_through_disk_stores(model, text, store, tmp_pa
     mem = retrieve_all(model, chunk_size=10, store=store, path=tmp_path, cache_bytes=0,  # every block from disk
                        store_dtype="float32")  # exact: a saved memory's default, int8, is not
     torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
-    assert mem.blocks.cache.misses > 0 and mem.blocks.cache.hits == 0
+    assert mem.cache.misses > 0 and mem.cache.hits == 0
     mem.close()
 
 
@@ -54,7 +54,7 @@ def test_an_int8_store_reads_as_the_reference_reads_its_dequantized_blocks_close
         with retrieve_all(model, chunk_size=10, store="lmdb", path=tmp_path / backend, store_dtype="int8",
                           cache_bytes=cache_bytes, backend=backend) as mem:
             outs[backend] = mem.forward(text).logits
-            assert mem.blocks.cache.arena is None if cache_bytes == 0 else mem.blocks.cache.arena.dtype == torch.int8
+            assert mem.cache.arena is None if cache_bytes == 0 else mem.cache.arena.dtype == torch.int8
     torch.testing.assert_close(outs["auto"], outs["reference"], rtol=1e-5, atol=1e-5)
     err = (outs["auto"] - full).abs().max() / full.abs().max()
     assert 0 < err < 0.02  # int8 blocks are not the float ones, but close
@@ -123,18 +123,21 @@ def test_retrieval_modes_share_blocks_as_documented(model, text):
 def test_a_decoding_steps_choice_per_head_is_its_one_querys_choice(model, text, mapping):
     mem = LandmarkMemory(model, top_k=2, chunk_size=10, position_mapping=mapping)
     mem.forward(text[:, :40])
-    calls, choose = [], mem.lookup.choose
-    mem.lookup.choose = lambda *args: (calls.append(args), choose(*args))[1]
-    for t in range(40, 55):  # one token a step (two where it closes a block: token and landmark)
-        mem.forward(text[:, t:t + 1])
-    del mem.lookup.choose
+    calls = []
+    with mem.choosing(lambda choose: lambda *args: (calls.append(args), choose(*args))[1]):
+        for t in range(40, 55):  # one token a step (two where it closes a block: token and landmark)
+            mem.forward(text[:, t:t + 1])
     single = [args for args in calls if args[1].shape[2] == 1]
     assert single
+
+    def chosen(args, **changes):  # the memory's own choice for ``args`` under its options changed by ``changes``
+        got = []
+        with mem.querying(**changes), mem.choosing(lambda choose: got.append(choose(*args)) or choose):
+            return got[0]
+
     for args in single:
-        mem.lookup.use(dataclasses.replace(mem.options, retrieval="per_head"))
-        ids, pos = mem.lookup.choose(*args)
-        mem.lookup.use(mem.options)
-        want_ids, want_pos = mem.lookup.choose(*args)
+        ids, pos = chosen(args, retrieval="per_head")
+        want_ids, want_pos = chosen(args)
         assert torch.equal(ids, want_ids) and torch.equal(pos, want_pos)
 
 
@@ -215,7 +218,7 @@ def test_memory_usage_counts_fast_and_store_bytes(model, text):
 
 
 def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkeypatch):
-    from landmark_memory.app import evaluate
+    from landmark_memory.jobs import evaluate
 
     ids = text[0].tolist() if text.dim() == 2 else text.tolist()
     opts = MemoryOptions(chunk_size=model.config.block_size * 2, top_k=2)

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from landmark_memory import load_tokenizer
-from landmark_memory.app.build import encode_document
+from landmark_memory.jobs.build import encode_document
 from landmark_memory.app.cli import main
 from landmark_memory.training.data import SAMPLE_DIR
 from test_corpus import files_of
@@ -129,8 +129,8 @@ class Bar:
 
 def test_the_bar_follows_the_tokens_workers_read_before_any_commit(own_ray, tmp_path):
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.app.build import DocumentJob
-    from landmark_memory.app.distributed import RayReader
+    from landmark_memory.jobs.build import DocumentJob
+    from landmark_memory.jobs.distributed import RayReader
 
     tok, text = load_tokenizer(), (SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[:100_000]
     with LandmarkMemory(LandmarkGPT.from_pretrained(), path=tmp_path / "m", store="lmdb", documents=True) as mem:

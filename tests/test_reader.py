@@ -37,25 +37,27 @@ def recorded(mem, prompt):
     """What each prompt token searches with, taken apart from the engine: per layer its input
     h, raw query and search angles, at the rows of the steps that are no landmarks."""
     got, P = {}, mem.pending_count
-    retrieve, qkv = mem.lookup.choose, mem.backbone.qkv
-    step = []
+    qkv, step = mem.backbone.qkv, []
 
     def rec_qkv(layer, h):
         step.append(h)
         return qkv(layer, h)
 
-    def rec(layer, q, qr, at_search, *a):
-        h = step.pop()
-        p0 = landmarked_length(mem.pending_count, BS)
-        rows = [r for r in range(q.shape[2]) if (p0 + r + 1) % (BS + 1)]  # every (BS + 1)-th row is a landmark
-        got.setdefault(layer, []).append((h[0, rows], q[0][:, rows], at_search[0][rows], at_search[1][rows]))
-        return retrieve(layer, q, qr, at_search, *a)
+    def wrap(choose):
+        def rec(layer, q, qr, at_search, *a):
+            h = step.pop()
+            p0 = landmarked_length(mem.pending_count, BS)
+            rows = [r for r in range(q.shape[2]) if (p0 + r + 1) % (BS + 1)]  # every (BS + 1)-th row is a landmark
+            got.setdefault(layer, []).append((h[0, rows], q[0][:, rows], at_search[0][rows], at_search[1][rows]))
+            return choose(layer, q, qr, at_search, *a)
+        return rec
 
-    mem.lookup.choose, mem.backbone.qkv = rec, rec_qkv
+    mem.backbone.qkv = rec_qkv
     try:
-        mem.forward(torch.tensor([prompt]), logits="none")
+        with mem.choosing(wrap):
+            mem.forward(torch.tensor([prompt]), logits="none")
     finally:
-        del mem.lookup.choose, mem.backbone.qkv
+        del mem.backbone.qkv
     assert P + len(prompt) > mem.options.chunk_size  # the prompt crossed a chunk: two steps
     return {layer: [torch.cat(parts, -2) for parts in zip(*steps)] for layer, steps in got.items()}
 
@@ -67,7 +69,7 @@ def loop_scores(mem, reader, states, n, own, calibration):
     fixed = reader.heads.view_as(w) if c.blend else torch.zeros_like(w)
     total, base = torch.zeros(n), torch.zeros(n)
     for layer, (h, q, cos, sin) in states.items():
-        keys = mem.blocks.landmark_keys(layer, torch.arange(n))[0]  # (H, n, D)
+        keys = mem.keys(layer, torch.arange(n))  # (H, n, D)
         A, B = reader.A[layer], reader.B[layer]
         T = q.shape[1]
         template = [t for t in range(T) if t not in own]

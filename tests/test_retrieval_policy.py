@@ -25,18 +25,19 @@ def text():
 
 
 def reads(mem):
-    """Record every (layer, step) choice of the memory: the ids (B, H, Tq, reads') each query
-    reads and how many of their first columns it chose (those before the reads - top_k forced)."""
-    got, choose = [], mem.lookup.choose
-    forced = mem.options.reads - mem.options.top_k
+    """Every (layer, step) choice of the memory inside ``mem.choosing(wrap)``: the ids (B, H, Tq,
+    reads') each query reads and how many of their first columns it chose (those before the
+    reads - top_k forced); returns (that list, wrap)."""
+    got, forced = [], mem.options.reads - mem.options.top_k
 
-    def recording(*args, **kwargs):
-        ids, pos = choose(*args, **kwargs)
-        got.append((ids.clone(), ids.shape[-1] - forced))
-        return ids, pos
+    def wrap(choose):
+        def recording(*args, **kwargs):
+            ids, pos = choose(*args, **kwargs)
+            got.append((ids.clone(), ids.shape[-1] - forced))
+            return ids, pos
+        return recording
 
-    mem.lookup.choose = recording
-    return got
+    return got, wrap
 
 
 @pytest.mark.parametrize("sink,local,centre", [(1, 0, False), (0, 3, False), (2, 2, True), (0, 0, True)])
@@ -52,8 +53,8 @@ def test_a_top_k_over_the_memorys_size_reads_the_blocks_there_are_and_stays_exac
     with torch.no_grad():
         full = model(text)
     mem = LandmarkMemory(model, top_k=1000, position_mapping="exact", chunk_size=10)
-    widths, pool = [], mem.blocks.pool
-    mem.blocks.pool = lambda layer, ids: (widths.append((ids.shape[-1], mem.blocks.n_blocks)), pool(layer, ids))[1]
+    widths, pool = [], mem._blocks.pool  # (a peek inside: the kernels' tables)
+    mem._blocks.pool = lambda layer, ids: (widths.append((ids.shape[-1], mem.n_blocks)), pool(layer, ids))[1]
     out = mem.forward(text)
     torch.testing.assert_close(out.logits, full, rtol=1e-5, atol=1e-5)
     assert all(width <= nb for width, nb in widths)  # the kernels' tables: a column per block at most
@@ -66,8 +67,9 @@ def test_a_top_k_over_the_memorys_size_reads_the_blocks_there_are_and_stays_exac
 def test_sink_and_local_blocks_are_read_by_every_query_and_never_chosen(model, text, mapping, retrieval):
     mem = LandmarkMemory(model, top_k=2, sink_blocks=1, local_blocks=2, chunk_size=10, position_mapping=mapping,
                          retrieval=retrieval)
-    tables = reads(mem)
-    out = mem.forward(text)
+    tables, wrap = reads(mem)
+    with mem.choosing(wrap):
+        out = mem.forward(text)
     for ids, k in tables:
         nb = int(ids.max()) + 1 if (ids >= 0).any() else 0
         chosen, forced = ids[..., :k], ids[..., k:]
@@ -134,8 +136,8 @@ def test_pinned_blocks_are_read_first_by_every_query_and_the_rest_chosen_among_t
                                                                                            retrieval):
     mem = LandmarkMemory(model, top_k=3, sink_blocks=1, chunk_size=10, position_mapping=mapping, retrieval=retrieval)
     mem.forward(text[:, :60])  # 12 blocks in memory
-    tables = reads(mem)
-    with mem.reading([7, 2]):
+    tables, wrap = reads(mem)
+    with mem.reading([7, 2]), mem.choosing(wrap):
         out = mem.forward(text[:, 60:])
     for ids, k in tables:
         assert k == 3 and (ids[..., :2] == torch.tensor([7, 2])).all() and (ids[..., 3] == 0).all()
@@ -143,7 +145,8 @@ def test_pinned_blocks_are_read_first_by_every_query_and_the_rest_chosen_among_t
     for ids in out.retrieved:  # a forward reports the pinned blocks among what its queries read
         assert (ids[..., :2] == torch.tensor([7, 2])).all()
     tables.clear()
-    mem.forward(text[:, :5])  # outside the with block: the queries choose freely again
+    with mem.choosing(wrap):
+        mem.forward(text[:, :5])  # outside the reading block: the queries choose freely again
     assert any(not (ids[..., :2] == torch.tensor([7, 2])).all() for ids, _ in tables)
 
 
@@ -160,19 +163,21 @@ def test_centred_choice_is_the_top_k_of_scores_against_keys_less_their_mean(mode
     """The slow reference: every candidate scored where stingy scores it (older blocks at slot
     0, the latest at their own slots) against its landmark key less the mean key, top-k."""
     mem = LandmarkMemory(model, top_k=3, chunk_size=10, centre=True)
-    calls, retrieve = [], mem.lookup.choose
+    calls = []
 
-    def recording(layer, q, qr, at_search, skip=None):
-        ids, pos = retrieve(layer, q, qr, at_search, skip)
-        calls.append((layer, q, qr, at_search, ids, mem.n_blocks))
-        return ids, pos
+    def wrap(choose):
+        def recording(layer, q, qr, at_search, skip=None):
+            ids, pos = choose(layer, q, qr, at_search, skip)
+            calls.append((layer, q, qr, at_search, ids, mem.n_blocks))
+            return ids, pos
+        return recording
 
-    mem.lookup.choose = recording
-    mem.forward(text[:, :60])
-    mem.forward(text[:, 60:])  # the last chunk: 12 blocks in memory, 9 of them searched at slot 0
+    with mem.choosing(wrap):
+        mem.forward(text[:, :60])
+        mem.forward(text[:, 60:])  # the last chunk: 12 blocks in memory, 9 of them searched at slot 0
     layer, q, qr, at_search, ids, nb = calls[-1]
-    L, W, rope = mem.blocks.L, 3, mem.rope
-    keys = mem.blocks.landmark_keys(layer, slice(0, nb))  # (B, H, nb, D)
+    L, W, rope = mem.shape.rows, 3, mem.rope
+    keys = torch.stack([mem.keys(layer, slice(0, nb), stream=b) for b in range(mem.streams)])  # (B, H, nb, D)
     keys = keys - keys.mean(2, keepdim=True)
     blocks = torch.arange(nb)
     old, recent = blocks < nb - W, blocks >= nb - W
@@ -231,9 +236,9 @@ def test_a_saved_memory_centres_from_its_committed_sums_as_from_every_key(model,
     for seeded in (True, False):
         with LandmarkMemory.open(tmp_path / "m", model, readonly=True, centre=True, top_k=3) as mem:
             if not seeded:  # as a memory saved before the sums were kept: every key file is read
-                mem.blocks.sums.load(mem.n_blocks, {}, None)
-            rows = mem.blocks._key_run
-            mem.blocks._key_run = lambda layer, first, last: reads.append((seeded, first, last)) or rows(layer, first, last)
+                mem._blocks.sums.load(mem.n_blocks, {}, None)  # (peeks inside: which key rows are read)
+            rows = mem._blocks._key_run
+            mem._blocks._key_run = lambda layer, first, last: reads.append((seeded, first, last)) or rows(layer, first, last)
             outs.append(mem.forward(text[:, 60:]))
     assert all(first >= 10 for seeded, first, _ in reads if seeded)  # past the 10 saved blocks only
     assert any(first == 0 for seeded, first, _ in reads if not seeded)

@@ -100,7 +100,7 @@ def test_ask_answers_in_words_through_the_chat_template(tmp_path):
 
 
 def test_smollm2s_tokenizer_reads_a_text_in_pieces_as_whole(landmark, monkeypatch):
-    from landmark_memory.app import build
+    from landmark_memory.jobs import build
 
     _, tok = landmark
     text = BOOK.read_text()[:30_000] + " 1,234  numbers\u00a0and  spaces 42nd "

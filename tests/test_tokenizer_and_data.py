@@ -7,7 +7,7 @@ import torch
 
 from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
 from landmark_memory.training.data import Answer, PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
-from landmark_memory.app.evaluate import parse_lengths
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.core.passkey import PasskeyPrompts, first_int, run_passkey
 from landmark_memory.core.layout import IGNORE_INDEX
 from landmark_memory.core.tokenizer import EOS_TOKEN, LANDMARK_TOKEN, SPECIAL_TOKENS
@@ -207,7 +207,7 @@ ODD_TEXT = ("It was 1,234 years ago,  said   the captain.\n\n\tNaïve café — 
 
 
 def test_a_text_tokenized_in_pieces_has_the_ids_of_the_whole(monkeypatch):
-    from landmark_memory.app import build
+    from landmark_memory.jobs import build
 
     tok, book = load_tokenizer(), read_text(SAMPLE_DIR / "train" / "treasure_island_excerpt.txt")[:20000]
     monkeypatch.setattr(build, "PIECE_CHARS", 300)

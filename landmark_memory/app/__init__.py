@@ -1,3 +1,3 @@
-"""What users run: building memories (``build.py``, on Ray in ``distributed.py``), evaluation,
-the command line (``entry.py`` parses before the heavy imports, ``cli.py`` runs), the terminal
-chat, the demo, and the HTTP server (``serve*.py``)."""
+"""The command line and the server: ``entry.py`` parses before the heavy imports, ``cli.py``
+runs the sub-commands (over the library's jobs, ``landmark_memory/jobs``), ``chat.py`` the
+terminal chat, ``serve*.py`` the HTTP server and ``served.py`` a corpus served on Ray."""

@@ -22,10 +22,10 @@ from ..memory.session import Session
 from ..memory.session_files import delete_session, list_sessions
 from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
 from ..models.model import BUNDLED_MODEL
-from .build import build, encode, read_inputs
+from ..jobs.build import build, encode, read_inputs
 from .cli_args import given, parser
-from .distributed import RayReader, WorkerError
-from .evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
+from ..jobs.distributed import RayReader, WorkerError
+from ..jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 
 
 class UsageError(ValueError):
@@ -288,7 +288,7 @@ def cmd_compare(args):
     opts = memory_options(args, model, index=kinds[0])  # (each kind in turn)
     rows = compare_indexes(model, ids, kinds, length, opts, max_segments=args.max_segments, progress=not args.quiet)
     if args.plot:
-        from .plots import plot_compare
+        from ..jobs.plots import plot_compare
 
         plot_compare(rows, args.plot, title=f"{inp.path.name}: {length:,}-token segments, top-{opts.top_k}")
     doc = {"input": str(inp.path), "eval_length": length, "top_k": opts.top_k, "chunk_size": opts.chunk_size,
@@ -308,7 +308,7 @@ def cmd_passkey(args):
     rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
     label = "landmark + memory" if mem else reading_mode(model)
     if args.plot:
-        from .plots import plot_passkey
+        from ..jobs.plots import plot_passkey
 
         plot_passkey({label: rows}, args.plot)
     doc = {"model": str(args.model or BUNDLED_MODEL), "mode": label, "trials": args.trials, "seed": args.seed,
@@ -342,7 +342,7 @@ def cmd_heads(args):
 
 
 def cmd_demo(args):
-    from .demo import run_demo
+    from ..jobs.demo import run_demo
 
     return run_demo(args)
 

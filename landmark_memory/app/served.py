@@ -4,7 +4,7 @@ out to the shares and merging their top-k (docs/DESIGN.md, "A corpus served on R
 
 ``Shares`` starts the actors (``_Share``: the corpus opened read-only at its last commit, a
 range of its blocks answered) and ``Shares.serve(mem)`` makes an open memory of the same corpus
-a front: its searches of the saved blocks go to the shares (``BlockMemory.remote``: one call
+a front: its searches of the saved blocks go to the shares (``LandmarkMemory.serve_from``: one call
 per share and layer, all heads at once, in parallel), and the blocks it reads come from them
 (``ShareStore`` under the hot cache). Each share searches its range exactly as one process
 searches the whole, and the merge keeps the higher score first (of equal ones, the lower
@@ -18,7 +18,7 @@ import numpy as np
 from ..memory import LandmarkMemory, MemoryFileError
 from ..storage import BlockStore
 from ..storage.base import DTYPE_NAMES
-from .distributed import set_threads
+from ..jobs.distributed import set_threads
 
 
 class _Share:
@@ -45,12 +45,12 @@ class _Share:
         B, H, Tq, _ = xq.shape
         if lo >= hi:
             return np.full((B, H, Tq, k), -np.inf, np.float32), np.full((B, H, Tq, k), -1, np.int64)
-        D, I, _ = self.mem.blocks.search(layer, xq, need, k, lo, hi, group)
+        D, I, _ = self.mem.search(layer, xq, need, k, lo, hi, group)
         return D, I
 
     def read(self, keys: list[tuple[int, int, int]]):
-        """The blocks ``keys`` of this share as stored (``BlockStore._blocks``)."""
-        return self.mem.blocks.store.base._blocks(keys)
+        """The blocks ``keys`` of this share as stored (``LandmarkMemory.stored``)."""
+        return self.mem.stored(keys, raw=True)
 
 
 class Shares:
@@ -62,7 +62,7 @@ class Shares:
         import ray
 
         from ..memory import MemoryDir
-        from .distributed import available_cores, start_ray
+        from ..jobs.distributed import available_cores, start_ray
 
         if n < 1:
             raise ValueError(f"--shares must be at least 1, got {n}")
@@ -134,13 +134,11 @@ class Shares:
         if mem.dir is None or mem.dir.path.resolve() != self.where or mem.manifest.commit != self.commit:
             raise MemoryFileError(f"the memory {mem.dir.path if mem.dir else 'given'} is not the corpus {self.where} "
                                   f"at the commit its shares opened ({self.commit}): restart the server")
-        own, mem.blocks.remote = mem.blocks.store.base, self
-        mem.blocks.store.base = ShareStore(own, self)
-        own.close()  # (its files are the shares' to read)
+        mem.serve_from(self, lambda own: ShareStore(own, self))  # (its own store closed: the shares' to read)
         return mem
 
     def close(self) -> None:
-        from .distributed import stop_ray
+        from ..jobs.distributed import stop_ray
 
         stop_ray(self.actors, self._started)
         self._started = False
@@ -153,6 +151,6 @@ class ShareStore(BlockStore):
         super().__init__(like.shape, DTYPE_NAMES[like.dtype], like.checksums)
         self.shares = shares
 
-    def _blocks(self, keys):
+    def read_stored(self, keys):
         return self.shares.read(list(keys))
 

@@ -15,7 +15,9 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     directory.py  the files of a saved memory and the commit protocol
     seals.py      a writer's seals: the key files as it let them go; the next reads only those changed
     saved.py      SavedFiles, a memory's folder and its commits; open_folder
-    engine.py     LandmarkMemory: its parts together, forward, generate, commit, open, refresh
+    engine.py     LandmarkMemory: its parts together and the one door to them: forward, commit,
+                  open, refresh, and what sessions, corpora and served shares ask of a memory
+    generating.py generate: a prompt, then token after token, over the engine's forward
     lookup.py     BlockLookup, which blocks each query reads: landmark scores, policy, positions
     decoding.py   Decoder, the open chunk and the step that reads tokens through the memory
     corpus.py     a corpus: documents read apart, merged into one memory; their states

@@ -114,8 +114,8 @@ def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage
                               "or rebuild it (`landmark-memory info --verify` checks every file)")
     at, text = block * bs, tokenizer.decode(ids.tolist())
     s = mem.attached
-    if s is not None and block >= mem.blocks.base:
-        turn, offset = s.locate(block - mem.blocks.base)
+    if s is not None and block >= mem.base_blocks:
+        turn, offset = s.locate(block - mem.base_blocks)
         return Passage(block, None, offset, text, share, s.name, turn)
     e = mem.inputs.containing(at)  # (a corpus reads one page of its document list)
     if e is not None:
@@ -254,7 +254,7 @@ def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own:
     for layer, (q, h, cos, sin) in enumerate(got):
         if not (mix[layer].any() or heads[layer].any()):  # a layer the reader does not weigh
             continue
-        keys = mem.blocks.landmark_keys(layer, torch.arange(n))[0].float().cpu()[None]  # (1, H_kv, n, D)
+        keys = mem.keys(layer, torch.arange(n)).cpu()[None]  # (1, H_kv, n, D)
         a = reader.attention(q[None, None], h[None, None], cos[None], sin[None], mine, keys, mem.backbone.scale,
                              layers=[layer])[0, 0]  # (H_kv, n)
         own_a, null = head_attention(q[None, None], cos[None], sin[None], torch.cat([mine, theirs]), keys,

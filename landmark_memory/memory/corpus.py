@@ -74,13 +74,9 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     rows, _ = d.read_block_rows(m)
     layout = m.rows
     ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(layout.streams, -1)  # (1, n * bs)
-    if mem.streams is None:
-        mem.blocks.start(1)
     start, packed = mem.n_blocks, m.blocks * m.block_bytes <= PACK_BYTES
     shard = Shard(start, m.blocks, folder)
-    mem.blocks.add_document(shard, packed)  # (a packed one's blocks copied before any key of them is searched)
-    if m.blocks:
-        mem.blocks.add_blocks(saved_landmarks(d, m, rows, mem.device), ids)
+    mem.add_document(shard, packed, saved_landmarks(d, m, rows, mem.device) if m.blocks else None, ids)
     record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
                          ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder,
                          packed=packed)

@@ -19,7 +19,6 @@ from ..core.rope import rotation_dtype
 from ..kernels import block_attention_inference, cmt_share, landmark_attention_inference, sliding_window_attention
 from .blocks import BlockMemory
 from .lookup import BlockLookup
-from .options import MemoryOptions
 from .retrieval import chunk_base
 from .shape import ModelShape
 
@@ -42,15 +41,16 @@ class Decoder:
     Parameters
     ----------
     backbone : the model's ``Backbone`` (``models/kinds.backbone_for``).
-    shape : ModelShape, options : MemoryOptions (resolved; ``use`` changes them).
+    shape : ModelShape.
     blocks : BlockMemory, where a complete chunk's blocks go and retrieved ones come from.
-    lookup : BlockLookup, which blocks each query reads.
+    lookup : BlockLookup, which blocks each query reads; its ``options`` are the memory's.
     cmt_k : per memory layer the CMT's key (1, H, 1, D), or None (no landmarks).
     backend : str, the attention backend.
 
     Attributes
     ----------
     ids : (B, P) normal token ids since the last chunk boundary, or None.
+    choose : ``lookup.choose``, or what ``LandmarkMemory.choosing`` put in its place.
     kv : per memory layer (k, k rotated, v) of those positions, (B, H_kv, P', D), or None.
     windows : per sliding-window layer (k, v) of the last positions its window reads, no RoPE.
     observer : called at each memory layer of a step with (memory layer, the layer's input
@@ -58,9 +58,10 @@ class Decoder:
         question reader reads (``answer.point``); None.
     """
 
-    def __init__(self, backbone, shape: ModelShape, options: MemoryOptions, blocks: BlockMemory,
+    def __init__(self, backbone, shape: ModelShape, blocks: BlockMemory,
                  lookup: BlockLookup, cmt_k: torch.Tensor | None, backend: str):
-        self.backbone, self.shape, self.options, self.blocks, self.lookup = backbone, shape, options, blocks, lookup
+        self.backbone, self.shape, self.blocks, self.lookup = backbone, shape, blocks, lookup
+        self.choose = lookup.choose  # (``LandmarkMemory.choosing`` wraps it)
         self.cmt_k, self.backend, self.rope, self.device = cmt_k, backend, backbone.rope, blocks.device
         self.group = backbone.n_head // backbone.n_kv_head
         self.memory_layer = {layer: m for m, layer in enumerate(shape.memory_layers)}  # model layer: memory layer
@@ -76,8 +77,7 @@ class Decoder:
         """Tokens of the open chunk (fed since the last chunk boundary)."""
         return 0 if self.ids is None else self.ids.shape[1]
 
-    def use(self, options: MemoryOptions) -> None:
-        self.options = options
+    options = property(lambda self: self.lookup.options, doc="The memory's options, held by its lookup alone.")
 
     def base(self) -> int:
         """Position of the open chunk's first row."""
@@ -153,7 +153,7 @@ class Decoder:
                 cmt_k = self.cmt_k[m].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
                 if o.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
                     skip = cmt_share(qr, local_k, bs, cmt_k) < o.cmt_cutoff  # (B, H, Tq)
-            ids_used, block_pos = self.lookup.choose(m, q, qr, at_search, skip)
+            ids_used, block_pos = self.choose(m, q, qr, at_search, skip)
             read, block_pos, shared = _read_columns(ids_used, block_pos, self._shared())
             table, pool_k, pool_v, pool_scale = self.blocks.pool(m, read)
             blocks = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=block_pos, rope=self.rope,

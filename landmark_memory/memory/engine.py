@@ -1,18 +1,20 @@
 """LandmarkMemory: chunked inference over inputs of any length with top-k block retrieval.
 
-A memory is a few named parts, each handed what it works on (docs/DESIGN.md, "The memory's
-parts"): ``blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block store, hot
-cache), ``lookup`` (``BlockLookup``, lookup.py: which blocks each query reads), ``decoder``
-(``Decoder``, decoding.py: the open chunk and the step that reads tokens through the memory)
-and ``files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds them together
-and is what users call: forward, generate, the options' contexts, commit, open, refresh, rewind, close.
+A memory is a few private parts, each handed what it works on (docs/DESIGN.md, "The memory's
+parts"): ``_blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block store, hot
+cache), ``_lookup`` (``BlockLookup``, lookup.py: which blocks each query reads, and the options),
+``_decoder`` (``Decoder``, decoding.py: the open chunk and the step that reads tokens through the
+memory) and ``_files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds
+them together and is the one door to them: what users call (forward, generate, the options'
+contexts, commit, open, refresh, rewind, close) and what sessions, corpora, served shares and
+experiments ask of a memory (the methods under "the library's own").
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start; a document's
 end, ``end_document``, closes its chunk early), and the tokens since the last boundary stay local:
 a text fed in one call, in pieces or a token at a time (decoding) gives the same result.
 """
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,7 +22,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core.decode import decode
 from ..core.layout import IGNORE_INDEX
 from ..core.names import DISK_STORES, MAX_STREAMS
 from ..kernels import BACKENDS
@@ -31,6 +32,7 @@ from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
 from .directory import MemoryDir
 from .documents import DocumentList
+from .generating import generate
 from .lookup import BlockLookup
 from .manifest import InputRecord, Manifest, ModelRecord
 from .options import QUERY_OPTIONS, MemoryOptions
@@ -64,10 +66,6 @@ class LandmarkMemory:
     Attributes
     ----------
     options : MemoryOptions, resolved for the model (defaults filled in).
-    blocks : BlockMemory, landmark keys, indexes, block store and hot cache.
-    lookup : BlockLookup, which blocks each query reads.
-    decoder : Decoder, the open chunk and the step.
-    files : SavedFiles, the folder and its commits (``dir`` None: not saved).
     retrieval_stats : RetrievalStats.
     inputs : list of InputRecord, the text files ``build`` ingested.
     attached : the session whose blocks follow this read-only memory's (``memory/session.py``).
@@ -86,7 +84,7 @@ class LandmarkMemory:
             cmt_keys = bb.cmt_keys()
         param = next(model.parameters())
         options = options if options is not None else MemoryOptions.of(**settings)
-        self.options = o = options.for_model(model, bb, cmt_keys)
+        o = options.for_model(model, bb, cmt_keys)
         self.model, self.backbone, self.backend = model.eval(), bb, backend
         windows = tuple(bb.windows) if any(bb.windows) else ()
         self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, o.block_size, windows,
@@ -101,39 +99,42 @@ class LandmarkMemory:
         self._fingerprint, self._closed = None if opened is None else opened.fingerprint, False
         if opened is not None:
             m = opened.manifest
-            self.files = SavedFiles(opened.dir, opened.readonly, m.documents)
-            self._parts(self._new_blocks(opened.readonly, key_files=m.version >= 5 or not opened.readonly))
+            self._files = SavedFiles(opened.dir, opened.readonly, m.documents)
+            self._parts(self._new_blocks(o, opened.readonly, key_files=m.version >= 5 or not opened.readonly), o)
             try:
                 self._follow(m, opened.state)
             except BaseException:
-                self.blocks.close()
+                self._blocks.close()
                 raise
             return
         if documents and path is None:
             raise ValueError("a corpus of documents is a saved memory: pass a path")
         if path is not None and o.store == "memory":
             raise ValueError(f"a memory saved at a path keeps its blocks on disk: pass store= one of {DISK_STORES}")
-        self.files = SavedFiles(None if path is None else MemoryDir.create(
+        self._files = SavedFiles(None if path is None else MemoryDir.create(
             path, Manifest(model=self.model_record(), options=o, documents=documents)), documents=documents)
-        self._parts(self._new_blocks(readonly=False))
+        self._parts(self._new_blocks(o, readonly=False), o)
 
-    def _new_blocks(self, readonly: bool, key_files: bool = True) -> BlockMemory:
+    def _new_blocks(self, options: MemoryOptions, readonly: bool, key_files: bool = True) -> BlockMemory:
         """The memory's blocks, none yet; a corpus reads its documents' from their stores or, packed,
         from its own (``BlockMemory.add_document``). ``key_files``: its landmark keys are (or, for a writer, will
         be) in its key files; else in memory (a reader of a memory from before them)."""
-        d, documents = self.files.dir, self.files.documents
-        return BlockMemory(self.shape, self.options, store_path=None if d is None else d.store_path(),
+        d, documents = self._files.dir, self._files.documents
+        return BlockMemory(self.shape, options, store_path=None if d is None else d.store_path(),
                            readonly=readonly, device=self.device, dtype=self.dtype, rope=self.rope,
                            cache_bytes=self.cache_bytes, shards=[] if documents else None,
                            shard_path=lambda name: d.document(name).store_path(),
                            key_path=d.key_path() if d is not None and key_files else None)
 
-    def _parts(self, blocks: BlockMemory) -> None:
-        """Put the parts together around ``blocks``."""
-        self.blocks = blocks
-        self.lookup = BlockLookup(blocks, self.options, key_row=self.shape.key_row, group=self.group, rope=self.rope,
-                                  scale=self.backbone.scale, stats=self.retrieval_stats)
-        self.decoder = Decoder(self.backbone, self.shape, self.options, blocks, self.lookup, self.cmt_k, self.backend)
+    def _parts(self, blocks: BlockMemory, options: MemoryOptions) -> None:
+        """Put the parts together around ``blocks``; the lookup holds the ``options`` (``options``)."""
+        self._blocks = blocks
+        self._lookup = BlockLookup(blocks, options, key_row=self.shape.key_row, group=self.group, rope=self.rope,
+                                   scale=self.backbone.scale, stats=self.retrieval_stats)
+        self._decoder = Decoder(self.backbone, self.shape, blocks, self._lookup, self.cmt_k, self.backend)
+
+    options = property(lambda self: self._lookup.options,
+                       doc="MemoryOptions, resolved for the model (defaults filled in); ``querying`` changes some.")
 
     # ---- public -------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,7 +154,7 @@ class LandmarkMemory:
         if self.streams is None:
             if idx.shape[0] > MAX_STREAMS:
                 raise ValueError(f"a memory holds at most {MAX_STREAMS:,} streams; idx has batch size {idx.shape[0]:,}")
-            self.blocks.start(idx.shape[0])
+            self._blocks.start(idx.shape[0])
         elif idx.shape[0] != self.streams:
             raise ValueError(f"this memory holds {self.streams} streams; idx has batch size {idx.shape[0]}")
         idx = idx.to(self.device)
@@ -161,7 +162,7 @@ class LandmarkMemory:
         while pos < idx.shape[1]:
             n = min(self.options.chunk_size - self.pending_count, idx.shape[1] - pos)
             last = logits != "last" or pos + n == idx.shape[1]
-            lg, ret = self.decoder.step(idx[:, pos:pos + n], logits if last else "none")
+            lg, ret = self._decoder.step(idx[:, pos:pos + n], logits if last else "none")
             out.append(lg)
             chosen += [ret] if retrieved else []
             pos += n
@@ -184,73 +185,36 @@ class LandmarkMemory:
         """Append one token per stream, ``idx`` (B,) or (B, 1); returns its logits (B, vocab)."""
         return self.forward(idx.reshape(-1, 1)).logits[:, -1]
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, stop_ids: Collection[int] = (),
-                 until: Callable[[list[int]], bool] | None = None,
-                 on_token: Callable[[torch.Tensor], None] | None = None,
-                 on_read: Callable[[list[torch.Tensor]], None] | None = None) -> torch.Tensor:
-        """Feed ``idx`` (B, T), then generate up to ``max_new_tokens`` (greedy when temperature
-        is 0; ``stop_ids`` and ``until`` end it, as in ``decode.decode``); returns the new tokens
-        (B, n). The memory reads the new tokens too, so a later call continues after them.
+    generate = generate
 
-        ``on_token(t)``: each new token (B,) as the memory is about to read it (streaming);
-        ``on_read(retrieved)``: per layer the memory blocks (B, H, 1, top_k) read at each
-        position that generating reads, the prompt's last and every new token's (``answer``
-        counts them: the passages an answer read)."""
-        if idx.shape[-1] == 0:
-            raise ValueError("generate needs a prompt of at least one token")
+    streams = property(lambda self: self._blocks.streams, doc="Batch size, fixed by the first forward (None before).")
+    n_blocks = property(lambda self: self._blocks.n_blocks, doc="Blocks in memory per stream.")
 
-        def read(nxt, told=True):  # (B, T) -> the logits after it, (B, vocab)
-            out = self.forward(nxt, logits="last")
-            if on_read is not None and told:
-                on_read([r[:, :, -1:] for r in out.retrieved])
-            return out.logits[:, -1]
+    n_tokens = property(lambda self: self.n_blocks * self.shape.block_size + self.pending_count,
+                        doc="Normal tokens fed per stream.")
 
-        def step(nxt):  # (B, 1)
-            if on_token is not None:
-                on_token(nxt[:, -1])
-            return read(nxt)
-
-        C = self.options.chunk_size
-        for a in range(0, idx.shape[1], C):  # a chunk at a time: the retrieved ids of a long prompt add up
-            last = read(idx[:, a:a + C], told=a + C >= idx.shape[1])
-        new = decode(last, step, max_new_tokens, temperature=temperature, generator=generator, stop_ids=stop_ids,
-                     until=until)
-        if new.shape[1]:
-            step(new[:, -1:])
-        return new
-
-    streams = property(lambda self: self.blocks.streams, doc="Batch size, fixed by the first forward (None before).")
-    n_blocks = property(lambda self: self.blocks.n_blocks, doc="Blocks in memory per stream.")
-
-    @property
-    def n_tokens(self) -> int:
-        """Normal tokens fed per stream."""
-        return self.n_blocks * self.shape.block_size + self.pending_count
-
-    pending_count = property(lambda self: self.decoder.count,
+    pending_count = property(lambda self: self._decoder.count,
                              doc="Tokens of the open chunk (fed since the last chunk boundary).")
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
         chunk's keys and values, the sliding-window layers' windows: what must sit near the
         compute) and ``store`` (every block's keys and values, wherever the store keeps them)."""
-        fast, store = self.blocks.usage()
-        return {"fast": fast + self.decoder.usage(), "store": store}
+        fast, store = self._blocks.usage()
+        return {"fast": fast + self._decoder.usage(), "store": store}
 
     def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
         """int32 ((last - first) * block_size,) the normal token ids of blocks ``[first, last)``
         in memory (default: every block)."""
-        return self.blocks.tokens(stream, first, last)
+        return self._blocks.tokens(stream, first, last)
 
-    def keys(self, layer: int, blocks: torch.Tensor, rows: bool = False) -> torch.Tensor:
-        """float32 keys of stream 0's ``blocks`` (n,) at memory layer ``layer``: their search keys
+    def keys(self, layer: int, blocks: torch.Tensor | slice, rows: bool = False, stream: int = 0) -> torch.Tensor:
+        """float32 keys of ``stream``'s ``blocks`` (n,) at memory layer ``layer``: their search keys
         (landmarks, or mean keys) (H_kv, n, D), not rotated; with ``rows``, every row's key (n, H_kv,
         rows, D), rotated by its offset in its block (as a retrieved block's rows are read)."""
         if not rows:
-            return self.blocks.landmark_keys(layer, blocks)[0].float()
-        return torch.stack(self.blocks.cache.get([(0, layer, int(b)) for b in blocks]))[:, 0].float()
+            return self._blocks.landmark_keys(layer, blocks)[stream].float()
+        return torch.stack(self._blocks.cache.get([(stream, layer, int(b)) for b in blocks]))[:, 0].float()
 
     @contextmanager
     def querying(self, **changes):
@@ -262,11 +226,11 @@ class LandmarkMemory:
             raise ValueError(f"only {', '.join(QUERY_OPTIONS)} change while a memory is open, not {', '.join(fixed)}")
         own = self.options
         new = own.with_query(**changes).for_model(self.model, self.backbone, self.cmt_k)
-        self._use(new)
+        self._lookup.use(new)
         try:
             yield self
         finally:
-            self._use(own)
+            self._lookup.use(own)
 
     @contextmanager
     def reading(self, blocks: Sequence[int]):
@@ -279,16 +243,11 @@ class LandmarkMemory:
                 ((ids < 0) | (ids >= self.n_blocks)).any():
             raise ValueError(f"reading takes at most top_k={self.options.top_k} distinct blocks of the memory's "
                              f"{self.n_blocks}, got {ids.tolist()}")
-        own, self.lookup.pinned = self.lookup.pinned, ids
+        own, self._lookup.pinned = self._lookup.pinned, ids
         try:
             yield self
         finally:
-            self.lookup.pinned = own
-
-    def _use(self, options: MemoryOptions) -> None:
-        self.options = options
-        self.lookup.use(options)
-        self.decoder.use(options)
+            self._lookup.pinned = own
 
     def end_document(self) -> None:
         """Put the open chunk's blocks into memory now, unfinished as the chunk is: a document
@@ -296,7 +255,7 @@ class LandmarkMemory:
         if self.pending_count % self.shape.block_size:
             raise ValueError(f"a document ends on a block boundary: {self.pending_count} tokens of the open chunk "
                              f"are not a multiple of the block size {self.shape.block_size}")
-        self.decoder.flush()
+        self._decoder.flush()
 
     def add_input(self, path: Path, sha256: str, tokens: int) -> InputRecord:
         """Record a text file whose ``tokens`` tokens are about to be fed from here on; the
@@ -306,35 +265,75 @@ class LandmarkMemory:
         self.inputs.append(entry)
         return entry
 
-    @property
-    def observer(self) -> Callable | None:
-        """Called at each memory layer of a step with what a question reader reads
-        (``Decoder.observer``; ``answer.point``)."""
-        return self.decoder.observer
+    observer = property(lambda self: self._decoder.observer, lambda self, fn: setattr(self._decoder, "observer", fn),
+                        doc="Called at each memory layer of a step with what a question reader reads "
+                            "(``Decoder.observer``; ``answer.point``); None.")
 
-    @observer.setter
-    def observer(self, fn: Callable | None) -> None:
-        self.decoder.observer = fn
+    # ---- the library's own: sessions, corpora, served shares, experiments ----------------------
+    pending_ids = property(lambda self: self._decoder.ids, doc="Normal token ids of the open chunk (B, P), or None.")
+    base_blocks = property(lambda self: self._blocks.base,
+                           doc="A read-only memory's saved blocks, those before an attached session's (else None).")
+    cache = property(lambda self: self._blocks.cache, doc="The hot-block cache (``HotCache``: hits, misses, arena).")
+
+    def attach(self, owner, blocks: BlockMemory, chunk: OpenChunk | None) -> None:
+        """Put ``blocks`` (writable: a session's, ``owner``) after this rewound read-only memory's
+        saved ones and continue after ``chunk``: what it reads from here on goes into them, until
+        ``rewind`` lets them go."""
+        self._blocks.attach(blocks)
+        if chunk is not None:
+            self.take(chunk)
+        self.attached = owner
+
+    def add_document(self, shard, packed: bool, landmarks: list[torch.Tensor] | None, ids: np.ndarray) -> None:
+        """A corpus writer's next document (``corpus.merge_document``): its store as ``shard`` of the
+        corpus's, or ``packed``, copied into the corpus's; then its blocks' ``landmarks`` (per layer
+        (1, H_kv, n, D)) and token ``ids`` (1, n * block_size), None when it has no block."""
+        if self.streams is None:
+            self._blocks.start(1)
+        self._blocks.add_document(shard, packed)  # (a packed one's blocks copied before any key of them is searched)
+        if landmarks is not None:
+            self._blocks.add_blocks(landmarks, ids)
+
+    def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
+        """``BlockMemory.search`` of the blocks ``[lo, hi)``: (D, I, skipped), what a served share answers."""
+        return self._blocks.search(layer, xq, need, k, lo, hi, group)
+
+    def stored(self, keys: list[tuple[int, int, int]], raw: bool = False) -> list:
+        """The blocks ``keys`` (stream, layer, block) from the store: (2, H_kv, L, D) each, keys
+        not rotated; ``raw``: the saved ones as their store keeps them (``BlockStore.read_stored``,
+        what a served share sends its front)."""
+        return self._blocks.store.base.read_stored(keys) if raw else self._blocks.store.get(keys)
+
+    def serve_from(self, shares, store: Callable) -> None:
+        """Make this read-only corpus a front (``app.served``): its saved blocks searched by
+        ``shares.search`` and read through ``store(its own store)``, which is closed."""
+        own = self._blocks.store.base
+        self._blocks.remote, self._blocks.store.base = shares, store(own)
+        own.close()
+
+    def indexes(self) -> list:
+        """Every ``LandmarkIndex``, by stream, layer and key/value head (an attached session's after)."""
+        return self._blocks.all_indexes()
+
+    @contextmanager
+    def choosing(self, wrap: Callable[[Callable], Callable]):
+        """Every block choice inside the ``with`` block made by ``wrap(choose)``, ``choose`` the
+        memory's own (``BlockLookup.choose``, whose arguments and results it takes and gives):
+        how an experiment or test observes or replaces the choice."""
+        own = self._decoder.choose
+        self._decoder.choose = wrap(own)
+        try:
+            yield self
+        finally:
+            self._decoder.choose = own
 
     # ---- saved ----------------------------------------------------------------------------
-    @property
-    def dir(self) -> MemoryDir | None:
-        """The memory's folder (None: not saved)."""
-        return self.files.dir
-
-    readonly = property(lambda self: self.files.readonly)
-
-    @property
-    def documents(self) -> bool:
-        """A corpus: its blocks are its documents'."""
-        return self.files.documents
-
-    @property
-    def manifest(self) -> Manifest | None:
-        """The last commit this memory wrote or read (None: never saved)."""
-        return self.files.manifest
-
-    commit_count = property(lambda self: self.files.commit_count)
+    dir = property(lambda self: self._files.dir, doc="The memory's folder, ``MemoryDir`` (None: not saved).")
+    readonly = property(lambda self: self._files.readonly)
+    documents = property(lambda self: self._files.documents, doc="A corpus: its blocks are its documents'.")
+    manifest = property(lambda self: self._files.manifest,
+                        doc="The last commit this memory wrote or read, ``Manifest`` (None: never saved).")
+    commit_count = property(lambda self: self._files.commit_count)
 
     def commit(self) -> int:
         """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
@@ -343,7 +342,7 @@ class LandmarkMemory:
         manifest = Manifest(model=self.model_record(), options=self.options, streams=self.streams,
                             blocks=self.n_blocks, tokens=self.n_tokens, pending_tokens=self.pending_count,
                             inputs=self.inputs, documents=self.documents)
-        return self.files.commit(self.blocks, manifest, self.open_chunk())
+        return self._files.commit(self._blocks, manifest, self.open_chunk())
 
     @classmethod
     def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
@@ -379,7 +378,7 @@ class LandmarkMemory:
         if self.dir is None or not self.readonly:
             raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
                              "is the newest there is")
-        newer = self.files.newer(self.inputs)
+        newer = self._files.newer(self.inputs)
         self.check_files()
         if newer is None:
             return False
@@ -390,24 +389,24 @@ class LandmarkMemory:
     def check_files(self) -> None:
         """``MemoryFileError`` where a file this memory maps was cut short since it was mapped
         (a read there would be a SIGBUS): what a server asks before each answer."""
-        self.blocks.check_files()
+        self._blocks.check_files()
 
     def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
         """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this
         memory's, its documents' stores, its open chunk."""
-        self.files.follow(self.blocks, manifest, state, self.backbone.vocab_size)
+        self._files.follow(self._blocks, manifest, state, self.backbone.vocab_size)
         self.inputs = manifest.inputs
-        self.decoder.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
-        self.decoder.keep()
+        self._decoder.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
+        self._decoder.keep()
 
     def open_chunk(self) -> OpenChunk:
         """What was fed past the last block, as a commit keeps it."""
-        return self.decoder.open_chunk()
+        return self._decoder.open_chunk()
 
     def take(self, chunk: OpenChunk) -> None:
         """Continue after ``chunk`` (``open_chunk`` of this memory or of one that read the same
         blocks): its keys rotated to where the open chunk sits now."""
-        self.decoder.take(chunk)
+        self._decoder.take(chunk)
 
     def rewind(self) -> None:
         """Forget what was fed to this read-only memory since it opened or last refreshed: it
@@ -415,9 +414,9 @@ class LandmarkMemory:
         if not self.readonly:
             raise ValueError("only a memory opened read-only rewinds; a writer keeps what it was fed (close it "
                              "with commit=False to drop what was fed since its last commit)")
-        self.blocks.rewind()
-        self.decoder.restore()
-        self.lookup.forget()
+        self._blocks.rewind()
+        self._decoder.restore()
+        self._lookup.forget()
         self.attached = None
 
     def model_record(self) -> ModelRecord:
@@ -437,7 +436,7 @@ class LandmarkMemory:
                 self.commit()
         finally:  # a commit that failed (a full disk) leaves the last one standing: the files are let go all the same
             self._closed = True
-            self.files.close(self.blocks.close())
+            self._files.close(self._blocks.close())
 
     def __enter__(self) -> "LandmarkMemory":
         return self

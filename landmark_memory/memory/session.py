@@ -154,7 +154,7 @@ class Session:
     @property
     def n_tokens(self) -> int:
         """Tokens of the session (its blocks' and its open chunk's)."""
-        ids = self.mem.decoder.ids if self.mem.attached is self else self.pending.ids
+        ids = self.mem.pending_ids if self.mem.attached is self else self.pending.ids
         return self.blocks.n_blocks * self.mem.shape.block_size + (0 if ids is None else ids.shape[1])
 
     def attach(self) -> None:
@@ -165,10 +165,8 @@ class Session:
             return
         mem.rewind()
         _check_over(mem, self.manifest, self.dir.path)
-        mem.blocks.attach(self.blocks)
-        if self.manifest.commit:  # (a session before its first turn takes the memory's open chunk, if any)
-            mem.take(self.pending)
-        mem.attached = self
+        # (a session before its first turn takes the memory's open chunk, if any)
+        mem.attach(self, self.blocks, self.pending if self.manifest.commit else None)
 
     def commit(self, turns: list[Turn]) -> None:
         """Make what the memory read since the last commit durable in the session, with ``turns``

@@ -49,7 +49,7 @@ class StoreWriteError(OSError):
 
 class BlockStore:
     """Common checks and (de)serialisation; subclasses keep bytes (``_put``, ``_get``) or
-    stored blocks (``_blocks``)."""
+    stored blocks (``read_stored``)."""
 
     def __init__(self, shape, dtype="float16", checksums=False):
         if dtype not in DTYPES:
@@ -93,7 +93,7 @@ class BlockStore:
         """Write ``{(stream, layer, block): tensor (2, H, L, D)}`` in one transaction."""
         self._put({key: self._encode(s) for key, s in self._stored(items).items()})
 
-    def _blocks(self, keys: list[tuple[int, int, int]]) -> list[Stored]:
+    def read_stored(self, keys: list[tuple[int, int, int]]) -> list[Stored]:
         return [self._decode(k, b) for k, b in zip(keys, self._get(keys))]
 
     def read(self, keys: list[tuple[int, int, int]]) -> Stored:
@@ -101,7 +101,7 @@ class BlockStore:
         scales)``, data (n, 2, H, L, D) in the store dtype and, for an int8 store, float32 scales
         (n, H, D + L) (else None). Raises ``KeyError`` for a missing block and
         ``CorruptBlockError`` for a damaged one."""
-        blocks = self._blocks(list(keys))
+        blocks = self.read_stored(list(keys))
         data = torch.stack([d for d, _ in blocks])
         return data, torch.stack([s for _, s in blocks]).float() if self.quantized else None
 
@@ -142,12 +142,12 @@ class OverlayStore(BlockStore):
     def check(self):
         self.base.check()
 
-    def _blocks(self, keys):
+    def read_stored(self, keys):
         off = self.offset
         mine = [self.upper is not None and k[2] >= off for k in keys]
-        new = iter(self.upper._blocks([(b, layer, i - off) for (b, layer, i), m in zip(keys, mine) if m]) if any(mine)
+        new = iter(self.upper.read_stored([(b, layer, i - off) for (b, layer, i), m in zip(keys, mine) if m]) if any(mine)
                    else ())
-        old = iter(self.base._blocks([k for k, m in zip(keys, mine) if not m]))
+        old = iter(self.base.read_stored([k for k, m in zip(keys, mine) if not m]))
         return [next(new) if m else next(old) for m in mine]
 
     def close(self):

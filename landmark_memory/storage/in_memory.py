@@ -13,7 +13,7 @@ class MemoryStore(BlockStore):
     def put(self, items):
         self._data.update(self._stored(items))
 
-    def _blocks(self, keys):
+    def read_stored(self, keys):
         missing = [k for k in keys if k not in self._data]
         if missing:
             raise KeyError(f"blocks {missing[:3]} missing in the store")

@@ -90,7 +90,7 @@ class ShardedStore(BlockStore):
             keys = [(s, layer, b) for s in range(streams) for layer in range(n_layer)
                     for b in range(first, min(first + PACK_BATCH, blocks))]
             self._own._put({(s, layer, start + b): self._own._encode(stored)
-                            for (s, layer, b), stored in zip(keys, source._blocks(keys))})
+                            for (s, layer, b), stored in zip(keys, source.read_stored(keys))})
         self.n_blocks = start + blocks
 
     def follow(self, shards: list[Shard], n_blocks: int) -> None:
@@ -123,7 +123,7 @@ class ShardedStore(BlockStore):
         raise PermissionError("a corpus memory keeps its blocks in its documents' stores: add text as documents "
                               "(`landmark-memory build`), or open the memory read-only to read on after it")
 
-    def _blocks(self, keys):
+    def read_stored(self, keys):
         by_shard: dict[int, list[int]] = {}  # shard number (-1: the corpus's own store) -> the keys' places
         for n, (s, layer, b) in enumerate(keys):
             if not 0 <= b < self.n_blocks:
@@ -136,11 +136,11 @@ class ShardedStore(BlockStore):
             if i < 0:
                 if self._own is None:
                     self._own = self.open_own(True)
-                got = self._own._blocks([keys[n] for n in ns])
+                got = self._own.read_stored([keys[n] for n in ns])
             else:
                 start = self.shards[i].start
                 try:
-                    got = self._store(i)._blocks([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
+                    got = self._store(i).read_stored([(keys[n][0], keys[n][1], keys[n][2] - start) for n in ns])
                 except CorruptBlockError as e:  # name the block as the corpus numbers it, and where it lies
                     s, layer, b = e.key
                     raise CorruptBlockError((s, layer, b + start), f" (block {b} of {self.shards[i].name})") from None
