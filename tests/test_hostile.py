@@ -215,13 +215,13 @@ def test_a_reader_follows_the_map_a_writer_grew(tmp_path):
     writer = textwrap.dedent(f"""
         import torch, sys
         from landmark_memory.storage import LmdbStore
-        s = LmdbStore({shape}, {str(path)!r}, dtype="float32", map_size=1 << 16, checksums=True)
+        s = LmdbStore({shape}, {str(path)!r}, store_dtype="float32", map_size=1 << 16, checksums=True)
         n = int(sys.argv[1])
         s.put({{(0, 0, b): torch.full({shape}, float(b)) for b in range(n)}})
         s.close()
     """)
     subprocess.run([sys.executable, "-c", writer, "4"], check=True)
-    reader = LmdbStore(shape, path, dtype="float32", map_size=1 << 16, readonly=True, checksums=True)
+    reader = LmdbStore(shape, path, store_dtype="float32", map_size=1 << 16, readonly=True, checksums=True)
     assert reader.get([(0, 0, 3)])[0][0, 0, 0, 0] == 3
     subprocess.run([sys.executable, "-c", writer, "2000"], check=True)  # grows the map several times
     assert reader.get([(0, 0, 1999)])[0][0, 0, 0, 0] == 1999

@@ -144,9 +144,9 @@ def test_a_decoding_steps_choice_per_head_is_its_one_querys_choice(model, text, 
 def test_stingy_positions_keep_order_and_recent_slots():
     L = 6
     ids = torch.tensor([[[[9, 2, 5]], [[8, -1, 3]], [[0, 1, 2]], [[9, 8, 7]]]])  # nb = 10: recent are 7, 8, 9
-    pos = block_positions(ids.view(1, 4, 1, 3), nb=10, window=3, L=L, mapping="stingy") // L
+    pos = block_positions(ids.view(1, 4, 1, 3), nb=10, reads=3, L=L, mapping="stingy") // L
     assert pos.view(4, 3).tolist() == [[3, 0, 1], [2, 0, 0], [0, 1, 2], [3, 2, 1]]
-    assert torch.equal(stingy_slots(ids.view(1, 4, 1, 3), nb=10, window=3), pos)
+    assert torch.equal(stingy_slots(ids.view(1, 4, 1, 3), nb=10, reads=3), pos)
 
 
 @pytest.mark.parametrize("nb,top_k,width", [(30, 4, 4), (30, 4, 6), (3, 4, 4), (1, 2, 3), (9, 1, 2)])

@@ -54,8 +54,8 @@ def test_shared_selections_rank_by_the_best_softmaxed_score(retrieval):
 
 
 def test_chunk_base_sits_after_the_stingy_slots_or_every_block():
-    assert chunk_base(n_blocks=9, window=3, L=6, mapping="stingy") == 24
-    assert chunk_base(n_blocks=9, window=3, L=6, mapping="exact") == 54
+    assert chunk_base(n_blocks=9, reads=3, L=6, mapping="stingy") == 24
+    assert chunk_base(n_blocks=9, reads=3, L=6, mapping="exact") == 54
 
 
 def test_query_options_change_on_reopen_and_structural_ones_do_not():
@@ -201,7 +201,7 @@ def test_decoding_stops_once_every_stream_has_produced_the_stop_token():
 def test_sampling_keeps_to_the_top_k_tokens():
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]]).expand(64, -1)
     g = torch.Generator().manual_seed(0)
-    picks = next_token(logits, temperature=2.0, top_k=2, generator=g)
+    picks = next_token(logits, temperature=2.0, sample_top_k=2, generator=g)
     assert set(picks.tolist()) == {1, 2}
     assert next_token(logits, temperature=0.0).tolist() == [1] * 64
 

@@ -63,11 +63,11 @@ def test_lmdb_grows_its_map_when_full(tmp_path):
 
 def test_a_writer_after_readers_of_one_lmdb_store_in_a_process_reopens_it_for_all(tmp_path):
     x, y = torch.randn(*SHAPE), torch.randn(*SHAPE)
-    first = LmdbStore(SHAPE, tmp_path / "s", dtype="float32")
+    first = LmdbStore(SHAPE, tmp_path / "s", store_dtype="float32")
     first.put({(0, 0, 0): x})
     first.close()
-    reader = LmdbStore(SHAPE, tmp_path / "s", dtype="float32", readonly=True)  # (a corpus's reader)
-    writer = LmdbStore(SHAPE, tmp_path / "s", dtype="float32")  # (its build, packing a document)
+    reader = LmdbStore(SHAPE, tmp_path / "s", store_dtype="float32", readonly=True)  # (a corpus's reader)
+    writer = LmdbStore(SHAPE, tmp_path / "s", store_dtype="float32")  # (its build, packing a document)
     writer.put({(0, 0, 1): y})
     assert torch.equal(reader.get([(0, 0, 0)])[0], x) and torch.equal(reader.get([(0, 0, 1)])[0], y)
     writer.close()
@@ -118,7 +118,7 @@ def test_missing_block_and_bad_shapes_are_explained(tmp_path):
     with pytest.raises(ValueError, match="pass a path"):
         open_store("lmdb", SHAPE)
     with pytest.raises(ValueError, match="dtype"):
-        open_store("memory", SHAPE, dtype="int4")
+        open_store("memory", SHAPE, store_dtype="int4")
 
 
 def test_hot_cache_stays_within_budget_and_evicts_least_recent():

@@ -148,7 +148,7 @@ class ShareStore(BlockStore):
     """The blocks of a served corpus, read from its shares (as the store ``like`` keeps them)."""
 
     def __init__(self, like: BlockStore, shares: Shares):
-        super().__init__(like.shape, DTYPE_NAMES[like.dtype], like.checksums)
+        super().__init__(like.shape, DTYPE_NAMES[like.store_dtype], like.checksums)
         self.shares = shares
 
     def read_stored(self, keys):

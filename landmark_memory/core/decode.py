@@ -7,25 +7,25 @@ from collections.abc import Callable, Collection
 import torch
 
 
-def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+def next_token(logits: torch.Tensor, temperature: float = 0.0, sample_top_k: int | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token of each stream, int64 (B,), from ``logits`` (B, vocab): the argmax when
     ``temperature`` is 0, else a sample of softmax(logits / temperature), restricted to the
-    ``top_k`` most likely tokens when given."""
+    ``sample_top_k`` most likely tokens when given."""
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
     # in float64 with the best logit at 0 before dividing: a tiny temperature sends the others to
     # -inf (never inf - inf, nor a temperature that float32 rounds to 0)
     logits = (logits.double() - logits.amax(-1, keepdim=True)) / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+    if sample_top_k is not None:
+        kth = torch.topk(logits, min(sample_top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
 def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], max_new_tokens: int, *,
-           temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None,
+           temperature: float = 0.0, sample_top_k: int | None = None, generator: torch.Generator | None = None,
            stop_ids: Collection[int] = (), until: Callable[[list[int]], bool] | None = None) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens.
 
@@ -34,7 +34,7 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
     logits : Tensor (B, vocab), the logits of the next token after the prompt.
     feed : callable taking the new tokens (B, 1) and returning the logits (B, vocab) after
         them; it is not called after the last token.
-    temperature, top_k, generator : as for ``next_token``.
+    temperature, sample_top_k, generator : as for ``next_token``.
     stop_ids : token ids; generation ends once every stream has produced one of them (a chat
         model's ends of turn); that token is kept.
     until : called with the first stream's tokens so far after each one; generation ends when
@@ -52,7 +52,7 @@ def decode(logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor], m
     stopped = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
     for i in range(max_new_tokens):
-        out.append(next_token(logits, temperature, top_k, generator))
+        out.append(next_token(logits, temperature, sample_top_k, generator))
         if len(stops):
             stopped |= torch.isin(out[-1], stops)
             if bool(stopped.all()):

@@ -188,15 +188,15 @@ class Decoder:
         bb, past = self.backbone, self.windows.get(layer)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, H_kv, Tk, D)
-        Tk, Tq, W = k.shape[2], q.shape[2], bb.windows[layer]
+        Tk, Tq, window = k.shape[2], q.shape[2], bb.windows[layer]
         if self._window_angles is None or self._window_angles[0].shape[0] < Tk:  # made once: every step slices them
-            pos = torch.arange(max(Tk, W + self.shape.rows_of(self.options.chunk_size)), device=self.device)
+            pos = torch.arange(max(Tk, window + self.shape.rows_of(self.options.chunk_size)), device=self.device)
             self._window_angles = bb.window_rope.angles(pos, dtype=rotation_dtype(self.blocks.dtype))
         cos, sin = self._window_angles
         qr = bb.window_rope.rotate((cos[Tk - Tq:Tk], sin[Tk - Tq:Tk]), q)
         kr = bb.window_rope.rotate((cos[:Tk], sin[:Tk]), k)
-        y = sliding_window_attention(qr, kr, v, W, bb.window_scale)
-        keep = max(Tk - (W - 1), 0)  # the next query reads W - 1 positions before it
+        y = sliding_window_attention(qr, kr, v, window, bb.window_scale)
+        keep = max(Tk - (window - 1), 0)  # the next query reads the window - 1 positions before it
         return y, (k[:, :, keep:], v[:, :, keep:])
 
     def _angles(self, p0, Tk):

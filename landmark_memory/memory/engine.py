@@ -166,12 +166,12 @@ class LandmarkMemory:
             out.append(lg)
             chosen += [ret] if retrieved else []
             pos += n
-        V, H, K = self.backbone.vocab_size, self.backbone.n_head, self.options.top_k
+        V, H, top_k = self.backbone.vocab_size, self.backbone.n_head, self.options.top_k
         if len(out) == 1:  # one step (a chunk, or a token): nothing to join, and logits are large
             out, chosen = out[0], chosen[0] if retrieved else []
         else:
             out = torch.cat(out, 1) if out else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
-            chosen = [torch.cat([r[layer] for r in chosen], 2) if chosen else idx.new_full((idx.shape[0], H, 0, K), -1)
+            chosen = [torch.cat([r[layer] for r in chosen], 2) if chosen else idx.new_full((idx.shape[0], H, 0, top_k), -1)
                       for layer in range(self.shape.n_layer)] if retrieved else []
         loss = None
         if targets is not None:

@@ -65,9 +65,8 @@ class BlockLookup:
         ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
         B, H, Tq, D = q.shape
         o, L, r, nb, device = self.options, self.blocks.L, self.key_row, self.blocks.n_blocks, self.blocks.device
-        K, W = o.top_k, o.reads
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
-        empty = q.new_full((B, H, Tq, W), -1, dtype=torch.long)
+        empty = q.new_full((B, H, Tq, o.reads), -1, dtype=torch.long)
         if nb == lo:
             return empty, torch.zeros_like(empty)
         # the retrievable blocks [lo, nb): the first sink_blocks and the last local_blocks are read by
@@ -80,13 +79,12 @@ class BlockLookup:
         _, forced_np, forced = self._forced
         pinned_np = self.pinned[(self.pinned >= c_lo) & (self.pinned < c_hi)]  # a sink or local block is read anyway
         pinned = torch.from_numpy(pinned_np).to(device)
-        own_k = K - len(pinned_np)
         stats = self.stats
         stats.queries += B * H * Tq
         if skip is not None:
             stats.skipped_queries += int(skip.sum())
             if skip.all():  # nothing to search, score or fetch
-                stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - W > c_lo else 0
+                stats.skipped_searches += B * H if o.position_mapping == "stingy" and nb - o.reads > c_lo else 0
                 return empty, torch.zeros_like(empty)
         scale, rope = self.scale, self.rope
         centre = self._mean_key(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
@@ -102,11 +100,11 @@ class BlockLookup:
             S[..., pinned - c_lo] = float("-inf")
             I = ids.expand(B, H, Tq, -1)
         else:
-            first = min(max(c_lo, nb - W), c_hi)  # the latest candidates, scored exactly at their own slots
+            first = min(max(c_lo, nb - o.reads), c_hi)  # the latest candidates, scored exactly at their own slots
             cached = self._recent_keys.get(layer)
             if cached is None or cached[0] != (lo, nb):  # they change only when a chunk enters memory
                 recent = torch.arange(first, c_hi, device=device)
-                at = recent_slots(recent, nb, W) * L + r
+                at = recent_slots(recent, nb, o.reads) * L + r
                 cached = (lo, nb), recent, rope(landmarks(recent), at).transpose(-2, -1)
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
@@ -114,7 +112,7 @@ class BlockLookup:
             if first > c_lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
                 xq = rope.rotate(at_search, q).to("cpu", torch.float32).numpy()  # (B, H, Tq, D)
                 need = None if skip is None else ~skip.cpu().numpy()
-                S_old, I_old, skipped = self.blocks.search(layer, xq, need, K, c_lo, first, self.group)
+                S_old, I_old, skipped = self.blocks.search(layer, xq, need, o.top_k, c_lo, first, self.group)
                 if centre is not None:  # the index holds raw keys: q . (k - mean) = q . k - q . mean
                     S_old -= np.einsum("bhtd,bhd->bht", xq, centre[:, :, 0].to("cpu", torch.float32).numpy())[..., None]
                 S_old *= scale
@@ -126,18 +124,18 @@ class BlockLookup:
             if device.type == "cpu" and (o.retrieval == "per_token_head" or o.retrieval == "per_head" and Tq == 1):
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
-                return top_k_stingy(S_old, I_old, S, recent, nb, K, L, forced_np, W, pinned_np)
+                return top_k_stingy(S_old, I_old, S, recent, nb, o.top_k, L, forced_np, o.reads, pinned_np)
             S = torch.cat([torch.from_numpy(S_old).to(device, S.dtype), S], -1)
             I = torch.cat([torch.from_numpy(I_old).to(device), recent.expand(B, H, Tq, -1)], -1)
             S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)
-        k = min(K, c_hi - c_lo)  # no wider than the candidates
-        chosen = select_blocks(S, I, c_lo, max(c_lo, c_hi), k - len(pinned_np), o.retrieval)
-        ids = with_forced(with_pinned(chosen, pinned), forced, W - K + k)
+        n_chosen = min(o.top_k, c_hi - c_lo)  # no wider than the candidates
+        chosen = select_blocks(S, I, c_lo, max(c_lo, c_hi), n_chosen - len(pinned_np), o.retrieval)
+        ids = with_forced(with_pinned(chosen, pinned), forced, o.reads - o.top_k + n_chosen)
         if skip is not None:  # shared selections (per head, per token) and forced blocks must not reach skipped queries
             ids = ids.masked_fill(skip[..., None], -1)
-        return ids, block_positions(ids, nb, W, L, o.position_mapping)
+        return ids, block_positions(ids, nb, o.reads, L, o.position_mapping)
 
     def _mean_key(self, layer, lo, nb):
         """The mean landmark key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):

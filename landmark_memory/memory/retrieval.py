@@ -51,32 +51,31 @@ def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int
     return ids
 
 
-def block_positions(ids: torch.Tensor, nb: int, window: int, L: int, mapping: str) -> torch.Tensor:
-    """Where each chosen block's first row sits, int64 like ``ids`` (B, H, T_q, K).
+def block_positions(ids: torch.Tensor, nb: int, reads: int, L: int, mapping: str) -> torch.Tensor:
+    """Where each chosen block's first row sits, int64 like ``ids`` (B, H, T_q, reads).
 
-    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``window + 1``
-    block slots (``window``: the blocks a query reads); the latest ``window`` memory blocks sit
-    at their own slots (the newest at slot ``window``), older chosen blocks fill slots from 0 in memory order, kept left of the first
+    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``reads + 1``
+    block slots (``reads``: the blocks a query reads); the latest ``reads`` memory blocks sit
+    at their own slots (the newest at slot ``reads``), older chosen blocks fill slots from 0 in memory order, kept left of the first
     recent one (several share slot 0 when there is no room).
     """
     if mapping == "exact":
         return ids.clamp(min=0) * L
     if ids.device.type != "cpu":
-        return stingy_slots(ids, nb, window) * L
+        return stingy_slots(ids, nb, reads) * L
     slots = torch.empty_like(ids, dtype=torch.long)  # on the CPU compiled: one call, not some twenty small ones
-    _stingy_slots_rows(ids.reshape(-1, ids.shape[-1]).numpy(), nb, window, slots.view(-1, ids.shape[-1]).numpy())
+    _stingy_slots_rows(ids.reshape(-1, ids.shape[-1]).numpy(), nb, reads, slots.view(-1, ids.shape[-1]).numpy())
     return slots * L
 
 
-def stingy_slots(ids: torch.Tensor, nb: int, window: int) -> torch.Tensor:
+def stingy_slots(ids: torch.Tensor, nb: int, reads: int) -> torch.Tensor:
     """The stingy slot of each chosen block (``block_positions`` / L) as tensor operations on
     any device; the compiled CPU path is tested against it."""
-    K = window
     order = torch.where(ids < 0, torch.iinfo(torch.long).max, ids).sort(-1)
     ids_sorted = ids.gather(-1, order.indices)
-    recent = ids_sorted >= nb - K
-    own_slot = recent_slots(ids_sorted, nb, K)
-    first_recent = torch.where(recent, own_slot, K + 1).min(-1, keepdim=True).values
+    recent = ids_sorted >= nb - reads
+    own_slot = recent_slots(ids_sorted, nb, reads)
+    first_recent = torch.where(recent, own_slot, reads + 1).min(-1, keepdim=True).values
     old_rank = torch.cumsum(~recent & (ids_sorted >= 0), -1) - 1
     slot = torch.where(recent, own_slot, torch.minimum(old_rank, first_recent - 1)).clamp(min=0)
     return torch.empty_like(slot).scatter_(-1, order.indices, slot)
@@ -99,7 +98,7 @@ def with_pinned(ids: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, recent: torch.Tensor, nb: int,
-                 top_k: int, L: int, forced: np.ndarray | None = None, window: int | None = None,
+                 top_k: int, L: int, forced: np.ndarray | None = None, reads: int | None = None,
                  pinned: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``with_pinned``, ``select_blocks(..., "per_token_head")``, ``with_forced`` and
     ``block_positions(..., "stingy")`` in one compiled pass over CPU rows, from the two candidate
@@ -112,24 +111,24 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
     S_recent : float (B, H, T_q, r), the latest blocks' scores; recent : int64 (r,), their ids.
     nb, L : as for ``block_positions``; top_k : the blocks each query chooses.
     forced : int64 (f,), blocks every query reads after its ``top_k`` (none of them a candidate).
-    window : the blocks a query reads, ``top_k + f`` or more (default ``top_k``): the stingy
-        window and the width of the result.
+    reads : the blocks a query reads, ``top_k + f`` or more (default ``top_k``): the stingy
+        slots' count and the width of the result.
     pinned : int64 (p,), p <= top_k, blocks every query reads as the first of its ``top_k``
         (none of them forced); the query chooses ``top_k - p`` among the other candidates.
 
     Returns
     -------
-    ids, pos : int64 (B, H, T_q, window), as the three functions give them (equal scores may be
+    ids, pos : int64 (B, H, T_q, reads), as the three functions give them (equal scores may be
         ordered otherwise).
     """
     B, H, Tq, _ = S_recent.shape
     forced = np.zeros(0, np.int64) if forced is None else forced
     pinned = np.zeros(0, np.int64) if pinned is None else pinned
-    window = top_k if window is None else window
-    ids, slots = (torch.empty((B, H, Tq, window), dtype=torch.long) for _ in range(2))
+    reads = top_k if reads is None else reads
+    ids, slots = (torch.empty((B, H, Tq, reads), dtype=torch.long) for _ in range(2))
     _top_k_stingy_rows(S_old.reshape(B * H * Tq, -1), I_old.reshape(B * H * Tq, -1),
                        S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k, forced, pinned,
-                       ids.view(-1, window).numpy(), slots.view(-1, window).numpy())
+                       ids.view(-1, reads).numpy(), slots.view(-1, reads).numpy())
     return ids, slots * L
 
 
@@ -139,9 +138,9 @@ def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, forced, pinned, id
     new ones that are not pinned (the first of equal scores wins; -inf never does), then the
     forced blocks, -1 to the row's end, then their stingy slots. Nothing is allocated per row:
     a chunk has thousands."""
-    m, M, window, p = S_old.shape[1], S_old.shape[1] + len(I_new), ids.shape[1], len(pinned)
+    m, M, reads, p = S_old.shape[1], S_old.shape[1] + len(I_new), ids.shape[1], len(pinned)
     taken = np.zeros(M, np.bool_)
-    order = np.empty(window, np.int64)
+    order = np.empty(reads, np.int64)
     for n in range(S_old.shape[0]):
         taken[:] = False
         for c in range(M if p else 0):  # a pinned block is no candidate
@@ -161,25 +160,25 @@ def _top_k_stingy_rows(S_old, I_old, S_new, I_new, nb, top_k, forced, pinned, id
             else:
                 taken[arg] = True
                 ids[n, j] = I_old[n, arg] if arg < m else I_new[arg - m]
-        for j in range(top_k, window):
+        for j in range(top_k, reads):
             ids[n, j] = forced[j - top_k] if j - top_k < len(forced) else -1
-        _stingy_row(ids[n], nb, window, slots[n], order)
+        _stingy_row(ids[n], nb, reads, slots[n], order)
 
 
 @njit
-def _stingy_slots_rows(ids, nb, window, out):
-    """``stingy_slots`` of rows ``ids`` (N, K) into ``out``."""
+def _stingy_slots_rows(ids, nb, reads, out):
+    """``stingy_slots`` of rows ``ids`` (N, reads) into ``out``."""
     order = np.empty(ids.shape[1], np.int64)
     for n in range(ids.shape[0]):
-        _stingy_row(ids[n], nb, window, out[n], order)
+        _stingy_row(ids[n], nb, reads, out[n], order)
 
 
 @njit
-def _stingy_row(row, nb, window, out, order):
+def _stingy_row(row, nb, reads, out, order):
     """One row's stingy slots: visit the ids in ascending order (empty slots, -1, last), the
     recent ones take their own slots, the older ones the next free slot left of the first
     recent one. ``order``: scratch of the row's length."""
-    K, n = window, len(row)
+    n = len(row)
     for j in range(n):  # insertion sort of a handful of ids, -1 after every block id
         order[j] = j
         a = j
@@ -188,25 +187,25 @@ def _stingy_row(row, nb, window, out, order):
             order[a] = order[a - 1]
             a -= 1
         order[a] = j
-    first_recent = K + 1
+    first_recent = reads + 1
     for j in range(n):
-        if row[j] >= nb - K:
-            first_recent = min(first_recent, K + 1 - (nb - row[j]))
+        if row[j] >= nb - reads:
+            first_recent = min(first_recent, reads + 1 - (nb - row[j]))
     old_rank = -1
     for a in range(n):
         j = order[a]
-        recent = row[j] >= nb - K
+        recent = row[j] >= nb - reads
         old_rank += 1 if not recent and row[j] >= 0 else 0
-        out[j] = max(0, K + 1 - (nb - row[j]) if recent else min(old_rank, first_recent - 1))
+        out[j] = max(0, reads + 1 - (nb - row[j]) if recent else min(old_rank, first_recent - 1))
 
 
-def recent_slots(recent: torch.Tensor, nb: int, window: int) -> torch.Tensor:
-    """Stingy slots of the latest blocks ``recent`` (int64 (r,)): the newest at slot ``window``,
-    the one before at ``window - 1``, ..."""
-    return window + 1 - (nb - recent)
+def recent_slots(recent: torch.Tensor, nb: int, reads: int) -> torch.Tensor:
+    """Stingy slots of the latest blocks ``recent`` (int64 (r,)): the newest at slot ``reads``,
+    the one before at ``reads - 1``, ..."""
+    return reads + 1 - (nb - recent)
 
 
-def chunk_base(n_blocks: int, window: int, L: int, mapping: str) -> int:
-    """Position of the open chunk's first token: after the ``window + 1`` stingy slots, or
+def chunk_base(n_blocks: int, reads: int, L: int, mapping: str) -> int:
+    """Position of the open chunk's first token: after the ``reads + 1`` stingy slots, or
     after every block in memory (exact)."""
-    return (window + 1) * L if mapping == "stingy" else n_blocks * L
+    return (reads + 1) * L if mapping == "stingy" else n_blocks * L

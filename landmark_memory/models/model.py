@@ -203,12 +203,13 @@ class LandmarkGPT(nn.Module):
         return keys
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 sample_top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Continue ``idx`` (B, T) by ``max_new_tokens``, re-running the whole context each step
         (no cache: a reference decoder for short texts); returns (B, T + max_new_tokens).
         ``temperature=0`` is greedy."""
-        new = decode_rereading(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        new = decode_rereading(self, idx, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k,
+                               generator=generator)
         return torch.cat([idx, new], 1)
 
     def save_pretrained(self, path: str | Path) -> None:

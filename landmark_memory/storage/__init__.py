@@ -10,7 +10,7 @@ named in ``STORE_KINDS``:
   ``put``/``get`` call is one transaction, so a chunk's blocks land together or not at all;
 - ``mmap`` (``mmap_store.py``): one memory-mapped file per (stream, layer), grown by doubling.
 
-Stored dtype is float32, float16, bfloat16 or int8 (``dtype``). An int8 store keeps each block
+Stored dtype is float32, float16, bfloat16 or int8 (``store_dtype``). An int8 store keeps each block
 quantized with its scales (``quant.py``); ``read`` gives blocks in their stored form (what the
 hot cache holds and the kernels read), ``get`` as floats (int8 dequantized to float32). With
 ``checksums`` every on-disk record ends with the CRC-32 of its bytes (the scales included),
@@ -37,7 +37,7 @@ __all__ = ["BlockStore", "CorruptBlockError", "DTYPES", "DTYPE_NAMES", "DiskFull
 
 @dataclass(frozen=True)
 class StoreKind:
-    """A backend: ``opens(shape, folder, dtype, readonly, checksums, sealed)`` gives its store
+    """A backend: ``opens(shape, folder, store_dtype, readonly, checksums, sealed)`` gives its store
     (``folder`` None for one in memory), ``files(n_layer)`` the descriptors one open store
     of a saved memory holds (a corpus opens many: ``sharded.open_budget``)."""
 
@@ -47,15 +47,16 @@ class StoreKind:
 
 
 STORE_KINDS = {  # core.names.STORES and DISK_STORES name them for a command line that imports no torch
-    "memory": StoreKind(lambda shape, folder, dtype, **_: MemoryStore(shape, dtype), False, lambda n_layer: 0),
-    "lmdb": StoreKind(lambda shape, folder, dtype, *, readonly, checksums, sealed: LmdbStore(
-        shape, folder, dtype, readonly=readonly, checksums=checksums, sealed=sealed), True, lambda n_layer: 1),
-    "mmap": StoreKind(lambda shape, folder, dtype, *, readonly, checksums, sealed: MmapStore(
-        shape, folder, dtype, readonly=readonly, checksums=checksums), True, lambda n_layer: n_layer),
+    "memory": StoreKind(lambda shape, folder, store_dtype, **_: MemoryStore(shape, store_dtype), False,
+                        lambda n_layer: 0),
+    "lmdb": StoreKind(lambda shape, folder, store_dtype, *, readonly, checksums, sealed: LmdbStore(
+        shape, folder, store_dtype, readonly=readonly, checksums=checksums, sealed=sealed), True, lambda n_layer: 1),
+    "mmap": StoreKind(lambda shape, folder, store_dtype, *, readonly, checksums, sealed: MmapStore(
+        shape, folder, store_dtype, readonly=readonly, checksums=checksums), True, lambda n_layer: n_layer),
 }
 
 
-def open_store(kind: str, shape: tuple[int, ...], path: str | Path | None = None, dtype: str = "float16",
+def open_store(kind: str, shape: tuple[int, ...], path: str | Path | None = None, store_dtype: str = "float16",
                readonly: bool = False, checksums: bool = False, sealed: bool = False) -> BlockStore:
     """A block store of ``kind`` (one of ``STORES``); on-disk kinds need ``path`` (the store
     lives in its subfolder ``kind``), may be opened ``readonly`` (``sealed``: no writer will
@@ -65,5 +66,5 @@ def open_store(kind: str, shape: tuple[int, ...], path: str | Path | None = None
     k = STORE_KINDS[kind]
     if k.on_disk and path is None:
         raise ValueError(f"store {kind!r} keeps blocks on disk: pass a path")
-    return k.opens(shape, Path(path) / kind if k.on_disk else None, dtype, readonly=readonly, checksums=checksums,
+    return k.opens(shape, Path(path) / kind if k.on_disk else None, store_dtype, readonly=readonly, checksums=checksums,
                    sealed=sealed)

@@ -16,11 +16,11 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SCALE_DTYPE = torch.float16  # an int8 store's scales on disk
 
 
-def stored_nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    """Bytes one block entry of ``shape`` (2, H, L, D) takes in a store of ``dtype`` (scales
+def stored_nbytes(shape: tuple[int, ...], store_dtype: str) -> int:
+    """Bytes one block entry of ``shape`` (2, H, L, D) takes in a store of ``store_dtype`` (scales
     included, checksum not)."""
-    scales = int(np.prod(scale_shape(shape))) * SCALE_DTYPE.itemsize if dtype == "int8" else 0
-    return int(np.prod(shape)) * DTYPES[dtype].itemsize + scales
+    scales = int(np.prod(scale_shape(shape))) * SCALE_DTYPE.itemsize if store_dtype == "int8" else 0
+    return int(np.prod(shape)) * DTYPES[store_dtype].itemsize + scales
 
 
 Stored = tuple[torch.Tensor, torch.Tensor | None]  # one block as stored: data (2, H, L, D), int8 scales (H, D + L)
@@ -51,13 +51,13 @@ class BlockStore:
     """Common checks and (de)serialisation; subclasses keep bytes (``_put``, ``_get``) or
     stored blocks (``read_stored``)."""
 
-    def __init__(self, shape, dtype="float16", checksums=False):
-        if dtype not in DTYPES:
-            raise ValueError(f"store dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.shape, self.dtype, self.checksums = tuple(shape), DTYPES[dtype], checksums
-        self.quantized = dtype == "int8"
-        self.data_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        self.nbytes = stored_nbytes(self.shape, dtype)  # one block's keys and values (and scales)
+    def __init__(self, shape, store_dtype="float16", checksums=False):
+        if store_dtype not in DTYPES:
+            raise ValueError(f"store dtype must be one of {sorted(DTYPES)}, got {store_dtype!r}")
+        self.shape, self.store_dtype, self.checksums = tuple(shape), DTYPES[store_dtype], checksums
+        self.quantized = store_dtype == "int8"
+        self.data_bytes = int(np.prod(self.shape)) * self.store_dtype.itemsize
+        self.nbytes = stored_nbytes(self.shape, store_dtype)  # one block's keys and values (and scales)
         self.record_bytes = self.nbytes + (4 if checksums else 0)  # as stored
 
     def _stored(self, items: dict) -> dict[tuple[int, int, int], Stored]:
@@ -67,7 +67,7 @@ class BlockStore:
         t = torch.stack([t.detach() for t in items.values()]).to("cpu")  # (n, 2, H, L, D)
         if t.shape[1:] != self.shape:
             raise ValueError(f"block tensor must be {self.shape} (2, H, block_size + 1, D), got {tuple(t.shape[1:])}")
-        data, scales = quantize(t) if self.quantized else (t.to(self.dtype), None)
+        data, scales = quantize(t) if self.quantized else (t.to(self.store_dtype), None)
         return {key: (data[i], None if scales is None else scales[i]) for i, key in enumerate(items)}
 
     def _encode(self, stored):
@@ -84,7 +84,8 @@ class BlockStore:
                                            != bytes(b[self.nbytes:])):
             raise CorruptBlockError(key)
         b = bytearray(b[:self.nbytes])
-        data = torch.frombuffer(b, dtype=self.dtype, count=self.data_bytes // self.dtype.itemsize).view(self.shape)
+        data = torch.frombuffer(b, dtype=self.store_dtype, count=self.data_bytes // self.store_dtype.itemsize)
+        data = data.view(self.shape)
         if not self.quantized:
             return data, None
         return data, torch.frombuffer(b, dtype=SCALE_DTYPE, offset=self.data_bytes).view(scale_shape(self.shape))
@@ -128,7 +129,7 @@ class OverlayStore(BlockStore):
     files. Blocks are put into the upper store by its own memory, never through this one."""
 
     def __init__(self, base):
-        super().__init__(base.shape, DTYPE_NAMES[base.dtype])
+        super().__init__(base.shape, DTYPE_NAMES[base.store_dtype])
         self.base, self.upper, self.offset = base, None, 0
 
     def attach(self, upper: BlockStore, offset: int) -> None:

@@ -6,8 +6,8 @@ from .base import BlockStore, Stored
 class MemoryStore(BlockStore):
     """Blocks in a dict, in their stored form: no serialisation."""
 
-    def __init__(self, shape, dtype="float16"):
-        super().__init__(shape, dtype)
+    def __init__(self, shape, store_dtype="float16"):
+        super().__init__(shape, store_dtype)
         self._data: dict[tuple[int, int, int], Stored] = {}
 
     def put(self, items):

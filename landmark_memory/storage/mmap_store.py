@@ -14,8 +14,8 @@ class MmapStore(BlockStore):
     """One file ``s{stream}_l{layer}.blocks`` per (stream, layer) under ``path``, grown by
     doubling with space reserved on the device (a full disk is an error, never a SIGBUS)."""
 
-    def __init__(self, shape, path, dtype="float16", readonly=False, checksums=False):
-        super().__init__(shape, dtype, checksums)
+    def __init__(self, shape, path, store_dtype="float16", readonly=False, checksums=False):
+        super().__init__(shape, store_dtype, checksums)
         self.path, self.readonly = Path(path), readonly
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)

@@ -55,10 +55,10 @@ class ShardedStore(BlockStore):
     first needed (written only by ``pack``); ``open_shard(name)`` opens a shard's own store
     read-only, at most ``max_open`` at once; ``add`` appends a shard, ``follow`` a commit's."""
 
-    def __init__(self, shape: tuple[int, ...], shards: list[Shard], dtype: str, checksums: bool,
+    def __init__(self, shape: tuple[int, ...], shards: list[Shard], store_dtype: str, checksums: bool,
                  open_shard: Callable[[str], BlockStore], max_open: int = 64,
                  open_own: Callable[[bool], BlockStore] | None = None):
-        super().__init__(shape, dtype, checksums)
+        super().__init__(shape, store_dtype, checksums)
         self.open_shard, self.max_open, self.open_own = open_shard, max_open, open_own
         self.opens, self.open_seconds = 0, 0.0  # shard stores opened, and the time it took
         self.shards: list[Shard] = []

@@ -346,7 +346,7 @@ class Trainer:
         idx = torch.tensor([self.tok.encode(prompt).ids], device=self.device)
         g = torch.Generator(device=self.device).manual_seed(0)
         self.model.eval()
-        out = self.model.generate(idx, n, temperature=0.8, top_k=50, generator=g)
+        out = self.model.generate(idx, n, temperature=0.8, sample_top_k=50, generator=g)
         return self.tok.decode(out[0].tolist())
 
 
