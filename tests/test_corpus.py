@@ -130,7 +130,7 @@ class StopAfterOneChunk(LocalReader):
 def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is_left(model, documents, tmp_path, capsys):
     files = sorted(documents.glob("*.txt"))
     corpus(model, tmp_path / "m", files[:1])
-    corpus(model, tmp_path / "m", files, reader=StopAfterOneChunk(model))
+    corpus(model, tmp_path / "m", files, reader=StopAfterOneChunk(model), in_memory_chunks=0)
     assert main(["info", str(tmp_path / "m"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert [(e["status"], e["ingested"]) for e in info["inputs"]] == [("done", info["tokens"]), ("partial", 100),
@@ -138,7 +138,7 @@ def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is
     assert info["tokens_read"] == info["tokens"] + 200  # what is on disk: the documents under way count too
     assert info["bytes_per_token"] == round(info["disk_bytes"] / info["tokens_read"], 1)
     partial_only = tmp_path / "partial-only"
-    corpus(model, partial_only, files[1:2], reader=StopAfterOneChunk(model))
+    corpus(model, partial_only, files[1:2], reader=StopAfterOneChunk(model), in_memory_chunks=0)
     assert main(["info", str(partial_only)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("disk"))
     per_token = int(line.split("(")[1].split()[0].replace(",", ""))  # nothing merged yet: per token read
@@ -269,6 +269,49 @@ def test_a_packed_corpus_holds_and_answers_bit_for_bit_as_one_whose_documents_ke
     assert answers[0] == answers[1] and answers[0]["retrieved"]
 
 
+class Recording(LocalReader):
+    """Documents read in this process, each job kept (``stop_after``: a stop after that many chunks)."""
+
+    def __init__(self, model, stop_after=None):
+        super().__init__(model)
+        self.jobs, self.stop_after = [], stop_after
+
+    def run(self, jobs, stop, bar):
+        for job in jobs:
+            self.jobs.append(job)
+            steps = iter(range(10 ** 9))
+            yield read_document(job, self.model, stop=lambda: self.stop_after is not None and
+                                next(steps) >= self.stop_after - 1)
+
+
+def test_small_documents_are_read_in_ram_into_the_corpus_a_folder_each_would_give(model, documents, tmp_path):
+    files = sorted(documents.glob("*.txt"))
+    in_ram, in_folders = Recording(model), Recording(model)
+    corpus(model, tmp_path / "ram", files, reader=in_ram, in_memory_chunks=100)
+    corpus(model, tmp_path / "folders", files, reader=in_folders, in_memory_chunks=0)
+    assert [j.in_memory for j in in_ram.jobs] == [True] * 3 and not any(j.in_memory for j in in_folders.jobs)
+    assert files_of(tmp_path / "ram") == files_of(tmp_path / "folders")  # tokens, keys, indexes, every stored block
+    ram, folders = ({k: v for k, v in json.loads((tmp_path / name / "manifest.json").read_text()).items()
+                     if k != "updated"} for name in ("ram", "folders"))
+    assert ram == folders  # the same records and CRC-32s (the commit's time aside)
+    assert verify(tmp_path / "ram").ok
+    mixed = Recording(model)
+    corpus(model, tmp_path / "mixed", files, reader=mixed, in_memory_chunks=4)  # the shortest alone in RAM
+    assert [j.in_memory for j in mixed.jobs] == [False, False, True]
+    assert files_of(tmp_path / "mixed") == files_of(tmp_path / "ram")
+
+
+def test_a_document_read_in_ram_and_stopped_keeps_nothing_and_is_read_whole_again(model, documents, tmp_path):
+    files, tok = sorted(documents.glob("*.txt")), load_tokenizer()
+    stopped = corpus(model, tmp_path / "m", files, reader=Recording(model, stop_after=2), in_memory_chunks=100)
+    assert stopped.merged == 0 and stopped.added == 0 and stopped.left == []
+    assert not (tmp_path / "m" / "docs").exists() or not any((tmp_path / "m" / "docs").iterdir())
+    again = corpus(model, tmp_path / "m", files)
+    assert again.merged == 3 and again.added == sum(len(encode_document(tok, f.read_text(), 50)) for f in files)
+    corpus(model, tmp_path / "in-one-go", files)
+    assert files_of(tmp_path / "m") == files_of(tmp_path / "in-one-go")
+
+
 def test_a_merged_document_opened_alone_says_to_open_its_corpus(model, documents, tmp_path, sharded):
     corpus(model, tmp_path / "m", [documents / "a.txt"])
     (doc,) = (tmp_path / "m" / "docs").iterdir()
@@ -283,7 +326,7 @@ def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, docu
     files, path = sorted(documents.glob("*.txt")), tmp_path / "m"
     with monkeypatch.context() as m:  # a build from before one copy, or one stopped before it dropped them
         m.setattr(building, "drop_merged_rows", lambda corpus, folder, packed: None)
-        corpus(model, path, files)
+        corpus(model, path, files, in_memory_chunks=0)  # (each document read in a folder of its own)
     assert row_bytes(path, True, states=False) == 2 * row_bytes(path, False, states=False)  # the documents' copies
     assert row_bytes(path, True) > row_bytes(path, True, states=False)  # (and their states: each its keys' sums)
     doc = sorted((path / "docs").iterdir())[0]

@@ -26,10 +26,11 @@ from tqdm import tqdm
 from ..core import heap
 from ..core.tokenizer import EOS_TOKEN
 from ..memory import LandmarkMemory, MemoryFileError
-from ..memory.corpus import (committed_tokens, document_folders, document_manifest, drop_merged_rows, finished,
-                             merge_document, unmerged_states)
+from ..memory.corpus import (ReadDocument, committed_tokens, document_folders, document_manifest,
+                             drop_merged_rows, finished, merge_document, merge_read, packs, unmerged_states)
 from ..memory.manifest import InputRecord, document_folder
 from ..memory.options import MemoryOptions
+from ..storage.base import stored_nbytes
 from ..training.data import list_text_files, read_text, strip_gutenberg
 
 
@@ -112,9 +113,15 @@ def encode_document(tokenizer, text: str, block_size: int) -> np.ndarray:
     return np.concatenate([ids, np.full(-len(ids) % block_size, ids[-1], np.int32)])
 
 
+IN_MEMORY_CHUNKS = 8  # a new small document of at most this many chunks is read in RAM, not in a folder
+
+
 @dataclass(frozen=True)
 class DocumentJob:
-    """One document to read: into ``folder`` (absolute), with the corpus's ``options``."""
+    """One document to read: into ``folder`` (absolute), with the corpus's ``options``; or,
+    ``in_memory``, in RAM and handed to the corpus whole (``corpus.ReadDocument``): a small new
+    document read in a second or so, whose folder, commits and fsyncs would cost a build of many
+    such documents a third of its time. One stopped midway keeps nothing and is read again."""
 
     folder: Path
     path: str
@@ -122,20 +129,25 @@ class DocumentJob:
     ids: np.ndarray  # int32 (n * block_size,), ``encode_document``
     options: MemoryOptions
     commit_every: float
+    in_memory: bool = False
 
 
 @dataclass(frozen=True)
 class DocumentResult:
     folder: Path
-    added: int  # tokens read now
+    added: int  # tokens read now (and kept)
     done: bool  # read to its end (else stopped)
+    read: ReadDocument | None = None  # a document read in RAM, to merge as it is
 
 
 def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], bool] = lambda: False,
                   on_tokens: Callable[[int], None] = lambda n: None) -> DocumentResult:
     """Read one document into its folder, from its last commit on: a memory of its own, its
     blocks in its own store. Commits every ``job.commit_every`` seconds and at its end; when
-    ``stop()`` turns true, commits and returns unfinished."""
+    ``stop()`` turns true, commits and returns unfinished. A job ``in_memory`` is read in RAM
+    (``_read_in_memory``)."""
+    if job.in_memory:
+        return _read_in_memory(job, model, stop, on_tokens)
     if (job.folder / "manifest.json").is_file():
         mem = LandmarkMemory.open(job.folder, model)
     else:
@@ -162,6 +174,27 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
         return DocumentResult(job.folder, added, True)
     finally:
         mem.close(commit=False)  # everything fed was committed above
+
+
+def _read_in_memory(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], bool],
+                    on_tokens: Callable[[int], None]) -> DocumentResult:
+    """Read a small document whole in a memory in RAM, its blocks stored as the corpus stores
+    them; returns them (``DocumentResult.read``), or nothing when ``stop()`` turns true."""
+    with LandmarkMemory(model, replace(job.options, store="memory")) as mem:
+        entry = mem.add_input(Path(job.path), job.sha256, len(job.ids))
+        for n in read_steps(mem, job.ids[None]):
+            on_tokens(n)
+            if stop():
+                return DocumentResult(job.folder, 0, False)
+        mem.end_document()
+        layers, n = mem.shape.n_layer, mem.n_blocks
+        stored = mem.stored([(0, layer, b) for layer in range(layers) for b in range(n)], raw=True)
+        # one tensor each, not a view per block (which would carry its whole chunk's storage to the driver)
+        data, scales = torch.stack([d for d, _ in stored]), None if stored[0][1] is None else torch.stack(
+            [s for _, s in stored])
+        read = ReadDocument(entry, n, data, scales, [mem.keys(layer, slice(None))[None] for layer in range(layers)],
+                            mem.tokens()[None])  # (landmarks per layer (1, H_kv, n, D), ids (1, n * block_size))
+    return DocumentResult(job.folder, len(job.ids), True, read)
 
 
 def read_steps(mem: LandmarkMemory, ids: np.ndarray, pos: int = 0) -> Iterator[int]:
@@ -241,7 +274,8 @@ class BuildSummary:
 
 
 def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: DocumentReader | None = None,
-          commit_every: float = 60.0, progress: bool = True, leave_unfinished: bool = False) -> BuildSummary:
+          commit_every: float = 60.0, progress: bool = True, leave_unfinished: bool = False,
+          in_memory_chunks: int = IN_MEMORY_CHUNKS) -> BuildSummary:
     """Read ``inputs`` as documents into the corpus ``mem`` (writable, ``documents=True``) and
     merge them, in the inputs' order, as they are read; ``reader`` reads them (default: in this
     process). The corpus commits at most every ``commit_every`` seconds and at the end.
@@ -249,6 +283,9 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
     A document an earlier build left unfinished is finished when its file is among the
     inputs; when it is not (its file changed or was dropped), ``leave_unfinished`` merges what
     was read of it, and otherwise the build stops before reading anything and says what to do.
+
+    A new document of at most ``in_memory_chunks`` chunks, small enough to be packed, is read in
+    RAM (``DocumentJob.in_memory``) unless ``commit_every`` is 0 (every chunk to be committed).
     """
     if not mem.documents:
         raise ValueError(f"{mem.dir.path} reads its inputs in one context (a memory built before corpora); build "
@@ -269,6 +306,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
     root = mem.dir.path.resolve()  # workers elsewhere (Ray) find documents by absolute paths
     queue = _unmerged_documents(mem, given, leave_unfinished, summary)  # folders still to merge, read ones first
     jobs, ready, read_before = [], set(), 0
+    block_bytes = mem.shape.n_layer * stored_nbytes(mem.shape.block_entry, mem.options.store_dtype)  # (all layers)
     for folder in queue:  # read to their end, or left as they are
         m = document_manifest(mem.dir, folder)
         ready.add(folder)
@@ -282,17 +320,23 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             ready.add(folder)
         else:
             read_before += committed_tokens(m)
-            jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha,
-                                    encode_document(tokenizer, inp.text, bs), mem.options, commit_every))
+            ids = encode_document(tokenizer, inp.text, bs)
+            small = len(ids) <= in_memory_chunks * mem.options.chunk_size and \
+                packs(len(ids) // bs, block_bytes)  # (merged packed, as its folder's would be)
+            jobs.append(DocumentJob(root / folder, str(inp.path.resolve()), sha, ids, mem.options, commit_every,
+                                    in_memory=m is None and commit_every > 0 and small))
     started = last_commit = time.monotonic()
     for folder, e in mem.inputs.by_folder(document_folders(mem.dir)).items():  # copies an earlier build left
         drop_merged_rows(mem.dir, folder, e.packed)
     uncommitted: list[InputRecord] = []  # merged since the last commit: their own copies go once it is made
+    held: dict[str, ReadDocument] = {}  # documents read in RAM, waiting for those before them
 
     def merge_ready(force=False):
         nonlocal last_commit
         while queue and queue[0] in ready:
-            uncommitted.append(merge_document(mem, queue.pop(0)))
+            folder = queue.pop(0)
+            read = held.pop(folder, None)
+            uncommitted.append(merge_document(mem, folder) if read is None else merge_read(mem, folder, read))
             summary.merged += 1
         if uncommitted and (force or time.monotonic() - last_commit >= commit_every):
             mem.commit()
@@ -309,6 +353,8 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             summary.added += result.added
             if result.done:
                 ready.add(str(result.folder.relative_to(root)))
+                if result.read is not None:
+                    held[str(result.folder.relative_to(root))] = result.read
                 merge_ready()
         merge_ready(force=True)
         if stop():

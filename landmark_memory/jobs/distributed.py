@@ -214,7 +214,7 @@ class RayReader:
 
         todo, running = list(jobs), {}  # ref -> (actor, job)
         shown, first = {}, {}  # per document folder: tokens the bar counts, tokens committed when it started
-        idle, cancelled = list(self.actors), False
+        idle, cancelled, polled = list(self.actors), False, time.monotonic()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # workers' tokens read since they last said, on this machine (a worker's machine may be lost)
         progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
@@ -228,10 +228,12 @@ class RayReader:
                     for ref in running:
                         ray.cancel(ref)
                     cancelled, todo = True, []
-                for folder, n in progress.get_nowait_batch(progress.qsize()):  # the bar moves as documents are read
-                    if Path(folder) in shown:  # (a finished document's count is its commit's, below)
-                        shown[Path(folder)] += n
-                        bar.update(n)
+                if time.monotonic() - polled >= 1.0:  # (each ask a round trip: workers send at most once a second)
+                    polled = time.monotonic()
+                    for folder, n in progress.get_nowait_batch(progress.qsize()):  # the bar moves as they read
+                        if Path(folder) in shown:  # (a finished document's count is its commit's, below)
+                            shown[Path(folder)] += n
+                            bar.update(n)
                 done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
                 for ref in done:
                     actor, job = running.pop(ref)
@@ -245,7 +247,8 @@ class RayReader:
                         raise WorkerError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
                                           "committed is kept: run the build again") from None
                     idle.append(actor)
-                    bar.update(_committed(job.folder) - shown.pop(job.folder))
+                    kept = result.added if result.read is not None else _committed(job.folder)  # (in RAM: no folder)
+                    bar.update(kept - shown.pop(job.folder))
                     yield result
         finally:
             ray.kill(progress.actor)

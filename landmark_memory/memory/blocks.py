@@ -25,7 +25,7 @@ import torch
 from ..core.rope import RotaryEmbedding
 from ..index import LandmarkIndex, derived_from_rows
 from ..index.rows import KeyFileError
-from ..storage import STORE_KINDS, HotCache, OverlayStore, StoreDamagedError, open_store
+from ..storage import STORE_KINDS, BlockStore, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
 from .directory import damaged, disk_errors
 from .key_sums import KeySums
@@ -109,12 +109,13 @@ class BlockMemory:
                             lambda name: opener(shard_path(name), True, True), open_budget(fds),
                             lambda readonly: opener(store_path, readonly, False))
 
-    def add_document(self, shard: Shard, packed: bool) -> None:
+    def add_document(self, shard: Shard, packed: bool, source: BlockStore | None = None) -> None:
         """The writer's next document of a corpus, its blocks after the others': in its own store
-        (``shard``), or ``packed``: copied now from there into the corpus's."""
+        (``shard``), or ``packed``: copied now from there (or from ``source``, read in RAM) into the corpus's."""
         if not packed:
             return self.shards.add(shard)
-        with closing(self.shards.open_shard(shard.name)) as source, disk_errors(f"the block store of {self.where}"):
+        where = f"the block store of {self.where}"
+        with closing(source or self.shards.open_shard(shard.name)) as source, disk_errors(where):
             self.shards.pack(source, shard.blocks, self.streams, self.shape.n_layer)
 
     def start(self, streams: int) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..index import KINDS
+from ..storage import BlockStore, MemoryStore
 from ..storage.sharded import Shard
 from .directory import MANIFEST, MemoryDir
 from .engine import LandmarkMemory
@@ -28,6 +29,11 @@ from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Man
 from .seals import SEALS
 
 PACK_BYTES = 64 << 20  # a document whose blocks take at most this much goes into the corpus's own store
+
+
+def packs(blocks: int, block_bytes: int) -> bool:
+    """Whether a document of ``blocks`` blocks of ``block_bytes`` (all layers) goes into the corpus's own store."""
+    return blocks * block_bytes <= PACK_BYTES
 
 
 def document_manifest(corpus: MemoryDir, folder: str) -> Manifest | None:
@@ -70,16 +76,47 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     if any(getattr(m.options, k) != getattr(mem.options, k) for k in fixed):
         raise MemoryFileError(f"the document {d.path} was read with other store or chunk options than its corpus; "
                               "remove that folder and build again to read it anew")
-    entry, bs = m.inputs[0], mem.shape.block_size
+    entry = m.inputs[0]
     rows, _ = d.read_block_rows(m)
     layout = m.rows
     ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(layout.streams, -1)  # (1, n * bs)
-    start, packed = mem.n_blocks, m.blocks * m.block_bytes <= PACK_BYTES
-    shard = Shard(start, m.blocks, folder)
-    mem.add_document(shard, packed, saved_landmarks(d, m, rows, mem.device) if m.blocks else None, ids)
+    landmarks = saved_landmarks(d, m, rows, mem.device) if m.blocks else None
+    return _append(mem, folder, entry, m.blocks, landmarks, ids, packs(m.blocks, m.block_bytes), not finished(m))
+
+
+@dataclass
+class ReadDocument:
+    """A small document read to its end in RAM, not in a folder of its own (``build.read_document``
+    of a job ``in_memory``): ``entry`` its record; its ``blocks`` blocks as stored, ``data`` (n_layer
+    * blocks, 2, H_kv, L, D) in the store dtype layer by layer and, for an int8 store, ``scales``;
+    per layer their ``landmarks`` (1, H_kv, blocks, D) and its token ``ids`` (1, blocks * block_size)."""
+
+    entry: InputRecord
+    blocks: int
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    landmarks: list[torch.Tensor]
+    ids: np.ndarray
+
+
+def merge_read(mem: LandmarkMemory, folder: str, read: ReadDocument) -> InputRecord:
+    """``merge_document`` of a document read in RAM (``read``), to be named ``folder`` as if
+    it had been read there: the corpus holds it packed, exactly as the folder's would be."""
+    keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(read.blocks)]
+    store = MemoryStore(mem.shape.block_entry, mem.options.store_dtype)
+    store.keep({k: (read.data[i], None if read.scales is None else read.scales[i]) for i, k in enumerate(keys)})
+    return _append(mem, folder, read.entry, read.blocks, read.landmarks if read.blocks else None, read.ids, True,
+                   False, store)
+
+
+def _append(mem: LandmarkMemory, folder: str, entry: InputRecord, blocks: int, landmarks: list[torch.Tensor] | None,
+            ids: np.ndarray, packed: bool, abandoned: bool, source: BlockStore | None = None) -> InputRecord:
+    """Append a document's ``blocks`` to the corpus ``mem`` and record it (``entry``, its own)."""
+    start, bs = mem.n_blocks, mem.shape.block_size
+    shard = Shard(start, blocks, folder)
+    mem.add_document(shard, packed, landmarks, ids, source)
     record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
-                         ingested=m.blocks * bs, start=start * bs, abandoned=not finished(m), document=folder,
-                         packed=packed)
+                         ingested=blocks * bs, start=start * bs, abandoned=abandoned, document=folder, packed=packed)
     mem.inputs.append(record, None if packed else shard)
     return record
 

@@ -284,13 +284,15 @@ class LandmarkMemory:
             self.take(chunk)
         self.attached = owner
 
-    def add_document(self, shard, packed: bool, landmarks: list[torch.Tensor] | None, ids: np.ndarray) -> None:
+    def add_document(self, shard, packed: bool, landmarks: list[torch.Tensor] | None, ids: np.ndarray,
+                     source=None) -> None:
         """A corpus writer's next document (``corpus.merge_document``): its store as ``shard`` of the
-        corpus's, or ``packed``, copied into the corpus's; then its blocks' ``landmarks`` (per layer
-        (1, H_kv, n, D)) and token ``ids`` (1, n * block_size), None when it has no block."""
+        corpus's, or ``packed``, copied into the corpus's (from ``source``, a store of it read in RAM,
+        if given); then its blocks' ``landmarks`` (per layer (1, H_kv, n, D)) and token ``ids`` (1,
+        n * block_size), None when it has no block."""
         if self.streams is None:
             self._blocks.start(1)
-        self._blocks.add_document(shard, packed)  # (a packed one's blocks copied before any key of them is searched)
+        self._blocks.add_document(shard, packed, source)  # (a packed one's blocks copied before any key is searched)
         if landmarks is not None:
             self._blocks.add_blocks(landmarks, ids)
 
@@ -300,9 +302,11 @@ class LandmarkMemory:
 
     def stored(self, keys: list[tuple[int, int, int]], raw: bool = False) -> list:
         """The blocks ``keys`` (stream, layer, block) from the store: (2, H_kv, L, D) each, keys
-        not rotated; ``raw``: the saved ones as their store keeps them (``BlockStore.read_stored``,
-        what a served share sends its front)."""
-        return self._blocks.store.base.read_stored(keys) if raw else self._blocks.store.get(keys)
+        not rotated; ``raw``: as their store keeps them (``BlockStore.read_stored``: what a served
+        share sends its front, a document read in RAM its corpus), a read-only memory's saved ones."""
+        if not raw:
+            return self._blocks.store.get(keys)
+        return (self._blocks.store.base if self.readonly else self._blocks.store).read_stored(keys)
 
     def serve_from(self, shares, store: Callable) -> None:
         """Make this read-only corpus a front (``app.served``): its saved blocks searched by

@@ -13,6 +13,10 @@ class MemoryStore(BlockStore):
     def put(self, items):
         self._data.update(self._stored(items))
 
+    def keep(self, items: dict[tuple[int, int, int], Stored]) -> None:
+        """Take blocks already in their stored form (another store's ``read_stored``), as they are."""
+        self._data.update(items)
+
     def read_stored(self, keys):
         missing = [k for k in keys if k not in self._data]
         if missing:
