@@ -142,8 +142,9 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     length: ``layers``, the model's own layers over the document whole in one pass (no memory,
     no output head: what any reading of it computes at least); ``in_memory``, a build's steps
     into a memory in RAM; ``batched``, ``batch`` such documents read as the streams of one
-    memory; ``build``, ``build.read_document`` into a folder with ``memory``'s options (its
-    store and commit); and whether the batch's landmark keys equal those read alone, bit for bit."""
+    memory; ``build``, ``build.read_document`` as a build reads a small document (in RAM, its
+    blocks stored as the corpus stores them, ready to merge); ``folder``, the same into a folder
+    of its own (its store and commits: a large document's way); and whether the batch's landmark keys equal those read alone, bit for bit."""
     import tempfile
     from collections import Counter
     from dataclasses import replace
@@ -194,9 +195,10 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
                "in_memory_ms": best(lambda: [read(x[None]).close() for x in docs]),
                "batched_ms": best(lambda: [read(np.stack(docs[i:i + batch])).close()
                                            for i in range(0, len(docs), batch)])}
-        jobs = iter(DocumentJob(Path(tmp) / f"d{i}", f"d{i}", f"{i:064x}", x, options, 1e9)
-                    for i, x in enumerate(docs * 2))
-        out["build_ms"] = best(lambda: [read_document(next(jobs), model) for _ in docs])
+        for key, in_memory in (("build_ms", True), ("folder_ms", False)):  # read in RAM (a small one), or in a folder
+            jobs = iter(DocumentJob(Path(tmp) / f"{key}{i}", f"d{i}", f"{i:064x}", x, options, 1e9, in_memory)
+                        for i, x in enumerate(docs * 2))
+            out[key] = best(lambda: [read_document(next(jobs), model) for _ in docs])
         alone, together = [read(x[None]) for x in docs[:batch]], read(np.stack(docs[:batch]))
         out["batch_equal"] = all(torch.equal(a.keys(layer, slice(None)), together.keys(layer, slice(None), stream=s))
                                  for layer in range(cfg.n_layer) for s, a in enumerate(alone))
@@ -352,7 +354,9 @@ def main():
              f"thread, as a build's worker): the model's own layers over it whole, in one pass with no memory and no "
              f"output head, {c['layers_ms']:.0f} ms, what any reading of it computes at least: at most "
              f"{2000 / c['layers_ms']:.0f} documents a second on 2 cores. A build's steps into a memory in RAM "
-             f"{c['in_memory_ms']:.0f} ms; with its store and commit (`build.read_document`) {c['build_ms']:.0f} ms; "
+             f"{c['in_memory_ms']:.0f} ms; as a build reads it (`build.read_document`, in RAM, its blocks stored as "
+             f"the corpus stores them) {c['build_ms']:.0f} ms; into a folder of its own with its store and commits "
+             f"(a large document's way) {c['folder_ms']:.0f} ms; "
              f"{c['batch']} documents of one length read as the streams of one batch {c['batched_ms']:.0f} ms a "
              f"document (landmark keys bit for bit those read alone: {c['batch_equal']})."]
     if ray_served:
