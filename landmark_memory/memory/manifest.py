@@ -15,7 +15,7 @@ import torch
 
 from ..core.names import BLOCK_KEYS, DISK_STORES, MAX_STREAMS
 from ..index import KINDS
-from ..storage import DTYPES, stored_nbytes
+from ..storage import DTYPES
 from .documents import PAGE_DOCUMENTS, DocumentList, InputRecord
 from .errors import MemoryFileError
 from .options import MemoryOptions
@@ -168,7 +168,7 @@ class Manifest:
     @property
     def block_bytes(self) -> int:
         """Stored bytes of one block of one stream, all layers."""
-        return self.model.shape.n_layer * stored_nbytes(self.model.shape.block_entry, self.options.store_dtype)
+        return self.model.shape.block_bytes(self.options.store_dtype)
 
     def to_json(self) -> dict:
         listed = self.inputs

@@ -5,6 +5,7 @@ last where landmarks close the blocks)."""
 from dataclasses import dataclass
 
 from ..core.layout import landmarked_length
+from ..storage import stored_nbytes
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,7 @@ class ModelShape:
     def block_entry(self) -> tuple[int, int, int, int]:
         """Shape of one stored block of one layer: keys and values, (2, H_kv, rows, D)."""
         return (2, self.n_kv_head, self.rows, self.head_dim)
+
+    def block_bytes(self, store_dtype: str) -> int:
+        """Stored bytes of one block of one stream, all layers, in a store of ``store_dtype``."""
+        return self.n_layer * stored_nbytes(self.block_entry, store_dtype)
