@@ -33,11 +33,11 @@ def key_hits(retrieved, positions, blocks):
 
 
 @torch.no_grad()
-def read_ways(model, tok, ids, q0, ans, key_span, folder, ways=None, in_sequence=True):
+def read_ways(model, tok, ids, q0, ans, key_span, folder, ways=None, in_sequence=True, reading=None):
     """The answer ``ans`` (token ids) to the prompt ``ids`` read in sequence and through memory in
     each of ``ways`` ({name: query options}, default ``CONFIGS`` named "k4 stingy" and so on;
-    the memory holds ``ids[:q0]``, at its defaults for ``model``, the question and answer read
-    from it; ``in_sequence``: read the prompt whole too):
+    the memory holds ``ids[:q0]``, read at its defaults for ``model`` with ``reading`` (memory
+    options) changed, the question and answer read from it; ``in_sequence``: read the prompt whole too):
     {way: the greedy answer's first integer, way + " hits": the share of lookups of the
     question's last token and the answer's tokens that held one of the memory's blocks that
     hold the tokens ``key_span`` (start, end), way + " layers": that share per layer}."""
@@ -46,7 +46,7 @@ def read_ways(model, tok, ids, q0, ans, key_span, folder, ways=None, in_sequence
     if in_sequence:
         logits = in_sequence_logits(model, seq[:, :-1])[0, n_p - 1:]  # the answer's positions
         row["in sequence"] = greedy_answer(logits, tok)
-    mem = LandmarkMemory(model, path=folder, store="lmdb")
+    mem = LandmarkMemory(model, path=folder, store="lmdb", **(reading or {}))
     key_blocks = spanned_blocks(*key_span, mem.shape.block_size)
     mem.forward(seq[:, :q0], logits="none")
     mem.commit()
@@ -66,7 +66,7 @@ def spanned_blocks(start, end, bs):
     return list(range(start // bs, (end - 1) // bs + 1))
 
 
-def passkey_trial(model, tok, prompts, book, rng, length, folder, ways=None, in_sequence=True):
+def passkey_trial(model, tok, prompts, book, rng, length, folder, ways=None, in_sequence=True, reading=None):
     name, _, ids = book
     key, depth = rng.randint(1, MAX_KEY), rng.random()
     n_key = len(prompts.ids(fact(key)))
@@ -75,7 +75,7 @@ def passkey_trial(model, tok, prompts, book, rng, length, folder, ways=None, in_
     prompt = prompts.prompt(length, key, depth, book_filler(ids, start))
     fact_at = len(prompts.intro) + round(depth * n_fill)
     row = read_ways(model, tok, prompt, len(prompt) - len(prompts.question), tok.encode(answer(key)).ids,
-                    (fact_at, fact_at + n_key), folder, ways, in_sequence)
+                    (fact_at, fact_at + n_key), folder, ways, in_sequence, reading)
     return {"book": name, "key": key, "depth": round(depth, 3), **row}
 
 

@@ -62,21 +62,29 @@ PER_HEAD = "base, no landmarks, chosen per head"  # a step's queries of a head r
 EQUAL_READS = "base, no landmarks, top-4 alone"  # what stage 9 reads per query: 4 blocks, no sink or local ones
 SPEEDS = {MODELS[1]: (MODELS[1], {}), MODELS[0]: (MODELS[0], {}), PER_HEAD: (MODELS[0], dict(retrieval="per_head")),
           EQUAL_READS: (MODELS[0], dict(top_k=4, sink_blocks=0, local_blocks=0))}
+MEMORIES = (*MODELS[:2], PER_HEAD)  # what ppl, passkey and recall read through a memory, each with its SPEEDS options
 CONTEXT = 8192  # SmolLM2's own window: where the base model reads a text whole
 DECODE = 64
 
 
 def models(args):
-    """{name: (model, tokenizer)} of the SmolLM2 variants, loaded once."""
+    """{name: (model, tokenizer)} of the SmolLM2 variants, loaded once (``PER_HEAD`` the base
+    model, read with its options)."""
     base, tok = load_smollm2(None)
     return {"base, no landmarks": (base, tok), "stage 9, landmarks": load_smollm2(args.adapter),
-            "base in context": (base, tok)}
+            "base in context": (base, tok), PER_HEAD: (base, tok)}
+
+
+def reading(name):
+    """The memory options ``name`` reads with (``SPEEDS``'), none for a model in context."""
+    return SPEEDS[name][1] if name in SPEEDS else {}
 
 
 def nll_through_memory(model, ids, **options):
     """Mean negative log-likelihood of ``ids[1:]`` read chunk by chunk through a memory (a
     chunk's logits at a time: Gemma's vocabulary is 262,144 wide)."""
-    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    ids = torch.as_tensor(np.asarray(ids), dtype=torch.long)[None]  # (1, n)
+    x, y = ids[:, :-1], ids[:, 1:]
     with LandmarkMemory(model, **options) as mem:
         C, total = mem.options.chunk_size, 0.0
         for a in range(0, x.shape[1], C):
@@ -95,10 +103,10 @@ def part_ppl(args, state, smol):
             t0 = time.perf_counter()
             if name == "base in context":
                 with torch.no_grad():
-                    logits = in_sequence_logits(model, torch.tensor([ids[:n]]))
-                nll = float(F.cross_entropy(logits[0].float(), torch.tensor(ids[1:n + 1])))
+                    logits = in_sequence_logits(model, torch.as_tensor(ids[:n], dtype=torch.long)[None])
+                nll = float(F.cross_entropy(logits[0].float(), torch.as_tensor(ids[1:n + 1], dtype=torch.long)))
             else:
-                nll = nll_through_memory(model, ids[:n + 1])
+                nll = nll_through_memory(model, ids[:n + 1], **reading(name))
             state.add(key, {"perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}, at=0)
             print(f"ppl @{n} {name}: {math.exp(nll):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -138,7 +146,8 @@ def passkeys(args, state, named, lengths, in_context):
                 rng = random.Random(f"{args.seed}|training_free|{n}|{t}")  # the same prompt for every model
                 with tempfile.TemporaryDirectory() as tmp:
                     row = passkey_trial(model, tok, PasskeyPrompts(tok), books[name][t % len(books[name])], rng, n,
-                                        Path(tmp) / "m", {"memory": {}}, in_sequence=whole is not None)
+                                        Path(tmp) / "m", {"memory": reading(name)}, in_sequence=whole is not None,
+                                        reading=reading(name))
                 for c, way in zip(cells, ("memory", "in sequence")):
                     if len(state.cell(c)) == t:
                         state.add(c, {"book": row["book"], "key": row["key"], "answer": row[way],
@@ -152,15 +161,15 @@ def part_recall(args, state, smol):
     books = held_out(args.books, tok)
     for n in parse_lengths(args.lengths):
         name_, ids, facts = haystack(tok, books, n, 0, args.seed)
-        for name in MODELS[:2]:
+        for name in MEMORIES:
             if state.cell(f"recall|{n}|{name}"):
                 continue
             model = smol[name][0]
             with tempfile.TemporaryDirectory() as tmp:
-                build(model, ids, Path(tmp) / "m")
+                build(model, ids, Path(tmp) / "m", **reading(name))
                 with LandmarkMemory.open(Path(tmp) / "m", model, readonly=True) as m:
                     bs = m.shape.block_size
-                rows = question_rows(model, tok, Path(tmp) / "m", facts, {}, bs)
+                rows = question_rows(model, tok, Path(tmp) / "m", facts, reading(name), bs)
             state.add(f"recall|{n}|{name}", {"book": name_, "rows": rows}, at=0)
             print(f"recall @{n} {name}: recall@5 {np.mean([r['recall5'] for r in rows]):.0%}, right "
                   f"{np.mean([r['right'] for r in rows]):.0%}", flush=True)
@@ -233,7 +242,7 @@ def run(args):
     if "speed" in args.parts:
         part_speed(args, state, smol)
     if "passkey" in args.parts:
-        passkeys(args, state, {k: smol[k] for k in MODELS[:2]}, parse_lengths(args.passkey_lengths),
+        passkeys(args, state, {k: smol[k] for k in MEMORIES}, parse_lengths(args.passkey_lengths),
                  {"base, no landmarks": "base in context"})
     if "gemma" in args.parts:
         part_gemma(args, state)
@@ -263,12 +272,13 @@ def report(args):
             ("read tok/s / decode tok/s / bytes per token (8K)", "speed|8192", "speed")]
     body = ["SmolLM2-135M-Instruct. `base, no landmarks`: the model as published read through a memory whose blocks "
             "are searched by the mean of their own keys (the defaults without landmarks: blocks of 64 tokens, top-8, "
-            "the first block and the last 2 read by every query); `stage 9, landmarks`: the shipped adapter through "
+            f"the first block and the last 2 read by every query); `{PER_HEAD}`: the same memory with each head's blocks "
+            "chosen once per step for all its queries (`--retrieval per_head`); `stage 9, landmarks`: the shipped adapter through "
             "its landmarks at its defaults (blocks of 63, top-4, its question reader in `ask`); `base in context`: the "
             f"model reading the text whole, where it fits its {CONTEXT:,}-token window. 'not run': the cell was not "
             "measured; '-': it cannot be.", "",
             "| model | " + " | ".join(c for c, _, _ in cols) + " |", "|---|" + "---:|" * len(cols)]
-    for name in MODELS:
+    for name in (*MODELS, PER_HEAD):
         vals = []
         for _, key, what in cols:
             n = int(key.split("|")[1])

@@ -301,6 +301,37 @@ def test_small_documents_are_read_in_ram_into_the_corpus_a_folder_each_would_giv
     assert files_of(tmp_path / "mixed") == files_of(tmp_path / "ram")
 
 
+def test_documents_read_in_ram_of_one_length_go_in_batches_in_their_order_within_a_window(monkeypatch):
+    import landmark_memory.jobs.build as building
+
+    monkeypatch.setattr(building, "BATCH_DOCUMENTS", 2)
+    monkeypatch.setattr(building, "BATCH_WINDOW", 6)
+    lengths = [100, 50, 100, 100, 100, 50, 100, 100]  # the fourth short one in a folder: always alone
+    jobs = [building.DocumentJob(tmp, str(i), "", np.zeros(n, np.int32), None, 1.0, in_memory=i != 3)
+            for i, (n, tmp) in enumerate(zip(lengths, [None] * len(lengths)))]
+    assert [[int(j.path) for j in b] for b in building.batches(jobs)] == [[0, 2], [1, 5], [3], [4], [6, 7]]
+
+
+def test_documents_read_in_a_batch_give_the_corpus_each_read_alone_gives(model, tmp_path, monkeypatch):
+    import landmark_memory.jobs.build as building
+
+    words = "the memory reads each of these documents as one stream of a batch".split()
+    for i in range(5):  # one length in blocks (each fills most of its 4 blocks of 50 tokens)
+        (tmp_path / f"d{i}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(170)) + "\n")
+    files = sorted(tmp_path.glob("d*.txt"))
+    sizes = []
+    read = building._read_in_memory
+    monkeypatch.setattr(building, "_read_in_memory", lambda jobs, *a: sizes.append(len(jobs)) or read(jobs, *a))
+    corpus(model, tmp_path / "batched", files)
+    monkeypatch.setattr(building, "BATCH_DOCUMENTS", 1)
+    corpus(model, tmp_path / "alone", files)
+    assert sizes == [5] + [1] * 5
+    assert files_of(tmp_path / "batched") == files_of(tmp_path / "alone")  # tokens, keys, indexes, stored blocks
+    batched, alone = ({k: v for k, v in json.loads((tmp_path / name / "manifest.json").read_text()).items()
+                       if k != "updated"} for name in ("batched", "alone"))
+    assert batched == alone
+
+
 def test_a_document_read_in_ram_and_stopped_keeps_nothing_and_is_read_whole_again(model, documents, tmp_path):
     files, tok = sorted(documents.glob("*.txt")), load_tokenizer()
     stopped = corpus(model, tmp_path / "m", files, reader=Recording(model, stop_after=2), in_memory_chunks=100)

@@ -33,6 +33,14 @@ def test_retrieve_all_equals_in_sequence_forward(model, text, chunk_size):
     assert out.loss is not None and torch.isfinite(out.loss)
 
 
+def test_a_loss_takes_int32_targets_as_it_takes_int32_ids_and_refuses_others(model, text):
+    full = retrieve_all(model, chunk_size=10).forward(text, text).loss
+    int32 = retrieve_all(model, chunk_size=10).forward(text.int(), text.int()).loss
+    torch.testing.assert_close(int32, full, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="targets .* must be integer ids"):
+        retrieve_all(model).forward(text, text.float())
+
+
 @pytest.mark.parametrize("store", ["lmdb", "mmap"])
 def test_retrieve_all_equivalence_through_disk_stores(model, text, store, tmp_path):
     with torch.no_grad():

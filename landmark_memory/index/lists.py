@@ -71,11 +71,21 @@ def kmeans(x: np.ndarray, nlist: int, iterations: int = KMEANS_ITERATIONS) -> np
     for _ in range(iterations):
         a = np.argmax(x @ c.T - 0.5 * (c * c).sum(1), axis=1)  # nearest in L2
         counts = np.bincount(a, minlength=nlist)
-        sums = np.zeros(c.shape, np.float64)
-        np.add.at(sums, a, x)
+        sums = _sums(x, a, nlist)
         kept = counts > 0
         c[kept] = (sums[kept] / counts[kept, None]).astype(np.float32)
     return c
+
+
+@njit
+def _sums(x, a, nlist):
+    """float64 (nlist, D): the sum of the rows of ``x`` (n, D) in each list of ``a`` (n,), added
+    in row order (``np.add.at``'s sums, bit for bit, without its per-element dispatch)."""
+    out = np.zeros((nlist, x.shape[1]), np.float64)
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            out[a[i], d] += x[i, d]
+    return out
 
 
 @njit(fastmath=_FAST, parallel=True)

@@ -113,6 +113,8 @@ def encode_document(tokenizer, text: str, block_size: int) -> np.ndarray:
 
 
 IN_MEMORY_CHUNKS = 8  # a new small document of at most this many chunks is read in RAM, not in a folder
+BATCH_DOCUMENTS = 16  # documents read in RAM of one length are read this many at once, as a memory's streams
+BATCH_WINDOW = 64  # ... among this many consecutive jobs: the corpus merges in order and holds what came early
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ class DocumentJob:
     """One document to read: into ``folder`` (absolute), with the corpus's ``options``; or,
     ``in_memory``, in RAM and handed to the corpus whole (``corpus.ReadDocument``): a small new
     document read in a second or so, whose folder, commits and fsyncs would cost a build of many
-    such documents a quarter of its time (88 ms against 71 ms a 2 KB document, results/library.md). One stopped midway keeps nothing and is read again."""
+    such documents a quarter of its time (88 ms against 71 ms a 2 KB document,
+    results/library.md). One stopped midway keeps nothing and is read again."""
 
     folder: Path
     path: str
@@ -146,7 +149,7 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
     ``stop()`` turns true, commits and returns unfinished. A job ``in_memory`` is read in RAM
     (``_read_in_memory``)."""
     if job.in_memory:
-        return _read_in_memory(job, model, stop, on_tokens)
+        return _read_in_memory((job,), model, stop, on_tokens)[0]
     if (job.folder / "manifest.json").is_file():
         mem = LandmarkMemory.open(job.folder, model)
     else:
@@ -175,25 +178,59 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
         mem.close(commit=False)  # everything fed was committed above
 
 
-def _read_in_memory(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], bool],
-                    on_tokens: Callable[[int], None]) -> DocumentResult:
-    """Read a small document whole in a memory in RAM, its blocks stored as the corpus stores
-    them; returns them (``DocumentResult.read``), or nothing when ``stop()`` turns true."""
-    with LandmarkMemory(model, replace(job.options, store="memory")) as mem:
-        entry = mem.add_input(Path(job.path), job.sha256, len(job.ids))
-        for n in read_steps(mem, job.ids[None]):
-            on_tokens(n)
+def _read_in_memory(jobs: tuple[DocumentJob, ...], model: torch.nn.Module, stop: Callable[[], bool],
+                    on_tokens: Callable[[int], None]) -> list[DocumentResult]:
+    """Read small documents of one length whole, as the streams of one memory in RAM, their
+    blocks stored as the corpus stores them; returns them (``DocumentResult.read``), or
+    nothing when ``stop()`` turns true."""
+    with LandmarkMemory(model, replace(jobs[0].options, store="memory")) as mem:
+        entries = [mem.add_input(Path(j.path), j.sha256, len(j.ids)) for j in jobs]
+        for n in read_steps(mem, np.stack([j.ids for j in jobs])):
+            on_tokens(n * len(jobs))
             if stop():
-                return DocumentResult(job.folder, 0, False)
+                return [DocumentResult(j.folder, 0, False) for j in jobs]
         mem.end_document()
-        layers, n = mem.shape.n_layer, mem.n_blocks
-        stored = mem.stored([(0, layer, b) for layer in range(layers) for b in range(n)], raw=True)
-        # one tensor each, not a view per block (which would carry its whole chunk's storage to the driver)
-        data = torch.stack([d for d, _ in stored])
-        scales = None if stored[0][1] is None else torch.stack([s for _, s in stored])
-        read = ReadDocument(entry, n, data, scales, [mem.keys(layer, slice(None))[None] for layer in range(layers)],
-                            mem.tokens()[None])  # (landmarks per layer (1, H_kv, n, D), ids (1, n * block_size))
-    return DocumentResult(job.folder, len(job.ids), True, read)
+        return [DocumentResult(j.folder, len(j.ids), True, _held(mem, s, e))
+                for s, (j, e) in enumerate(zip(jobs, entries))]
+
+
+def _held(mem: LandmarkMemory, stream: int, entry: InputRecord) -> ReadDocument:
+    """What the corpus merges of ``stream``, a document read in RAM (``entry`` its record)."""
+    layers, n = mem.shape.n_layer, mem.n_blocks
+    stored = mem.stored([(stream, layer, b) for layer in range(layers) for b in range(n)], raw=True)
+    # one tensor each, not a view per block (which would carry its whole chunk's storage to the driver)
+    data = torch.stack([d for d, _ in stored])
+    scales = None if stored[0][1] is None else torch.stack([s for _, s in stored])
+    landmarks = [mem.keys(layer, slice(None), stream=stream)[None] for layer in range(layers)]  # (1, H_kv, n, D)
+    return ReadDocument(entry, n, data, scales, landmarks, mem.tokens(stream)[None])  # ids (1, n * block_size)
+
+
+def batches(jobs: list[DocumentJob]) -> Iterator[tuple[DocumentJob, ...]]:
+    """``jobs`` as a reader reads them: a job in a folder alone, jobs in RAM of one length up to
+    ``BATCH_DOCUMENTS`` at once (``read_batch``), each batch of ``BATCH_WINDOW`` consecutive jobs
+    where its first job was."""
+    for a in range(0, len(jobs), BATCH_WINDOW):
+        open_: dict[int, list[DocumentJob]] = {}  # length -> its batch; dicts keep the order they were made in
+        out: list[list[DocumentJob]] = []
+        for job in jobs[a:a + BATCH_WINDOW]:
+            batch = open_.get(len(job.ids)) if job.in_memory else None
+            if batch is None or len(batch) == BATCH_DOCUMENTS:
+                batch = [job]
+                out.append(batch)
+                if job.in_memory:
+                    open_[len(job.ids)] = batch
+            else:
+                batch.append(job)
+        yield from map(tuple, out)
+
+
+def read_batch(batch: tuple[DocumentJob, ...], model: torch.nn.Module, stop: Callable[[], bool] = lambda: False,
+               on_tokens: Callable[[int], None] = lambda n: None) -> list[DocumentResult]:
+    """``read_document`` of each job of a batch (``batches``): one alone, or several in RAM as the
+    streams of one memory, each stream what its document reads alone."""
+    if len(batch) == 1:
+        return [read_document(batch[0], model, stop, on_tokens)]
+    return _read_in_memory(batch, model, stop, on_tokens)
 
 
 def read_steps(mem: LandmarkMemory, ids: np.ndarray, pos: int = 0) -> Iterator[int]:
@@ -227,10 +264,10 @@ class LocalReader:
         self.model = model
 
     def run(self, jobs, stop, bar):
-        for job in jobs:
+        for batch in batches(jobs):
             if stop():
                 return
-            yield read_document(job, self.model, stop, bar.update)
+            yield from read_batch(batch, self.model, stop, bar.update)
 
 
 class _StopOnSignal:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..memory import MemoryDir
 from ..memory.corpus import committed_tokens
-from .build import DocumentJob, DocumentResult, read_document
+from .build import DocumentJob, DocumentResult, batches, read_batch
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # as the build command (entry.py): no spinning on shared cores
@@ -97,11 +97,11 @@ class _Worker:
         except OSError:
             return False
 
-    def read(self, job: DocumentJob, progress=None) -> DocumentResult:
+    def read(self, batch: tuple[DocumentJob, ...], progress=None) -> list[DocumentResult]:
         import ray
 
         context = ray.get_runtime_context()
-        return read_document(job, self.model, stop=context.is_canceled, on_tokens=_Reporter(progress, job.folder))
+        return read_batch(batch, self.model, stop=context.is_canceled, on_tokens=_Reporter(progress, batch[0].folder))
 
 
 class _Reporter:
@@ -212,18 +212,25 @@ class RayReader:
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        todo, running = list(jobs), {}  # ref -> (actor, job)
-        shown, first = {}, {}  # per document folder: tokens the bar counts, tokens committed when it started
+        todo, running = list(batches(jobs)), {}  # ref -> (actor, batch)
+        # per batch, by its first document's folder: tokens the bar counts; per document folder: tokens committed
+        # when it started
+        shown, first = {}, {}
         idle, cancelled, polled = list(self.actors), False, time.monotonic()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # workers' tokens read since they last said, on this machine (a worker's machine may be lost)
         progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+
+        def start():  # each idle worker its next batch
+            while idle and todo and not cancelled:
+                actor, batch = idle.pop(0), todo.pop(0)
+                first.update((job.folder, 0 if job.in_memory else _committed(job.folder)) for job in batch)
+                shown[batch[0].folder] = sum(first[job.folder] for job in batch)
+                running[actor.read.remote(batch, progress)] = (actor, batch)
+
         try:
             while todo or running:
-                while idle and todo and not cancelled:
-                    actor, job = idle.pop(0), todo.pop(0)
-                    shown[job.folder] = first[job.folder] = _committed(job.folder)
-                    running[actor.read.remote(job, progress)] = (actor, job)
+                start()
                 if stop() and not cancelled:  # the documents under way commit and return
                     for ref in running:
                         ray.cancel(ref)
@@ -235,21 +242,24 @@ class RayReader:
                             shown[Path(folder)] += n
                             bar.update(n)
                 done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+                results = []
                 for ref in done:
-                    actor, job = running.pop(ref)
+                    actor, batch = running.pop(ref)
                     try:
-                        result = ray.get(ref)
+                        read = ray.get(ref)
                     except ray.exceptions.TaskCancelledError:  # stopped: what it read is what it committed
-                        result = DocumentResult(job.folder, _committed(job.folder) - first[job.folder], False)
+                        read = [DocumentResult(j.folder, _committed(j.folder) - first[j.folder], False) for j in batch]
                     except ray.exceptions.RayTaskError as e:  # the document's own error, as this process would give it
                         raise e.cause if isinstance(e.cause, (ValueError, OSError)) else e from None
                     except ray.exceptions.RayActorError as e:
-                        raise WorkerError(f"the worker reading {job.path} died {RESTARTS + 1} times ({e}); what it "
-                                          "committed is kept: run the build again") from None
+                        raise WorkerError(f"the worker reading {batch[0].path} died {RESTARTS + 1} times ({e}); what "
+                                          "it committed is kept: run the build again") from None
                     idle.append(actor)
-                    kept = result.added if result.read is not None else _committed(job.folder)  # (in RAM: no folder)
-                    bar.update(kept - shown.pop(job.folder))
-                    yield result
+                    kept = sum(r.added if r.read is not None else _committed(r.folder) for r in read)  # RAM: no folder
+                    bar.update(kept - shown.pop(batch[0].folder))
+                    results += read
+                start()  # before the caller merges what came: the workers read on meanwhile
+                yield from results
         finally:
             ray.kill(progress.actor)
 

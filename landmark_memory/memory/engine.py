@@ -148,9 +148,10 @@ class LandmarkMemory:
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
-        if targets is not None and (targets.shape != idx.shape or logits != "all"):
-            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}, and a "
-                             f"loss needs every token's logits (logits='all', got {logits!r})")
+        if targets is not None and (targets.shape != idx.shape or targets.dtype not in (torch.int32, torch.int64)
+                                    or logits != "all"):
+            raise ValueError(f"targets ({targets.dtype} {tuple(targets.shape)}) must be integer ids of idx's shape "
+                             f"{tuple(idx.shape)}, and a loss needs every token's logits (logits='all', got {logits!r})")
         if self.streams is None:
             if idx.shape[0] > MAX_STREAMS:
                 raise ValueError(f"a memory holds at most {MAX_STREAMS:,} streams; idx has batch size {idx.shape[0]:,}")
@@ -175,7 +176,7 @@ class LandmarkMemory:
                       for layer in range(self.shape.n_layer)] if retrieved else []
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten(),
+            loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device, torch.long).flatten(),
                                    ignore_index=IGNORE_INDEX)
         return MemoryOutput(out, loss, chosen)
 
