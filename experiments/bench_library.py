@@ -294,6 +294,7 @@ def main():
     ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
     args = ap.parse_args()
     started, books, work = time.time(), Path(args.books), Path(args.work)
+    Path(args.results).mkdir(parents=True, exist_ok=True)  # (checked now, not after an hour of building)
     counts = [int(c) for c in args.counts.split(",")]
     versions = [("this version", None)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     from _common import write_result

@@ -60,8 +60,10 @@ BOOK = "2376_up_from_slavery.txt"
 MODELS = ("base, no landmarks", "stage 9, landmarks", "base in context")
 PER_HEAD = "base, no landmarks, chosen per head"  # a step's queries of a head read the same blocks (InfLLM's way)
 EQUAL_READS = "base, no landmarks, top-4 alone"  # what stage 9 reads per query: 4 blocks, no sink or local ones
-SPEEDS = {MODELS[1]: (MODELS[1], {}), MODELS[0]: (MODELS[0], {}), PER_HEAD: (MODELS[0], dict(retrieval="per_head")),
-          EQUAL_READS: (MODELS[0], dict(top_k=4, sink_blocks=0, local_blocks=0))}
+# the base model's memory chosen per token and head (its default until these rows made it per head) and per head
+SPEEDS = {MODELS[1]: (MODELS[1], {}), MODELS[0]: (MODELS[0], dict(retrieval="per_token_head")),
+          PER_HEAD: (MODELS[0], dict(retrieval="per_head")),
+          EQUAL_READS: (MODELS[0], dict(top_k=4, sink_blocks=0, local_blocks=0, retrieval="per_token_head"))}
 MEMORIES = (*MODELS[:2], PER_HEAD)  # what ppl, passkey and recall read through a memory, each with its SPEEDS options
 CONTEXT = 8192  # SmolLM2's own window: where the base model reads a text whole
 DECODE = 64
@@ -271,9 +273,10 @@ def report(args):
             ("recall@5 32K", "recall|32768", "recall"),
             ("read tok/s / decode tok/s / bytes per token (8K)", "speed|8192", "speed")]
     body = ["SmolLM2-135M-Instruct. `base, no landmarks`: the model as published read through a memory whose blocks "
-            "are searched by the mean of their own keys (the defaults without landmarks: blocks of 64 tokens, top-8, "
-            f"the first block and the last 2 read by every query); `{PER_HEAD}`: the same memory with each head's blocks "
-            "chosen once per step for all its queries (`--retrieval per_head`); `stage 9, landmarks`: the shipped adapter through "
+            "are searched by the mean of their own keys (blocks of 64 tokens, top-8, the first block and the last 2 "
+            "read by every query, each query of each head choosing its own: `--retrieval per_token_head`); "
+            f"`{PER_HEAD}`: the same memory with each head's blocks chosen once per step for all its queries "
+            "(`--retrieval per_head`, the default without landmarks since these rows); `stage 9, landmarks`: the shipped adapter through "
             "its landmarks at its defaults (blocks of 63, top-4, its question reader in `ask`); `base in context`: the "
             f"model reading the text whole, where it fits its {CONTEXT:,}-token window. 'not run': the cell was not "
             "measured; '-': it cannot be.", "",

@@ -168,15 +168,20 @@ def test_a_query_scores_a_block_by_the_mean_of_its_scores_against_the_blocks_tok
 
 
 @torch.no_grad()
-def test_a_saved_training_free_memory_continues_as_if_it_had_never_stopped(tokenizer_object, text, tmp_path):
+@pytest.mark.parametrize("retrieval", ["per_token_head", None])
+def test_a_saved_training_free_memory_continues_as_if_it_had_never_stopped(tokenizer_object, text, tmp_path,
+                                                                            retrieval):
+    """Each query choosing its own blocks, as one reading of the whole text; chosen per head (the
+    default without landmarks: a step's queries choose together), as one reading in the same steps."""
     model, tok = tiny(tokenizer_object, "gemma3", landmarks=False)  # sliding-window layers keep their windows too
     idx = ids_of(tok, text, 90)
-    opts = dict(block_size=7, chunk_size=14, top_k=2, sink_blocks=1, store="lmdb")
+    opts = dict(block_size=7, chunk_size=14, top_k=2, sink_blocks=1, store="lmdb", retrieval=retrieval)
     with LandmarkMemory(model, path=tmp_path / "m", **opts) as mem:
+        assert mem.options.retrieval == (retrieval or "per_head")
         mem(idx[:, :51])  # a chunk left open
     with LandmarkMemory(model, path=tmp_path / "whole", **opts) as whole:
-        want = whole(idx).logits[:, 51:]
-    with LandmarkMemory.open(tmp_path / "m", model) as mem:
+        want = whole(idx).logits[:, 51:] if retrieval else (whole(idx[:, :51]), whole(idx[:, 51:]).logits)[1]
+    with LandmarkMemory.open(tmp_path / "m", model, retrieval=retrieval) as mem:
         assert (mem.options.block_keys, mem.options.block_size, mem.n_tokens) == ("mean", 7, 51)
         torch.testing.assert_close(mem(idx[:, 51:]).logits, want, **TOL)
     doc = json.loads((tmp_path / "m" / "manifest.json").read_text())
@@ -218,10 +223,12 @@ def test_a_mode_that_does_not_fit_the_model_or_memory_is_refused_in_one_line(tok
             MemoryDir(tmp_path / "m", writable=False).read_manifest()
 
 
-def test_options_without_landmarks_resolve_to_mean_keys_and_the_free_block_size():
+def test_options_without_landmarks_resolve_to_mean_keys_the_free_block_size_and_a_choice_per_head():
     o = MemoryOptions().resolved(None, "float32", False, 16)
-    assert (o.block_keys, o.block_size, o.chunk_size) == ("mean", 64, 256)
-    assert MemoryOptions().resolved(50, "float32", False, 16).block_keys == "landmark"
+    assert (o.block_keys, o.block_size, o.chunk_size, o.retrieval) == ("mean", 64, 256, "per_head")
+    landmark = MemoryOptions().resolved(50, "float32", False, 16)
+    assert (landmark.block_keys, landmark.retrieval) == ("landmark", "per_token_head")
+    assert MemoryOptions(retrieval="per_token_head").resolved(None, "float32", False, 16).retrieval == "per_token_head"
 
 
 @pytest.mark.slow

@@ -57,6 +57,9 @@ def add_model_args(p):
 
 
 CHUNK_HELP = "tokens per chunk, a multiple of the block size up to 65,536 (default: the multiple nearest 250)"
+RETRIEVAL_HELP = ("what chooses a set of blocks: each query of each head (per_token_head), each head for a step's "
+                  "queries (per_head), each query for all heads (per_token); default per_token_head through landmarks, "
+                  "per_head without them")
 
 
 def add_top_k(p, default=None, new=False):
@@ -78,7 +81,7 @@ def add_retrieval_args(p, index_default=DEFAULT_INDEX):
     add_top_k(p, new=True)
     p.add_argument("--index", default=index_default,
                    help=f"landmark index: {', '.join(INDEX_KINDS)} (default {index_default})")
-    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
+    p.add_argument("--retrieval", choices=RETRIEVALS, help=RETRIEVAL_HELP)
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
 
@@ -247,7 +250,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--max-segments", type=positive, help="evaluate only the first segments")
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP)
     add_top_k(p, new=True)
-    p.add_argument("--retrieval", choices=RETRIEVALS, default="per_token_head", help="retrieval granularity")
+    p.add_argument("--retrieval", choices=RETRIEVALS, help=RETRIEVAL_HELP)
     p.add_argument("--position-mapping", choices=MAPPINGS, default="stingy", help="positions of retrieved blocks")
     add_store_dtype(p)
     add_index_tuning(p, train_size=1024)

@@ -31,6 +31,11 @@ FREE_BLOCK_SIZE = 64  # memory/options.py: tokens per block of a memory without 
 # published, 8K tokens of a held-out book: 21.68 in context; 47.28 at top-4 alone, 22.05 at (8, 1, 2), 21.86 at
 # (16, 1, 4) for 1.45x its time (experiments/results/training_free.md, its part `reads`)
 FREE_READS = (8, 1, 2)
+# memory/options.py: how a query without landmarks chooses unless told: once per head for a step's queries (InfLLM's
+# way). SmolLM2 as published against per token and head: reads 1.02x a landmark memory's speed against 0.79x; pass key
+# 4/5, 1/2, 0/2 at 8K, 16K, 32K against 2/5, 1/2, 0/2; perplexity 22.14 and 18.87 against 22.05 and 18.74 at 8K and
+# 32K; recall@5 1/10 and 0/10 against 2/10 and 0/10 (experiments/results/training_free.md)
+FREE_RETRIEVAL = "per_head"
 MAX_NEW_TOKENS = 8192  # app/cli_args.py: the most tokens of one answer (ask, chat, the server's --max-tokens)
 MAX_TURN_CHARS = 1 << 20  # memory/answer.py: characters of one message (as the server's default body limit bounds it)
 SESSION_NAME = re.compile(r"\w[\w.-]{0,99}")  # memory/session.py: a name, never a path (no separator, no leading

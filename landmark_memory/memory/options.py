@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, FREE_BLOCK_SIZE, FREE_READS, MAX_CHUNK_SIZE,
-                          MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES)
+from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, FREE_BLOCK_SIZE, FREE_READS, FREE_RETRIEVAL,
+                          MAX_CHUNK_SIZE, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES)
 from ..index import default_train_size, new_index
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
@@ -47,7 +47,8 @@ class MemoryOptions:
         ``FREE_READS``).
     chunk_size : int, normal tokens per chunk, a multiple of the model's block size; default the
         multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
-    retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2.
+    retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2 (default per_token_head
+        through landmarks, per_head without them: ``FREE_RETRIEVAL``).
     position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
         their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
         true positions (for models trained with positional jumps) and scores every landmark
@@ -74,8 +75,8 @@ class MemoryOptions:
     block_size : int, tokens per block: a landmark model's own (the default; it cannot change),
         or of a memory without landmarks any (default ``FREE_BLOCK_SIZE``).
 
-    ``chunk_size``, ``store_dtype``, ``block_keys``, ``block_size``, ``top_k``, ``sink_blocks``
-    and ``local_blocks`` may be None until ``resolved`` fills them in for a model.
+    ``chunk_size``, ``store_dtype``, ``block_keys``, ``block_size``, ``top_k``, ``retrieval``,
+    ``sink_blocks`` and ``local_blocks`` may be None until ``resolved`` fills them in for a model.
     """
 
     index: str = DEFAULT_INDEX
@@ -84,7 +85,7 @@ class MemoryOptions:
     store_dtype: str | None = None
     top_k: int | None = None
     chunk_size: int | None = None
-    retrieval: str = "per_token_head"
+    retrieval: str | None = None
     position_mapping: str = "stingy"
     max_blocks: int | None = None
     cmt_cutoff: float = 0.0
@@ -123,8 +124,9 @@ class MemoryOptions:
         if block_keys == "landmark" and block_size != model_block_size:
             raise ValueError(f"the model was fine-tuned with landmarks after every {model_block_size} tokens; a "
                              f"landmark memory's block_size cannot be {block_size}")
-        reads = dict(zip(("top_k", "sink_blocks", "local_blocks"),
-                         (DEFAULT_TOP_K, 0, 0) if block_keys == "landmark" else FREE_READS))
+        reads = dict(zip(("top_k", "retrieval", "sink_blocks", "local_blocks"),
+                         (DEFAULT_TOP_K, "per_token_head", 0, 0) if block_keys == "landmark" else
+                         (FREE_READS[0], FREE_RETRIEVAL, *FREE_READS[1:])))
         self = replace(self, **{k: v for k, v in reads.items() if getattr(self, k) is None})
         chunk_size = self.chunk_size or default_chunk_size(block_size)
         if type(chunk_size) is not int or not block_size <= chunk_size <= MAX_CHUNK_SIZE or chunk_size % block_size:
