@@ -152,7 +152,8 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     import numpy as np
     import torch
 
-    from landmark_memory.jobs.build import DocumentJob, encode_document, read_document, read_steps
+    from landmark_memory.jobs.build import encode_document
+    from landmark_memory.jobs.reading import DocumentJob, read_document, read_steps
     from landmark_memory.jobs.distributed import set_threads
     from landmark_memory.core.layout import insert_landmarks
     from landmark_memory.memory import LandmarkMemory

@@ -54,7 +54,7 @@ def read(ids_file: str, n: int, trim: bool, folder: str) -> dict:
     import numpy as np
 
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.jobs.build import read_steps
+    from landmark_memory.jobs.reading import read_steps
     from landmark_memory.core import heap
 
     def anon_mb() -> int:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.jobs.build import LocalReader, build, encode_document, read_document, read_inputs
+from landmark_memory.jobs.build import build, encode_document, read_inputs
+from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.app.cli import main
 from landmark_memory.memory import MemoryFileError
 from landmark_memory.memory.inspect import verify
@@ -302,7 +303,7 @@ def test_small_documents_are_read_in_ram_into_the_corpus_a_folder_each_would_giv
 
 
 def test_documents_read_in_ram_of_one_length_go_in_batches_in_their_order_within_a_window(monkeypatch):
-    import landmark_memory.jobs.build as building
+    import landmark_memory.jobs.reading as building
 
     monkeypatch.setattr(building, "BATCH_DOCUMENTS", 2)
     monkeypatch.setattr(building, "BATCH_WINDOW", 6)
@@ -313,7 +314,7 @@ def test_documents_read_in_ram_of_one_length_go_in_batches_in_their_order_within
 
 
 def test_documents_read_in_a_batch_give_the_corpus_each_read_alone_gives(model, tmp_path, monkeypatch):
-    import landmark_memory.jobs.build as building
+    import landmark_memory.jobs.reading as building
 
     words = "the memory reads each of these documents as one stream of a batch".split()
     for i in range(5):  # one length in blocks (each fills most of its 4 blocks of 50 tokens)
@@ -376,7 +377,7 @@ def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, docu
 
 
 def test_a_long_reading_gives_the_heaps_free_pages_back_as_it_goes(model, documents, tmp_path, monkeypatch):
-    from landmark_memory.jobs import build as building
+    from landmark_memory.jobs import reading
     from landmark_memory.core import heap
 
     trims = []
@@ -384,5 +385,5 @@ def test_a_long_reading_gives_the_heaps_free_pages_back_as_it_goes(model, docume
     monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
     ids = encode_document(load_tokenizer(), (documents / "a.txt").read_text(), 50)
     with LandmarkMemory(model, path=tmp_path / "m", store="lmdb", chunk_size=100) as mem:
-        read = sum(building.read_steps(mem, ids[None]))
+        read = sum(reading.read_steps(mem, ids[None]))
     assert read == len(ids) and len(trims) == len(ids) // 200 > 2

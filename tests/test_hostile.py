@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load, save
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.jobs.build import LocalReader, build as build_corpus, encode_document, read_document, read_inputs
+from landmark_memory.jobs.build import build as build_corpus, encode_document, read_inputs
+from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.app.cli import main
 from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.storage import LmdbStore, stored_nbytes
@@ -572,7 +573,7 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_la
 
 
 def test_a_document_an_earlier_build_left_that_cannot_be_merged_blocks_no_later_build(tmp_path, book, capsys):
-    from landmark_memory.jobs.build import DocumentJob
+    from landmark_memory.jobs.reading import DocumentJob
     from landmark_memory.memory.manifest import document_folder
 
     mem = built(tmp_path, book)

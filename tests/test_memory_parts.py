@@ -96,7 +96,8 @@ def manifest():
     shape = ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5)
     return Manifest(model=ModelRecord("ab" * 32, {"n_layer": 2}, shape, "float32"),
                     options=MemoryOptions(store="lmdb", chunk_size=10, store_dtype="float16", block_keys="landmark",
-                                          block_size=5, top_k=4, sink_blocks=0, local_blocks=0),
+                                          block_size=5, top_k=4, retrieval="per_token_head", sink_blocks=0,
+                                          local_blocks=0),
                     streams=2, blocks=4, tokens=23,
                     pending_tokens=3, inputs=[InputRecord("/x/a.txt", "a.txt", "cd" * 32, 30, 23, 0)], commit=5,
                     state=StateFile("state.5.safetensors", 123, "ef" * 32), updated="2026-11-22T00:00:00+0000")

@@ -129,7 +129,7 @@ class Bar:
 
 def test_the_bar_follows_the_tokens_workers_read_before_any_commit(own_ray, tmp_path):
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.jobs.build import DocumentJob
+    from landmark_memory.jobs.reading import DocumentJob
     from landmark_memory.jobs.distributed import RayReader
 
     tok, text = load_tokenizer(), (SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[:100_000]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..memory import MemoryDir
 from ..memory.corpus import committed_tokens
-from .build import DocumentJob, DocumentResult, batches, read_batch
+from .reading import DocumentJob, DocumentResult, batches, read_batch
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # as the build command (entry.py): no spinning on shared cores
