@@ -124,10 +124,10 @@ class MemoryOptions:
         if block_keys == "landmark" and block_size != model_block_size:
             raise ValueError(f"the model was fine-tuned with landmarks after every {model_block_size} tokens; a "
                              f"landmark memory's block_size cannot be {block_size}")
-        reads = dict(zip(("top_k", "retrieval", "sink_blocks", "local_blocks"),
-                         (DEFAULT_TOP_K, "per_token_head", 0, 0) if block_keys == "landmark" else
-                         (FREE_READS[0], FREE_RETRIEVAL, *FREE_READS[1:])))
-        self = replace(self, **{k: v for k, v in reads.items() if getattr(self, k) is None})
+        defaults = dict(zip(("top_k", "sink_blocks", "local_blocks", "retrieval"),
+                            (DEFAULT_TOP_K, 0, 0, "per_token_head") if block_keys == "landmark" else
+                            (*FREE_READS, FREE_RETRIEVAL)))
+        self = replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
         chunk_size = self.chunk_size or default_chunk_size(block_size)
         if type(chunk_size) is not int or not block_size <= chunk_size <= MAX_CHUNK_SIZE or chunk_size % block_size:
             raise ValueError(f"chunk_size must be a positive multiple of the model's block_size ({block_size}), "
