@@ -191,19 +191,24 @@ def test_a_memory_refuses_another_model(built, tmp_path, capsys):
     assert dir_digest(built) == before
 
 
-def test_a_memory_is_read_with_the_model_it_was_built_with_when_none_is_given(texts, tmp_path, capsys):
+def test_a_memory_built_with_a_folder_is_read_with_it_only_once_the_user_names_it_again(texts, tmp_path, capsys):
     LandmarkGPT.from_pretrained().save_pretrained(tmp_path / "own")
-    mem = tmp_path / "mem"
-    assert main(["build", str(mem), "--input", str(texts / "a.txt"), "--model", str(tmp_path / "own"), "--quiet"]) == 0
-    assert main(["build", str(mem), "--input", str(texts / "b.txt"), "--quiet"]) == 0  # appended with its model
+    mem, own = tmp_path / "mem", ["--model", str(tmp_path / "own")]
+    assert main(["build", str(mem), "--input", str(texts / "a.txt"), *own, "--quiet"]) == 0
     capsys.readouterr()
-    assert main(["ask", str(mem), "Hello", "--max-new-tokens", "2", "--json"]) == 0
+    for argv in (["build", str(mem), "--input", str(texts / "b.txt")], ["ask", str(mem), "Hello"]):
+        assert main([*argv, "--quiet"]) == 2  # a manifest never chooses the folder a model is loaded from
+        err = capsys.readouterr().err
+        assert str(tmp_path / "own") in err and "--model" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["build", str(mem), "--input", str(texts / "b.txt"), *own, "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["ask", str(mem), "Hello", "--max-new-tokens", "2", "--json", *own]) == 0
     assert json.loads(capsys.readouterr().out)["memory_tokens"] > 0
     other = LandmarkGPT.from_pretrained()
     with torch.no_grad():
         other.lm_head.weight[0, 0] += 1.0
     other.save_pretrained(tmp_path / "own")  # the folder now holds other weights: refused as another model
-    assert main(["ask", str(mem), "Hello", "--quiet"]) == 2
+    assert main(["ask", str(mem), "Hello", "--quiet", *own]) == 2
     assert "another model" in capsys.readouterr().err
 
 

@@ -5,13 +5,14 @@ import contextlib
 import errno
 import json
 import os
-import re
 import signal
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 
+from ..core.names import NAMED_MODELS
+from ..core.printing import printable
 from ..index import KINDS
 from ..memory import LandmarkMemory, MemoryDir
 from ..memory.options import MemoryOptions
@@ -33,15 +34,6 @@ class UsageError(ValueError):
 
 
 # ---- shared helpers ---------------------------------------------------------------------
-# control characters but new lines and tabs: a document's name may hold a terminal's escape sequences
-CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters written as escapes (``\\x1b``), safe to show on a terminal."""
-    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
-
-
 def emit(args, doc, text):
     """One JSON document with --json (its strings escaped by JSON), else human-readable text."""
     print(json.dumps(doc, indent=1) if args.json else printable(text))
@@ -68,7 +60,7 @@ def say_block_keys(model, options: MemoryOptions):
     """Say once, on stderr, that a memory of ``options`` (resolved) reads ``model`` without
     landmarks (no training)."""
     if options.block_keys == "mean":
-        print(f"{getattr(model, 'landmark_name', '') or 'the model'}: no landmarks; each block of "
+        print(f"{printable(getattr(model, 'landmark_name', '') or 'the model')}: no landmarks; each block of "
               f"{options.block_size} tokens is searched by the mean of its own keys (training-free)", file=sys.stderr)
 
 
@@ -76,12 +68,17 @@ def say_block_keys(model, options: MemoryOptions):
 def saved_model(args, required=True):
     """The manifest of the memory ``args.memory`` (unless ``required``, None where there is none
     yet), refused in one line, before any model loads, when it records another model than
-    ``--model``. Without ``--model``, ``args.model`` becomes the model the memory records (its
-    weights are checked against the memory's fingerprint as it opens)."""
+    ``--model``. Without ``--model``, ``args.model`` becomes the model the memory records when
+    that is one the package ships (its weights are checked against the memory's fingerprint as
+    it opens); a folder a manifest names is loaded only when the user names it again: a memory
+    received from someone else never chooses what is loaded."""
     if not required and not (Path(args.memory) / "manifest.json").exists():
         return None
     saved = MemoryDir(args.memory, writable=False).read_manifest()
     if args.model is None and saved.model.name not in ("", "bundled"):
+        if saved.model.name not in NAMED_MODELS:
+            raise UsageError(f"{args.memory} was built with the model in {saved.model.name}; a memory never chooses "
+                             f"which folder's model is loaded: if you trust that folder, name it with --model")
         args.model = saved.model.name
     if saved.model.name and saved.model.name != model_name(args.model):
         raise UsageError(wrong_model(args.memory, saved.model, model_name(args.model)))
@@ -252,8 +249,8 @@ def cmd_serve(args):
                       max_body=args.max_body, shares=args.shares or 0, ray_address=args.ray_address, model=args.model)
     app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
     say_block_keys(model, saved.options)
-    print(f"serving {args.memory} with {cfg.model_name} at http://{args.host}:{args.port}/ (Ctrl-C stops)",
-          file=sys.stderr)
+    print(f"serving {printable(str(args.memory))} with {printable(cfg.model_name)} at http://{args.host}:{args.port}/ "
+          "(Ctrl-C stops)", file=sys.stderr)
     serve(app, args.host, args.port)
     return 0
 

@@ -10,6 +10,7 @@ calibrate the heads; a model without one reads it in ``PLAIN_FRAME``, whose word
 and its heads file keeps the frame they were chosen with."""
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ..core.names import ASSETS, NAMED_MODELS
 
 HEADS_FILE = "retrieval_heads.json"  # in a Hugging Face model's folder
 MAX_HEADS = 256
+MAX_FILE_BYTES = 1 << 20  # a heads file of MAX_HEADS pairs and its notes takes a few KB
 PLAIN_FRAME = "Question: {question}\nAnswer:"  # a question, where a model has no chat template
 
 
@@ -57,7 +59,10 @@ def load_heads(path: str | Path) -> EvidenceHeads:
     """``save_heads``'s file; ``ValueError`` saying what is wrong with one that is not."""
     path = Path(path)
     try:
-        body = json.loads(path.read_bytes()[:1 << 20])
+        with path.open("rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
+                raise ValueError(f"{os.fstat(f.fileno()).st_size:,} bytes, more than a heads file's {MAX_FILE_BYTES:,}")
+            body = json.loads(f.read(MAX_FILE_BYTES + 1), parse_constant=_no_constant)
         heads = tuple((int(a), int(b)) for a, b in body["heads"])
         blocks, candidates, frame = body.get("blocks", 4), body.get("candidates", 512), body.get("frame")
         framed = frame is None or (type(frame) is str and frame.count("{question}") == 1
@@ -65,7 +70,7 @@ def load_heads(path: str | Path) -> EvidenceHeads:
         ok = (all(type(a) is int and type(b) is int for a, b in body["heads"]) and type(candidates) is int
               and type(blocks) is int and 1 <= candidates <= 1 << 20 and 0 <= blocks <= 64
               and 0 < len(heads) <= MAX_HEADS and framed)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
         raise ValueError(f"{path}: not a retrieval heads file ({type(e).__name__}: {e}); choose them again "
                          "(`landmark-memory heads`) or remove it") from None
     if not ok:
@@ -73,6 +78,10 @@ def load_heads(path: str | Path) -> EvidenceHeads:
                          "from 0 to 64, candidates one from 1 on and a frame a text with one {question}; choose them "
                          "again (`landmark-memory heads`) or remove it")
     return EvidenceHeads(heads, blocks, candidates, frame, str(path))
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def question_prompt(tokenizer, question: str, frame: str | None = None) -> tuple[str, str | None]:
@@ -100,7 +109,9 @@ def find_heads(model: str | None) -> EvidenceHeads | None:
     package's), or None where it has none; ``ValueError`` for a file that is not a heads file."""
     if model is None:
         return None
-    for path in (heads_path(str(model)), ASSETS / "heads" / f"{model}.json"):
+    named = str(model) in NAMED_MODELS and not Path(model).exists()
+    shipped = (ASSETS / "heads" / f"{model}.json",) if named else ()  # (never a folder's path made a file name)
+    for path in (heads_path(str(model)), *shipped):
         if path.is_file():
             return load_heads(path)
     return None

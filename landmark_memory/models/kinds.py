@@ -199,6 +199,31 @@ def tokenizer_digest(tok) -> str:
     return h.hexdigest()
 
 
+# what a Hugging Face folder is loaded with: never the folder's own Python (``auto_map``), never a pickle
+NO_CODE = {"trust_remote_code": False, "use_safetensors": True}
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # torch.save's files: unpickling one can run code
+
+
+def check_no_code(path: str | Path, config: dict) -> None:
+    """``ValueError`` in one line for a Hugging Face folder (``config``: its config.json) that
+    loading would make run code: a model type transformers does not know (the folder's own
+    Python, named by ``auto_map``), or weights kept only as pickles. A folder that names its own
+    code beside a model type transformers knows is read with transformers' own classes."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    folder = Path(path)
+    kind = config.get("model_type")
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+        raise ValueError(f"{folder / 'config.json'}: model type {kind!r} is not one transformers knows; such a model "
+                         "runs its folder's own Python code, which landmark-memory never runs: use a model of a "
+                         "family transformers ships")
+    if not any(folder.glob("*.safetensors")):
+        pickled = sorted(f for pattern in PICKLES for f in folder.glob(pattern))
+        what = f"{pickled[0]}: weights saved as a pickle" if pickled else f"{folder}: no *.safetensors weights"
+        raise ValueError(f"{what}, which landmark-memory never loads (unpickling can run code); save the model "
+                         "with safetensors (model.save_pretrained(folder)) and use that folder")
+
+
 def _load(path, dev: str, block_size: int | None):
     config = hf_config(path) if path else None
     named = path in NAMED_MODELS and not Path(path).exists()
@@ -213,8 +238,13 @@ def _load(path, dev: str, block_size: int | None):
         if named:
             model, tok = load_landmark() if path == LANDMARK else load_base()
         else:
+            check_no_code(path, config)
             load = from_pretrained if config.get("landmark_block_size") else AutoModelForCausalLM.from_pretrained
-            model, tok = load(path), AutoTokenizer.from_pretrained(path)
+            try:
+                model, tok = load(path, **NO_CODE), AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            except ValueError as e:  # (transformers: a tokenizer that needs the folder's code, among others)
+                raise ValueError(f"{path}: transformers cannot load it without running its code "
+                                 f"({' '.join(str(e).split())[:300]})") from None
         model, tok = _hf_ready(model, tok, path, dev, block_size)
     else:
         model, tok = LandmarkGPT.from_pretrained(path or BUNDLED_MODEL, device=dev).eval(), load_tokenizer()

@@ -14,7 +14,7 @@ from ..models.hf.backbone import HFBackbone
 from ..models.hf.convert import convert, from_pretrained, normal_logits
 from ..models.hf.lora import ADAPTER_CONFIG, adapter_settings, add_lora, apply_adapter, write_settings
 from ..models.hf.tokenizer import TextTokenizer
-from ..models.kinds import hf_config
+from ..models.kinds import NO_CODE, check_no_code, hf_config
 from ..models.model import LandmarkGPT, lm_loss
 from .recall import recall_loss
 
@@ -62,15 +62,16 @@ class HFLandmarkLM(nn.Module):
         config = hf_config(path)
         if config is None:
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json with a model_type)")
-        tok = AutoTokenizer.from_pretrained(path)
+        check_no_code(path, config)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         saved_block = config.get("landmark_block_size")
         if saved_block:
             if saved_block != block_size:
                 raise ValueError(f"{path} is a landmark model with blocks of {saved_block} tokens; "
                                  f"pass --block-size {saved_block}")
-            model = from_pretrained(path, dtype="float32")
+            model = from_pretrained(path, dtype="float32", **NO_CODE)
         else:
-            model = convert(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tok, block_size)
+            model = convert(AutoModelForCausalLM.from_pretrained(path, dtype="float32", **NO_CODE), tok, block_size)
         model.config.use_cache = False
         if grad_checkpoint:  # non-reentrant: no input needs a gradient for LoRA's to flow. (The name that
             # 5.23 prefers, activation_checkpointing_enable, is missing from the transformers of GPU images.)

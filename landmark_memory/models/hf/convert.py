@@ -155,9 +155,11 @@ def _landmark_class(cls):
 
 def from_pretrained(path: str | Path, **kwargs) -> PreTrainedModel:
     """A landmark model saved with ``save_pretrained`` (``kwargs`` go to
-    ``AutoModelForCausalLM.from_pretrained``: dtype, device_map, ...)."""
+    ``AutoModelForCausalLM.from_pretrained``: dtype, device_map, ...; the folder's own code is
+    never run unless ``trust_remote_code=True`` is given)."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"no Hugging Face model at {path}: config.json is missing")
+    kwargs.setdefault("trust_remote_code", False)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION, **kwargs)
     if not is_converted(model):
         raise ValueError(f"{path} holds a plain {type(model).__name__}, not a landmark model: "

@@ -69,8 +69,9 @@ def base_model_dir() -> Path:
     print(f"SmolLM2: dequantizing {src.name} into {out} (once; about 20 seconds)", flush=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, trust_remote_code=False)
+        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
+                                                          trust_remote_code=False)
         # transformers refuses to save a model loaded from GGUF: move its dequantized weights
         # into a plain model of the same config
         config = copy.deepcopy(gguf_model.config)
@@ -94,7 +95,8 @@ def load_base(dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = base_model_dir()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True),
+            AutoTokenizer.from_pretrained(path, trust_remote_code=False))
 
 
 def load_landmark(adapter: Path = ADAPTER_DIR, dtype: torch.dtype = torch.float32):
