@@ -7,11 +7,11 @@ object per line with ``--json``). Every turn is committed to the session before 
 read, so a chat stopped at any point resumes with ``--session NAME`` at its last answer.
 """
 
-import json
 import sys
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
+from ..core.printing import json_text, printable
 from ..memory import LandmarkMemory
 from ..memory.answer import Answer, say
 from ..memory.session import Session
@@ -71,7 +71,7 @@ def chat(session: Session, tokenizer, options: ChatOptions, *, as_json: bool = F
             continue
         a = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
                 passages=options.passages)
-        print(json.dumps(answer_json(a), ensure_ascii=False) if as_json else a.text.strip(), file=stdout, flush=True)
+        print(json_text(answer_json(a)) if as_json else printable(a.text.strip()), file=stdout, flush=True)
     return 0
 
 
@@ -79,7 +79,7 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
     import readline  # noqa: F401 - line editing and history for input()
 
     mem: LandmarkMemory = session.mem
-    print(f"session {session.name}: {session.n_turns} turns so far over {mem.dir.path} "
+    print(f"session {session.name}: {session.n_turns} turns so far over {printable(str(mem.dir.path))} "
           "(/help for commands, Ctrl-D ends)", file=out)
     last = None
     while True:
@@ -97,8 +97,9 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
         if command in ("/quit", "/exit"):
             return 0
         if command.startswith("/"):
-            print({"/passages": lambda: passages_text(last), "/sessions": lambda: sessions_text(mem.dir.path),
-                   "/help": lambda: HELP}.get(command, lambda: f"unknown command {command}\n{HELP}")(), file=out)
+            reply = {"/passages": lambda: passages_text(last), "/sessions": lambda: sessions_text(mem.dir.path),
+                     "/help": lambda: HELP}.get(command, lambda: f"unknown command {command}\n{HELP}")()
+            print(printable(reply), file=out)
             continue
         shown, tokens = "", []
 
@@ -107,14 +108,14 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
             tokens.append(t)
             text = tokenizer.decode(tokens)
             if not text.endswith("\ufffd"):
-                print(text[len(shown):], end="", file=out, flush=True)
+                print(printable(text[len(shown):]), end="", file=out, flush=True)
                 shown = text
 
         print("memory> ", end="", file=out, flush=True)
         try:
             last = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
                        passages=options.passages, on_token=show)
-            print(last.text[len(shown):], file=out)
+            print(printable(last.text[len(shown):]), file=out)
         except KeyboardInterrupt:  # the turn is not committed: the session goes back to its last one
             print("\n(stopped: this turn is forgotten, the session stays at its last answer)", file=out)
             session = session.reopen()

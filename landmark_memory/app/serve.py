@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..memory.session import Session
 from .serve_guard import ANY_ADDRESS, LOCAL_HOSTS, APIError, Guard
 from .serve_readers import Readers, ServeConfig
-from .serve_routes import Served, router
+from .serve_routes import Served, render_page, router
 from .serve_sessions import SessionLocks, sessions_router
 
 __all__ = ["ServeConfig", "create_app", "serve"]
@@ -54,7 +54,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
         readers.close()
 
     app = FastAPI(title="landmark-memory", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    page = resources.files("landmark_memory").joinpath("assets/page.html").read_text()
+    page = render_page(resources.files("landmark_memory").joinpath("assets/page.html").read_text(), cfg.model_name)
     locks = SessionLocks()
     app.state.served = Served(cfg, readers, tokenizer, answering=anyio.CapacityLimiter(cfg.parallel),
                               inspecting=anyio.CapacityLimiter(1), locks=locks, page=page)

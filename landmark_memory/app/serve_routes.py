@@ -3,10 +3,13 @@
 sessions' locks) is one ``Served`` object the application holds (``served``)."""
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import logging
 import math
+import re
 import secrets
 import threading
 import time
@@ -24,6 +27,39 @@ from .serve_readers import Readers, ServeConfig
 from .serve_sessions import SessionLocks, existing, session_errors
 
 
+@dataclass(frozen=True)
+class Page:
+    """The page as served: its ``html`` and the ``policy`` (Content-Security-Policy) it is sent with."""
+
+    html: str
+    policy: str
+
+
+def script_json(value) -> str:
+    """``value`` as a JavaScript literal inside a page's ``<script>``: JSON with ``<``, ``>`` and ``&``
+    escaped too, so that no text (a model folder named ``</script><script>...``) ends the script."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def render_page(template: str, model_name: str) -> Page:
+    """The page of ``template`` serving ``model_name``, with a policy that lets the browser run
+    its own script and style only (by their sha256: an inline script that escaping ever let in
+    does not run), fetch from this server only, and be framed by no other page."""
+    model = script_json(model_name)
+    # hashed as the template holds them, so that text that escaping let end a script never counts as one
+    scripts = " ".join(_sha256(t.replace("{{MODEL}}", model)) for t in re.findall(r"<script>(.*?)</script>", template,
+                                                                                  re.S))
+    styles = " ".join(_sha256(t) for t in re.findall(r"<style>(.*?)</style>", template, re.S))
+    html = template.replace("{{MODEL}}", model)
+    policy = (f"default-src 'none'; script-src {scripts}; style-src {styles}; connect-src 'self'; img-src 'self'; "
+              "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return Page(html, policy)
+
+
 @dataclass
 class Served:
     """What the routes answer from: ``cfg``, the memory kept open (``readers``), the model's
@@ -36,7 +72,7 @@ class Served:
     answering: anyio.CapacityLimiter
     inspecting: anyio.CapacityLimiter
     locks: SessionLocks
-    page: str
+    page: Page
 
 
 def served(request: Request) -> Served:
@@ -125,7 +161,7 @@ async def memory(s: Served = Depends(served)):
 
 @router.get("/", response_class=HTMLResponse)
 async def index(s: Served = Depends(served)):
-    return s.page.replace("{{MODEL}}", json.dumps(s.cfg.model_name))
+    return HTMLResponse(s.page.html, headers={"Content-Security-Policy": s.page.policy})
 
 
 def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]) -> int:
