@@ -418,3 +418,10 @@ def test_a_document_an_earlier_version_named_by_its_bytes_is_not_read_again(text
     done = json.loads(capsys.readouterr().out)
     assert done["added"] == 0 and done["skipped"] == [str(crlf)] and done["documents"] == 1
     assert snapshot(mem) == before
+
+
+@pytest.mark.parametrize("flags", [[], ["--verify"]])
+def test_info_on_a_folder_that_does_not_exist_says_there_is_no_memory(tmp_path, capsys, flags):
+    assert main(["info", str(tmp_path / "nowhere"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no memory at" in err and "damaged" not in err and len(err.splitlines()) == 1, err

@@ -10,7 +10,7 @@ retrieving its top-k blocks (docs/DESIGN.md). One job per part:
     token_rows.py the blocks' token ids, as they were added
     manifest.py   the manifest's typed records and the row files' byte layout
     documents.py  InputRecord, DocumentList: a memory's inputs; a corpus's in pages, read when asked
-    errors.py     MemoryFileError, WriterBusyError
+    errors.py     MemoryFileError, WriterBusyError, NoMemoryError
     shape.py      ModelShape: the sizes a memory's files depend on, a block's rows
     directory.py  the files of a saved memory and the commit protocol
     seals.py      a writer's seals: the key files as it let them go; the next reads only those changed

@@ -45,7 +45,7 @@ from safetensors.torch import save as save_safetensors
 from ..core.fileio import TMP_MARK, LinkError, atomic_write, cut, open_nofollow
 from ..index.rows import KeyFileError, KeyRows
 from ..storage import StoreWriteError
-from .errors import WriterBusyError
+from .errors import NoMemoryError, WriterBusyError
 from .manifest import KEYS, LANDMARKS, TOKENS, Manifest, MemoryFileError, StateFile
 
 MANIFEST, LOCK, STORE = "manifest.json", "writer.lock", "store"
@@ -150,7 +150,7 @@ class MemoryDir:
             raise MemoryFileError(f"cannot write to the memory {self.path} ({e.strerror}); open it read-only "
                                   "(readonly=True; the CLI's info and ask do) or fix its permissions") from None
         except FileNotFoundError:
-            raise MemoryFileError(f"no memory at {self.path}: the directory does not exist "
+            raise NoMemoryError(f"no memory at {self.path}: the directory does not exist "
                                   "(build one with `landmark-memory build`)") from None
         fh = os.fdopen(fd, "rb+", buffering=0)  # (unbuffered: a full disk fails the write, never the close)
         try:
@@ -201,7 +201,7 @@ class MemoryDir:
     def read_manifest(self) -> Manifest:
         f = self.path / MANIFEST
         if not self.path.is_dir():
-            raise MemoryFileError(f"no memory at {self.path}: the directory does not exist "
+            raise NoMemoryError(f"no memory at {self.path}: the directory does not exist "
                                   "(build one with `landmark-memory build`)")
         if not f.exists() and not f.is_symlink():
             entries = list(self.path.iterdir())

@@ -7,3 +7,7 @@ class MemoryFileError(ValueError):
 
 class WriterBusyError(MemoryFileError):
     """A memory another process is writing (it holds the writer lock)."""
+
+
+class NoMemoryError(MemoryFileError):
+    """No memory where one was named (its directory does not exist): nothing to call damaged."""

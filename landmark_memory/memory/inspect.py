@@ -13,6 +13,7 @@ from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
 from .directory import MemoryDir
+from .errors import NoMemoryError
 from .manifest import TOKENS, Manifest, MemoryFileError
 from .session_files import committed_starts, committed_turns, list_sessions, sessions_folder
 
@@ -99,6 +100,8 @@ def verify(path: str | Path) -> VerifyReport:
     report, d = VerifyReport(), MemoryDir(path, writable=False)
     try:
         manifest, state = d.read_commit()
+    except NoMemoryError:
+        raise  # (nothing there: no memory to call damaged)
     except MemoryFileError as e:
         report.problems.append(str(e))
         return report
