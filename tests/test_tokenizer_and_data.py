@@ -213,13 +213,37 @@ def test_a_text_tokenized_in_pieces_has_the_ids_of_the_whole(monkeypatch):
     monkeypatch.setattr(build, "PIECE_CHARS", 300)
     for text in (book, ODD_TEXT, "one" * 2000, book.replace(" ", "\n")):
         whole = tok.encode(strip_gutenberg(text)).ids + [tok.token_to_id(EOS_TOKEN)]
-        parts = list(build.pieces(strip_gutenberg(text), lambda a, b: True, 300))
+        parts = list(build.pieces(strip_gutenberg(text), lambda a, b: True, size=300))
         assert "".join(parts) == strip_gutenberg(text)
         assert build.encode(tok, text).tolist() == whole
-    assert len(list(build.pieces(book, lambda a, b: True, 300))) > 20  # (cut into many pieces)
+    assert len(list(build.pieces(book, lambda a, b: True, size=300))) > 20  # (cut into many pieces)
     tried = []
-    assert list(build.pieces(book, lambda a, b: tried.append(a) or False, 300)) == [book]  # never cuts: whole
+    assert list(build.pieces(book, lambda a, b: tried.append(a) or False, size=300)) == [book]  # never cuts: whole
     assert len(tried) == build.CUT_TRIES  # (after a few places tried, not every word of the text)
     refused = set()
-    kept = list(build.pieces(book, lambda a, b: len(refused) > 3 or refused.add(a) or False, 300))
+    kept = list(build.pieces(book, lambda a, b: len(refused) > 3 or refused.add(a) or False, size=300))
     assert len(refused) == 4 and "".join(kept) == book and len(kept) > 20  # (refused places passed over)
+
+
+CJK = "\u5929\u4e0b\u5927\u52bf\uff0c\u5206\u4e45\u5fc5\u5408\uff0c\u5408\u4e45\u5fc5\u5206\u3002\u5468\u672b\u4e03\u56fd\u5206\u4e89"
+
+
+@pytest.mark.parametrize("shape", ["two spaces", "no-break spaces", "tabs", "no spaces", "one long word"])
+def test_a_text_of_any_shape_is_cut_into_bounded_pieces_with_the_ids_of_the_whole(monkeypatch, shape):
+    from landmark_memory.jobs import build
+
+    tok = load_tokenizer()
+    book = read_text(SAMPLE_DIR / "train" / "treasure_island_excerpt.txt")[:12000]
+    text = {"two spaces": book.replace(" ", "  "), "no-break spaces": book.replace(" ", "\u00a0"),
+            "tabs": book.replace(" ", "\t"), "no spaces": CJK * 300, "one long word": "abcdefghij" * 600}[shape]
+    monkeypatch.setattr(build, "PIECE_CHARS", 300)
+    monkeypatch.setattr(build, "CUT_REACH", 200)
+    ids = build.encode(tok, text).tolist()
+
+    def bounds(window):
+        return [end for _, end in tok.encode(window).offsets]
+
+    parts = list(build.pieces(strip_gutenberg(text), lambda a, b: True, bounds))
+    assert "".join(parts) == strip_gutenberg(text) and len(parts) > 10
+    assert max(map(len, parts)) <= 300 + 200 + 2 * build.CUT_WINDOW  # never the rest whole
+    assert ids == tok.encode(strip_gutenberg(text)).ids + [tok.token_to_id(EOS_TOKEN)]

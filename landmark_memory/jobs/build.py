@@ -16,13 +16,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from ..core.tokenizer import EOS_TOKEN
+from ..core.tokenizer import EOS_TOKEN, encode_text
 from ..memory import LandmarkMemory
 from ..memory.corpus import (ReadDocument, committed_tokens, document_folders, document_manifest,
                              drop_merged_rows, finished, merge_document, merge_read, packs, unmerged_states)
@@ -67,40 +68,63 @@ def read_inputs(paths: list[str | Path]) -> list[TextInput]:
 
 PIECE_CHARS = 1 << 20  # a text is tokenized a piece of about this many characters at a time
 CUT_WINDOW = 256  # characters each side of a cut that must tokenize as their two sides do
-CUT_TRIES = 16  # places tried for a cut: a tokenizer that cuts at none of them reads the rest whole
-_CUT = re.compile(r"(?<=\S)(?= \w)")  # before a space that starts a word, after one that ends one
+CUT_TRIES = 16  # places tried for a cut of each kind
+CUT_REACH = 1 << 16  # characters past a piece's size searched for a boundary of the text's
+# where a pre-tokenizer cuts before it merges anything: before whitespace that ends a word (one space, two, tabs,
+# no-break spaces), and between letters and punctuation (text written without spaces: Chinese, Japanese)
+_CUT = re.compile(r"(?<=\S)(?=\s)|(?<=[^\W\d_])(?=[^\w\s])|(?<=[^\w\s])(?=[^\W\d_])")
 
 
 def encode(tokenizer, text: str) -> np.ndarray:
     """int32 (n,) token ids of a text as the memory holds it: Gutenberg licence stripped,
     end-of-text after. Tokenized a piece at a time (``pieces``), so that the tokenizer's own
     memory stays bounded whatever the shape of the text (a 50 MB line held 7 GB at once): the
-    ids are those of the text tokenized whole."""
-    def splits(left: str, right: str) -> bool:  # the tokenizer cuts there: the window's ids are its sides'
-        return tokenizer.encode(left + right).ids == tokenizer.encode(left).ids + tokenizer.encode(right).ids
+    ids are those of the text tokenized whole wherever the tokenizer cuts it anywhere."""
+    def ids(piece: str) -> list[int]:  # (a special token's text in a document is text: ``encode_text``)
+        return encode_text(tokenizer, piece).ids
 
-    parts = [np.asarray(tokenizer.encode(piece).ids, np.int32) for piece in pieces(strip_gutenberg(text), splits)]
+    def splits(left: str, right: str) -> bool:  # the tokenizer cuts there: the window's ids are its sides'
+        return ids(left + right) == ids(left) + ids(right)
+
+    def bounds(window: str) -> list[int]:  # where the tokenizer ends a token of ``window``
+        return [end for _, end in encode_text(tokenizer, window).offsets]
+
+    parts = [np.asarray(ids(piece), np.int32) for piece in pieces(strip_gutenberg(text), splits, bounds)]
     return np.concatenate(parts + [np.array([tokenizer.token_to_id(EOS_TOKEN)], np.int32)])
 
 
-def pieces(text: str, splits: Callable[[str, str], bool], size: int | None = None) -> Iterator[str]:
-    """``text`` in consecutive pieces of about ``size`` (``PIECE_CHARS``) characters. Each but
-    the last ends before a space that starts a word after a character that ends one (where a
-    tokenizer's pre-tokenizer cuts before it merges anything) and where ``splits`` says the
-    ``CUT_WINDOW`` characters each side tokenize as their two sides do: so each piece tokenizes
-    as that span of the whole does. Where none of ``CUT_TRIES`` such places passes (a tokenizer
-    that does not cut there), the rest stays whole."""
+def pieces(text: str, splits: Callable[[str, str], bool], bounds: Callable[[str], list[int]] | None = None,
+           size: int | None = None) -> Iterator[str]:
+    """``text`` in consecutive pieces of about ``size`` (``PIECE_CHARS``) characters, each cut where
+    ``splits`` says the ``CUT_WINDOW`` characters each side tokenize as their two sides do, so that
+    each piece tokenizes as that span of the whole does. The places tried, ``CUT_TRIES`` of each
+    kind: the text's own boundaries within ``CUT_REACH`` (``_CUT``: a word's end, whatever
+    whitespace follows; letters against punctuation), then the token ends the tokenizer gives a
+    window there (``bounds``: text with no boundary, such as one long word). Where none passes, the
+    piece ends at such a token end all the same (the ids beside that cut may differ from the whole
+    text's; memory stays bounded), or, without ``bounds``, the rest stays whole."""
     size, at = size or PIECE_CHARS, 0
     while len(text) - at > size:
-        cut, tries = _CUT.search(text, at + size), 1
-        while cut is not None and not splits(text[max(cut.start() - CUT_WINDOW, 0):cut.start()],
-                                             text[cut.start():cut.start() + CUT_WINDOW]):
-            cut, tries = (_CUT.search(text, cut.start() + 1) if tries < CUT_TRIES else None), tries + 1
+        cut = _cut(text, at + size, splits, bounds)
         if cut is None:
             break
-        yield text[at:cut.start()]
-        at = cut.start()
+        yield text[at:cut]
+        at = cut
     yield text[at:]
+
+
+def _cut(text: str, target: int, splits, bounds) -> int | None:
+    """Where a piece reaching ``target`` of ``text`` ends (``pieces``), or None: the rest whole."""
+    def tokenizes_apart(cut: int) -> bool:
+        return splits(text[max(cut - CUT_WINDOW, 0):cut], text[cut:cut + CUT_WINDOW])
+
+    own = islice((m.start() for m in _CUT.finditer(text, target, min(target + CUT_REACH, len(text)))), CUT_TRIES)
+    cut = next((c for c in own if tokenizes_apart(c)), None)
+    if cut is not None or bounds is None:
+        return cut
+    window = text[target:target + 2 * CUT_WINDOW]
+    ends = [target + e for e in bounds(window) if 0 < e < len(window)]
+    return next((c for c in ends[:CUT_TRIES] if tokenizes_apart(c)), ends[len(ends) // 2] if ends else target)
 
 
 def encode_document(tokenizer, text: str, block_size: int) -> np.ndarray:
