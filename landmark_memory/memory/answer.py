@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..core.names import MAX_TURN_CHARS
+from ..core.tokenizer import encode_prompt
 from ..models.config import AskPolicy
 from ..models.reader import QuestionReader, head_attention, standardised
 from .engine import LandmarkMemory
@@ -195,7 +196,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         text = tokenizer.decode([t for t in tokens if t not in stops])
         return any(s in text for s in stop)
 
-    encoded = tokenizer.encode(prompt)
+    encoded = encode_prompt(tokenizer, prompt, [m.content for m in messages])  # (their text never a special token)
     ids, rest = encoded.ids, encoded.ids
     reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
     pointed, found = [], None
@@ -323,8 +324,8 @@ def say(session: Session, tokenizer, messages: str | Sequence[Message], **option
     for m in messages[:-1]:  # messages that ask for no answer: read, a turn each
         start = session.n_tokens
         text = chat_text([asdict(m)], first=first and not turns, answer=False) if chat_text else None
-        mem.forward(torch.tensor([tokenizer.encode(text if text is not None else m.content + "\n").ids]),
-                    logits="none")
+        mem.forward(torch.tensor([encode_prompt(tokenizer, text if text is not None else m.content + "\n",
+                                                [m.content]).ids]), logits="none")
         turns.append(Turn(m.role, m.content, start, session.n_tokens - start, said))
     start = session.n_tokens
     a = converse(mem, tokenizer, messages[-1:], first=first and not turns, **options)
