@@ -142,3 +142,52 @@ def test_the_bar_follows_the_tokens_workers_read_before_any_commit(own_ray, tmp_
         mem.close(commit=False)
     assert result.done and bar.n == len(job.ids)
     assert 0 < bar.shown[0] < len(job.ids)  # it moved while the document was read, before its only commit
+
+
+@pytest.mark.parametrize("at", ["ray", "workers", "folder check"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_ray_starts_is_held_until_ray_is_shut_down_again(documents, tmp_path, monkeypatch, at, signum):
+    from landmark_memory.jobs import distributed
+
+    step = {"ray": "_start_ray", "workers": "_start_workers", "folder check": "_check_reaches"}[at]
+    original = getattr(distributed.RayReader, step)
+
+    def signalled(self, ray_module):  # the signal comes as the step starts: it runs on, and the rest is skipped
+        os.kill(os.getpid(), signum)
+        return original(self, ray_module)
+
+    monkeypatch.setattr(distributed.RayReader, step, signalled)
+    got = []
+
+    def handler(s, frame):  # what the command's handler does: the signal as an exception, once Ray is down
+        got.append((s, ray.is_initialized()))
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, handler), signal.signal(signal.SIGINT, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with distributed.RayReader(1, None, None, memory=tmp_path / "m"):
+                pytest.fail("the start went on after the signal")
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+    assert got == [(signum, False)]  # raised once, after Ray was shut down
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".landmark-memory-probe*"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("after", [0.5, 2.0, 3.5, 5.0])
+def test_a_signal_at_any_instant_of_a_builds_start_is_one_line_and_its_exit_status(documents, tmp_path, signum, after):
+    mem = tmp_path / "m"
+    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.app.entry", *build_argv(mem, documents, "--workers",
+                                                                                          "2")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(after)  # importing, loading the model, starting Ray and its workers, reading
+    # a terminal's Ctrl-C reaches the whole group (Ray's own processes block SIGINT); `kill` the build alone
+    (os.killpg if signum == signal.SIGINT else os.kill)(proc.pid, signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 128 + signum), err  # (0: the build was done before the signal)
+    assert "Traceback" not in err and "***" not in err and len(err.strip().splitlines()) <= 1, err
+    if proc.returncode:
+        assert "interrupted" in err + out
+    assert not (mem / "manifest.json").exists() or main(["info", str(mem), "--verify"]) == 0

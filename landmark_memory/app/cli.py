@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -107,11 +108,9 @@ def cmd_build(args):
                              + "; these cannot change: drop the flags or build a new memory")
     block_size = saved.model.shape.block_size if saved else args.block_size
     model, tok = load_model(args.model, args.device, block_size)
-    reader = (RayReader(args.workers, args.ray_address, args.model, args.device, block_size, args.worker_threads)
-              if args.workers else contextlib.nullcontext())
+    reader = (RayReader(args.workers, args.ray_address, args.model, args.device, block_size, args.worker_threads,
+                        memory=path) if args.workers else contextlib.nullcontext())
     with reader:  # Ray is up and every worker sees the folder before anything is written
-        if args.workers:
-            reader.check_reaches(path)
         if saved is not None:
             mem = LandmarkMemory.open(path, model, **given(args, "top_k"))
         else:
@@ -369,11 +368,23 @@ def os_error_text(e: OSError) -> str:
     return str(e)
 
 
+def _terminate(signum, frame):
+    """SIGTERM ends a command as Ctrl-C does (what it began is ended, one line), exit 143."""
+    raise Terminated
+
+
+class Terminated(KeyboardInterrupt):
+    """A KeyboardInterrupt that SIGTERM raised."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
         return cmd_train(argv[1:])
     args = parser().parse_args(argv)
+    # (serve: uvicorn answers SIGTERM itself, shutting down gracefully and ending by the signal)
+    own = threading.current_thread() is threading.main_thread() and args.command != "serve"
+    before = signal.signal(signal.SIGTERM, _terminate) if own else None
     try:
         return COMMANDS[args.command](args)
     except BrokenPipeError:  # whoever read the output stopped (`info | head`): end quietly, as Unix tools do
@@ -384,9 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         text = os_error_text(e) if isinstance(e, OSError) else str(e)
         print(f"landmark-memory {args.command}: error: {printable(text)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(f"landmark-memory {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The ``landmark-memory`` command's entry point. Ctrl-C while torch and the rest are still
-being imported ends the command with one line and exit status 130 once the imports are done:
-a KeyboardInterrupt raised inside native import code could abort the process instead.
+"""The ``landmark-memory`` command's entry point. Ctrl-C or SIGTERM while torch and the rest are
+still being imported ends the command with one line and exit status 130 or 143 once the imports
+are done: a KeyboardInterrupt raised inside native import code could abort the process instead.
 
 ``build`` runs for hours, often beside other jobs: its OpenMP threads (torch, numba, FAISS)
 wait passively at the end of each parallel region (``OMP_WAIT_POLICY=PASSIVE``, unless set)
@@ -24,14 +24,16 @@ def main() -> int:
 
         parser().parse_args(sys.argv[1:])
     stopped = []
-    previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+    previous = {s: signal.signal(s, lambda signum, _: stopped.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         from .cli import main as run
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped:
+        print("landmark-memory: interrupted", file=sys.stderr)
+        return 128 + stopped[0]
     try:
-        if stopped:
-            raise KeyboardInterrupt
         return run()
     except KeyboardInterrupt:
         print("landmark-memory: interrupted", file=sys.stderr)

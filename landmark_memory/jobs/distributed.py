@@ -14,10 +14,13 @@ disk; across machines a shared one): each worker checks that it sees a probe fil
 put beside the memory, before anything is written.
 """
 
+import contextlib
 import os
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +62,54 @@ def start_ray(address: str | None, cpus: int) -> bool:
     return True
 
 
+class _Held:
+    """SIGINT and SIGTERM noted (``noted``), not acted on: a signal handler."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.noted: list[int] = []
+        self.active = threading.current_thread() is threading.main_thread()  # (signals reach the main thread only)
+
+    def __call__(self, signum, frame):
+        self.noted.append(signum)
+
+    def hold(self) -> None:
+        """Be the handler (again: ``ray.init`` sets Ray's own SIGTERM handler in C++ in its last
+        few milliseconds, and ``ray.shutdown`` the default one); nothing off the main thread."""
+        for s in self.SIGNALS if self.active else ():
+            signal.signal(s, self)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM held back while Ray starts, then raised again once it has started or has
+    been shut down (``RayReader``): a signal acted on midway through ``ray.init`` (a
+    KeyboardInterrupt, or the SIGTERM handler Ray sets, which exits from inside its start) left its
+    threads to crash the process at exit. Ray's Python SIGTERM handlers are not set meanwhile;
+    the caller calls ``hold()`` after each step of the start, since ``ray.init`` sets one in C++
+    in its last milliseconds (a signal in those few ms still meets Ray's handler). Yields the
+    ``_Held`` handler, whose ``noted`` says what came."""
+    import ray._private.utils as ray_utils
+
+    held = _Held()
+    if not held.active:
+        yield held
+        return
+    old = {s: signal.getsignal(s) for s in held.SIGNALS}
+    held.hold()
+    ray_sets = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield held
+    finally:
+        ray_utils.set_sigterm_handler = ray_sets
+        for s, handler in old.items():  # (None: a handler not set from Python; the default stands in)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if held.noted:
+        signal.raise_signal(held.noted[0])  # (to the handler before: the command's, or Python's KeyboardInterrupt)
+
+
 def stop_ray(actors: list, started: bool) -> None:
     """Kill ``actors`` (Ray actor handles) and shut Ray down if ``start_ray`` started it here:
     nothing this process began is left running."""
@@ -68,7 +119,8 @@ def stop_ray(actors: list, started: bool) -> None:
         ray.kill(a)
     actors.clear()
     if started:
-        ray.shutdown()
+        with signals_deferred():  # (ray.shutdown leaves SIGINT and SIGTERM to their defaults: a signal then killed
+            ray.shutdown()        # the process after its build had committed, not exit 130 or 143)
 
 
 def set_threads(n: int) -> None:
@@ -142,13 +194,14 @@ def check_address(address: str) -> None:
 class RayReader:
     """``workers`` Ray actors reading documents with ``threads`` cores each (default: this
     machine's cores shared out when Ray is local, else the cluster's CPUs shared out, at most
-    the smallest machine's)."""
+    the smallest machine's), started with every one seeing the folder of ``memory`` (when given).
+    SIGINT or SIGTERM while they start stops the start cleanly and is then raised again."""
 
     def __init__(self, workers: int, address: str | None, model: str | None, device: str = "cpu",
-                 block_size: int | None = None, threads: int | None = None):
+                 block_size: int | None = None, threads: int | None = None, memory: str | Path | None = None):
         if workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
-        self.workers, self.address, self.threads = workers, address, threads
+        self.workers, self.address, self.threads, self.memory = workers, address, threads, memory
         self.model_args = (model, device, block_size)
         self._started, self.actors = False, []
 
@@ -169,13 +222,21 @@ class RayReader:
                 raise ValueError(f"--workers {self.workers} on a machine with {cores} cores: give at most {cores} "
                                  "(one core each), or join a cluster with --ray-address")
             self.threads = self.threads or cores // self.workers
-        self._started = start_ray(self.address, self.workers * (self.threads or 1))
-        try:
-            self._start_workers(ray)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        with signals_deferred() as held:  # (a signal noted: Ray shut down again, then the signal raised)
+            try:
+                for step in (self._start_ray, self._start_workers, self._check_reaches):
+                    if not held.noted:
+                        step(ray)
+                        held.hold()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+            if held.noted:
+                self.__exit__(None, None, None)
         return self
+
+    def _start_ray(self, ray):
+        self._started = start_ray(self.address, self.workers * (self.threads or 1))
 
     def _start_workers(self, ray):
         cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]]
@@ -189,11 +250,12 @@ class RayReader:
             runtime_env={"env_vars": {**WORKER_ENV, **{v: str(threads) for v in THREAD_VARIABLES}}})
         self.actors = [worker.remote(*self.model_args, threads) for _ in range(self.workers)]
 
-    def check_reaches(self, memory: Path) -> None:
+    def _check_reaches(self, ray) -> None:
         """Refuse a memory folder some worker cannot see (a path on this machine's own disk
         while workers run on others): a probe file beside it, removed again."""
-        import ray
-
+        if self.memory is None:
+            return
+        memory = Path(self.memory)
         where = next(p for p in [memory.resolve(), *memory.resolve().parents] if p.is_dir())
         probe, token = where / f".landmark-memory-probe.{secrets.token_hex(8)}", secrets.token_hex(16)
         probe.write_text(token)
