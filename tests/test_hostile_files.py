@@ -425,3 +425,14 @@ def test_info_on_a_folder_that_does_not_exist_says_there_is_no_memory(tmp_path, 
     assert main(["info", str(tmp_path / "nowhere"), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert "no memory at" in err and "damaged" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_key_file_cut_mid_row_is_named_with_its_true_size(corpus, tmp_path, capsys):
+    mem = tmp_path / "m"
+    shutil.copytree(corpus, mem)
+    f = mem / "keys" / "s0_l1_h0.f32"
+    os.truncate(f, f.stat().st_size // 2 + 7)  # (not a whole row)
+    size = f.stat().st_size
+    assert main(["ask", str(mem), "The captain", "--max-new-tokens", "1", "--raw"]) == 2
+    err = capsys.readouterr().err
+    assert f"is truncated ({size:,} of" in err and len(err.strip().splitlines()) == 1, err

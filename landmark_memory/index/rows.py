@@ -133,10 +133,11 @@ class KeyRows:
         f, row = Path(self.path), self.dim * self.dtype.itemsize
         if os.path.islink(f):
             raise KeyFileError(f"{f} is a symbolic link: a memory reads and writes only its own files; remove the link")
-        have = f.stat().st_size // row if f.is_file() else -1
+        size = f.stat().st_size if f.is_file() else -1
+        have = size // row if size >= 0 else -1
         if have < rows and not grow:
             raise KeyFileError(f"{f} is missing" if have < 0 else
-                               f"{f} is truncated ({have * row} of at least {rows * row} bytes)")
+                               f"{f} is truncated ({size:,} of at least {rows * row:,} bytes)")
         if grow:
             f.parent.mkdir(exist_ok=True)
             reserve(f, rows * row)
