@@ -22,6 +22,24 @@ import pytest  # noqa: E402
 from landmark_memory.training.data import SAMPLE_DIR  # noqa: E402
 
 
+@pytest.fixture
+def refused(capsys):
+    """``refused(argv, *words)``: the command ``argv`` exits 2 with one line on stderr, no traceback,
+    holding each of ``words``; returns that line."""
+    from landmark_memory.app.cli import main
+
+    def check(argv, *words):
+        rc = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2, err
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        for w in words:
+            assert w in err, err
+        return err
+
+    return check
+
+
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory):
     """A folder of three short text files: a corpus's documents."""

@@ -50,17 +50,6 @@ def build(mem, book, *extra, capsys=None):
     return rc
 
 
-def refused(capsys, argv, *words):
-    """``argv`` exits 2 with one line on stderr that holds ``words``."""
-    rc = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for w in words:
-        assert w in err, err
-    return err
-
-
 def built(tmp_path, book, store="lmdb", index="flat"):
     """A corpus of ``book``; an approximate ``index`` gives it a state file (a flat one has none)."""
     mem = tmp_path / f"mem-{store}"
@@ -81,17 +70,17 @@ def blocks_folder(mem):
 
 
 # ---- 1. symbolic links -------------------------------------------------------------------
-def test_a_linked_writer_lock_is_refused_and_its_target_untouched(tmp_path, book, capsys):
+def test_a_linked_writer_lock_is_refused_and_its_target_untouched(tmp_path, book, capsys, refused):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "writer.lock").symlink_to(victim)
-    refused(capsys, ["build", str(tmp_path / "m"), "--input", str(book), "--quiet"], "symbolic link")
+    refused(["build", str(tmp_path / "m"), "--input", str(book), "--quiet"], "symbolic link")
     assert victim.read_text() == "precious"
 
 
 @pytest.mark.parametrize("name", ["tokens.bin", "keys", "keys/s0_l0_h0.f32", "docs"])
-def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, capsys, name):
+def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, capsys, name, refused):
     mem = built(tmp_path, book)
     victim = tmp_path / "victim"
     target = mem / name
@@ -104,7 +93,7 @@ def test_linked_files_of_a_memory_are_never_written_through(tmp_path, book, caps
     before = {f: f.read_bytes() for f in ([victim] if victim.is_file() else victim.rglob("*")) if f.is_file()}
     more = tmp_path / "more.txt"
     more.write_text(BOOK.read_text()[5000:7000])
-    refused(capsys, ["build", str(mem), "--input", str(more), "--quiet"], "symbolic link")
+    refused(["build", str(mem), "--input", str(more), "--quiet"], "symbolic link")
     assert {f: f.read_bytes() for f in before} == before
 
 
@@ -120,17 +109,18 @@ def test_a_temporary_file_planted_as_a_hard_link_is_replaced_never_written_throu
 
 
 @pytest.mark.parametrize("name", ["../../state.1.safetensors", "/etc/passwd"])
-def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, capsys, name):
+def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, capsys, name, refused):
     mem = built(tmp_path, book, index="hnsw")
     doc = json.loads((mem / "manifest.json").read_text())
     doc["files"]["state"]["name"] = name
     (mem / "manifest.json").write_text(json.dumps(doc))
-    refused(capsys, ["info", str(mem)], "no memory file")
+    refused(["info", str(mem)], "no memory file")
 
 
 @pytest.mark.parametrize("where", ["shards", "page"])
 @pytest.mark.parametrize("folder", ["../..", "docs/../../elsewhere", "/tmp"])
-def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, monkeypatch, folder, where):
+def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, monkeypatch, folder,
+                                                                    where, refused):
     if where == "shards":  # the document keeps its own store: the manifest lists its folder
         monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
     mem = built(tmp_path, book)
@@ -144,7 +134,7 @@ def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, bo
         page.write_bytes(data)
         doc["pages"][0][1:3] = [len(data), zlib.crc32(data)]
     (mem / "manifest.json").write_text(json.dumps(doc))
-    refused(capsys, ["ask", str(mem), "The", "--quiet"], "no document")
+    refused(["ask", str(mem), "The", "--quiet"], "no document")
 
 
 # ---- 2. corruption -----------------------------------------------------------------------
@@ -195,7 +185,7 @@ def test_corrupted_blocks_are_detected_on_read_and_named_by_verify(tmp_path, boo
     opened.close()
 
 
-def test_a_flipped_row_file_is_refused_by_the_reads_that_touch_it(tmp_path, book, capsys):
+def test_a_flipped_row_file_is_refused_by_the_reads_that_touch_it(tmp_path, book, capsys, refused):
     mem = built(tmp_path, book)
     f = mem / "tokens.bin"
     data = bytearray(f.read_bytes())
@@ -203,9 +193,9 @@ def test_a_flipped_row_file_is_refused_by_the_reads_that_touch_it(tmp_path, book
         data[row + 3] ^= 0x40  # the first token id of every block becomes huge
     f.write_bytes(bytes(data))
     # a reader maps the rows: the passages it reads are checked (the CRC-32 is verify's and a writer's)
-    refused(capsys, ["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], "vocabulary", "info --verify")
-    refused(capsys, ["info", str(mem)], "tokens.bin")
-    refused(capsys, ["build", str(mem), "--input", str(book), "--quiet"], "tokens.bin")
+    refused(["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], "vocabulary", "info --verify")
+    refused(["info", str(mem)], "tokens.bin")
+    refused(["build", str(mem), "--input", str(book), "--quiet"], "tokens.bin")
     assert main(["info", str(mem), "--verify"]) == 2 and "tokens.bin" in capsys.readouterr().out
 
 
@@ -243,9 +233,9 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.parametrize("store", ["lmdb", "mmap"])
-def test_a_full_disk_is_one_line_and_the_memory_stays_at_its_last_commit(small_disk, book, capsys, store):
+def test_a_full_disk_is_one_line_and_the_memory_stays_at_its_last_commit(small_disk, book, capsys, store, refused):
     mem = small_disk / "mem"
-    err = refused(capsys, ["build", str(mem), "--input", str(book), "--chunk-size", "50", "--store", store,
+    err = refused(["build", str(mem), "--input", str(book), "--chunk-size", "50", "--store", store,
                            "--commit-every", "0", "--quiet"], "last commit")
     assert "no space left" in err or "disk may be full" in err, err
     if (mem / "manifest.json").exists() and any((mem / "docs").glob("*")):  # the document, at its last commit
@@ -257,7 +247,7 @@ def test_a_full_disk_is_one_line_and_the_memory_stays_at_its_last_commit(small_d
 
 @pytest.mark.parametrize("room", [0, 4096])
 def test_a_chat_that_meets_a_full_disk_leaves_no_session_and_the_memory_sound(small_disk, book, capsys,
-                                                                               monkeypatch, room):
+                                                                               monkeypatch, room, refused):
     mem = small_disk / "mem"
     short = small_disk.parent / "short.txt"
     short.write_text(book.read_text()[:1500])
@@ -266,7 +256,7 @@ def test_a_chat_that_meets_a_full_disk_leaves_no_session_and_the_memory_sound(sm
         os.posix_fallocate(f.fileno(), 0, os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - room)
     capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO("Who was the captain?\n"))
-    refused(capsys, ["chat", str(mem), "--session", "t", "--raw", "--max-new-tokens", "2"], "no space left")
+    refused(["chat", str(mem), "--session", "t", "--raw", "--max-new-tokens", "2"], "no space left")
     assert main(["info", str(mem), "--verify"]) == 0
     capsys.readouterr()
     assert main(["sessions", str(mem), "--json"]) == 0 and json.loads(capsys.readouterr().out) == []
@@ -290,12 +280,12 @@ def test_a_session_a_chat_stopped_before_its_first_commit_is_no_damage_and_chats
 
 
 # ---- 5. a stop before the first commit ------------------------------------------------------
-def test_a_folder_left_by_a_kill_before_the_first_commit_builds_again(tmp_path, book, capsys):
+def test_a_folder_left_by_a_kill_before_the_first_commit_builds_again(tmp_path, book, capsys, refused):
     mem = tmp_path / "m"
     mem.mkdir()
     (mem / "writer.lock").write_text("process 1\n")
     (mem / f".manifest.json.tmp{os.getpid() + 1}").write_text("{")
-    refused(capsys, ["info", str(mem)], "no memory yet", "build it again")
+    refused(["info", str(mem)], "no memory yet", "build it again")
     assert build(mem, book) == 0
     assert not [f for f in mem.iterdir() if ".tmp" in f.name]
 
@@ -362,7 +352,7 @@ def rewrite_state(mem, change):
     ("store_missing", ["store"]),
     ("store_garbled", ["store"]),
 ])
-def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words):
+def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words, refused):
     text = tmp_path / "t.txt"
     text.write_text(BOOK.read_text()[:3030])
     mem = built(tmp_path, text, index="hnsw" if damage.startswith("index") else "flat")
@@ -386,14 +376,14 @@ def test_damaged_contents_are_exit_2_everywhere(tmp_path, capsys, damage, words)
             data.unlink()
         else:
             data.write_bytes(random.Random(0).randbytes(data.stat().st_size))
-    refused(capsys, ["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], *words)
+    refused(["ask", str(mem), "The", "--max-new-tokens", "2", "--quiet"], *words)
     rc = main(["info", str(mem), "--verify"])
     out = capsys.readouterr()
     assert rc == 2 and "Traceback" not in out.err
 
 
 # ---- 8. an input edited after its build was stopped -------------------------------------------
-def test_an_edited_unfinished_input_says_what_to_do_and_can_be_left(tmp_path, capsys):
+def test_an_edited_unfinished_input_says_what_to_do_and_can_be_left(tmp_path, capsys, refused):
     text = tmp_path / "x.txt"
     text.write_text(BOOK.read_text()[:4000])
     model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
@@ -406,7 +396,7 @@ def test_an_edited_unfinished_input_says_what_to_do_and_can_be_left(tmp_path, ca
         build_corpus(mem, read_inputs([text]), tok, reader=StopAfterOneChunk(model), progress=False)
     with open(text, "a") as f:  # a build stopped after one chunk, then its file edited
         f.write("\nOne more line.\n")
-    refused(capsys, ["build", str(tmp_path / "m"), "--input", str(text), "--quiet"], "has changed", "--leave-unfinished")
+    refused(["build", str(tmp_path / "m"), "--input", str(text), "--quiet"], "has changed", "--leave-unfinished")
     assert main(["build", str(tmp_path / "m"), "--input", str(text), "--leave-unfinished", "--quiet", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["left"] == [str(text.resolve())] and doc["added"] == len(encode_document(tok, text.read_text(), 50))
@@ -492,7 +482,8 @@ def test_a_kill_at_any_rename_or_sync_leaves_a_memory_that_finishes_exactly(tmp_
 
 
 # ---- LMDB failing at its commit (a full tmpfs gives EIO there, which the full-disk test may not reach) ----
-def test_an_lmdb_commit_that_fails_is_one_line_and_the_build_finishes_after(tmp_path, book, capsys, monkeypatch):
+def test_an_lmdb_commit_that_fails_is_one_line_and_the_build_finishes_after(tmp_path, book, capsys,
+                                                                            monkeypatch, refused):
     original, writes = LmdbStore._put, [0]
 
     class FailingCommit:  # the environment, its third write transaction failing as it commits
@@ -520,7 +511,7 @@ def test_an_lmdb_commit_that_fails_is_one_line_and_the_build_finishes_after(tmp_
 
     monkeypatch.setattr(LmdbStore, "_put", put)
     mem = tmp_path / "m"
-    refused(capsys, ["build", str(mem), "--input", str(book), "--chunk-size", "50", "--commit-every", "0", "--quiet"],
+    refused(["build", str(mem), "--input", str(book), "--chunk-size", "50", "--commit-every", "0", "--quiet"],
             "Input/output error", "disk may be full", "last commit")
     monkeypatch.setattr(LmdbStore, "_put", original)
     assert build(mem, book) == 0
@@ -531,7 +522,7 @@ def test_an_lmdb_commit_that_fails_is_one_line_and_the_build_finishes_after(tmp_
 
 @pytest.mark.parametrize("kind", ["landmark-gpt", "hugging-face"])
 @pytest.mark.parametrize("damage", ["cut weights", "config field of the wrong type"])
-def test_a_damaged_model_folder_is_one_line_naming_its_file(tmp_path, capsys, kind, damage):
+def test_a_damaged_model_folder_is_one_line_naming_its_file(tmp_path, capsys, kind, damage, refused):
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -555,16 +546,17 @@ def test_a_damaged_model_folder_is_one_line_naming_its_file(tmp_path, capsys, ki
         (folder / "config.json").write_text(json.dumps(doc))
         bad = "config.json"
     capsys.readouterr()  # (what saving the model printed)
-    refused(capsys, ["heads", "--model", str(folder), "--quiet"], str(folder / bad), "restore the model's files")
+    refused(["heads", "--model", str(folder), "--quiet"], str(folder / bad), "restore the model's files")
 
 
-def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_later_build(tmp_path, book, capsys):
+def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_later_build(tmp_path, book,
+                                                                                          capsys, refused):
     docs = tmp_path / "docs"
     docs.mkdir()
     name = docs / os.fsdecode(b"caf\xe9.txt")  # Latin-1 bytes: not UTF-8
     name.write_text(book.read_text()[:500])
     mem = tmp_path / "m"
-    refused(capsys, ["build", str(mem), "--input", str(docs), "--quiet"], "caf\\udce9.txt", "not UTF-8", "rename it")
+    refused(["build", str(mem), "--input", str(docs), "--quiet"], "caf\\udce9.txt", "not UTF-8", "rename it")
     assert not mem.exists() or not any(mem.rglob("manifest*"))  # nothing read, nothing committed
     good = tmp_path / "good.txt"
     good.write_text(book.read_text()[:500])
@@ -602,7 +594,7 @@ def test_a_document_an_earlier_build_left_that_cannot_be_merged_blocks_no_later_
     ("manifest.json", True), ("state.1.safetensors", True)])  # (the last two are replaced whole at a commit)
 @pytest.mark.slow
 def test_a_memory_file_hard_linked_outside_is_refused_or_replaced_never_written_through(tmp_path, book, capsys,
-                                                                                         name, replaced):
+                                                                                         name, replaced, refused):
     mem = built(tmp_path, book)
     outside, target = tmp_path / "outside", mem / name
     if not target.exists():
@@ -616,7 +608,7 @@ def test_a_memory_file_hard_linked_outside_is_refused_or_replaced_never_written_
     if replaced:
         assert main(["build", str(mem), "--input", str(more), "--quiet"]) == 0
     else:
-        refused(capsys, ["build", str(mem), "--input", str(more), "--quiet"], str(target), "hard links")
+        refused(["build", str(mem), "--input", str(more), "--quiet"], str(target), "hard links")
     assert outside.read_bytes() == before
 
 

@@ -46,15 +46,6 @@ def tiny_llama(folder):
     return folder
 
 
-def one_line(capsys, rc, *words):
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for w in words:
-        assert w in err, err
-    return err
-
-
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory):
     """A memory of the bundled model over a short text, and the text."""
@@ -75,7 +66,7 @@ def renamed(memory, tmp_path, name):
 
 
 @pytest.mark.parametrize("command", ["ask", "chat", "serve", "build"])
-def test_a_received_manifest_naming_a_folder_loads_nothing_until_the_user_names_it(memory, tmp_path, capsys,
+def test_a_received_manifest_naming_a_folder_loads_nothing_until_the_user_names_it(memory, tmp_path, refused,
                                                                                  monkeypatch, command):
     marker = tmp_path / MARK
     received = renamed(memory[0], tmp_path, code_folder(tmp_path / "evil", marker))
@@ -83,16 +74,16 @@ def test_a_received_manifest_naming_a_folder_loads_nothing_until_the_user_names_
     argv = {"ask": ["ask", str(received), "hello"], "chat": ["chat", str(received), "--session", "s"],
             "serve": ["serve", str(received), "--port", "1"],
             "build": ["build", str(received), "--input", str(memory[1]), "--quiet"]}[command]
-    one_line(capsys, main(argv), str(tmp_path / "evil"), "--model")
+    refused(argv, str(tmp_path / "evil"), "--model")
     assert not marker.exists()
 
 
-def test_a_folder_that_needs_its_own_code_is_refused_even_when_named(memory, tmp_path, capsys, monkeypatch):
+def test_a_folder_that_needs_its_own_code_is_refused_even_when_named(memory, tmp_path, refused, monkeypatch):
     marker = tmp_path / MARK
     folder = code_folder(tmp_path / "evil", marker)
     received = renamed(memory[0], tmp_path, folder.resolve())
     monkeypatch.setattr("sys.stdin", io.StringIO("y\nhello\n"))
-    one_line(capsys, main(["chat", str(received), "--session", "s", "--model", str(folder)]),
+    refused(["chat", str(received), "--session", "s", "--model", str(folder)],
              "config.json", "'evilgpt'", "never runs")
     assert not marker.exists()
 
@@ -113,14 +104,14 @@ def test_a_known_model_type_is_read_with_transformers_classes_never_the_folders_
 
 
 @pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt"])
-def test_pickled_weights_are_never_unpickled_and_named_in_one_line(tmp_path, capsys, name):
+def test_pickled_weights_are_never_unpickled_and_named_in_one_line(tmp_path, refused, name):
     folder = tiny_llama(tmp_path / "llama")
     from safetensors.torch import load_file
 
     torch.save(load_file(folder / "model.safetensors"), folder / name)
     (folder / "model.safetensors").unlink()
-    one_line(capsys, main(["eval", "--model", str(folder), "--input", str(SAMPLE_DIR / "val" / "alice_excerpt.txt"),
-                           "--quiet"]), str(folder / name), "pickle", "safetensors")
+    refused(["eval", "--model", str(folder), "--input", str(SAMPLE_DIR / "val" / "alice_excerpt.txt"),
+                           "--quiet"], str(folder / name), "pickle", "safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +127,17 @@ def model_memory(tmp_path_factory, memory):
 @pytest.mark.parametrize("body", [
     b'{"heads": [[0, Infinity]]}', b'{"heads": [[0, 1]], "blocks": 1e400}', b'{"heads": [[0, NaN]]}',
     b"[" * 100_000 + b"]" * 100_000, b'{"heads": [[0, 1]], "notes": "' + b"x" * (2 << 20) + b'"}'])
-def test_a_damaged_heads_file_is_one_line_from_every_command_that_loads_the_model(model_memory, capsys, body):
+def test_a_damaged_heads_file_is_one_line_from_every_command_that_loads_the_model(model_memory, refused, body):
     folder, mem = model_memory
     (folder / HEADS_FILE).write_bytes(body)
     try:
-        one_line(capsys, main(["ask", str(mem), "hello", "--model", str(folder), "--max-new-tokens", "1"]),
+        refused(["ask", str(mem), "hello", "--model", str(folder), "--max-new-tokens", "1"],
                  str(folder / HEADS_FILE), "or remove it")
     finally:
         (folder / HEADS_FILE).unlink()
 
 
-def test_a_file_beside_a_model_folder_is_never_taken_for_its_heads(model_memory, capsys):
+def test_a_file_beside_a_model_folder_is_never_taken_for_its_heads(model_memory):
     folder, mem = model_memory
     beside = folder.parent / f"{folder.name}.json"
     beside.write_text("not json")
