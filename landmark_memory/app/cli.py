@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     finally:
         if own:
-            signal.signal(signal.SIGTERM, before)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)  # (None: not set from Python)
 
 
 if __name__ == "__main__":
