@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import sys
-import threading
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ..models.kinds import load_model, model_name, reading_mode, reads_through_m
 from ..models.model import BUNDLED_MODEL
 from ..jobs.build import build, encode, read_inputs
 from .cli_args import given, parser
+from .stopping import exit_status, sigterm_interrupts
 from ..jobs.distributed import RayReader, WorkerError
 from ..jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 
@@ -368,39 +368,26 @@ def os_error_text(e: OSError) -> str:
     return str(e)
 
 
-def _terminate(signum, frame):
-    """SIGTERM ends a command as Ctrl-C does (what it began is ended, one line), exit 143."""
-    raise Terminated
-
-
-class Terminated(KeyboardInterrupt):
-    """A KeyboardInterrupt that SIGTERM raised."""
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
         return cmd_train(argv[1:])
     args = parser().parse_args(argv)
     # (serve: uvicorn answers SIGTERM itself, shutting down gracefully and ending by the signal)
-    own = threading.current_thread() is threading.main_thread() and args.command != "serve"
-    before = signal.signal(signal.SIGTERM, _terminate) if own else None
-    try:
-        return COMMANDS[args.command](args)
-    except BrokenPipeError:  # whoever read the output stopped (`info | head`): end quietly, as Unix tools do
-        with contextlib.suppress(OSError, ValueError):  # (and let the exit's flush write nowhere)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
-    except ERRORS as e:
-        text = os_error_text(e) if isinstance(e, OSError) else str(e)
-        print(f"landmark-memory {args.command}: error: {printable(text)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(f"landmark-memory {args.command}: interrupted", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
-    finally:
-        if own:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)  # (None: not set from Python)
+    with sigterm_interrupts(args.command != "serve"):
+        try:
+            return COMMANDS[args.command](args)
+        except BrokenPipeError:  # whoever read the output stopped (`info | head`): end quietly, as Unix tools do
+            with contextlib.suppress(OSError, ValueError):  # (and let the exit's flush write nowhere)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
+        except ERRORS as e:
+            text = os_error_text(e) if isinstance(e, OSError) else str(e)
+            print(f"landmark-memory {args.command}: error: {printable(text)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM
+            print(f"landmark-memory {args.command}: interrupted", file=sys.stderr)
+            return exit_status(e)
 
 
 if __name__ == "__main__":
