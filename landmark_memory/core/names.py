@@ -48,6 +48,12 @@ NAMED_MODELS = {  # hf/smollm2.py
     "smollm2-landmark": "SmolLM2-135M-Instruct with landmarks and our LoRA adapter (reads through a memory)"}
 
 
+def is_named_model(model) -> bool:
+    """Whether ``model`` (a name or a path) is a name of ``NAMED_MODELS`` rather than a folder of
+    that name here."""
+    return model is not None and str(model) in NAMED_MODELS and not Path(model).exists()
+
+
 def is_session_name(name) -> bool:
     """Whether ``name`` is a session name (``SESSION_NAME_RULE``)."""
     return isinstance(name, str) and SESSION_NAME.fullmatch(name) is not None and \

@@ -119,8 +119,8 @@ def stop_ray(actors: list, started: bool) -> None:
         ray.kill(a)
     actors.clear()
     if started:
-        with signals_deferred():  # (ray.shutdown leaves SIGINT and SIGTERM to their defaults: a signal then killed
-            ray.shutdown()        # the process after its build had committed, not exit 130 or 143)
+        with signals_deferred():  # (ray.shutdown leaves SIGTERM at its default: the handler before is set back)
+            ray.shutdown()
 
 
 def set_threads(n: int) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.fileio import atomic_write
-from ..core.names import ASSETS, NAMED_MODELS
+from ..core.names import ASSETS, is_named_model
 
 HEADS_FILE = "retrieval_heads.json"  # in a Hugging Face model's folder
 MAX_HEADS = 256
@@ -60,9 +60,10 @@ def load_heads(path: str | Path) -> EvidenceHeads:
     path = Path(path)
     try:
         with path.open("rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
-                raise ValueError(f"{os.fstat(f.fileno()).st_size:,} bytes, more than a heads file's {MAX_FILE_BYTES:,}")
-            body = json.loads(f.read(MAX_FILE_BYTES + 1), parse_constant=_no_constant)
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise ValueError(f"{size:,} bytes, more than a heads file's {MAX_FILE_BYTES:,}")
+            body = json.loads(f.read(), parse_constant=_no_constant)
         heads = tuple((int(a), int(b)) for a, b in body["heads"])
         blocks, candidates, frame = body.get("blocks", 4), body.get("candidates", 512), body.get("frame")
         framed = frame is None or (type(frame) is str and frame.count("{question}") == 1
@@ -98,7 +99,7 @@ def question_prompt(tokenizer, question: str, frame: str | None = None) -> tuple
 def heads_path(model: str) -> Path:
     """Where ``landmark-memory heads`` saves the heads of ``model`` (a named model, or a Hugging
     Face model's folder) and ``find_heads`` looks first."""
-    if model in NAMED_MODELS and not Path(model).exists():
+    if is_named_model(model):
         from .hf.smollm2 import cache_dir
         return cache_dir() / "heads" / f"{model}.json"
     return Path(model) / HEADS_FILE
@@ -109,8 +110,8 @@ def find_heads(model: str | None) -> EvidenceHeads | None:
     package's), or None where it has none; ``ValueError`` for a file that is not a heads file."""
     if model is None:
         return None
-    named = str(model) in NAMED_MODELS and not Path(model).exists()
-    shipped = (ASSETS / "heads" / f"{model}.json",) if named else ()  # (never a folder's path made a file name)
+    # (the package's file for a name it ships: a folder's path never made into a file name)
+    shipped = (ASSETS / "heads" / f"{model}.json",) if is_named_model(model) else ()
     for path in (heads_path(str(model)), *shipped):
         if path.is_file():
             return load_heads(path)

@@ -19,7 +19,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 
-from ..core.names import NAMED_MODELS
+from ..core.names import is_named_model
 from ..core.tokenizer import load_tokenizer
 from .backbone import Backbone, GPTBackbone
 from .heads import find_heads
@@ -153,7 +153,7 @@ def model_name(path: str | Path | None) -> str:
     absolute path."""
     if path is None:
         return "bundled"
-    return str(path) if str(path) in NAMED_MODELS and not Path(path).exists() else str(Path(path).resolve())
+    return str(path) if is_named_model(path) else str(Path(path).resolve())
 
 
 def check_device(device: str) -> str:
@@ -226,7 +226,7 @@ def check_no_code(path: str | Path, config: dict) -> None:
 
 def _load(path, dev: str, block_size: int | None):
     config = hf_config(path) if path else None
-    named = path in NAMED_MODELS and not Path(path).exists()
+    named = is_named_model(path)
     if config is not None or named:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
