@@ -24,7 +24,8 @@ from landmark_memory.app.cli_args import positive
 from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
 from landmark_memory.jobs.evaluate import perplexity
 from landmark_memory.core.fileio import atomic_write
-from landmark_memory.memory import MemoryOptions, RetrievalStats
+from landmark_memory.memory import RetrievalStats
+from landmark_memory.format import MemoryOptions
 from landmark_memory.models.model import LandmarkGPT
 from landmark_memory.core.tokenizer import load_tokenizer
 

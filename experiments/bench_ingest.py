@@ -29,7 +29,8 @@ import torch
 from _common import book_tokens
 from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.models.kinds import backbone_for, in_sequence_logits, load_model
-from landmark_memory.memory import BlockMemory, LandmarkMemory, decoding
+from landmark_memory.memory import LandmarkMemory, decoding
+from landmark_memory.memory.blocks import BlockMemory
 from landmark_memory.memory.lookup import BlockLookup
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundled model's training

@@ -103,7 +103,7 @@ def served(memory: Path, shares: int) -> dict:
     from bench_scale import QUESTIONS
     from landmark_memory.app.served import Shares
     from landmark_memory.memory import LandmarkMemory
-    from landmark_memory.memory.answer import ask
+    from landmark_memory.uses.answer import ask
     from landmark_memory.models.kinds import load_model
 
     model, tok = load_model(None)
@@ -221,10 +221,10 @@ def list_costs(sizes: list[int], repeats: int = 5) -> list[dict]:
     import tempfile
     from types import SimpleNamespace
 
-    from landmark_memory.memory import MemoryDir
-    from landmark_memory.memory.documents import DocumentList, InputRecord
-    from landmark_memory.memory.manifest import document_folder
-    from landmark_memory.memory.session import _documents_digest
+    from landmark_memory.format import MemoryDir
+    from landmark_memory.format.documents import DocumentList, InputRecord
+    from landmark_memory.format.manifest import document_folder
+    from landmark_memory.uses.session import _documents_digest
 
     def sha(i: int) -> str:
         return hashlib.sha256(str(i).encode()).hexdigest()

@@ -115,7 +115,7 @@ def probe(args) -> None:
     import psutil
     import torch
 
-    from landmark_memory.memory.answer import ask
+    from landmark_memory.uses.answer import ask
     from landmark_memory.jobs.build import build, read_inputs
     from landmark_memory.models.kinds import load_model
     from landmark_memory.memory import LandmarkMemory
@@ -145,7 +145,7 @@ def probe(args) -> None:
 
         def append(unsealed: bool) -> float:
             doc.write_text(f"Appended at {time.time_ns()}.\n" + book[20_000:22_000], encoding="utf-8")
-            if unsealed:  # the writer reads every key file, as before seals (memory/seals.py)
+            if unsealed:  # the writer reads every key file, as before seals (format/seals.py)
                 seals.unlink(missing_ok=True)
             t0 = time.perf_counter()
             with LandmarkMemory.open(args.probe, model) as w:

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 
 from _common import RESULTS, serving, write_result
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
 from landmark_memory.models.kinds import load_model

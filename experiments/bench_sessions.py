@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PLANTED_FACTS, command_line, held_out_books, load_smollm2, machine, write_result  # noqa: E402
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer  # noqa: E402
-from landmark_memory.memory.answer import say  # noqa: E402
+from landmark_memory.uses.answer import say  # noqa: E402
 from landmark_memory.models.hf.smollm2 import ADAPTER_DIR, LANDMARK  # noqa: E402
-from landmark_memory.memory.session import Session  # noqa: E402
+from landmark_memory.uses.session import Session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = PLANTED_FACTS[:5]

@@ -26,8 +26,9 @@ from _common import book_tokens, write_result
 from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.jobs.evaluate import passkey_accuracy, perplexity
 from landmark_memory.models.kinds import load_model
-from landmark_memory.memory import LandmarkMemory, MemoryOptions
-from landmark_memory.memory.inspect import describe
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryOptions
+from landmark_memory.uses.inspect import describe
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"
 MODELS = {"bundled": None, "smollm2-landmark": "smollm2-landmark"}

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from _common import BASE_MODEL, CMT_MODEL, books_eval, held_out_books, load, parse, parser, plt, publish
-from landmark_memory.memory import LandmarkMemory, MemoryOptions, RetrievalStats
+from landmark_memory.memory import LandmarkMemory, RetrievalStats
+from landmark_memory.format import MemoryOptions
 
 CUTOFFS = (0.0, 0.1, 0.3, 0.5, 1.0)
 

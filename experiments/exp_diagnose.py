@@ -45,7 +45,7 @@ import torch
 from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, some_of, write_result
 from _needles import CONFIGS, key_hits, passkey_trial, ruler_trial, spanned_blocks
 from _texts import ask_case, ask_in_memory, held_out, is_right, trial_rng
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.training.data import read_text
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.core.passkey import PasskeyPrompts

@@ -40,8 +40,8 @@ from _texts import build, haystack, held_out, is_right
 from exp_natural import evidence_span
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.answer import question_tokens, search_states
-from landmark_memory.memory.evidence import prompt_weights, token_attention
+from landmark_memory.uses.answer import question_tokens, search_states
+from landmark_memory.uses.evidence import prompt_weights, token_attention
 from landmark_memory.models.heads import question_prompt
 from landmark_memory.models.reader import head_attention
 from landmark_memory.training.data import read_text
@@ -98,7 +98,7 @@ def record_question(m, tok, q, reader):
                              for layer, (qq, _, cos, sin) in enumerate(got)], 1).flatten(1, 2)  # (2, L*H_kv, n)
     out = {"tokens": tokens.half(), "landmarks": landmarks}
     if reader is not None:
-        from landmark_memory.memory.answer import point
+        from landmark_memory.uses.answer import point
         m.rewind()
         out["reader"] = torch.tensor([v for _, v in sorted(point(m, *reader, ids, own, n))])
     return out, took
@@ -185,7 +185,7 @@ def heads_of(meta, tensors):
 def choose_step(args):
     """Heads chosen on the development books' 32K records (whole books, not the shipped excerpts),
     saved as ``WORK/MODEL/heads32k.json``: how far the shipped choice is from one made at 32K."""
-    from landmark_memory.memory.choose_heads import choose
+    from landmark_memory.uses.choose_heads import choose
     from landmark_memory.models.heads import EvidenceHeads, save_heads
 
     dev = records(args.work, args.model, "dev", SIZES[-1])
@@ -211,7 +211,7 @@ def ask_step(args):
     (``VARIANTS``) of the memories ``record`` read, each trial kept in ``WORK/MODEL/ask.json`` as
     soon as it is done."""
     from _common import Trials
-    from landmark_memory.memory.answer import ask
+    from landmark_memory.uses.answer import ask
     from landmark_memory.models.heads import load_heads
 
     model, tok = load_model(args.model)
@@ -249,7 +249,7 @@ def ask_step(args):
 def heads_step(args):
     """The heads ``landmark-memory heads`` chooses (the development set the package ships), saved
     as ``WORK/MODEL/heads.json``: what ``ask`` reads with in the ``heads`` variant."""
-    from landmark_memory.memory.choose_heads import choose_heads, shipped_questions
+    from landmark_memory.uses.choose_heads import choose_heads, shipped_questions
     from landmark_memory.models.heads import save_heads
 
     model, tok = load_model(args.model)
@@ -269,8 +269,8 @@ def cost_step(args):
     the prompt read alone, then with the retrieval heads' token-level reading (``evidence.point``)
     and with the shipped question reader (``answer.point``), the median over the book's evaluation
     questions, each after a warm-up; written to ``WORK/MODEL/cost.json``."""
-    from landmark_memory.memory.answer import point
-    from landmark_memory.memory.evidence import point as point_heads
+    from landmark_memory.uses.answer import point
+    from landmark_memory.uses.evidence import point as point_heads
     from landmark_memory.models.heads import load_heads
 
     model, tok = load_model(args.model)
@@ -314,7 +314,7 @@ ASKED = {"stage9": "`ask` without reader or heads (stage 9)", "shipped": "`ask` 
 
 def ranking_rows(work, model, split, size):
     """{variant: [rank of the evidence's block per question]} from ``record``'s tensors."""
-    from landmark_memory.memory.choose_heads import pooled_rank
+    from landmark_memory.uses.choose_heads import pooled_rank
     from landmark_memory.models.heads import load_heads
 
     recs = records(work, model, split, size)

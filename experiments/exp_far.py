@@ -32,7 +32,7 @@ from exp_retrieval import ASK_NEW
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.core.passkey import PasskeyPrompts
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 
 WAYS = {"ivf-rows": {}, "flat": {"nprobe": 1 << 20}}  # nprobe is cut to the lists there are
 

@@ -35,7 +35,7 @@ from _texts import build, haystack, held_out, is_right
 from landmark_memory.jobs.build import encode
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.training.data import list_text_files, read_text, split_books
 
 DEV_FACTS = [

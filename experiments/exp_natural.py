@@ -31,7 +31,7 @@ from _common import HEADS_READER, SHIPPED_READER, ADAPTER, RESULTS, ROOT, Trials
 from _texts import build, is_right
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.models.kinds import cache_keyword
 from landmark_memory.training.data import read_text
 

@@ -47,7 +47,7 @@ from exp_natural import ASK_NEW as NATURAL_NEW, FIXTURE, TOKENS, evidence_span
 from exp_retrieval import ASK_NEW as SUITE_NEW
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, head_attention, save_reader
 from landmark_memory.training.data import read_text
 

@@ -48,9 +48,10 @@ from _common import (HEADS_READER, SHIPPED_READER, ADAPTER, ROOT, Trials, books_
                      suite_main, write_result)
 from _needles import passkey_trial, ruler_trial
 from _texts import FACTS, build, build_timed, haystack, held_out, is_right
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.jobs.evaluate import parse_lengths
-from landmark_memory.memory import LandmarkMemory, MemoryOptions
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryOptions
 from landmark_memory.core.passkey import PasskeyPrompts
 
 PARTS = ("questions", "oracle", "passkey", "ruler", "ppl")

@@ -33,12 +33,12 @@ import torch
 
 from _common import ROOT, command_line, machine, plt, top_k_label
 from _texts import held_out
-from landmark_memory.memory.answer import ask
+from landmark_memory.uses.answer import ask
 from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.app.cli_args import positive
 from landmark_memory.core.decode import decode
 from landmark_memory.jobs.evaluate import parse_lengths, passkey_accuracy, perplexity
-from landmark_memory.memory import MemoryOptions
+from landmark_memory.format import MemoryOptions
 from landmark_memory.models.hf import smollm2
 from landmark_memory.models.hf.convert import convert
 from landmark_memory.models.hf.lora import adapter_settings

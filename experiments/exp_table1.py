@@ -16,7 +16,7 @@ its start (the paper's protocol). Rows:
 import time
 
 from _common import books_perplexity, held_out_books, load, load_optional, parse, parser, plt, publish
-from landmark_memory.memory import MemoryOptions
+from landmark_memory.format import MemoryOptions
 
 LENGTHS = (512, 2048, 4096)
 

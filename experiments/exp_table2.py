@@ -8,7 +8,7 @@ by all heads), at k = 2 and 4, chunks of 250, memory unbounded.
 import time
 
 from _common import books_perplexity, held_out_books, load, parse, parser, plt, publish
-from landmark_memory.memory import MemoryOptions
+from landmark_memory.format import MemoryOptions
 
 SETTINGS = ((2048, 2), (2048, 4), (4096, 4))  # the paper's (evaluation length, k) pairs
 MODES = (("per_token_head", "per token and head"), ("per_head", "per head"), ("per_token", "per token"))

@@ -48,7 +48,7 @@ from landmark_memory.jobs.build import encode
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.core.passkey import PasskeyPrompts
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.memory.inspect import describe
+from landmark_memory.uses.inspect import describe
 from landmark_memory.models.kinds import in_sequence_logits
 from landmark_memory.training.data import read_text
 

@@ -1,8 +1,9 @@
 """landmark-memory: random-access memory for transformers by Landmark Attention.
 
 The package is built in layers, each a folder that imports only from those below it: ``core/``
-(leaf utilities); ``kernels/``, ``index/``, ``storage/``; ``models/``; ``memory/``; ``training/``;
-``jobs/`` (what users run over a memory); ``app/`` (the command line and the server). The
+(leaf utilities); ``kernels/``, ``index/``, ``storage/``; ``models/``; ``format/`` (a memory's files);
+``memory/`` (the engine); ``uses/`` (asking, sessions, corpora) and ``training/``; ``jobs/`` (what
+users run over a memory); ``app/`` (the command line and the server). The
 public names below are imported on first use: ``import landmark_memory`` costs nothing, so the
 ``landmark-memory`` command answers Ctrl-C and ``--help`` before torch is loaded.
 """
@@ -25,7 +26,7 @@ _HOMES = {
     "LandmarkGPT": "models.model", "RotaryEmbedding": "core.rope", "insert_landmarks": "core.layout",
     "landmark_mask": "core.layout", "lm_targets": "core.layout", "normal_positions": "core.layout",
     "strip_landmarks": "core.layout", "LANDMARK_TOKEN": "core.tokenizer", "load_tokenizer": "core.tokenizer",
-    "ask": "memory.answer", "Answer": "memory.answer", "Passage": "memory.answer",
+    "ask": "uses.answer", "Answer": "uses.answer", "Passage": "uses.answer",
 }
 __all__ = sorted(_HOMES)
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from .core.tokenizer import LANDMARK_TOKEN, load_tokenizer
     from .kernels import landmark_attention, landmark_attention_inference
     from .memory import LandmarkMemory, MemoryOutput
-    from .memory.answer import Answer, Passage, ask
+    from .uses.answer import Answer, Passage, ask
     from .models.config import LandmarkConfig
     from .models.infini import InfiniState
     from .models.model import LandmarkGPT

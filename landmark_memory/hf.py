@@ -7,7 +7,7 @@
     out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
 """
 
-from .memory.hf_cache import LandmarkMemoryCache
+from .uses.hf_cache import LandmarkMemoryCache
 from .models.hf import ATTENTION, TextTokenizer, convert, from_pretrained, is_converted, landmark_attention_forward, \
     normal_logits
 

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 # Before any library import: local files only, and Triton kernels interpreted on CPU-only machines.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -18,8 +19,39 @@ if not torch.cuda.is_available():
 
 
 import pytest  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from landmark_memory.training.data import SAMPLE_DIR  # noqa: E402
+
+BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A small random landmark model (vocabulary 64, blocks of 5 tokens, landmark id 1), in eval
+    mode; a module that needs another model names its own ``model`` fixture."""
+    from landmark_memory.models.config import LandmarkConfig
+    from landmark_memory.models.model import LandmarkGPT
+
+    torch.manual_seed(0)
+    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5, landmark_id=1)
+    return LandmarkGPT(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def text():
+    """60,000 characters of the bundled book."""
+    return BOOK.read_text()[20_000:80_000]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_object(text):
+    """A byte-level BPE of 320 tokens trained on ``text``: the tiny Hugging Face models' tokenizer."""
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    t.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return t
 
 
 @pytest.fixture

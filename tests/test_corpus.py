@@ -12,8 +12,8 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.jobs.build import build, encode_document, read_inputs
 from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.app.cli import main
-from landmark_memory.memory import MemoryFileError
-from landmark_memory.memory.inspect import verify
+from landmark_memory.format import MemoryFileError
+from landmark_memory.uses.inspect import verify
 from landmark_memory.storage import CorruptBlockError, open_store
 from landmark_memory.storage.sharded import Shard, ShardedStore
 
@@ -28,7 +28,7 @@ def model():
 @pytest.fixture
 def sharded(monkeypatch):
     """Every document keeps its own store (as a large one does), none is packed into the corpus's."""
-    monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+    monkeypatch.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
 
 
 @pytest.fixture(params=["packed", "sharded"])
@@ -36,7 +36,7 @@ def packing(request, monkeypatch):
     """Each way a corpus keeps a document's blocks: "packed" into its own store (a small
     document's), "sharded" in the document's (a large one's)."""
     if request.param == "sharded":
-        monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        monkeypatch.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
     return request.param
 
 
@@ -259,7 +259,7 @@ def test_a_packed_corpus_holds_and_answers_bit_for_bit_as_one_whose_documents_ke
     files = sorted(documents.glob("*.txt"))
     corpus(model, tmp_path / "packed", files)
     with monkeypatch.context() as m:
-        m.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        m.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
         corpus(model, tmp_path / "sharded", files)
     assert not (tmp_path / "packed" / "docs").exists() or not any((tmp_path / "packed" / "docs").iterdir())
     assert files_of(tmp_path / "packed") == files_of(tmp_path / "sharded")

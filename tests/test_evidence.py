@@ -8,13 +8,13 @@ import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length
-from landmark_memory.memory.answer import question_tokens, search_states
-from landmark_memory.memory.choose_heads import DevQuestion, choose, choose_heads, head_ranks
-from landmark_memory.memory.evidence import candidates, point, prompt_weights, quote, token_attention
+from landmark_memory.uses.answer import question_tokens, search_states
+from landmark_memory.uses.choose_heads import DevQuestion, choose, choose_heads, head_ranks
+from landmark_memory.uses.evidence import candidates, point, prompt_weights, quote, token_attention
 from landmark_memory.core.tokenizer import load_tokenizer
 from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
 from test_answer import ChatTokenizer
-from test_reader import BS, model  # noqa: F401  (the reader's small random model, blocks of BS tokens)
+from test_reader import BS
 
 
 def raw_keys(mem, text):
@@ -206,7 +206,7 @@ def test_heads_of_another_model_are_refused_at_ask_in_one_line(corpus):
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat template", "plain frame"])
 def test_choose_heads_reads_each_text_and_asks_each_question_as_ask_does(chat):
-    from landmark_memory.memory.choose_heads import shipped_questions
+    from landmark_memory.uses.choose_heads import shipped_questions
 
     questions, texts = shipped_questions()
     assert len(questions) >= 30 and set(texts) == {q.text for q in questions}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from landmark_memory.memory import MemoryOptions
+from landmark_memory.format import MemoryOptions
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 

@@ -14,17 +14,11 @@ import torch
 from safetensors.torch import load_file, save
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory, MemoryFileError
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryFileError
 from landmark_memory.models.fingerprint import model_fingerprint
 
 OPTS = dict(top_k=2, chunk_size=10, index_options={"train_size": 16})
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5, landmark_id=1)
-    return LandmarkGPT(cfg).eval()
 
 
 def ids(n, seed):

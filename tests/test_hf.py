@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -46,20 +45,6 @@ ROPES = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0
          "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
 CASES = sorted(FAMILIES) + [f"llama:{r}" for r in ROPES]  # a family, or a family with a scaled RoPE
 TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def text():
-    return BOOK.read_text()[20_000:80_000]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_object(text):
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    t.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return t
 
 
 def tiny(tokenizer_object, case="llama", block_size=7, seed=0, landmarks=True):

@@ -122,7 +122,7 @@ def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, 
 def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, monkeypatch, folder,
                                                                     where, refused):
     if where == "shards":  # the document keeps its own store: the manifest lists its folder
-        monkeypatch.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        monkeypatch.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
     mem = built(tmp_path, book)
     doc = json.loads((mem / "manifest.json").read_text())
     if where == "shards":
@@ -566,7 +566,7 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_la
 
 def test_a_document_an_earlier_build_left_that_cannot_be_merged_blocks_no_later_build(tmp_path, book, capsys):
     from landmark_memory.jobs.reading import DocumentJob
-    from landmark_memory.memory.manifest import document_folder
+    from landmark_memory.format.manifest import document_folder
 
     mem = built(tmp_path, book)
     inp = read_inputs([book])[0]  # read apart under a name no UTF-8 file holds (as a build before the refusal did)

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main, os_error_text
-from landmark_memory.memory import seals
-from landmark_memory.memory.answer import say
-from landmark_memory.memory.documents import page_file
-from landmark_memory.memory.session import Session
+from landmark_memory.format import seals
+from landmark_memory.uses.answer import say
+from landmark_memory.format.documents import page_file
+from landmark_memory.uses.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
@@ -49,7 +49,7 @@ def sharded_corpus(text, tmp_path_factory):
     """A corpus of one document that keeps its own store (as a large one does)."""
     mem = tmp_path_factory.mktemp("sharded") / "m"
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        m.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
         assert main(["build", str(mem), "--input", str(text), "--chunk-size", "50", "--quiet"]) == 0
     return mem
 
@@ -122,7 +122,7 @@ def test_a_truncated_lmdb_store_is_named_never_a_sigbus(corpus, text, tmp_path):
 @pytest.mark.parametrize("cut", ["store/lmdb/data.mdb", "tokens.bin", "keys/s0_l1_h0.f32"])
 def test_a_reader_refuses_a_file_cut_under_it(corpus, tmp_path, cut):
     from landmark_memory import ask, load_tokenizer
-    from landmark_memory.memory import MemoryFileError
+    from landmark_memory.format import MemoryFileError
 
     mem = tmp_path / "m"
     shutil.copytree(corpus, mem)
@@ -253,7 +253,7 @@ def test_a_writer_refuses_index_and_key_files_damaged_within_their_bounds_and_wr
                                                                                             damage, sealed):
     mem = tmp_path / "m"
     shutil.copytree(lists_corpus, mem)
-    if sealed:  # a writer closed it and sealed its files (memory/seals.py): the damage comes after
+    if sealed:  # a writer closed it and sealed its files (format/seals.py): the damage comes after
         monkeypatch.setattr(seals, "SEAL_BYTES", 0)
         LandmarkMemory.open(mem, LandmarkGPT.from_pretrained()).close()
         assert (mem / seals.SEALS).is_file()

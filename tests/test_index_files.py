@@ -11,9 +11,10 @@ import pytest
 from landmark_memory.index import KINDS, IndexFile, IndexKind
 from landmark_memory.index.on_rows import RowsIndex
 from landmark_memory.index.rows import KeyRows
-from landmark_memory.memory import LandmarkMemory, MemoryFileError
-from landmark_memory.memory.inspect import describe, verify
-from test_index_lists import feed, model  # noqa: F401 (fixture)
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryFileError
+from landmark_memory.uses.inspect import describe, verify
+from test_index_lists import feed
 
 
 class NormsIndex(RowsIndex):

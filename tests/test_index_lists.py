@@ -11,8 +11,9 @@ import torch
 from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.index import new_index, recall_at_k
 from landmark_memory.index.lists import list_count
-from landmark_memory.memory import LandmarkMemory, MemoryFileError
-from landmark_memory.memory.inspect import describe, verify
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryFileError
+from landmark_memory.uses.inspect import describe, verify
 
 
 def clustered(n, d, seed):
@@ -61,13 +62,6 @@ def test_lists_depend_on_the_keys_alone_not_on_how_they_were_added():
         np.testing.assert_array_equal(other.lists.lists.array(), made[0].lists.lists.array())
         for a, b in zip(other.search(xq, 5, 10, 1400), made[0].search(xq, 5, 10, 1400)):
             np.testing.assert_array_equal(a, b)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5, landmark_id=1)
-    return LandmarkGPT(cfg).eval()
 
 
 def feed(mem, blocks, seed):

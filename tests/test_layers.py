@@ -7,8 +7,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "landmark_memory"
 # a folder's rank: it may import from lower ranks and from itself, never from its own rank's others
-LAYERS = {"core": 0, "kernels": 1, "index": 1, "storage": 1, "models": 2, "memory": 3, "training": 4, "jobs": 5,
-          "app": 6}
+LAYERS = {"core": 0, "kernels": 1, "index": 1, "storage": 1, "models": 2, "format": 3, "memory": 4, "uses": 5,
+          "training": 5, "jobs": 6, "app": 7}
 PUBLIC = {"__init__.py", "hf.py"}  # the package's face at its root: it names what users import
 
 
@@ -166,3 +166,4 @@ def test_nothing_but_the_engine_reaches_into_a_memorys_parts():
                 reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not reaches, "reaches into a memory's parts (ask LandmarkMemory instead):\n" + "\n".join(reaches)
     assert not {p.lstrip("_") for p in PARTS} & set(dir(LandmarkMemory))  # no public name hands a part out
+

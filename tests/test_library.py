@@ -13,11 +13,12 @@ import pytest
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.app.cli import main
-from landmark_memory.memory import MemoryFileError, session
-from landmark_memory.memory.answer import ask
-from landmark_memory.memory.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
-from landmark_memory.memory.inspect import verify
-from landmark_memory.memory.session import Session
+from landmark_memory.format import MemoryFileError
+from landmark_memory.uses import session
+from landmark_memory.uses.answer import ask
+from landmark_memory.format.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
+from landmark_memory.uses.inspect import verify
+from landmark_memory.uses.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
 
 PAGE = 2  # records per page in these tests
@@ -30,8 +31,8 @@ def model():
 
 @pytest.fixture
 def small_pages(monkeypatch):
-    monkeypatch.setattr("landmark_memory.memory.documents.PAGE_DOCUMENTS", PAGE)
-    monkeypatch.setattr("landmark_memory.memory.manifest.PAGE_DOCUMENTS", PAGE)
+    monkeypatch.setattr("landmark_memory.format.documents.PAGE_DOCUMENTS", PAGE)
+    monkeypatch.setattr("landmark_memory.format.manifest.PAGE_DOCUMENTS", PAGE)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,7 @@ def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model,
                                                                          monkeypatch, capsys):
     files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
     with monkeypatch.context() as m:  # format 6: every document kept its own store, its list in the manifest
-        m.setattr("landmark_memory.memory.corpus.PACK_BYTES", -1)
+        m.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
         build_into(model, path, files[:3])
     doc = json.loads((path / "manifest.json").read_text())
     with LandmarkMemory.open(path, model, readonly=True) as mem:

@@ -4,15 +4,9 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory, MemoryOptions
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryOptions
 from landmark_memory.memory.retrieval import block_positions, select_blocks, stingy_slots, top_k_stingy
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5, landmark_id=1)
-    return LandmarkGPT(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +233,7 @@ def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkey
 
 
 def test_default_chunk_is_the_block_multiple_nearest_250(model):
-    from landmark_memory.memory import default_chunk_size
+    from landmark_memory.format import default_chunk_size
 
     assert LandmarkMemory(model).options.chunk_size == 250  # blocks of 5
     assert [default_chunk_size(b) for b in (50, 63, 7, 300)] == [250, 252, 252, 300]

@@ -8,19 +8,12 @@ import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.core.layout import landmarked_length
-from landmark_memory.memory.answer import point
+from landmark_memory.uses.answer import point
 from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf.lora import question_reader
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, load_reader, save_reader
 
 BS = 5
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=BS, landmark_id=1)
-    return LandmarkGPT(cfg).eval()
 
 
 def random_reader(layers, heads, dim, width, seed=0):

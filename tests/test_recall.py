@@ -16,7 +16,7 @@ from landmark_memory.models.hf.convert import ATTENTION, landmark_attention_forw
 from landmark_memory.models.hf.backbone import HFBackbone
 from landmark_memory.training.recall import recall_loss, recall_queries
 
-from test_hf import text, tiny, tokenizer_object  # noqa: F401 (fixtures)
+from test_hf import tiny
 
 BS = 7
 

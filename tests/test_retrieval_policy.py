@@ -12,14 +12,6 @@ from landmark_memory.memory.retrieval import (block_positions, select_blocks, to
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LandmarkConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=5,
-                         landmark_id=1)
-    return LandmarkGPT(cfg).eval()
-
-
-@pytest.fixture(scope="module")
 def text():
     return torch.randint(4, 64, (2, 73), generator=torch.Generator().manual_seed(1))  # 14 blocks
 

@@ -1,4 +1,4 @@
-"""A writer's seals (memory/seals.py): the next writer reads again only the key and index files
+"""A writer's seals (format/seals.py): the next writer reads again only the key and index files
 that changed since the last writer let them go, and a seal it cannot trust counts for nothing."""
 
 import json
@@ -9,9 +9,10 @@ import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main
-from landmark_memory.memory import corpus, seals
-from landmark_memory.memory.directory import MemoryDir
-from landmark_memory.memory.errors import MemoryFileError
+from landmark_memory.format import seals
+from landmark_memory.uses import corpus
+from landmark_memory.format.directory import MemoryDir
+from landmark_memory.format.errors import MemoryFileError
 from landmark_memory.memory.saved import sealable_files
 from landmark_memory.training.data import SAMPLE_DIR
 

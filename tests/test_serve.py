@@ -11,7 +11,7 @@ import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app.cli import main
-from landmark_memory.memory.inspect import describe
+from landmark_memory.uses.inspect import describe
 
 pytestmark = pytest.mark.slow  # servers in processes of their own
 

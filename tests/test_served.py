@@ -15,8 +15,8 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.serve_guard import APIError
 from landmark_memory.app.serve_readers import Readers, ServeConfig
 from landmark_memory.app.served import Shares
-from landmark_memory.memory import MemoryFileError
-from landmark_memory.memory.answer import ask
+from landmark_memory.format import MemoryFileError
+from landmark_memory.uses.answer import ask
 from test_hostile_files import snapshot
 
 pytestmark = pytest.mark.slow  # servers and Ray shares

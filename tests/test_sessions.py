@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.memory.answer import Message, converse, say
+from landmark_memory.uses.answer import Message, converse, say
 from landmark_memory.app.cli import main
-from landmark_memory.memory import MemoryFileError
-from landmark_memory.memory.session import Session
-from landmark_memory.memory.session_files import SessionError, check_name, delete_session, list_sessions
+from landmark_memory.format import MemoryFileError
+from landmark_memory.uses.session import Session
+from landmark_memory.format.session_files import SessionError, check_name, delete_session, list_sessions
 
 TURNS = ["The captain came to the inn on a cold night, with his sea chest on a barrow, and he looked round the cove "
          "and whistled to himself as he did so, and then he said that",
@@ -61,8 +61,8 @@ def in_new_process(corpus, name, turns, kill_after=None):
     script = f"""
 import os, signal, sys
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.memory.answer import say
-from landmark_memory.memory.session import Session
+from landmark_memory.uses.answer import say
+from landmark_memory.uses.session import Session
 turns, kill = {turns!r}, {kill_after!r}
 with LandmarkMemory.open({str(corpus)!r}, LandmarkGPT.from_pretrained(), readonly=True, top_k=2) as mem:
     with Session.open(mem, {name!r}) as s:

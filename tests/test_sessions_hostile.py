@@ -15,9 +15,9 @@ import pytest
 from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main
 from landmark_memory.core.names import MAX_NEW_TOKENS, MAX_TURN_CHARS
-from landmark_memory.memory.answer import QuestionError, say
-from landmark_memory.memory.session import Session
-from landmark_memory.memory.session_files import SessionError, check_name, delete_session, list_sessions
+from landmark_memory.uses.answer import QuestionError, say
+from landmark_memory.uses.session import Session
+from landmark_memory.format.session_files import SessionError, check_name, delete_session, list_sessions
 
 from test_hostile_files import snapshot
 

@@ -11,11 +11,12 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from landmark_memory import hf
 from landmark_memory.app.cli import _layers
-from landmark_memory.memory import LandmarkMemory, MemoryFileError
-from landmark_memory.memory.directory import MemoryDir
-from landmark_memory.memory.inspect import describe, verify
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryFileError
+from landmark_memory.format.directory import MemoryDir
+from landmark_memory.uses.inspect import describe, verify
 from landmark_memory.memory.saved import saved_chunk
-from test_hf import ids_of, text, tiny, tokenizer_object  # noqa: F401 (fixtures)
+from test_hf import ids_of, tiny
 from test_sessions import turns_read_as_one_forward
 
 OPTS = dict(chunk_size=14, top_k=2, store_dtype="float32")

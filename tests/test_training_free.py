@@ -19,14 +19,15 @@ from landmark_memory.core.quant import dequantize_kv, quantize
 from landmark_memory.kernels import block_attention_inference
 from landmark_memory.kernels.plain import block_inference_dense
 from landmark_memory.hf import LandmarkMemoryCache
-from landmark_memory.memory import LandmarkMemory, MemoryOptions
-from landmark_memory.memory.directory import MemoryDir
-from landmark_memory.memory.answer import say
-from landmark_memory.memory.manifest import MemoryFileError
-from landmark_memory.memory.session import Session
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.format import MemoryOptions
+from landmark_memory.format.directory import MemoryDir
+from landmark_memory.uses.answer import say
+from landmark_memory.format.manifest import MemoryFileError
+from landmark_memory.uses.session import Session
 from landmark_memory.models.kinds import load_model
 from test_corpus import files_of
-from test_hf import BOOK, CASES, FAMILIES, TOL, cli, ids_of, tiny, text, tokenizer_object  # noqa: F401 (fixtures)
+from test_hf import BOOK, CASES, FAMILIES, TOL, cli, ids_of, tiny
 
 EVERY_BLOCK = dict(block_size=7, chunk_size=14, top_k=64, position_mapping="exact")
 

@@ -13,9 +13,9 @@ from typing import TextIO
 
 from ..core.printing import json_text, printable
 from ..memory import LandmarkMemory
-from ..memory.answer import Answer, say
-from ..memory.session import Session
-from ..memory.session_files import list_sessions
+from ..uses.answer import Answer, say
+from ..uses.session import Session
+from ..format.session_files import list_sessions
 
 HELP = """/passages  the passages the last answer read
 /sessions  the sessions of this memory

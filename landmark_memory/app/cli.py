@@ -14,13 +14,14 @@ from pathlib import Path
 from ..core.names import NAMED_MODELS
 from ..core.printing import printable
 from ..index import KINDS
-from ..memory import LandmarkMemory, MemoryDir
-from ..memory.options import MemoryOptions
-from ..memory.answer import ask
-from ..memory.inspect import describe, verify
+from ..memory import LandmarkMemory
+from ..format import MemoryDir
+from ..format.options import MemoryOptions
+from ..uses.answer import ask
+from ..uses.inspect import describe, verify
 from ..memory.saved import wrong_model
-from ..memory.session import Session
-from ..memory.session_files import delete_session, list_sessions
+from ..uses.session import Session
+from ..format.session_files import delete_session, list_sessions
 from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
 from ..models.model import BUNDLED_MODEL
 from ..jobs.build import build, encode, read_inputs
@@ -316,7 +317,7 @@ def cmd_passkey(args):
 
 
 def cmd_heads(args):
-    from ..memory.choose_heads import choose_heads, shipped_questions
+    from ..uses.choose_heads import choose_heads, shipped_questions
     from ..models.heads import heads_path, save_heads
 
     if args.model is None:

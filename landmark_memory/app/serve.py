@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..memory.session import Session
+from ..uses.session import Session
 from .serve_guard import ANY_ADDRESS, LOCAL_HOSTS, APIError, Guard
 from .serve_readers import Readers, ServeConfig
 from .serve_routes import Served, render_page, router

@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..memory import LandmarkMemory, MemoryFileError
-from ..memory.inspect import describe
+from ..memory import LandmarkMemory
+
+from ..format import MemoryFileError
+from ..uses.inspect import describe
 from .serve_guard import APIError
 
 

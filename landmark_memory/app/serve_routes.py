@@ -20,8 +20,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..memory.answer import Answer, Message, QuestionError, check_messages, converse, say
-from ..memory.session import Session
+from ..uses.answer import Answer, Message, QuestionError, check_messages, converse, say
+from ..uses.session import Session
 from .serve_guard import APIError, client_gone
 from .serve_readers import Readers, ServeConfig
 from .serve_sessions import SessionLocks, existing, session_errors

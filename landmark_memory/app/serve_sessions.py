@@ -19,8 +19,8 @@ import anyio
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from ..memory import MemoryFileError
-from ..memory.session_files import (SessionError, check_name, delete_session, list_sessions, new_name,
+from ..format import MemoryFileError
+from ..format.session_files import (SessionError, check_name, delete_session, list_sessions, new_name,
                                     read_session, require_session)
 from .serve_guard import APIError
 

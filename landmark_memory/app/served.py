@@ -15,7 +15,9 @@ nothing on disk changes. The shares answer at the commit they opened: restart to
 
 import numpy as np
 
-from ..memory import LandmarkMemory, MemoryFileError
+from ..memory import LandmarkMemory
+
+from ..format import MemoryFileError
 from ..storage import BlockStore
 from ..storage.base import DTYPE_NAMES
 from ..jobs.distributed import set_threads
@@ -61,7 +63,7 @@ class Shares:
     def __init__(self, path, model: str | None, n: int, address: str | None = None, threads: int | None = None):
         import ray
 
-        from ..memory import MemoryDir
+        from ..format import MemoryDir
         from ..jobs.distributed import available_cores, start_ray
 
         if n < 1:

@@ -12,7 +12,7 @@ after checking that the file holds them, so a missing page is an error, never a 
 
 A writer's file notes its status when taken and after each change the writer makes to it
 (``watch``, a ``core.fileio.FileWatch``): a change that finds another status than the last noted
-was preceded by another's, and its seals (``memory/seals.py``) then never vouch for the file.
+was preceded by another's, and its seals (``format/seals.py``) then never vouch for the file.
 """
 
 import os

@@ -1,5 +1,5 @@
 """Building a memory from text files: each file a document, read apart, and one corpus over
-all of them (``memory/corpus.py``).
+all of them (``uses/corpus.py``).
 
 A document is read from its own first token and sees only its own blocks while it is read,
 so documents can be read in any order, by any number of workers (``distributed.py`` runs them
@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from ..core.tokenizer import EOS_TOKEN, encode_text
 from ..memory import LandmarkMemory
-from ..memory.corpus import (ReadDocument, committed_tokens, document_folders, document_manifest,
+from ..uses.corpus import (ReadDocument, committed_tokens, document_folders, document_manifest,
                              drop_merged_rows, finished, merge_document, merge_read, packs, unmerged_states)
-from ..memory.manifest import InputRecord, document_folder
+from ..format.manifest import InputRecord, document_folder
 from ..training.data import list_text_files, read_text, strip_gutenberg
 from .reading import DocumentJob, DocumentReader, LocalReader
 

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from ..core.passkey import MAX_KEY, QUESTION, fact, first_int
-from ..memory import LandmarkMemory, MemoryOptions
-from ..memory.answer import ask
+from ..memory import LandmarkMemory
+from ..format import MemoryOptions
+from ..uses.answer import ask
 from ..models.kinds import load_model
 from ..models.model import LandmarkGPT
 from ..training.data import SAMPLE_DIR, read_text, strip_gutenberg

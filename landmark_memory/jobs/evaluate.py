@@ -14,7 +14,7 @@ from ..core.decode import decode, decode_rereading
 from ..core.passkey import run_passkey
 from ..index import recall_at_k
 from ..memory import LandmarkMemory, RetrievalStats
-from ..memory.options import MemoryOptions
+from ..format.options import MemoryOptions
 from ..models.infini import InfiniState
 from ..models.kinds import in_sequence_logits, is_infini, is_plain_hf, kv_cache_decoder, reads_through_memory
 

@@ -14,10 +14,11 @@ import torch
 from tqdm import tqdm
 
 from ..core import heap
-from ..memory import LandmarkMemory, MemoryFileError
-from ..memory.corpus import ReadDocument
-from ..memory.manifest import InputRecord
-from ..memory.options import MemoryOptions
+from ..memory import LandmarkMemory
+from ..format import MemoryFileError
+from ..uses.corpus import ReadDocument
+from ..format.manifest import InputRecord
+from ..format.options import MemoryOptions
 
 BATCH_DOCUMENTS = 16  # documents read in RAM of one length are read this many at once, as a memory's streams
 BATCH_WINDOW = 64  # ... among this many consecutive jobs: the corpus merges in order and holds what came early

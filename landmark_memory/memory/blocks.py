@@ -27,13 +27,13 @@ from ..index import LandmarkIndex, derived_from_rows
 from ..index.rows import KeyFileError
 from ..storage import STORE_KINDS, BlockStore, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
-from .directory import damaged, disk_errors
+from ..format.directory import damaged, disk_errors
 from .key_sums import KeySums
 from .landmark_keys import LandmarkKeys
-from .manifest import LANDMARKS, TOKENS, MemoryFileError, RowLayout
-from .shape import ModelShape
-from .options import MemoryOptions
-from .token_rows import TokenRows
+from ..format.manifest import LANDMARKS, TOKENS, MemoryFileError, RowLayout
+from ..format.shape import ModelShape
+from ..format.options import MemoryOptions
+from ..format.token_rows import TokenRows
 
 
 class BlockMemory:

@@ -20,7 +20,7 @@ from ..kernels import block_attention_inference, cmt_share, landmark_attention_i
 from .blocks import BlockMemory
 from .lookup import BlockLookup
 from .retrieval import chunk_base
-from .shape import ModelShape
+from ..format.shape import ModelShape
 
 
 @dataclass

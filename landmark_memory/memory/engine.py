@@ -30,15 +30,15 @@ from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
-from .directory import MemoryDir
-from .documents import DocumentList
+from ..format.directory import MemoryDir
+from ..format.documents import DocumentList
 from .generating import generate
 from .lookup import BlockLookup
-from .manifest import InputRecord, Manifest, ModelRecord
-from .options import QUERY_OPTIONS, MemoryOptions
+from ..format.manifest import InputRecord, Manifest, ModelRecord
+from ..format.options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .saved import Opened, SavedFiles, open_folder, saved_chunk
-from .shape import ModelShape
+from ..format.shape import ModelShape
 
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
@@ -52,14 +52,14 @@ class LandmarkMemory:
     model : LandmarkGPT with ``attention="landmark"``, or a Hugging Face causal LM of a family we
         read, converted by ``landmark_memory.models.hf.convert`` or as published, which a memory
         reads without landmarks (``MemoryOptions.block_keys``; ``kinds.py``).
-    options : MemoryOptions, how the memory searches, stores and reads (``memory/options.py``
+    options : MemoryOptions, how the memory searches, stores and reads (``format/options.py``
         says what each option means); or, instead, the options as keyword ``settings``
         (``LandmarkMemory(model, top_k=8, store="lmdb", path=...)``), the rest default.
     path : str or Path, folder of a saved memory (created; reopen it with ``LandmarkMemory.open``).
     cache_bytes : int, hot-block cache budget on the model's device.
     backend : str, attention backend ("auto": Triton on CUDA, dense PyTorch elsewhere).
     documents : bool, a saved corpus: its blocks are documents read apart and merged in
-        (``memory/corpus.py``), read from their own stores; it takes no text of its own.
+        (``uses/corpus.py``), read from their own stores; it takes no text of its own.
     opened : a saved memory's folder as ``LandmarkMemory.open`` found it (``saved.Opened``),
         which the memory takes instead of being made empty; ``open``'s to pass.
 
@@ -68,7 +68,7 @@ class LandmarkMemory:
     options : MemoryOptions, resolved for the model (defaults filled in).
     retrieval_stats : RetrievalStats.
     inputs : list of InputRecord, the text files ``build`` ingested.
-    attached : the session whose blocks follow this read-only memory's (``memory/session.py``).
+    attached : the session whose blocks follow this read-only memory's (``uses/session.py``).
     """
 
     def __init__(self, model: torch.nn.Module, options: MemoryOptions | None = None, *,

@@ -14,10 +14,10 @@ import torch
 
 from ..index import KINDS, IndexFile, LandmarkIndex, derived_from_rows, index_from_bytes, new_index
 from ..index.rows import KeyRows
-from .directory import damaged, disk_errors
-from .manifest import KEYS, key_file
-from .options import MemoryOptions
-from .shape import ModelShape
+from ..format.directory import damaged, disk_errors
+from ..format.manifest import KEYS, key_file
+from ..format.options import MemoryOptions
+from ..format.shape import ModelShape
 
 
 class LandmarkKeys:

@@ -9,7 +9,7 @@ import torch
 
 from ..core.rope import RotaryEmbedding
 from .blocks import BlockMemory
-from .options import MemoryOptions
+from ..format.options import MemoryOptions
 from .outputs import RetrievalStats
 from .retrieval import block_positions, recent_slots, select_blocks, top_k_stingy, with_forced, with_pinned
 

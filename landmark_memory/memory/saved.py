@@ -5,7 +5,7 @@ commits there: it writes a commit of the blocks and the open chunk it is given, 
 of a commit into the block memory it is given, and says whether a later commit only appended.
 ``open_folder`` finds a saved memory's folder as ``LandmarkMemory.open`` needs it. A corpus
 (``documents``) reads its large documents' blocks from their stores and its small ones' from
-its own, where they were packed (``memory/corpus.py`` merges them), and pages its document list.
+its own, where they were packed (``uses/corpus.py`` merges them), and pages its document list.
 """
 
 import zlib
@@ -20,9 +20,9 @@ from ..core.names import DISK_STORES
 from ..models.fingerprint import model_fingerprint
 from .blocks import BlockMemory
 from .decoding import OpenChunk
-from .directory import MemoryDir
-from .manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
-from .seals import seal, statuses, unchanged, vouched
+from ..format.directory import MemoryDir
+from ..format.manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
+from ..format.seals import seal, statuses, unchanged, vouched
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:
@@ -83,7 +83,7 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
 
 
 def sealable_files(m: Manifest) -> dict[str, int]:
-    """``{file: committed bytes}`` of the files a writer's seals cover (``memory/seals.py``):
+    """``{file: committed bytes}`` of the files a writer's seals cover (``format/seals.py``):
     ``tokens.bin`` and every key and index file of the commit ``m``."""
     return {TOKENS: m.blocks * m.rows.sizes[TOKENS], **m.key_file_bytes()} if m.streams is not None else {}
 
@@ -95,7 +95,7 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     maps the token rows (``mapped``: checked where passages read them, and by ``verify``); a
     writer, which appends to them, checks their CRC-32 and ids first, and the CRC-32 of every
     key file and index file, but of the files sealed unchanged since the last writer closed them
-    (``memory/seals.py``: those it maps as a reader does), and of the page its commit appends
+    (``format/seals.py``: those it maps as a reader does), and of the page its commit appends
     to, before any uncommitted tail is cut."""
     sealed = set()
     if not mapped:

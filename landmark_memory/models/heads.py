@@ -1,5 +1,5 @@
 """A model's retrieval heads: the few (memory layer, key/value head) pairs whose attention, token
-by token, points a question at the text that answers it (``memory/evidence.py`` reads with
+by token, points a question at the text that answers it (``uses/evidence.py`` reads with
 them; ``landmark-memory heads`` chooses them for any model on a development set shipped with the
 package, QRHead's procedure, arXiv 2506.09944). They are kept as a small JSON file
 (``heads_path``): in a Hugging Face model's folder, or, for a named model, in the user's cache,

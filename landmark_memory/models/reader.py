@@ -1,5 +1,5 @@
 """The question reader: which memory blocks a question's own tokens point at, by retrieval
-queries of the memory layers against the blocks' landmark keys (``memory/answer.py`` asks
+queries of the memory layers against the blocks' landmark keys (``uses/answer.py`` asks
 through it; ``experiments/exp_reader.py`` measures and trains it).
 
 A query head of layer ``l`` searches with its own query plus a low-rank correction of the

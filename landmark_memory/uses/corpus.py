@@ -22,11 +22,11 @@ import torch
 from ..index import KINDS
 from ..storage import BlockStore, MemoryStore
 from ..storage.sharded import Shard
-from .directory import MANIFEST, MemoryDir
-from .engine import LandmarkMemory
-from .documents import DocumentList
-from .manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
-from .seals import SEALS
+from ..format.directory import MANIFEST, MemoryDir
+from ..memory.engine import LandmarkMemory
+from ..format.documents import DocumentList
+from ..format.manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
+from ..format.seals import SEALS
 
 PACK_BYTES = 64 << 20  # a document whose blocks take at most this much goes into the corpus's own store
 

@@ -12,10 +12,10 @@ from ..core.names import NPROBE
 from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError, open_store
 from .corpus import document_states
-from .directory import MemoryDir
-from .errors import NoMemoryError
-from .manifest import TOKENS, Manifest, MemoryFileError
-from .session_files import committed_starts, committed_turns, list_sessions, sessions_folder
+from ..format.directory import MemoryDir
+from ..format.errors import NoMemoryError
+from ..format.manifest import TOKENS, Manifest, MemoryFileError
+from ..format.session_files import committed_starts, committed_turns, list_sessions, sessions_folder
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:

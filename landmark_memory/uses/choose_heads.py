@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..models.heads import EvidenceHeads, question_prompt
 from .answer import question_tokens, search_states
-from .engine import LandmarkMemory
+from ..memory.engine import LandmarkMemory
 from .evidence import prompt_weights, token_attention
 
 COUNTS = (2, 4, 8, 16, 32)  # heads pooled: the count is chosen by development recall@5

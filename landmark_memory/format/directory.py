@@ -322,7 +322,7 @@ class MemoryDir:
         commit ``manifest`` and of every file its index keeps beside them (an ``ivf-rows``
         index's centroids and lists) but those in ``skip``, each checked against its CRC-32 in
         the manifest (where kept). A writer reads them before it appends, skipping those its
-        last writer sealed unchanged (``memory/seals.py``); ``check_key_files`` checks sizes only."""
+        last writer sealed unchanged (``format/seals.py``); ``check_key_files`` checks sizes only."""
         for name, nbytes in manifest.key_file_bytes().items():
             if name in skip:
                 continue

@@ -5,7 +5,7 @@ where it has one) and generates the answer, counting which memory blocks the ans
 retrieved: the passages of the answer, most read first, each named by its document and token
 offset (the paper's interpretability claim), or by its session's turn. ``converse`` does the
 same for a conversation sent whole (a server's stateless request), ``say`` for a turn of a
-session kept in memory (``memory/session.py``). The memory reads the question and the answer
+session kept in memory (``uses/session.py``). The memory reads the question and the answer
 too, as any text fed to it; for an answer that no earlier question sees, ``rewind()`` a
 read-only memory (``LandmarkMemory.open(path, model, readonly=True)``) between questions.
 """
@@ -22,12 +22,12 @@ from ..core.names import MAX_TURN_CHARS
 from ..core.tokenizer import encode_prompt
 from ..models.config import AskPolicy
 from ..models.reader import QuestionReader, head_attention, standardised
-from .engine import LandmarkMemory
+from ..memory.engine import LandmarkMemory
 from .evidence import Quote
 from .evidence import point as point_heads
-from .manifest import MemoryFileError
+from ..format.manifest import MemoryFileError
 from .session import Session
-from .session_files import ROLES, Turn
+from ..format.session_files import ROLES, Turn
 
 
 @dataclass(frozen=True)

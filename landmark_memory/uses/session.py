@@ -30,14 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .blocks import BlockMemory
-from .directory import MANIFEST, MemoryDir
-from .engine import LandmarkMemory
-from .errors import WriterBusyError
-from .manifest import TOKENS, BaseRecord, Manifest, SessionRecord
-from .decoding import OpenChunk
-from .saved import load_blocks, saved_chunk, write_commit
-from .session_files import (STARTS, TURNS, SessionError, Turn, busy_error, check_record, committed_starts,
+from ..memory.blocks import BlockMemory
+from ..format.directory import MANIFEST, MemoryDir
+from ..memory.engine import LandmarkMemory
+from ..format.errors import WriterBusyError
+from ..format.manifest import TOKENS, BaseRecord, Manifest, SessionRecord
+from ..memory.decoding import OpenChunk
+from ..memory.saved import load_blocks, saved_chunk, write_commit
+from ..format.session_files import (STARTS, TURNS, SessionError, Turn, busy_error, check_record, committed_starts,
                             committed_turns, missing_error, new_name, session_path, turn_bytes)
 
 

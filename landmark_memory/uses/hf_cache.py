@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.hf.convert import MemoryBackedCache
 from ..models.kinds import is_converted
-from .engine import LandmarkMemory
+from ..memory.engine import LandmarkMemory
 
 
 class LandmarkMemoryCache(MemoryBackedCache):

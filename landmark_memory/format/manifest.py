@@ -76,7 +76,7 @@ class BaseRecord:
 
 @dataclass(frozen=True)
 class SessionRecord:
-    """A session (``memory/session.py``): its ``name``, the memory it is held over (``over``),
+    """A session (``uses/session.py``): its ``name``, the memory it is held over (``over``),
     its turns and the committed bytes of ``turns.jsonl`` that hold them."""
 
     name: str

@@ -1,0 +1,10 @@
+"""What a user does with a memory, over the engine's one door (``memory.LandmarkMemory``):
+
+    answer.py     asking a memory: the answer and the passages it read; a session's turns
+    evidence.py   a question's evidence read by retrieval heads token by token: blocks, a quote
+    choose_heads.py  choosing a model's retrieval heads on development questions
+    session.py    a session: a named conversation in a memory of its own over a memory
+    corpus.py     a corpus: documents read apart, merged into one memory; their states
+    inspect.py    a saved memory read without its model: describe (info) and verify
+    hf_cache.py   LandmarkMemoryCache: a memory as a transformers Cache for ``generate``
+"""
