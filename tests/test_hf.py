@@ -360,7 +360,7 @@ def test_fine_tuning_trains_and_resumes(model_dir, tmp_path, text, lora):
 
 
 def test_readme_example_runs_as_written(model_dir, tmp_path, text):
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "guide.md").read_text()
     code = re.search(r"<!-- hf-example -->\s*```python\n(.*?)```", readme, re.S).group(1)
     assert len(code.strip().splitlines()) == 5
     (tmp_path / "my-landmark-llama").symlink_to(model_dir)

@@ -167,3 +167,16 @@ def test_nothing_but_the_engine_reaches_into_a_memorys_parts():
     assert not reaches, "reaches into a memory's parts (ask LandmarkMemory instead):\n" + "\n".join(reaches)
     assert not {p.lstrip("_") for p in PARTS} & set(dir(LandmarkMemory))  # no public name hands a part out
 
+
+def test_the_readmes_layout_names_every_folder_of_the_package_and_nothing_else():
+    """The README's layout lists each folder of the package in its layer order, and each of the
+    repository's top folders, and no folder that is not there."""
+    readme = (ROOT / "README.md").read_text()
+    layout = re.search(r"^## Layout\n+```\n(.*?)```", readme, re.S | re.M).group(1)
+    listed = re.findall(r"^  (\w+)/ ", layout, re.M)
+    folders = {d.name for d in PACKAGE.iterdir() if d.is_dir() and not d.name.startswith("__")}
+    assert sorted(listed) == sorted(folders), f"README layout lists {listed}, the package holds {sorted(folders)}"
+    ranked = [f for f in listed if f in LAYERS]
+    assert ranked == sorted(ranked, key=LAYERS.get), f"README layout is not in layer order: {ranked}"
+    tops = re.findall(r"^(\w+)/ ", layout, re.M)
+    assert tops and all((ROOT / t).is_dir() for t in tops), tops
