@@ -4,8 +4,8 @@ the passages of natural questions by them)."""
 
 import torch
 
-from landmark_memory.uses.answer import question_tokens, search_states
 from landmark_memory.models.reader import NULL, head_attention
+from landmark_memory.uses.answer import question_tokens, search_states
 
 __all__ = ["NULL", "attention_of", "block_attention", "landmark_keys", "pooled_rank", "question_states", "rank_of"]
 
@@ -38,7 +38,8 @@ def attention_of(queries, angles, keys, scale):
     (n_layer, H_kv, n, D) (``models.reader.head_attention``, the tokens alike)."""
     cos, sin = angles
     alike = torch.full((1, 1, queries.shape[2]), 1 / queries.shape[2])
-    return head_attention(queries[None], cos[None], sin[None], alike, keys, scale)[0, 0].unflatten(0, (keys.shape[0], -1))
+    return head_attention(queries[None], cos[None], sin[None], alike, keys,
+                          scale)[0, 0].unflatten(0, (keys.shape[0], -1))
 
 
 @torch.no_grad()

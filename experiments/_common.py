@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from landmark_memory.jobs.build import encode
 from landmark_memory.app.cli_args import positive
-from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
-from landmark_memory.jobs.evaluate import perplexity
 from landmark_memory.core.fileio import atomic_write
-from landmark_memory.memory import RetrievalStats
-from landmark_memory.format import MemoryOptions
-from landmark_memory.models.model import LandmarkGPT
 from landmark_memory.core.tokenizer import load_tokenizer
+from landmark_memory.format import MemoryOptions
+from landmark_memory.jobs.build import encode
+from landmark_memory.jobs.evaluate import perplexity
+from landmark_memory.memory import RetrievalStats
+from landmark_memory.models.model import LandmarkGPT
+from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -70,7 +70,8 @@ def parser(doc):
     ap.add_argument("--full-model", default=FULL_MODEL, help=f"full-attention baseline (default {FULL_MODEL})")
     ap.add_argument("--infini-model", default=INFINI_MODEL,
                     help=f"Infini-attention model, left out where missing (default {INFINI_MODEL}; '' to leave out)")
-    ap.add_argument("--results", default=str(RESULTS), help="where the markdown and PNG go (default experiments/results)")
+    ap.add_argument("--results", default=str(RESULTS), help="where the markdown and PNG go (default "
+                                                            "experiments/results)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap
 
@@ -285,7 +286,8 @@ def command_line(argv=None, script=None):
     script (default this process's)."""
     args = [str(Path(script or sys.argv[0]).resolve()), *(sys.argv[1:] if argv is None else argv)]
     return " ".join(["python"] + [PLACEHOLDERS[args[i - 1]] if i and args[i - 1] in PLACEHOLDERS
-                                  else shlex.quote(",".join(map(_from_root, a.split(",")))) for i, a in enumerate(args)])
+                                  else shlex.quote(",".join(map(_from_root, a.split(","))))
+                                  for i, a in enumerate(args)])
 
 
 def _from_root(item):

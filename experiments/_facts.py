@@ -12,7 +12,8 @@ SUBJECTS = ["apothecary", "cobbler", "weaver", "shepherd", "potter", "butcher", 
             "brewer", "printer", "constable", "organist", "ferryman", "gamekeeper", "saddler", "chandler",
             "watchmaker", "glazier", "tanner", "bookseller", "postman", "harpist", "locksmith", "cooper", "farrier"]
 TOWNS = ["Kendal", "Penrith", "Thirsk", "Ludlow", "Alnwick", "Bideford", "Holtby", "Dunmore", "Wexley", "Carbury",
-         "Marlowe", "Fennick", "Stowbridge", "Orrell", "Glenarm", "Tavistock", "Rydal", "Hexham", "Brindle", "Coldharbour"]
+         "Marlowe", "Fennick", "Stowbridge", "Orrell", "Glenarm", "Tavistock", "Rydal", "Hexham", "Brindle",
+         "Coldharbour"]
 CITIES = ["Lisbon", "Vienna", "Naples", "Bristol", "Edinburgh", "Hamburg", "Antwerp", "Bordeaux", "Dublin", "Geneva"]
 COUNTRIES = ["Brazil", "Norway", "Egypt", "Canada", "Portugal", "India", "Chile", "Iceland", "Greece", "Peru"]
 NAMES = ["Matilda", "Agnes", "Clementine", "Harriet", "Lavinia", "Philippa", "Winifred", "Beatrix", "Cordelia",

@@ -6,13 +6,12 @@ blocks. The book-text passkey and RULER's single needle, as ``exp_diagnose.py`` 
 
 import numpy as np
 import torch
-
 from _ruler_tasks import trial_prompt
 from _texts import book_filler
+
 from landmark_memory.core.passkey import MAX_KEY, answer, fact, first_int
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.kinds import in_sequence_logits
-
 
 CONFIGS = [(4, "stingy"), (8, "stingy"), (16, "stingy"), (4, "exact"), (8, "exact"), (16, "exact")]
 

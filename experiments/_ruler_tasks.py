@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from _common import PLANTED_FACTS
 
-
 TASKS = ("single", "multikey", "multivalue", "multiquery", "vartrack", "qa")
 
 

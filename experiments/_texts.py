@@ -6,12 +6,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from _common import PLANTED_FACTS, sentence_end
+
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.answer import ask
 from landmark_memory.training.data import list_text_files, read_text, split_books
+from landmark_memory.uses.answer import ask
 
 
 def held_out(books, tok):

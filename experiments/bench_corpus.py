@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import RESULTS, plt, some_of, write_result
+
 from landmark_memory.jobs.build import build, read_inputs
-from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
-from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.kinds import load_model
+from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
 
 BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of both models' training
 MODELS = {"bundled": None, "smollm2": "smollm2-landmark"}
@@ -201,7 +201,8 @@ def main():
             base = rows[0]
             body += [f"## One memory, {base['blocks']:,} blocks, read as more and more documents (bundled model)", "",
                      "| documents | build | open | ask (open, prompt, 16 tokens) | vs 1 | of which opening "
-                     "document stores | decoding step | vs 1 | FAISS searches |", "|---|---|---|---|---|---|---|---|---|"]
+                     "document stores | decoding step | vs 1 | FAISS searches |",
+                     "|---|---|---|---|---|---|---|---|---|"]
             body += [f"| {r['documents']:,} | {r['build_s']:.1f} s | {r['open_s'] * 1000:.0f} ms | "
                      f"{r['ask_s']:.2f} s | {r['ask_s'] / base['ask_s']:.2f}x | {r['stores']:,} in "
                      f"{r['stores_s'] * 1000:.0f} ms | {r['step_ms']:.1f} ms | {r['step_ms'] / base['step_ms']:.2f}x | "

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from _common import book_tokens
+
 from landmark_memory import LandmarkConfig, LandmarkGPT, load_tokenizer
-from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.models.kinds import backbone_for, load_model
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.kinds import backbone_for, load_model
+from landmark_memory.training.data import SAMPLE_DIR
 
 MiB = 2 ** 20
 BASELINES = {"smollm2-landmark": "smollm2"}  # the plain model a named landmark model was converted from
@@ -114,7 +114,8 @@ def main(argv=None):
     ap.add_argument("--contexts", default="4096,16384,32768,65536")
     ap.add_argument("--indexes", default="flat,ivf-rows,hnsw,ivf,ivfpq")
     ap.add_argument("--model", default=None, help="a landmark model: a saved LandmarkGPT, a converted Hugging Face "
-                                                  "model or smollm2-landmark (default: an untrained LandmarkGPT of --shape)")
+                                                  "model or smollm2-landmark (default: an untrained LandmarkGPT of "
+                                                  "--shape)")
     ap.add_argument("--baseline", help="with a converted Hugging Face --model, the plain model it came from "
                                        "(default: smollm2 for smollm2-landmark)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape without --model")

@@ -50,7 +50,8 @@ def main(argv=None):
     for n in map(int, args.sizes.split(",")):
         if real is not None:
             xb = real[rng.permutation(len(real))[:n]]
-            xq = xb[rng.integers(0, len(xb), args.queries)] + 0.1 * rng.standard_normal((args.queries, dim)).astype(np.float32)
+            noise = 0.1 * rng.standard_normal((args.queries, dim)).astype(np.float32)
+            xq = xb[rng.integers(0, len(xb), args.queries)] + noise
         else:
             xb, xq = clustered(n, dim, rng), clustered(args.queries, dim, rng)
         n = len(xb)

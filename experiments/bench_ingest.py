@@ -6,15 +6,14 @@ in-sequence forward over the same tokens, measured in the same run.
     python experiments/bench_ingest.py --growth 8192,131072,1048576 --indexes hnsw,ivf,flat --data BOOKS
     python experiments/bench_ingest.py --model my-landmark-llama --window 8192
 
-The in-sequence forward reads the text in windows of ``--window`` tokens (the model's training
-length; 512 for the bundled model's pretraining), each window alone. The memory reads it chunk
-by chunk, each query retrieving its top-k blocks, as ``build`` does: without the output head
-(no logits). Overhead = 1 - memory tokens/s / forward tokens/s, against the forward as the
-model runs it (with its head) and against the same forward without its head (the same work
-as reading into memory, less the memory). ``--profile`` splits the memory's time into its
-parts (the model's own layers, the attention kernel over local and retrieved blocks, landmark
-scoring and FAISS searches, the hot cache, store writes). ``--growth`` measures tokens/s over ``--span`` tokens read once the
-memory holds each given number of tokens (a cost that grows with the memory shows here).
+The in-sequence forward reads the text in windows of ``--window`` tokens (the model's training length; 512 for the
+bundled model's pretraining), each window alone. The memory reads it chunk by chunk, each query retrieving its top-k
+blocks, as ``build`` does: without the output head (no logits). Overhead = 1 - memory tokens/s / forward tokens/s,
+against the forward as the model runs it (with its head) and against the same forward without its head (the same work
+as reading into memory, less the memory). ``--profile`` splits the memory's time into its parts (the model's own
+layers, the attention kernel over local and retrieved blocks, landmark scoring and FAISS searches, the hot cache,
+store writes). ``--growth`` measures tokens/s over ``--span`` tokens read once the memory holds each given number of
+tokens (a cost that grows with the memory shows here).
 """
 
 import argparse
@@ -25,13 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import book_tokens
-from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.models.kinds import backbone_for, in_sequence_logits, load_model
+
 from landmark_memory.memory import LandmarkMemory, decoding
 from landmark_memory.memory.blocks import BlockMemory
 from landmark_memory.memory.lookup import BlockLookup
+from landmark_memory.models.kinds import backbone_for, in_sequence_logits, load_model
+from landmark_memory.training.data import SAMPLE_DIR
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of the bundled model's training
 PARTS = [(decoding, "landmark_attention_inference", "attention kernel"), (BlockLookup, "choose", "retrieval"),

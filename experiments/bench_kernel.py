@@ -5,11 +5,11 @@
     TRITON_INTERPRET=1 python experiments/bench_kernel.py --T 128 --D 64 --backends sdpa,triton,triton-onepass \
         --decoder triton --decode 2048 --reps 1           # CPU: the Triton kernels interpreted (slow; a smoke run)
 
-Prints forward and forward+backward time and peak memory per backend, each backend's time as
-a ratio of SDPA's measured in the same run, and (up to ``--check-T``) each landmark backend's
-relative error against the float64 reference, so a fast path is never timed unchecked. The Triton backend needs a GPU (on a
-CPU the dense backend, its fast path, takes its place); the reference and dense backends are
-skipped beyond ``--max-reference-T``, where their T x T buffers would not fit.
+Prints forward and forward+backward time and peak memory per backend, each backend's time as a ratio of SDPA's
+measured in the same run, and (up to ``--check-T``) each landmark backend's relative error against the float64
+reference, so a fast path is never timed unchecked. The Triton backend needs a GPU (on a CPU the dense backend, its
+fast path, takes its place); the reference and dense backends are skipped beyond ``--max-reference-T``, where their T
+x T buffers would not fit.
 
 Decode: one new token against a context of n tokens. SDPA reads the whole KV cache; landmark
 decoding scores the n / (block_size + 1) landmarks (a matmul and top-k, standing in for the
@@ -77,7 +77,7 @@ def bench(backend, B, H, T, D, block_size, dtype, device, reps, cmt=False):
     except torch.OutOfMemoryError:
         return None
     finally:
-        del q, k, v, do
+        q = k = v = do = None  # (the closures' tensors freed before the cache is emptied)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -98,7 +98,7 @@ def rel_error(backend, B, H, T, D, block_size, dtype, device, cmt=False):
 
     got, ref = run(backend, dtype), run("reference", torch.float64)
     err = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref))
-    del q, k, v, do, got, ref
+    q = k = v = do = got = ref = None
     return err
 
 
@@ -139,7 +139,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--reps", type=int, default=None, help="default: 10 on GPU, 2 on CPU")
     ap.add_argument("--max-reference-T", type=int, default=8192, help="skip the O(T^2) reference beyond this")
-    ap.add_argument("--check-T", type=int, default=4096, help="check each backend against a float64 reference up to this T")
+    ap.add_argument("--check-T", type=int, default=4096, help="check each backend against a float64 reference up to "
+                                                              "this T")
     ap.add_argument("--decode", default=None, help="decode contexts (default: 4K..1M on GPU, 4K..16K on CPU; 0 = none)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--cmt", action="store_true", help="landmark backends with a Context Miss Token (half the "

@@ -99,12 +99,12 @@ def served(memory: Path, shares: int) -> dict:
     hold the corpus's blocks (a local cluster on this machine), the same questions; the answers
     compared, and the front's round trips and bytes per ask."""
     import torch
-
     from bench_scale import QUESTIONS
+
     from landmark_memory.app.served import Shares
     from landmark_memory.memory import LandmarkMemory
-    from landmark_memory.uses.answer import ask
     from landmark_memory.models.kinds import load_model
+    from landmark_memory.uses.answer import ask
 
     model, tok = load_model(None)
     torch.set_num_threads(1)  # as each share: the front and the shares share 2 cores
@@ -144,7 +144,8 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     into a memory in RAM; ``batched``, ``batch`` such documents read as the streams of one
     memory; ``build``, ``build.read_document`` as a build reads a small document (in RAM, its
     blocks stored as the corpus stores them, ready to merge); ``folder``, the same into a folder
-    of its own (its store and commits: a large document's way); and whether the batch's landmark keys equal those read alone, bit for bit."""
+    of its own (its store and commits: a large document's way); and whether the batch's landmark keys equal those read
+    alone, bit for bit."""
     import tempfile
     from collections import Counter
     from dataclasses import replace
@@ -152,10 +153,10 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     import numpy as np
     import torch
 
-    from landmark_memory.jobs.build import encode_document
-    from landmark_memory.jobs.reading import DocumentJob, read_document, read_steps
-    from landmark_memory.jobs.distributed import set_threads
     from landmark_memory.core.layout import insert_landmarks
+    from landmark_memory.jobs.build import encode_document
+    from landmark_memory.jobs.distributed import set_threads
+    from landmark_memory.jobs.reading import DocumentJob, read_document, read_steps
     from landmark_memory.memory import LandmarkMemory
     from landmark_memory.models.kinds import load_model
 

@@ -50,7 +50,8 @@ def shapes(a) -> str:
              f"Command: `python experiments/bench_long_input.py --books BOOKS --mb {a.mb:g} --shapes`; "
              f"{time.strftime('%Y-%m-%d')}, 2 CPU cores, the bundled tokenizer. Each figure is a fresh process's "
              "peak resident memory.", "",
-             "| words joined by | tokens | whole: GB | s | pieces: GB | s | same ids |", "|---|---:|---:|---:|---:|---:|---|"]
+             "| words joined by | tokens | whole: GB | s | pieces: GB | s | same ids |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for shape in SHAPES:
         text = a.work / "shape.txt"
         one_line(a.books, a.mb, text, shape)
@@ -78,8 +79,8 @@ def tokenize(text_file: str, how: str, ids_file: str) -> dict:
     import numpy as np
 
     from landmark_memory import load_tokenizer
-    from landmark_memory.jobs.build import encode, read_inputs
     from landmark_memory.core.tokenizer import EOS_TOKEN
+    from landmark_memory.jobs.build import encode, read_inputs
     from landmark_memory.training.data import strip_gutenberg
 
     text, tok, t = read_inputs([text_file])[0].text, load_tokenizer(), time.perf_counter()
@@ -94,8 +95,8 @@ def read(ids_file: str, n: int, trim: bool, folder: str) -> dict:
     import numpy as np
 
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.jobs.reading import read_steps
     from landmark_memory.core import heap
+    from landmark_memory.jobs.reading import read_steps
 
     def anon_mb() -> int:
         status = Path("/proc/self/status").read_text()

@@ -115,10 +115,10 @@ def probe(args) -> None:
     import psutil
     import torch
 
-    from landmark_memory.uses.answer import ask
     from landmark_memory.jobs.build import build, read_inputs
-    from landmark_memory.models.kinds import load_model
     from landmark_memory.memory import LandmarkMemory
+    from landmark_memory.models.kinds import load_model
+    from landmark_memory.uses.answer import ask
 
     torch.set_num_threads(args.threads)
     proc = psutil.Process()
@@ -165,8 +165,8 @@ def read_speed(args) -> None:
     import torch
 
     from landmark_memory.jobs.build import encode_document
-    from landmark_memory.models.kinds import backbone_for, load_model
     from landmark_memory.memory import LandmarkMemory
+    from landmark_memory.models.kinds import backbone_for, load_model
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(MODELS[args.models])
@@ -210,7 +210,8 @@ def rows_and_indexes(memory: Path, everywhere: bool) -> int:
         return f.name in ("tokens.bin", "landmarks.bin") or f.parent.name == "keys"
 
     if not everywhere:
-        return sum(f.stat().st_size for f in [*memory.iterdir(), *(memory / "keys").glob("*")] if f.is_file() and rows(f))
+        return sum(f.stat().st_size for f in [*memory.iterdir(), *(memory / "keys").glob("*")] if f.is_file()
+                   and rows(f))
     return sum(f.stat().st_size for f in memory.rglob("*") if f.is_file() and (rows(f) or f.name.startswith("state.")))
 
 
@@ -261,7 +262,8 @@ def main():
     ap.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "landmark-memory", "bench-scale"),
                     help="where the memories are built and kept between runs")
     ap.add_argument("--baseline", default=None, help="a checkout of an earlier version to measure beside this one")
-    ap.add_argument("--baseline-sizes", type=size_arg, default=None, help="the sizes the baseline measures (default all)")
+    ap.add_argument("--baseline-sizes", type=size_arg, default=None, help="the sizes the baseline measures (default "
+                                                                          "all)")
     ap.add_argument("--read-tokens", type=int, default=500_000,
                     help="tokens of one long document read in this process to time the first and last 50K (0: not)")
     ap.add_argument("--workers", type=int, default=2, help="Ray workers that build each memory (default 2)")
@@ -272,7 +274,8 @@ def main():
     ap.add_argument("--append", help=argparse.SUPPRESS)
     ap.add_argument("--unsealed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--read-indexes", default="",
-                    help="index kinds the long document is read with, comma-separated (default: each version's default)")
+                    help="index kinds the long document is read with, comma-separated (default: each version's "
+                         "default)")
     ap.add_argument("--read", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--read-index", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -286,6 +289,7 @@ def main():
     started, books, work = time.time(), Path(args.books), Path(args.work)
     versions = [("this version", None)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     from _common import command_line
+
     from landmark_memory.models.kinds import load_model
 
     rows, memories = [], []
@@ -403,9 +407,11 @@ def report(rows: list[dict], commands: list[str], args, started: float) -> None:
         body += ["## Reading one long document", "",
                  "The longest books one after another as one document, read as a build's worker reads a document",
                  "(int8 blocks, no output head), in a process of its own, one index after another.", "",
-                 "| model | version | tokens | index | tokens/s, first 50K | tokens/s, last 50K | slowest 50K | last / first |",
+                 "| model | version | tokens | index | tokens/s, first 50K | tokens/s, last 50K | slowest 50K | last / "
+                 "first |",
                  "|---|---|---:|---|---:|---:|---:|---:|"]
-        body += [f"| {r['model']} | {r['version']}" + (f" ({r['commit']})" if r.get("commit") else "") + f" | {r['tokens']:,} | {r['index']} | {r['read_first_tps']:,.0f} | "
+        body += [f"| {r['model']} | {r['version']}" + (f" ({r['commit']})" if r.get("commit") else "")
+                 + f" | {r['tokens']:,} | {r['index']} | {r['read_first_tps']:,.0f} | "
                  f"{r['read_last_tps']:,.0f} | " + (f"{r['read_min_tps']:,.0f}" if "read_min_tps" in r else "-") +
                  f" | {r['read_last_tps'] / r['read_first_tps']:.0%} |" for r in reads]
         body.append("")

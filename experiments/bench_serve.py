@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-
 from _common import RESULTS, serving, write_result
-from landmark_memory.uses.answer import ask
+
 from landmark_memory.jobs.build import build, read_inputs
-from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
-from landmark_memory.models.kinds import load_model
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.kinds import load_model
+from landmark_memory.training.data import SAMPLE_DIR, read_text, strip_gutenberg
+from landmark_memory.uses.answer import ask
 
 BOOK = SAMPLE_DIR / "book" / "up_from_slavery.txt"  # held out of both models' training
 MODELS = {"bundled": None, "smollm2": "smollm2-landmark"}

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PLANTED_FACTS, command_line, held_out_books, load_smollm2, machine, write_result  # noqa: E402
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer  # noqa: E402
-from landmark_memory.uses.answer import say  # noqa: E402
 from landmark_memory.models.hf.smollm2 import ADAPTER_DIR, LANDMARK  # noqa: E402
+from landmark_memory.uses.answer import say  # noqa: E402
 from landmark_memory.uses.session import Session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def ask_facts(session, tok, chat, options, rounds):
     """The five questions (clozes for a model without a chat template), a turn each, ``rounds``
     times: ``[(seconds, answer has the fact, a passage holds it, answer tokens)]``."""
     rows = []
-    for (fact, question, words), cloze in list(zip(FACTS, CLOZES)) * rounds:
+    for (_, question, words), cloze in list(zip(FACTS, CLOZES)) * rounds:
         seconds, a = timed_turn(session, tok, question if chat else cloze, options)
         rows.append((seconds, any(w.lower() in a.text.lower() for w in words),
                      any(any(w in p.text for w in words) for p in a.passages), len(a.tokens)))

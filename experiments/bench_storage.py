@@ -21,13 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from _common import book_tokens, write_result
-from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.jobs.evaluate import passkey_accuracy, perplexity
-from landmark_memory.models.kinds import load_model
-from landmark_memory.memory import LandmarkMemory
+
 from landmark_memory.format import MemoryOptions
+from landmark_memory.jobs.evaluate import passkey_accuracy, perplexity
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.kinds import load_model
+from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.uses.inspect import describe
 
 HELD_OUT = SAMPLE_DIR / "book" / "up_from_slavery.txt"
@@ -116,8 +116,10 @@ def main(argv=None):
         good = quality(model, tok, ids, dtypes, args)
         base = dtypes[0]
         body += [f"## {name}", "",
-                 f"Built over {args.build_tokens:,} tokens less the last open chunk; perplexity over the first {max(args.lengths):,}; passkey "
-                 f"at {args.passkey_length:,} tokens, the same {args.trials} prompts (seed {args.seed}) for each dtype.",
+                 f"Built over {args.build_tokens:,} tokens less the last open chunk; perplexity over the first "
+                 f"{max(args.lengths):,}; passkey "
+                 f"at {args.passkey_length:,} tokens, the same {args.trials} prompts (seed {args.seed}) for each "
+                 "dtype.",
                  "", "| store dtype | disk KiB / token | vs " + base + " | " +
                  " | ".join(f"perplexity @{n:,} | vs {base}" for n in args.lengths) +
                  " | passkey | ingest tokens/s | vs " + base + " | decode ms / token | vs " + base + " |",
@@ -126,7 +128,8 @@ def main(argv=None):
             rate, per_token, ms = fast[d]
             ppl = " | ".join(f"{good[d][n]:.3f} | {good[d][n] / good[base][n] - 1:+.2%}" for n in args.lengths)
             right, same = good[d]["passkey"], sum(a == b for a, b in zip(good[d]["answers"], good[base]["answers"]))
-            body.append(f"| {d} | {per_token / KiB:.2f} | {per_token / fast[base][1]:.1%} | {ppl} | {sum(right)}/{len(right)} "
+            body.append(f"| {d} | {per_token / KiB:.2f} | {per_token / fast[base][1]:.1%} | {ppl} | "
+                        f"{sum(right)}/{len(right)} "
                         f"({same} answers as {base}'s) | "
                         f"{rate:,.0f} | {rate / fast[base][0]:.2f}x | {ms:.1f} | {fast[base][2] / ms:.2f}x |")
         body.append("")

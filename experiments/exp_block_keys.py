@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from _common import Trials, load_smollm2, suite_main, write_result
 from _texts import haystack, held_out
 from exp_retrieval import ASK_NEW, Lookups, Queries
+
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.uses.answer import ask, search_states

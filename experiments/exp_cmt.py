@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import torch
-
 from _common import BASE_MODEL, CMT_MODEL, books_eval, held_out_books, load, parse, parser, plt, publish
-from landmark_memory.memory import LandmarkMemory, RetrievalStats
+
 from landmark_memory.format import MemoryOptions
+from landmark_memory.memory import LandmarkMemory, RetrievalStats
 
 CUTOFFS = (0.0, 0.1, 0.3, 0.5, 1.0)
 
@@ -69,7 +69,8 @@ def main(argv=None):
                          searches_saved=saved(stats)[1], ms=ms, decode_saved=saved(dec)[1]))
         print(label, f"ppl {ppl:.2f} drop {rows[-1]['drop']:.1%} decode {ms:.2f} ms/token")
     ref = next(r for r in rows if r["cutoff"] == 0.0)
-    body = [f"Baseline `{args.base_model}` and CMT model `{args.cmt_model}` (same size, data and steps) on the held-out "
+    body = [f"Baseline `{args.base_model}` and CMT model `{args.cmt_model}` (same size, data and steps) on the "
+            "held-out "
             f"books ({', '.join(n for n, _ in books)}), {rows[0]['tokens']:,} predicted tokens per row at evaluation "
             f"length {args.eval_length}, chunks of 250, top-4 per token and head, flat index. Drop rate: query "
             "retrievals (token x layer x head) whose CMT share was below the cutoff. Searches skipped: index searches "

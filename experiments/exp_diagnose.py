@@ -41,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from _common import ADAPTER, PLANTED_FACTS, adapter_specs, load_smollm2, some_of, write_result
 from _needles import CONFIGS, key_hits, passkey_trial, ruler_trial, spanned_blocks
 from _texts import ask_case, ask_in_memory, held_out, is_right, trial_rng
-from landmark_memory.uses.answer import ask
-from landmark_memory.training.data import read_text
-from landmark_memory.memory import LandmarkMemory
+
 from landmark_memory.core.passkey import PasskeyPrompts
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.training.data import read_text
+from landmark_memory.uses.answer import ask
 
 FACTS = PLANTED_FACTS[:4]  # (sentence planted, question, the words a right answer holds)
 DEPTHS = (0.2, 0.45, 0.65, 0.85)
@@ -249,7 +249,8 @@ def main(argv=None):
                          "(default: the shipped one)")
     ap.add_argument("--parts", type=some_of(PARTS), default=["passkey", "questions"],
                     help=f"some of {','.join(PARTS)} (default: passkey,questions)")
-    ap.add_argument("--length", type=int, default=8192, help="passkey and RULER prompt and ask memory length (default 8192)")
+    ap.add_argument("--length", type=int, default=8192, help="passkey and RULER prompt and ask memory length (default "
+                                                             "8192)")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--question-tokens", type=int, default=8192, help="tokens of the novel the questions read")

@@ -32,19 +32,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from _common import ROOT, command_line, load_smollm2, write_result
 from _texts import build, haystack, held_out, is_right
 from exp_natural import evidence_span
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.answer import question_tokens, search_states
-from landmark_memory.uses.evidence import prompt_weights, token_attention
 from landmark_memory.models.heads import question_prompt
 from landmark_memory.models.reader import head_attention
 from landmark_memory.training.data import read_text
+from landmark_memory.uses.answer import question_tokens, search_states
+from landmark_memory.uses.evidence import prompt_weights, token_attention
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions_2.json"
 SIZES = (8064, 32256)  # 128 and 512 blocks of 63
@@ -57,6 +57,7 @@ def load_model(name):
     if name == "base":
         return load_smollm2(None)
     from exp_families import load  # (the registry package's weights)
+
     from landmark_memory.models.hf.tokenizer import TextTokenizer
 
     model, tok = load()
@@ -185,8 +186,8 @@ def heads_of(meta, tensors):
 def choose_step(args):
     """Heads chosen on the development books' 32K records (whole books, not the shipped excerpts),
     saved as ``WORK/MODEL/heads32k.json``: how far the shipped choice is from one made at 32K."""
-    from landmark_memory.uses.choose_heads import choose
     from landmark_memory.models.heads import EvidenceHeads, save_heads
+    from landmark_memory.uses.choose_heads import choose
 
     dev = records(args.work, args.model, "dev", SIZES[-1])
     masses = [t["tokens"].float() for _, t in dev]
@@ -211,8 +212,9 @@ def ask_step(args):
     (``VARIANTS``) of the memories ``record`` read, each trial kept in ``WORK/MODEL/ask.json`` as
     soon as it is done."""
     from _common import Trials
-    from landmark_memory.uses.answer import ask
+
     from landmark_memory.models.heads import load_heads
+    from landmark_memory.uses.answer import ask
 
     model, tok = load_model(args.model)
     reader = getattr(model, "question_reader", None)
@@ -249,8 +251,8 @@ def ask_step(args):
 def heads_step(args):
     """The heads ``landmark-memory heads`` chooses (the development set the package ships), saved
     as ``WORK/MODEL/heads.json``: what ``ask`` reads with in the ``heads`` variant."""
-    from landmark_memory.uses.choose_heads import choose_heads, shipped_questions
     from landmark_memory.models.heads import save_heads
+    from landmark_memory.uses.choose_heads import choose_heads, shipped_questions
 
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
@@ -269,9 +271,9 @@ def cost_step(args):
     the prompt read alone, then with the retrieval heads' token-level reading (``evidence.point``)
     and with the shipped question reader (``answer.point``), the median over the book's evaluation
     questions, each after a warm-up; written to ``WORK/MODEL/cost.json``."""
+    from landmark_memory.models.heads import load_heads
     from landmark_memory.uses.answer import point
     from landmark_memory.uses.evidence import point as point_heads
-    from landmark_memory.models.heads import load_heads
 
     model, tok = load_model(args.model)
     reader = getattr(model, "question_reader", None)
@@ -314,8 +316,8 @@ ASKED = {"stage9": "`ask` without reader or heads (stage 9)", "shipped": "`ask` 
 
 def ranking_rows(work, model, split, size):
     """{variant: [rank of the evidence's block per question]} from ``record``'s tensors."""
-    from landmark_memory.uses.choose_heads import pooled_rank
     from landmark_memory.models.heads import load_heads
+    from landmark_memory.uses.choose_heads import pooled_rank
 
     recs = records(work, model, split, size)
     if not recs:
@@ -334,7 +336,8 @@ def ranking_rows(work, model, split, size):
         out[f"tokens: {name}"] = [pooled_rank(t["tokens"].float(), json.loads(m["blocks"]), ix) for m, t in recs]
         if name != "every head":
             out[f"block keys: {name}"] = [
-                int(((lm := (t["landmarks"][0] - t["landmarks"][1])[ix].sum(0)) > lm[json.loads(m["blocks"])].max()).sum())
+                int(((lm := (t["landmarks"][0] - t["landmarks"][1])[ix].sum(0))
+                     > lm[json.loads(m["blocks"])].max()).sum())
                 + 1 for m, t in recs]
     if "reader" in recs[0][1]:
         out["the shipped question reader"] = [int((t["reader"] > t["reader"][json.loads(m["blocks"])].max()).sum()) + 1

@@ -10,11 +10,12 @@ import time
 from dataclasses import replace
 
 from _common import held_out_books, load, parse, parser, write_result
-from landmark_memory.jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy
-from landmark_memory.index import KINDS
-from landmark_memory.format import MemoryOptions
-from landmark_memory.jobs.plots import plot_compare
+
 from landmark_memory.core.tokenizer import load_tokenizer
+from landmark_memory.format import MemoryOptions
+from landmark_memory.index import KINDS
+from landmark_memory.jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy
+from landmark_memory.jobs.plots import plot_compare
 
 
 def main(argv=None):

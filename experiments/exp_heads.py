@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _attention import NULL, block_attention, pooled_rank, rank_of
 from _common import ADAPTER, ROOT, Trials, load_smollm2, plt, suite_main, write_result
 from _texts import build, haystack, held_out, is_right
+
 from landmark_memory.jobs.build import encode
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.answer import ask
 from landmark_memory.training.data import list_text_files, read_text, split_books
+from landmark_memory.uses.answer import ask
 
 DEV_FACTS = [
     ("The baker's youngest son was named Theodore Quill.", "What was the name of the baker's youngest son?",
@@ -77,7 +77,7 @@ def haystack_rows(model, tok, ids, facts, folder, order=None):
     rows, attention = [], []
     with LandmarkMemory.open(folder, model, readonly=True) as m:
         null = block_attention(m, tok, NULL, n_blocks)
-        for sentence, question, words, (a, b) in facts:
+        for _, question, words, (a, b) in facts:
             blocks = list(range(a // bs, (b - 1) // bs + 1))
             if max(blocks) >= n_blocks:  # in the open chunk after the memory's last block
                 continue

@@ -14,6 +14,7 @@ exact positions.
 import time
 
 from _common import BASE_MODEL, JUMP_MODEL, books_perplexity, held_out_books, load, parse, parser, plt, publish
+
 from landmark_memory.format import MemoryOptions
 
 

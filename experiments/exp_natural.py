@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from _attention import NULL, block_attention, pooled_rank
-from _common import HEADS_READER, SHIPPED_READER, ADAPTER, RESULTS, ROOT, Trials, load_smollm2, suite_main, write_result
+from _common import ADAPTER, HEADS_READER, RESULTS, ROOT, SHIPPED_READER, Trials, load_smollm2, suite_main, write_result
 from _texts import build, is_right
+
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.answer import ask
 from landmark_memory.models.kinds import cache_keyword
 from landmark_memory.training.data import read_text
+from landmark_memory.uses.answer import ask
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions.json"
 TOKENS = 8064  # 128 blocks of 63: with a question and its answer, within the base model's 8,192 positions
@@ -191,7 +191,8 @@ def second_set(results):
             "the package, `landmark_memory/samples/questions.json`), by which heads and counts were chosen, and 40 "
             "about three evaluation books, reported here (8K: those whose evidence lies in a book's first 8,064 "
             "tokens, asked of a memory of them; 32K: all 40, asked of a memory of the first 32,256), with the "
-            "retrieval suite's planted facts beside them. `ask` recall@5: the evidence's block among the 5 passages `ask` "
+            "retrieval suite's planted facts beside them. `ask` recall@5: the evidence's block among the 5 passages "
+            "`ask` "
             "reports; ranking: among the 5 blocks a ranking puts first; right: the answer holds the expected words; "
             "quoted: the quote holds them. Every figure with its trials: `evidence.md`.", "",
             "| model, variant | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]

@@ -5,12 +5,12 @@ answer choosing blocks as the memory reads or centred.
     python experiments/exp_passage_layers.py                 # the bundled model, seeds 0-7
     python experiments/exp_passage_layers.py --model smollm2-landmark --seeds 0-3 --out passage_layers_smollm2
 
-Each seed plants the demo's pass key in the bundled sample book as the demo does (the book's
-first 8,192 tokens for a model other than the bundled one), builds the memory as the demo builds it, and asks the demo's question once per way of centring; the
-lookups of every layer (the question's last token and each answer token, as ``ask`` counts
-them) rank the blocks. A rank is the place of the first block holding the key's digits among
-the blocks read most; "-" where no block holding them was read. SmolLM2's 30 layers were
-measured the same way on planted facts in ``exp_retrieval.py`` (``k4 deep``).
+Each seed plants the demo's pass key in the bundled sample book as the demo does (the book's first 8,192 tokens for a
+model other than the bundled one), builds the memory as the demo builds it, and asks the demo's question once per way
+of centring; the lookups of every layer (the question's last token and each answer token, as ``ask`` counts them) rank
+the blocks. A rank is the place of the first block holding the key's digits among the blocks read most; "-" where no
+block holding them was read. SmolLM2's 30 layers were measured the same way on planted facts in ``exp_retrieval.py``
+(``k4 deep``).
 """
 
 import argparse
@@ -21,12 +21,19 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-
 from _common import write_result
+
 from landmark_memory import LandmarkMemory, ask
 from landmark_memory.jobs.build import build, read_inputs
-from landmark_memory.jobs.demo import (LARGE_MODEL_TOKENS, MAX_KEY, QUESTION, SAMPLE_BOOK, plant_passkey, read_text,
-                                      strip_gutenberg)
+from landmark_memory.jobs.demo import (
+    LARGE_MODEL_TOKENS,
+    MAX_KEY,
+    QUESTION,
+    SAMPLE_BOOK,
+    plant_passkey,
+    read_text,
+    strip_gutenberg,
+)
 from landmark_memory.models.kinds import load_model
 from landmark_memory.models.model import LandmarkGPT
 
@@ -91,7 +98,9 @@ def main(argv=None):
         key, depth, got, right = ranks(model, tok, seed)
         rows.append((seed, key, depth, got, right))
         print(seed, key, f"{depth:.2f}", got, flush=True)
-    show = lambda r: "-" if r is None else str(r)
+    def show(r):
+        return "-" if r is None else str(r)
+
     half = f"layers {model_layers(model) // 2}-{model_layers(model) - 1} of {model_layers(model)}"
     body = [f"Model: {args.model or 'the bundled model'}. Rank of the pass key's passage among the blocks the demo's "
             f"answer read, by the lookups counted (every layer, or the deeper half: {half}) and by how the question "

@@ -15,12 +15,12 @@ import math
 import time
 
 import torch
-
 from _common import load, load_optional, parse, parser, plt, publish
-from landmark_memory.jobs.evaluate import parse_lengths, passkey_accuracy
-from landmark_memory.memory import LandmarkMemory
+
 from landmark_memory.core.passkey import PasskeyPrompts, run_passkey
 from landmark_memory.core.tokenizer import load_tokenizer
+from landmark_memory.jobs.evaluate import parse_lengths, passkey_accuracy
+from landmark_memory.memory import LandmarkMemory
 
 MEMORY = dict(chunk_size=250, top_k=4)
 
@@ -102,7 +102,8 @@ def main(argv=None):
             kr = "-" if "key_retrieved" not in r else ("(key in local chunk)" if kr is None else
                                                        f"{100 * kr:.0f}% ({r['trials_in_memory']} trials)")
             kc = "-" if kc is None else f"{100 * kc:.0f}%"
-            body.append(f"| {label} | {r['length']:,} | {100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) | {kr} "
+            body.append(f"| {label} | {r['length']:,} | {100 * r['accuracy']:.0f}% ({r['correct']}/{r['trials']}) | "
+                        f"{kr} "
                         f"| {kc} |")
     p = plt()
     fig, ax = p.subplots(figsize=(6.5, 4))

@@ -35,21 +35,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from _attention import NULL, landmark_keys, question_states
 from _common import ADAPTER, ROOT, SHIPPED_READER, Trials, command_line, load_smollm2, plt, write_result
 from _facts import about_questions, draw_facts
 from _texts import build, haystack, held_out, is_right
 from exp_heads import DEV_FACTS, DEV_SEED, trained_books
-from exp_natural import ASK_NEW as NATURAL_NEW, FIXTURE, TOKENS, evidence_span
+from exp_natural import ASK_NEW as NATURAL_NEW
+from exp_natural import FIXTURE, TOKENS, evidence_span
 from exp_retrieval import ASK_NEW as SUITE_NEW
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.answer import ask
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, head_attention, save_reader
 from landmark_memory.training.data import read_text
+from landmark_memory.uses.answer import ask
 
 DEV_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions_dev.json"  # a trained book's
 TRAIN_SEED = 2000
@@ -505,7 +506,8 @@ def report(args):
         name, pin = tag.rsplit("-pin", 1)
         shipped = " (what SmolLM2's adapter ships)" if tag == SHIPPED_READER else ""
         body += ["", f"Asked through `{name}`{shipped} (`ask` with `reader_blocks` {pin}: its {pin} best blocks "
-                 "read first by every answer token at every layer, and named first among the passages), on the same memories. "
+                 "read first by every answer token at every layer, and named first among the passages), on the same "
+                 "memories. "
                  "recall@5: the fact's block among the passages; right: the answer holds the fact's words; today's "
                  "`ask` and the base model reading the text whole in its own context (natural questions only) on the "
                  "same questions.", "",

@@ -34,12 +34,25 @@ later runs add trials; ``--report`` writes realtext.md from the state.
 import time
 
 import torch
-
-from _common import (ADAPTER, BASE, BASE_WINDOW, Trials, adapter_specs, books_perplexity, load_smollm2, some_of,
-                     suite_main, top_k_label, top_k_memory, top_k_option, write_result)
+from _common import (
+    ADAPTER,
+    BASE,
+    BASE_WINDOW,
+    Trials,
+    adapter_specs,
+    books_perplexity,
+    load_smollm2,
+    some_of,
+    suite_main,
+    top_k_label,
+    top_k_memory,
+    top_k_option,
+    write_result,
+)
 from _texts import ASK_NEW, ask_case, ask_in_memory, book_filler, held_out, is_right, trial_rng
-from landmark_memory.jobs.evaluate import greedy_continuation, parse_lengths
+
 from landmark_memory.core.passkey import MAX_KEY, PasskeyPrompts, first_int
+from landmark_memory.jobs.evaluate import greedy_continuation, parse_lengths
 
 PARTS = ("passkey", "ask", "ppl")
 PPL_LENGTH = 2048  # the in-sequence perplexity's segments
@@ -105,7 +118,7 @@ def run(args):
             for i, row in state.fill(f"{shown}|{part}|{n}", args.trials, timed):
                 print(f"{shown} {part} @{n} trial {i}: {'right' if row['right'] else 'wrong'} "
                       f"(want {row['want']}, got {row['answer'][:60]!r})", flush=True)
-        del model
+        model = None  # freed before the next one loads
 
 
 def report(args):
@@ -150,7 +163,8 @@ def report(args):
 def options(ap):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one)")
-    ap.add_argument("--parts", type=some_of(PARTS), default=list(PARTS), help=f"some of {','.join(PARTS)} (default: all)")
+    ap.add_argument("--parts", type=some_of(PARTS), default=list(PARTS), help=f"some of {','.join(PARTS)} (default: "
+                                                                              "all)")
     ap.add_argument("--ppl-tokens", type=int, default=12288, help="tokens of the in-sequence perplexity "
                                                                   "(shared out over the held-out books)")
     top_k_option(ap, "passkey and ask")

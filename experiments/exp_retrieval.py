@@ -43,16 +43,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from _common import (HEADS_READER, SHIPPED_READER, ADAPTER, ROOT, Trials, books_perplexity, load_smollm2, plt, some_of,
-                     suite_main, write_result)
+from _common import (
+    ADAPTER,
+    HEADS_READER,
+    ROOT,
+    SHIPPED_READER,
+    Trials,
+    books_perplexity,
+    load_smollm2,
+    plt,
+    some_of,
+    suite_main,
+    write_result,
+)
 from _needles import passkey_trial, ruler_trial
 from _texts import FACTS, build, build_timed, haystack, held_out, is_right
-from landmark_memory.uses.answer import ask
+
+from landmark_memory.core.passkey import PasskeyPrompts
+from landmark_memory.format import MemoryOptions
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.format import MemoryOptions
-from landmark_memory.core.passkey import PasskeyPrompts
+from landmark_memory.uses.answer import ask
 
 PARTS = ("questions", "oracle", "passkey", "ruler", "ppl")
 VARIANTS = ("k4,k4 sink,k4 local,k4 sink local,k4 centred,k4 sink local centred,k4 per_head,k4 sink local per_head,"
@@ -115,7 +126,7 @@ def question_rows(model, tok, folder, n_blocks, facts, variant, bs):
     """One row per fact of a haystack asked from its memory in ``variant``."""
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True, **variant_options(variant)) as m:
-        for sentence, question, words, (a, b) in facts:
+        for _, question, words, (a, b) in facts:
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             looks = Lookups(m, n_blocks)
@@ -191,7 +202,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
         keys = []
         for layer in range(m.shape.n_layer):  # (n_blocks, H, L, D) keys rotated by their offset in the block
             keys.append(m.keys(layer, every, rows=True).repeat_interleave(G, 1))
-        for sentence, question, words, (a, b) in facts:
+        for _, question, _, (a, b) in facts:
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
@@ -378,7 +389,7 @@ def report(args):
         axes[0].invert_yaxis()
         axes[0].set_xlabel("recall@5 of the fact's block (dashed: the targets)")
         axes[0].legend(fontsize=8)
-        for n, target in zip(lengths, TARGETS):
+        for _, target in zip(lengths, TARGETS):
             axes[0].axvline(target, ls="--", lw=0.8, color="grey")
         n = lengths[0]
         for v in [v for v in names if (v, n) in got][:6]:
@@ -398,7 +409,8 @@ def heads_rows(results, lengths, suite):
     (``exp_reader.py``'s), where they exist: their haystacks are this suite's (same books, facts
     and seeds), so their questions are the table's and pair with k4's (``suite``: this suite's
     cells)."""
-    k4 = {n: {(r["haystack"], r["question"]): r["recall5"] for r in suite.get(f"questions|{n}|k4", [])} for n in lengths}
+    k4 = {n: {(r["haystack"], r["question"]): r["recall5"] for r in suite.get(f"questions|{n}|k4", [])}
+          for n in lengths}
     out = []
 
     def row(label, by_length):  # by_length: n -> [((haystack, question), found, rank or None, right or None)]
@@ -411,7 +423,8 @@ def heads_rows(results, lengths, suite):
             rights = [r for _, _, _, r in rows if r is not None]
             cols.append(f"{np.mean([f for _, f, _, _ in rows]):.0%} | {vs} | "
                         f"{f'{np.median(ranks):.0f}' if ranks else '-'} | - | "
-                        f"{f'{np.mean(rights):.0%}' if rights else '-'} | {len(rows)}" if rows else "- | - | - | - | - | 0")
+                        f"{f'{np.mean(rights):.0%}' if rights else '-'} | {len(rows)}" if rows else "- | - | - | - | - "
+                                                                                                    "| 0")
         return f"| {label} | " + " | ".join(cols) + " |"
 
     heads = results / "heads.json"
@@ -477,7 +490,9 @@ def verdict(cells, got, names, lengths):
                f"{got['k4', n]['recall5']:.0%} for every layer's lookups pooled, as `ask` ranks its passages.")
 
     def needles_kept(v):  # (``deep`` reads as its name without it: its needles are that variant's)
-        right = lambda u, p: sum(r["right"] for r in cells.get(f"{p}|8192|{u}", []))
+        def right(u, p):
+            return sum(r["right"] for r in cells.get(f"{p}|8192|{u}", []))
+
         u = " ".join(w for w in v.split() if w != "deep")
         return all(cells.get(f"{p}|8192|{u}") and right(u, p) >= right("k4", p) for p in ("passkey", "ruler"))
 

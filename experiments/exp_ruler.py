@@ -34,11 +34,24 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from _common import (ADAPTER, BASE, BASE_WINDOW, Trials, adapter_specs, load_smollm2, plt, some_of, suite_main,
-                     top_k_label, top_k_memory, top_k_option, write_result)
+from _common import (
+    ADAPTER,
+    BASE,
+    BASE_WINDOW,
+    Trials,
+    adapter_specs,
+    load_smollm2,
+    plt,
+    some_of,
+    suite_main,
+    top_k_label,
+    top_k_memory,
+    top_k_option,
+    write_result,
+)
 from _ruler_tasks import TASKS, trial_prompt
 from _texts import held_out
+
 from landmark_memory.jobs.evaluate import greedy_continuation, parse_lengths
 
 MAX_NEW = {"single": 12, "multikey": 12, "multivalue": 48, "multiquery": 48, "vartrack": 32, "qa": 16}
@@ -70,7 +83,7 @@ def run(args):
         for n, t in todo:
             for i, row in state.fill(f"{label}|{t}|{n}", args.trials, lambda i: trial(n, t, i)):
                 print(f"{label} {t} @{n} trial {i}: {row['score']:.2f} {row['answer'].strip()[:60]!r}", flush=True)
-        del model
+        model = None  # freed before the next one loads
 
 
 def report(args):
@@ -117,7 +130,8 @@ def options(ap):
     ap.add_argument("--adapters", default=ADAPTER,
                     help="comma-separated name=folder of LoRA landmark adapters (default: the shipped one; '' for "
                          "the base model alone)")
-    ap.add_argument("--tasks", type=some_of(TASKS), default=list(TASKS), help=f"some of {','.join(TASKS)} (default: all)")
+    ap.add_argument("--tasks", type=some_of(TASKS), default=list(TASKS), help=f"some of {','.join(TASKS)} (default: "
+                                                                              "all)")
     top_k_option(ap, "the landmark model")
 
 

@@ -30,21 +30,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
 from _common import ROOT, command_line, machine, plt, top_k_label
 from _texts import held_out
-from landmark_memory.uses.answer import ask
-from landmark_memory.jobs.build import build, read_inputs
+
 from landmark_memory.app.cli_args import positive
 from landmark_memory.core.decode import decode
-from landmark_memory.jobs.evaluate import parse_lengths, passkey_accuracy, perplexity
 from landmark_memory.format import MemoryOptions
+from landmark_memory.jobs.build import build, read_inputs
+from landmark_memory.jobs.evaluate import parse_lengths, passkey_accuracy, perplexity
+from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.hf import smollm2
 from landmark_memory.models.hf.convert import convert
 from landmark_memory.models.hf.lora import adapter_settings
 from landmark_memory.models.hf.tokenizer import TextTokenizer
 from landmark_memory.models.kinds import kv_cache_decoder, load_model
-from landmark_memory.memory import LandmarkMemory
+from landmark_memory.uses.answer import ask
 
 PARTS = ("convert", "chat", "passkey", "ppl", "ask")
 MEMORY = dict(chunk_size=252, top_k=4)  # 4 blocks of 63 per chunk, the memory's default for this block size
@@ -67,7 +67,8 @@ def part_convert(args, tok, books):
         model = load()[0].eval()
         loss = count = 0
         for name, _, ids in books:
-            r = perplexity(model, ids, 2048, max_segments=n_seg, progress=not args.quiet, desc=f"{label[:12]} {name[:12]}")
+            r = perplexity(model, ids, 2048, max_segments=n_seg, progress=not args.quiet, desc=f"{label[:12]} "
+                                                                                               f"{name[:12]}")
             loss, count = loss + r["loss"] * r["tokens"], count + r["tokens"]
         rows[label] = {"perplexity": math.exp(loss / count), "tokens": count}
         del model
@@ -407,7 +408,8 @@ def main(argv=None):
     ap.add_argument("--ppl-tokens", type=int, default=32768, help="tokens of the book the ppl part reads")
     ap.add_argument("--memory-lengths", default="2k,8k,32k")
     ap.add_argument("--memory-top-ks", type=top_ks, default=str(MEMORY["top_k"]),
-                    help=f"blocks retrieved per query by the ppl part's memory, one run each (default {MEMORY['top_k']})")
+                    help="blocks retrieved per query by the ppl part's memory, one run each (default "
+                         f"{MEMORY['top_k']})")
     ap.add_argument("--base-eval-lengths", default="2k,8k")
     ap.add_argument("--question", default=ASK_QUESTION)
     ap.add_argument("--quiet", action="store_true")

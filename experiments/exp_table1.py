@@ -16,6 +16,7 @@ its start (the paper's protocol). Rows:
 import time
 
 from _common import books_perplexity, held_out_books, load, load_optional, parse, parser, plt, publish
+
 from landmark_memory.format import MemoryOptions
 
 LENGTHS = (512, 2048, 4096)
@@ -48,7 +49,7 @@ def main(argv=None):
     landmark, full, infini = load(args.landmark_model), load(args.full_model), load_optional(args.infini_model)
     books = held_out_books(args.books)
     table = {}
-    for label, model, size, opts in rows_of(landmark, full, infini):
+    for label, model, _, opts in rows_of(landmark, full, infini):
         for n in lengths:
             if "memory" in opts and n == 512 and opts["memory"].max_blocks != 20:
                 continue  # a 512-token segment never holds more than 10 blocks: every cap is the same

@@ -8,6 +8,7 @@ by all heads), at k = 2 and 4, chunks of 250, memory unbounded.
 import time
 
 from _common import books_perplexity, held_out_books, load, parse, parser, plt, publish
+
 from landmark_memory.format import MemoryOptions
 
 SETTINGS = ((2048, 2), (2048, 4), (4096, 4))  # the paper's (evaluation length, k) pairs
@@ -27,8 +28,9 @@ def main(argv=None):
     t0 = time.time()
     model, books = load(args.landmark_model), held_out_books(args.books)
     heads = model.config.n_head
-    body = ["Landmark model `%s` on the held-out books (%s), %s predicted tokens per setting, chunks of 250, "
-            "no cap on memory." % (args.landmark_model, ", ".join(n for n, _ in books), f"{args.tokens:,}"), "",
+    names = ", ".join(n for n, _ in books)
+    body = [f"Landmark model `{args.landmark_model}` on the held-out books ({names}), {args.tokens:,} predicted tokens "
+            "per setting, chunks of 250, no cap on memory.", "",
             "| retrieval | eval length | k | blocks | perplexity |", "|---|---|---|---|---|"]
     results = {}
     for mode, label in MODES:
@@ -46,7 +48,8 @@ def main(argv=None):
                width, label=label)
     ax.set_xticks(range(len(SETTINGS)), [f"eval {n}, k={k}" for n, k in SETTINGS])
     lo = min(results.values())
-    ax.set(ylabel="perplexity", title="Table 2 analog: retrieval granularity", ylim=(lo * 0.97, max(results.values()) * 1.01))
+    ax.set(ylabel="perplexity", title="Table 2 analog: retrieval granularity",
+           ylim=(lo * 0.97, max(results.values()) * 1.01))
     publish(fig, ax, "table2", "Table 2 analog: retrieval granularity", body, args, t0, argv,
             "perplexity per retrieval granularity", grid="y")
 

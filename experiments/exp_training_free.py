@@ -39,18 +39,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from _common import ADAPTER, ROOT, Trials, load_smollm2, some_of, suite_main, write_result
 from _needles import passkey_trial
 from _texts import build, haystack, held_out
 from exp_far import question_rows
+
+from landmark_memory.core.passkey import PasskeyPrompts
 from landmark_memory.jobs.build import encode
 from landmark_memory.jobs.evaluate import parse_lengths
-from landmark_memory.core.passkey import PasskeyPrompts
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.inspect import describe
 from landmark_memory.models.kinds import in_sequence_logits
 from landmark_memory.training.data import read_text
+from landmark_memory.uses.inspect import describe
 
 PARTS = ("ppl", "reads", "passkey", "recall", "speed", "gemma")
 # (top_k, sink_blocks, local_blocks, retrieval) the ``reads`` part compares
@@ -276,7 +276,8 @@ def report(args):
             "are searched by the mean of their own keys (blocks of 64 tokens, top-8, the first block and the last 2 "
             "read by every query, each query of each head choosing its own: `--retrieval per_token_head`); "
             f"`{PER_HEAD}`: the same memory with each head's blocks chosen once per step for all its queries "
-            "(`--retrieval per_head`, the default without landmarks since these rows); `stage 9, landmarks`: the shipped adapter through "
+            "(`--retrieval per_head`, the default without landmarks since these rows); `stage 9, landmarks`: the "
+            "shipped adapter through "
             "its landmarks at its defaults (blocks of 63, top-4, its question reader in `ask`); `base in context`: the "
             f"model reading the text whole, where it fits its {CONTEXT:,}-token window. 'not run': the cell was not "
             "measured; '-': it cannot be.", "",

@@ -32,7 +32,8 @@ CORE = [(LANDMARK_MODEL, [*TRAIN, "--attention", "landmark"]), (FULL_MODEL, [*TR
 # the same with positional jumps of up to 100
 TRAIN_EXT = ["--preset", "tiny", "--seq-len", "512", "--batch-size", "32", "--max-iters", "5000", "--eval-interval",
              "1000", "--eval-iters", "8", "--sample-tokens", "0"]
-BASE, CMT, JUMP = (BASE_MODEL, TRAIN_EXT), (CMT_MODEL, [*TRAIN_EXT, "--cmt"]), (JUMP_MODEL, [*TRAIN_EXT, "--p-jump", "100"])
+BASE, CMT = (BASE_MODEL, TRAIN_EXT), (CMT_MODEL, [*TRAIN_EXT, "--cmt"])
+JUMP = (JUMP_MODEL, [*TRAIN_EXT, "--p-jump", "100"])
 STEPS = {"table1": ("exp_table1.py", CORE), "table2": ("exp_table2.py", CORE), "passkey": ("exp_passkey.py", CORE),
          "exact_vs_approx": ("exp_exact_vs_approx.py", CORE), "footprint": ("exp_footprint.py", CORE),
          "cmt": ("exp_cmt.py", [BASE, CMT]), "jumps": ("exp_jump.py", [BASE, JUMP])}

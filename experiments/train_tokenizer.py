@@ -12,8 +12,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from landmark_memory.training.data import list_text_files, split_books, strip_gutenberg
 from landmark_memory.core.tokenizer import SPECIAL_TOKENS, TOKENIZER_PATH
+from landmark_memory.training.data import list_text_files, split_books, strip_gutenberg
 
 
 def main(argv=None):

@@ -36,10 +36,10 @@ if TYPE_CHECKING:
     from .core.tokenizer import LANDMARK_TOKEN, load_tokenizer
     from .kernels import landmark_attention, landmark_attention_inference
     from .memory import LandmarkMemory, MemoryOutput
-    from .uses.answer import Answer, Passage, ask
     from .models.config import LandmarkConfig
     from .models.infini import InfiniState
     from .models.model import LandmarkGPT
+    from .uses.answer import Answer, Passage, ask
 
 def __getattr__(name: str):
     if name not in _HOMES:

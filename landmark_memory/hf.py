@@ -7,9 +7,16 @@
     out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
 """
 
+from .models.hf import (
+           ATTENTION,
+           TextTokenizer,
+           convert,
+           from_pretrained,
+           is_converted,
+           landmark_attention_forward,
+           normal_logits,
+)
 from .uses.hf_cache import LandmarkMemoryCache
-from .models.hf import ATTENTION, TextTokenizer, convert, from_pretrained, is_converted, landmark_attention_forward, \
-    normal_logits
 
 __all__ = ["ATTENTION", "LandmarkMemoryCache", "TextTokenizer", "convert", "from_pretrained", "is_converted",
            "landmark_attention_forward", "normal_logits"]

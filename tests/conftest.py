@@ -49,7 +49,8 @@ def tokenizer_object(text):
     """A byte-level BPE of 320 tokens trained on ``text``: the tiny Hugging Face models' tokenizer."""
     t = Tokenizer(models.BPE())
     t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    t.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
+    t.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                                      show_progress=False,
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return t
 
@@ -77,7 +78,8 @@ def documents(tmp_path_factory):
     """A folder of three short text files: a corpus's documents."""
     d = tmp_path_factory.mktemp("docs")
     for name, src, cut in [("a.txt", "train/treasure_island_excerpt.txt", 3000),
-                           ("b.txt", "train/sherlock_holmes_excerpt.txt", 2200), ("c.txt", "val/alice_excerpt.txt", 1200)]:
+                           ("b.txt", "train/sherlock_holmes_excerpt.txt", 2200),
+                           ("c.txt", "val/alice_excerpt.txt", 1200)]:
         (d / name).write_text((SAMPLE_DIR / src).read_text()[:cut])
     return d
 
@@ -99,7 +101,8 @@ def _serving(memory, *args, env=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.app.entry", "serve", str(memory), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "landmark_memory.app.entry", "serve", str(memory), "--port",
+                             str(port),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=None if env is None else {**os.environ, **env})
     url = f"http://127.0.0.1:{port}"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.jobs.build import encode_document
 from landmark_memory.app.cli import main
+from landmark_memory.jobs.build import encode_document
 from landmark_memory.training.data import SAMPLE_DIR
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"

@@ -6,13 +6,18 @@ import math
 
 import pytest
 import torch
+from test_inference_kernel import TOL, all_blocks_table, memory_setup
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory
-from landmark_memory.kernels import dense, triton_landmark
-from landmark_memory.kernels import cmt_share, landmark_attention, landmark_attention_inference, landmark_weights
+from landmark_memory.kernels import (
+    cmt_share,
+    dense,
+    landmark_attention,
+    landmark_attention_inference,
+    landmark_weights,
+    triton_landmark,
+)
 from landmark_memory.models.model import jump_positions
-
-from test_inference_kernel import TOL, all_blocks_table, memory_setup
 
 
 def oracle_weights(q, k, cmt_k, block_size, controlled):

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.jobs.build import build, encode_document, read_inputs
-from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.app.cli import main
 from landmark_memory.format import MemoryFileError
-from landmark_memory.uses.inspect import verify
+from landmark_memory.jobs.build import build, encode_document, read_inputs
+from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.storage import CorruptBlockError, open_store
 from landmark_memory.storage.sharded import Shard, ShardedStore
+from landmark_memory.uses.inspect import verify
 
 SHAPE = (2, 3, 6, 8)  # (k/v, H, block_size + 1, D)
 
@@ -128,7 +128,8 @@ class StopAfterOneChunk(LocalReader):
         yield from (read_document(job, self.model, stop=lambda: True) for job in jobs)
 
 
-def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is_left(model, documents, tmp_path, capsys):
+def test_info_lists_each_document_with_its_status_and_a_rerun_reads_only_what_is_left(model, documents, tmp_path,
+                                                                                      capsys):
     files = sorted(documents.glob("*.txt"))
     corpus(model, tmp_path / "m", files[:1])
     corpus(model, tmp_path / "m", files, reader=StopAfterOneChunk(model), in_memory_chunks=0)
@@ -170,7 +171,8 @@ def test_verify_names_the_damaged_document_or_packed_block(model, documents, tmp
 
 def test_a_memory_read_in_one_context_still_opens_but_takes_no_documents(model, documents, tmp_path, capsys):
     with LandmarkMemory(model, store="lmdb", path=tmp_path / "old", chunk_size=100) as mem:
-        mem.forward(torch.from_numpy(encode_document(load_tokenizer(), (documents / "a.txt").read_text(), 50)[None]).long())
+        mem.forward(torch.from_numpy(encode_document(load_tokenizer(), (documents / "a.txt").read_text(),
+                                                     50)[None]).long())
     assert main(["build", str(tmp_path / "old"), "--input", str(documents / "b.txt"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "one context" in err and "new memory" in err
@@ -221,7 +223,8 @@ def test_a_corrupted_block_of_a_shard_is_named_as_the_union_numbers_it(tmp_path)
     data[SHAPE[0] * 200 + 9] ^= 1  # block 0 of the second shard: block 3 of the union
     f.write_bytes(bytes(data))
     union = ShardedStore(SHAPE, [Shard(0, 3, "s0"), Shard(3, 3, "s1")], "float32", True,
-                         lambda name: open_store("mmap", SHAPE, tmp_path / name, "float32", readonly=True, checksums=True))
+                         lambda name: open_store("mmap", SHAPE, tmp_path / name, "float32", readonly=True,
+                                                 checksums=True))
     with pytest.raises(CorruptBlockError, match=r"block 3 of layer 0 \(stream 0\) \(block 0 of s1\)") as e:
         union.get([(0, 0, 3)])
     assert e.value.key == (0, 0, 3)
@@ -377,8 +380,8 @@ def test_copies_a_stopped_or_earlier_build_left_go_at_the_next_build(model, docu
 
 
 def test_a_long_reading_gives_the_heaps_free_pages_back_as_it_goes(model, documents, tmp_path, monkeypatch):
-    from landmark_memory.jobs import reading
     from landmark_memory.core import heap
+    from landmark_memory.jobs import reading
 
     trims = []
     monkeypatch.setattr(heap, "TRIM_TOKENS", 200)

@@ -7,13 +7,21 @@ import re
 
 import numpy as np
 import pytest
+from test_experiments import script
 
 from landmark_memory import load_tokenizer
 from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.training.drills import (ADJECTIVES, FIRST, LAST, PET_WORDS, ROLES, THINGS, TITLES, RetrievalDrills,
-                                    village_fact)
-
-from test_experiments import script
+from landmark_memory.training.drills import (
+    ADJECTIVES,
+    FIRST,
+    LAST,
+    PET_WORDS,
+    ROLES,
+    THINGS,
+    TITLES,
+    RetrievalDrills,
+    village_fact,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,8 @@ def test_every_answer_copies_the_values_of_the_fact_it_asks(tok, book):
         d = drills.drill(window, random.Random(seed))
         facts, asked = d.facts, d.asked
         text = tok.decode(window.tolist())
-        assert len(window) == 1500 and 1 <= len(asked) <= min(3, len(facts)) and set(map(id, asked)) <= set(map(id, facts))
+        assert len(window) == 1500 and 1 <= len(asked) <= min(3, len(facts))
+        assert set(map(id, asked)) <= set(map(id, facts))
         at = [text.index(s.strip()) for f in facts for s in f.sentences]  # planted, in order within a fact
         tail = text[max(at):]
         for f in asked:
@@ -95,7 +104,8 @@ def test_a_quote_question_names_words_of_a_book_sentence_and_its_answer_repeats_
             assert " ".join(tok.decode(book[:1500].tolist()).split()).count(f.chat) == 1  # and it is the book's own
     assert quoted >= 15  # a short window may have no sentence to spare
     plain = RetrievalDrills(tok, rate=1.0)  # quote_share 0: the drills of earlier stages, unchanged
-    assert all(f.key != "quote" for seed in range(20) for f in plain.drill(book[:1500].copy(), random.Random(seed)).asked)
+    assert all(f.key != "quote" for seed in range(20)
+               for f in plain.drill(book[:1500].copy(), random.Random(seed)).asked)
 
 
 def test_bad_settings_and_short_windows_say_what_to_change(tok, book):

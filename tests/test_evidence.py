@@ -5,16 +5,16 @@ import json
 
 import pytest
 import torch
+from test_answer import ChatTokenizer
+from test_reader import BS
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length
+from landmark_memory.core.tokenizer import load_tokenizer
+from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
 from landmark_memory.uses.answer import question_tokens, search_states
 from landmark_memory.uses.choose_heads import DevQuestion, choose, choose_heads, head_ranks
 from landmark_memory.uses.evidence import candidates, point, prompt_weights, quote, token_attention
-from landmark_memory.core.tokenizer import load_tokenizer
-from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
-from test_answer import ChatTokenizer
-from test_reader import BS
 
 
 def raw_keys(mem, text):

@@ -16,7 +16,8 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def script(name):
-    if str(EXPERIMENTS) not in sys.path:  # the scripts import _common from beside them, as `python experiments/x.py` does
+    # the scripts import _common from beside them, as `python experiments/x.py` does
+    if str(EXPERIMENTS) not in sys.path:
         sys.path.insert(0, str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -79,7 +80,8 @@ def test_decode_benchmark_compares_with_full_attention(capsys):
 
 
 def test_ingest_benchmark_reports_overhead_profile_and_growth(capsys):
-    script("bench_ingest").main(["--tokens", "600", "--window", "256", "--indexes", "flat,ivf", "--stores", "memory,lmdb",
+    script("bench_ingest").main(["--tokens", "600", "--window", "256", "--indexes", "flat,ivf", "--stores",
+                                 "memory,lmdb",
                                  "--train-size", "4", "--profile"])
     out = capsys.readouterr().out
     assert "in-sequence forward, windows of 256" in out
@@ -190,7 +192,8 @@ def test_realtext_plants_a_fact_after_a_sentence_and_reports_every_adapter(tmp_p
     assert tok.decode(ids[a:b]) == " The captain's parrot was named Admiral Biscuit."
     assert len(ids) == 300 and "mill. The captain's parrot was named Admiral Biscuit. The quiet" in text
     assert 0.4 < text.index("Admiral") / len(text) < 0.6
-    rows = {"a|passkey|8192": [{"right": True, "want": "1", "answer": "1"}, {"right": False, "want": "2", "answer": "7"}],
+    rows = {"a|passkey|8192": [{"right": True, "want": "1", "answer": "1"},
+                               {"right": False, "want": "2", "answer": "7"}],
             "b|passkey|8192": [{"right": True, "want": "1", "answer": "1"}] * 2,
             "b|ask|16384": [{"right": False, "want": "tin box", "answer": "a safe place"}],
             "b|ppl|2048": [{"perplexity": 28.5, "tokens": 12000}]}
@@ -219,7 +222,8 @@ def test_realtext_top_k_reaches_every_trials_memory_and_the_base_model_reads_the
                        "--trials", "1", "--state", str(state), "--results", str(tmp_path), *top_k])
     # the base model reads the same trials once, in its own context (no memory options), none past its window
     assert [s for s in seen if s[2] is None] == [("passkey", 8192, None), ("ask", 8192, None)]
-    assert [s for s in seen if s[2] is not None] == [(p, n, m) for m in (MemoryOptions(), MemoryOptions(top_k=16)) for p in ("passkey", "ask")
+    assert [s for s in seen if s[2] is not None] == [(p, n, m) for m in (MemoryOptions(), MemoryOptions(top_k=16))
+                                                     for p in ("passkey", "ask")
                                                      for n in (8192, 16384)]
     assert len(json.loads(state.read_text())["cells"]) == 10
     md = (tmp_path / "realtext.md").read_text()
@@ -262,7 +266,8 @@ def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_pa
     for extra in ([], ["--top-k", "16"]):
         ruler.main(["--books", str(tmp_path), "--adapters", "s9=x", "--tasks", "qa,single", "--lengths", "16k",
                     "--trials", "1", "--state", str(state), "--results", str(tmp_path), *extra])
-    assert seen == [(Path("x"), 16384, MemoryOptions())] * 2 + [(Path("x"), 16384, MemoryOptions(top_k=16))] * 2  # no base past 8K
+    assert seen == [(Path("x"), 16384, MemoryOptions())] * 2 + [(Path("x"), 16384,
+                                                                 MemoryOptions(top_k=16))] * 2  # no base past 8K
     assert sorted(json.loads(state.read_text())["cells"]) == [
         "landmark s9 (top-k 16) + memory|qa|16384", "landmark s9 (top-k 16) + memory|single|16384",
         "landmark s9 + memory|qa|16384", "landmark s9 + memory|single|16384"]
@@ -313,7 +318,8 @@ def test_paper_claim_experiments_write_tables_and_plots(tmp_path, monkeypatch):
                                         "--passkey-lengths", "300", "--passkey-trials", "1"])
     script("exp_footprint").main([*common, "--contexts", "500,1000"])
     script("exp_cmt").main([*common, "--base-model", str(models["landmark"]), "--cmt-model", str(models["cmt"]),
-                            "--eval-length", "600", "--tokens", "600", "--decode-context", "800", "--decode-steps", "2"])
+                            "--eval-length", "600", "--tokens", "600", "--decode-context", "800", "--decode-steps",
+                            "2"])
     script("exp_jump").main([*common, "--base-model", str(models["landmark"]), "--jump-model", str(models["jump"]),
                              "--lengths", "256,512", "--memory-lengths", "600", "--tokens", "512"])
     results = tmp_path / "results"
@@ -331,7 +337,8 @@ def three_books(tmp_path):
     """A folder of three small books cut from the bundled sample (the default split holds one out)."""
     books = tmp_path / "books"
     books.mkdir()
-    text = (Path(__file__).resolve().parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt").read_text()
+    text = (Path(__file__).resolve().parents[1] / "landmark_memory" / "samples" / "book"
+            / "up_from_slavery.txt").read_text()
     for i in range(3):
         (books / f"b{i}.txt").write_text(text[i * 3000:(i + 1) * 3000])
     return books
@@ -420,7 +427,8 @@ def test_smollm2_ppl_target_names_every_top_k_and_the_least_that_meets_it(tmp_pa
     report = (tmp_path / "smollm2.md").read_text()
     assert (f"| {exp.TARGETS[2]} | 18.81 at top-k 4, 18.47 at top-k 8, 18.25 at top-k 16, 18.28 at top-k 12 "
             "vs 18.39 | yes, at top-k 12 |") in report
-    assert "| landmark + memory (top-k 16) | 32,768 | 18.25 |" in report and "| base in context | 8,192 | 18.39 |" in report
+    assert "| landmark + memory (top-k 16) | 32,768 | 18.25 |" in report
+    assert "| base in context | 8,192 | 18.39 |" in report
     rows[2]["perplexity"] = rows[3]["perplexity"] = 18.40  # none below the base model: not met
     (out / "ppl.json").write_text(json.dumps({"book": "b0", "tokens": 32768, "rows": rows, "command": "c",
                                               "machine": "m", "date": "d", "seconds": 5.0}))
@@ -442,7 +450,7 @@ def test_retrieval_suite_plants_ten_facts_one_a_tenth_and_names_variants_by_thei
     book = tok.encode(" The quiet river ran past the mill." * 400).ids
     name, ids, facts = retrieval.haystack(tok, [("river", None, book)], 2000, 0, seed=0)
     assert name == "river" and len(ids) == 2000 and len(facts) == len(retrieval.FACTS) == 10
-    for i, (sentence, question, words, (a, b)) in enumerate(facts):
+    for i, (sentence, _, words, (a, b)) in enumerate(facts):
         assert tok.decode(ids[a:b]) == " " + sentence and all(w in sentence for w in words)
         assert i / 10 <= a / len(ids) < (i + 1) / 10 + 0.02  # in its own tenth (its full stop may follow it)
     assert retrieval.variant_options("k8 sink local centred") == {"top_k": 8, "sink_blocks": 1, "local_blocks": 2,
@@ -483,7 +491,7 @@ def test_natural_questions_are_about_the_held_out_books_and_their_evidence_is_fo
     for q in (q for q in questions if q["book"] == "2376_up_from_slavery"):
         a, b = natural.evidence_span(tok, ids, q["evidence"])
         assert " ".join(q["evidence"].split()) in " ".join(tok.decode(ids[a:b]).split()), q
-        assert not " ".join(q["evidence"].split()) in " ".join(tok.decode(ids[a + 1:b]).split())  # its first token
+        assert " ".join(q["evidence"].split()) not in " ".join(tok.decode(ids[a + 1:b]).split())  # its first token
     with pytest.raises(ValueError, match="lacks the evidence"):
         natural.evidence_span(tok, ids, "words that no page of it holds")
 
@@ -551,7 +559,8 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
     (work / "base" / "b-8064" / "m").mkdir(parents=True)
     (work / "base" / "b-8064" / "m" / "manifest.json").write_text(json.dumps({"blocks": 10}))
     row = {"recall5": True, "right": False, "quoted": True, "seconds": 2.0, "passages": [3, 9, 4, 5, 0]}
-    (work / "base" / "ask.json").write_text(json.dumps({"commands": ["python experiments/exp_evidence.py ask"], "cells": {
+    (work / "base"
+     / "ask.json").write_text(json.dumps({"commands": ["python experiments/exp_evidence.py ask"], "cells": {
         "heads|b-8064": [row, row], "plain|b-8064": [dict(row, recall5=False)] * 2}}))
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "evidence.json").write_text(json.dumps({"landmark": {"ranking": {}}}))  # an earlier run's
@@ -559,7 +568,8 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
     text = (tmp_path / "results" / "evidence.md").read_text()
     assert "| tokens: heads | 2/2 (100%) | - | - | - |" in text
     assert "| tokens: every head | 2/2 (100%) |" in text  # the one head's mass outweighs the others' noise
-    assert "| `ask` through the retrieval heads (token level, 4 blocks read first) | 2/2 (100%) | 0/2 (0%) | 2/2 (100%) | 2.0 |" in text
+    assert ("| `ask` through the retrieval heads (token level, 4 blocks read first) | 2/2 (100%) | 0/2 (0%) "
+            "| 2/2 (100%) | 2.0 |") in text
     assert "| `ask` as published (no heads) | 0/2 (0%) |" in text
     assert "read first: 2/8 (25%) of them" in text  # block 9, the last of 10, twice; block 0 is no block read first
     summary = json.loads((tmp_path / "results" / "evidence.json").read_text())

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory
+from landmark_memory import LandmarkGPT
 from landmark_memory.format import MemoryFileError
+from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.fingerprint import model_fingerprint
 
 OPTS = dict(top_k=2, chunk_size=10, index_options={"train_size": 16})
@@ -98,7 +98,8 @@ def test_a_memory_keeps_its_keys_once_and_one_from_before_key_files_converts_on_
     (state,) = path.glob("state.*")  # the keys' sums alone: the flat index is the key files
     assert doc["format_version"] == 7 and doc["files"]["state"]["name"] == state.name
     assert sorted(load_file(state)) == ["landmark_sum.0", "landmark_sum.1"]
-    assert sorted(doc["files"]["rows_crc32"]) == sorted(["tokens.bin", *names]) and not (path / "landmarks.bin").exists()
+    assert sorted(doc["files"]["rows_crc32"]) == sorted(["tokens.bin",
+                                                         *names]) and not (path / "landmarks.bin").exists()
     keys = {name: np.fromfile(path / name, np.float32).reshape(8, 16) for name in names}  # cut to the 8 rows
     expected = fresh(path, model, probe)
     # the same memory as format 4 wrote it: its keys as rows of landmarks.bin, every flat index in the state

@@ -11,19 +11,34 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from test_experiments import script
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from landmark_memory import hf
-from landmark_memory.models.hf.backbone import HFBackbone
-from landmark_memory.models.hf.families import FULL, SLIDING
+from landmark_memory.core.layout import insert_landmarks, normal_positions
+from landmark_memory.core.rope import RotaryEmbedding
+from landmark_memory.core.tokenizer import LANDMARK_TOKEN
 from landmark_memory.kernels import landmark_attention_reference
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.core.rope import RotaryEmbedding
-from landmark_memory.core.layout import insert_landmarks, normal_positions
-from landmark_memory.core.tokenizer import LANDMARK_TOKEN
-from test_experiments import script
+from landmark_memory.models.hf.backbone import HFBackbone
+from landmark_memory.models.hf.families import FULL, SLIDING
 
 pytestmark = pytest.mark.slow  # Hugging Face models converted, fine-tuned and run by the command line
 
@@ -56,8 +71,10 @@ def tiny(tokenizer_object, case="llama", block_size=7, seed=0, landmarks=True):
     torch.manual_seed(seed)
     scaled = {"rope_parameters": {"rope_theta": 10000.0, **ROPES[rope]}} if rope else {}
     cfg = config_cls(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16,
-                               tie_word_embeddings=family == "qwen2", pad_token_id=0), **scaled, **SETTINGS.get(family, {})})
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=1 << 16,
+                               tie_word_embeddings=family == "qwen2", pad_token_id=0), **scaled,
+                        **SETTINGS.get(family, {})})
     model = model_cls(cfg)
     return (hf.convert(model, tok, block_size=block_size) if landmarks else model).eval(), tok
 
@@ -130,7 +147,8 @@ def test_convert_adds_a_landmark_token_initialised_to_the_mean_embedding(tokeniz
 def test_unsupported_models_are_refused_clearly(tokenizer_object):
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, eos_token="</s>")
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+                      num_attention_heads=2,
+                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="'dynamic', whose frequencies change with the input's length"):
         hf.convert(LlamaForCausalLM(cfg), tok)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
@@ -170,7 +188,8 @@ def test_the_cache_keeps_the_logits_transformers_asks_for(tokenizer_object, text
 def test_greedy_generate_with_the_cache_equals_landmark_memory_decoding(tokenizer_object, text, index):
     model, tok = tiny(tokenizer_object)
     idx = ids_of(tok, text, 90)
-    opts = dict(chunk_size=14, top_k=2, index=index, index_options={"train_size": 4, "nprobe": 1} if index == "ivf" else {})
+    opts = dict(chunk_size=14, top_k=2, index=index, index_options={"train_size": 4, "nprobe": 1} if index == "ivf"
+                else {})
     cache = hf.LandmarkMemoryCache(model, **opts)
     out = model.generate(idx, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
     ref = LandmarkMemory(model, **opts).generate(idx, 12)
@@ -185,7 +204,8 @@ def test_generate_reads_a_saved_memory_as_if_it_had_never_stopped(tokenizer_obje
     with LandmarkMemory(model, path=tmp_path / "mem", store="lmdb", chunk_size=14, top_k=2) as mem:
         mem.forward(book)
     cache = hf.LandmarkMemoryCache.open(tmp_path / "mem", model, readonly=True)
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False,
+                         pad_token_id=tok.eos_token_id)
     cache.close()
     once = LandmarkMemory(model, chunk_size=14, top_k=2)
     once.forward(book)
@@ -284,7 +304,8 @@ def test_a_plain_models_kv_cache_decoding_equals_rereading_its_context(tokenizer
 
     _, tok = tiny(tokenizer_object)
     torch.manual_seed(0)
-    plain = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).eval()
     idx = ids_of(tok, text, 40)
     got = decode(*kv_cache_decoder(plain, idx), 12)
@@ -294,7 +315,8 @@ def test_a_plain_models_kv_cache_decoding_equals_rereading_its_context(tokenizer
 
 def cli(*args, cwd=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "landmark_memory.app.cli", *map(str, args)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "landmark_memory.app.cli", *map(str, args)], capture_output=True,
+                       text=True,
                        env=env, cwd=cwd, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
@@ -308,7 +330,8 @@ def test_passkey_and_eval_commands_take_a_hugging_face_model_directory(model_dir
     book = tmp_path / "book.txt"
     book.write_text(BOOK.read_text()[30_000:36_000])
     for extra, mode in (((), "memory"), (("--full-attention",), "in-sequence")):
-        doc = json.loads(cli("eval", "--model", model_dir, "--input", book, "--eval-length", "100", "--chunk-size", "21",
+        doc = json.loads(cli("eval", "--model", model_dir, "--input", book, "--eval-length", "100", "--chunk-size",
+                             "21",
                              "--max-segments", "2", "--json", "--quiet", *extra))
         assert doc["mode"] == mode and doc["segments"] == 2 and 1 < doc["perplexity"] < 1e4
 

@@ -26,11 +26,12 @@ import torch
 from safetensors.torch import load, save
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.jobs.build import build as build_corpus, encode_document, read_inputs
-from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.app.cli import main
-from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.jobs.build import build as build_corpus
+from landmark_memory.jobs.build import encode_document, read_inputs
+from landmark_memory.jobs.reading import LocalReader, read_document
 from landmark_memory.storage import LmdbStore, stored_nbytes
+from landmark_memory.training.data import SAMPLE_DIR
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
 CLI = [sys.executable, "-m", "landmark_memory.app.cli"]
@@ -321,7 +322,8 @@ def test_sigterm_commits_what_is_done_like_ctrl_c(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, book):
-    proc = subprocess.Popen([sys.executable, "-c", "from landmark_memory.app.entry import main; raise SystemExit(main())",
+    proc = subprocess.Popen([sys.executable, "-c", "from landmark_memory.app.entry import main; raise "
+                                                   "SystemExit(main())",
                              "build", str(tmp_path / "m"), "--input", str(book)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -565,8 +567,8 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_reading_and_blocks_no_la
 
 
 def test_a_document_an_earlier_build_left_that_cannot_be_merged_blocks_no_later_build(tmp_path, book, capsys):
-    from landmark_memory.jobs.reading import DocumentJob
     from landmark_memory.format.manifest import document_folder
+    from landmark_memory.jobs.reading import DocumentJob
 
     mem = built(tmp_path, book)
     inp = read_inputs([book])[0]  # read apart under a name no UTF-8 file holds (as a build before the refusal did)

@@ -16,15 +16,16 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main, os_error_text
 from landmark_memory.format import seals
-from landmark_memory.uses.answer import say
 from landmark_memory.format.documents import page_file
-from landmark_memory.uses.session import Session
 from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.uses.answer import say
+from landmark_memory.uses.session import Session
 
 BOOK = SAMPLE_DIR / "train" / "treasure_island_excerpt.txt"
 

@@ -126,9 +126,9 @@ def gpu_as_classic_faiss_gpu(monkeypatch):
     """The GPU kinds' code paths on the CPU: faiss-gpu's calls replaced by CPU ones that, as
     classic faiss-gpu does, ignore a search's ID selector."""
     import landmark_memory.index as index_module
-    from landmark_memory.core.names import NPROBE
     import landmark_memory.index.faiss_kinds as faiss_kinds
     import landmark_memory.index.on_rows as on_rows
+    from landmark_memory.core.names import NPROBE
 
     class SelectorIgnored:  # a "GPU" index: FAISS's CPU index, its searches unrestricted
         def __init__(self, index):

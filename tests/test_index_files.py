@@ -7,14 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_index_lists import feed
 
+from landmark_memory.format import MemoryFileError
 from landmark_memory.index import KINDS, IndexFile, IndexKind
 from landmark_memory.index.on_rows import RowsIndex
 from landmark_memory.index.rows import KeyRows
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.format import MemoryFileError
 from landmark_memory.uses.inspect import describe, verify
-from test_index_lists import feed
 
 
 class NormsIndex(RowsIndex):
@@ -39,7 +39,8 @@ class NormsIndex(RowsIndex):
         self.seen.follow(min(n, 1))
 
     def files(self):
-        return [IndexFile(self.norms, per_block=True)] + ([IndexFile(self.seen, per_block=False)] if self.seen.n else [])
+        return [IndexFile(self.norms, per_block=True)] + ([IndexFile(self.seen, per_block=False)] if self.seen.n
+                                                          else [])
 
     @classmethod
     def saved_files(cls, key_file, n, train_size, dim):

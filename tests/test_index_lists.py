@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from landmark_memory import LandmarkConfig, LandmarkGPT
+from landmark_memory.format import MemoryFileError
 from landmark_memory.index import new_index, recall_at_k
 from landmark_memory.index.lists import list_count
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.format import MemoryFileError
 from landmark_memory.uses.inspect import describe, verify
 
 

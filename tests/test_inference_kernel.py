@@ -176,7 +176,8 @@ def test_auto_reads_a_chunks_retrieved_blocks_with_compiled_loops_in_float32_onl
 def test_inference_bad_input_is_rejected_clearly(change, match):
     args = dict(q=torch.randn(1, 2, 4, 32), k=torch.randn(1, 2, 8, 32), v=torch.randn(1, 2, 8, 32),
                 pool_k=torch.randn(3, 2, 4, 32), pool_v=torch.randn(3, 2, 4, 32),
-                block_table=torch.zeros(1, 2, 4, 2, dtype=torch.long), block_pos=torch.zeros(1, 2, 4, 2, dtype=torch.long))
+                block_table=torch.zeros(1, 2, 4, 2, dtype=torch.long),
+                block_pos=torch.zeros(1, 2, 4, 2, dtype=torch.long))
     args.update(change)
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(ValueError, match=match):
@@ -228,7 +229,8 @@ def test_int8_pools_are_read_in_place_as_the_reference_reads_them_dequantized(ba
     B, H, H_kv, D, bs, Tk, K, n_pool = 2, 4, 2, 32, 7, 48, 4, 12
     q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (Tq, Tk, Tk))
     data, scales = quantize(torch.randn(n_pool + 3, 2, H_kv, bs + 1, D, generator=g) * torch.logspace(-2, 1, D))
-    pool_k, pool_v, pool_scale = data[:n_pool, 0], data[:n_pool, 1], scales[:n_pool].float()  # as the hot cache has them
+    # as the hot cache has them
+    pool_k, pool_v, pool_scale = data[:n_pool, 0], data[:n_pool, 1], scales[:n_pool].float()
     table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
     pos = torch.randint(0, 5000, (B, H, Tq, K), generator=g)
     cmt_k = torch.randn(B, H, 1, D, generator=g) if cmt else None
@@ -237,7 +239,8 @@ def test_int8_pools_are_read_in_place_as_the_reference_reads_them_dequantized(ba
                                        backend=backend, **args)
     fk, fv = dequantize_kv(pool_k, pool_v, pool_scale, torch.float64)
     ref = landmark_attention_inference(q.double(), k.double(), v.double(), bs, pool_k=fk, pool_v=fv,
-                                       backend="reference", **{**args, "cmt_k": None if cmt_k is None else cmt_k.double()})
+                                       backend="reference",
+                                       **{**args, "cmt_k": None if cmt_k is None else cmt_k.double()})
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
 
@@ -245,7 +248,8 @@ def test_int8_pools_are_read_in_place_as_the_reference_reads_them_dequantized(ba
 def test_int8_pools_need_their_scales_and_scales_their_shape():
     q, k, v = torch.randn(1, 2, 4, 32), torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32)
     pool = torch.zeros(3, 2, 4, 32, dtype=torch.int8)
-    args = dict(block_table=torch.zeros(1, 2, 4, 2, dtype=torch.long), block_pos=torch.zeros(1, 2, 4, 2, dtype=torch.long))
+    args = dict(block_table=torch.zeros(1, 2, 4, 2, dtype=torch.long),
+                block_pos=torch.zeros(1, 2, 4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="int8 with pool_scale"):
         landmark_attention_inference(q, k, v, 3, pool_k=pool, pool_v=pool, **args)
     with pytest.raises(ValueError, match=r"pool_scale must be float32 \(n_pool, H_kv, D \+ rows\)"):

@@ -15,7 +15,9 @@ from landmark_memory.models.infini import InfiniState, LayerState, infini_attent
 def oracle(q, k, v, N, beta, update):
     """Eqs. 3-6 one head, one token and one matrix entry at a time (float64 Python loops)."""
     T, D = q.shape
-    sig = lambda x: (x if x > 0 else math.exp(x) - 1) + 1  # ELU + 1
+    def sig(x):  # ELU + 1
+        return (x if x > 0 else math.exp(x) - 1) + 1
+
     rope = RotaryEmbedding(D)
     M, z, out = [[0.0] * D for _ in range(D)], [0.0] * D, []
     g = 1 / (1 + math.exp(-beta))

@@ -180,3 +180,12 @@ def test_the_readmes_layout_names_every_folder_of_the_package_and_nothing_else()
     assert ranked == sorted(ranked, key=LAYERS.get), f"README layout is not in layer order: {ranked}"
     tops = re.findall(r"^(\w+)/ ", layout, re.M)
     assert tops and all((ROOT / t).is_dir() for t in tops), tops
+
+
+def test_ci_runs_the_readmes_test_command_as_written():
+    """CI's first step is the README's second set-up command, word for word: lint, then the tests."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^python3 -m venv .*$", readme, re.M)
+    assert len(commands) == 2, commands
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "ruff check" in commands[1] and commands[1].endswith('pytest -m "not slow"')

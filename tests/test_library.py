@@ -11,15 +11,15 @@ from functools import partial
 import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.jobs.build import build, read_inputs
 from landmark_memory.app.cli import main
 from landmark_memory.format import MemoryFileError
+from landmark_memory.format.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
+from landmark_memory.jobs.build import build, read_inputs
+from landmark_memory.training.data import SAMPLE_DIR
 from landmark_memory.uses import session
 from landmark_memory.uses.answer import ask
-from landmark_memory.format.documents import DIGESTS, DocumentList, InputRecord, folder_digest, page_file
 from landmark_memory.uses.inspect import verify
 from landmark_memory.uses.session import Session
-from landmark_memory.training.data import SAMPLE_DIR
 
 PAGE = 2  # records per page in these tests
 

@@ -1,11 +1,10 @@
-import dataclasses
 
 import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory
 from landmark_memory.format import MemoryOptions
+from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.retrieval import block_positions, select_blocks, stingy_slots, top_k_stingy
 
 

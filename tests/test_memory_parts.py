@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from landmark_memory.core.decode import decode, next_token
-from landmark_memory.memory.blocks import BlockMemory
+from landmark_memory.core.rope import RotaryEmbedding
 from landmark_memory.format import Manifest, MemoryFileError, MemoryOptions, ModelShape
 from landmark_memory.format.manifest import InputRecord, ModelRecord, RowLayout, StateFile
+from landmark_memory.memory.blocks import BlockMemory
 from landmark_memory.memory.retrieval import chunk_base, select_blocks
-from landmark_memory.core.rope import RotaryEmbedding
 
 NEG = float("-inf")
 

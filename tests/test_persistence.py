@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.memory import LandmarkMemory
 from landmark_memory.format import MemoryFileError
+from landmark_memory.memory import LandmarkMemory
 
 
 def small_model(seed=0):

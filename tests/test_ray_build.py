@@ -13,12 +13,12 @@ import time
 import pytest
 import ray
 import torch
+from test_corpus import files_of
 
 from landmark_memory import load_tokenizer
-from landmark_memory.jobs.build import encode_document
 from landmark_memory.app.cli import main
+from landmark_memory.jobs.build import encode_document
 from landmark_memory.training.data import SAMPLE_DIR
-from test_corpus import files_of
 
 pytestmark = pytest.mark.slow  # builds on Ray
 
@@ -47,7 +47,8 @@ def test_two_workers_build_bit_for_bit_what_one_worker_and_this_process_build(do
     assert not ray.is_initialized()
     train = ("--train-size", "4")  # documents and corpus train their index lists, each as often
     # its own local Ray, started and shut down by the command
-    two = subprocess.run(CLI + build_argv(tmp_path / "two", documents, *train, "--workers", "2", "--worker-threads", "1",
+    two = subprocess.run(CLI + build_argv(tmp_path / "two", documents, *train, "--workers", "2", "--worker-threads",
+                                          "1",
                                           "--json"),
                          capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr
@@ -129,8 +130,8 @@ class Bar:
 
 def test_the_bar_follows_the_tokens_workers_read_before_any_commit(own_ray, tmp_path):
     from landmark_memory import LandmarkGPT, LandmarkMemory
-    from landmark_memory.jobs.reading import DocumentJob
     from landmark_memory.jobs.distributed import RayReader
+    from landmark_memory.jobs.reading import DocumentJob
 
     tok, text = load_tokenizer(), (SAMPLE_DIR / "book" / "up_from_slavery.txt").read_text()[:100_000]
     with LandmarkMemory(LandmarkGPT.from_pretrained(), path=tmp_path / "m", store="lmdb", documents=True) as mem:

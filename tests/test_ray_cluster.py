@@ -15,10 +15,10 @@ import pytest
 import ray
 import torch
 from ray.cluster_utils import Cluster
+from test_corpus import files_of
 
 from landmark_memory.app.cli import main
 from landmark_memory.training.data import SAMPLE_DIR
-from test_corpus import files_of
 
 pytestmark = pytest.mark.slow  # Ray clusters of several processes
 
@@ -94,7 +94,8 @@ def test_a_memory_folder_the_workers_cannot_see_is_refused_before_anything_is_wr
         pytest.skip("cannot start a Ray head in a mount namespace of its own here")
     try:
         (tmp_path / "doc.txt").write_text("A short document.")
-        run = subprocess.run([sys.executable, "-m", "landmark_memory.app.entry", "build", str(hidden / "mem"), "--input",
+        run = subprocess.run([sys.executable, "-m", "landmark_memory.app.entry", "build", str(hidden / "mem"),
+                              "--input",
                               str(tmp_path / "doc.txt"), "--workers", "1", "--ray-address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=300)
     finally:

@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory, ask, load_tokenizer
+from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.core.layout import landmarked_length
-from landmark_memory.uses.answer import point
 from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf.lora import question_reader
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, load_reader, save_reader
+from landmark_memory.uses.answer import point
 
 BS = 5
 

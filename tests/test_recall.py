@@ -7,16 +7,15 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_hf import tiny
 from transformers import AttentionInterface
 
 from landmark_memory import load_tokenizer
+from landmark_memory.models.hf.backbone import HFBackbone
+from landmark_memory.models.hf.convert import ATTENTION, landmark_attention_forward, normal_logits
 from landmark_memory.training.data import SAMPLE_DIR, WindowSampler
 from landmark_memory.training.drills import RetrievalDrills
-from landmark_memory.models.hf.convert import ATTENTION, landmark_attention_forward, normal_logits
-from landmark_memory.models.hf.backbone import HFBackbone
 from landmark_memory.training.recall import recall_loss, recall_queries
-
-from test_hf import tiny
 
 BS = 7
 

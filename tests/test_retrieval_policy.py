@@ -4,11 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from landmark_memory import LandmarkConfig, LandmarkGPT
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.key_sums import KeySums
-from landmark_memory.memory.retrieval import (block_positions, select_blocks, top_k_stingy, with_forced,
-                                              with_pinned)
+from landmark_memory.memory.retrieval import block_positions, select_blocks, top_k_stingy, with_forced, with_pinned
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +228,8 @@ def test_a_saved_memory_centres_from_its_committed_sums_as_from_every_key(model,
             if not seeded:  # as a memory saved before the sums were kept: every key file is read
                 mem._blocks.sums.load(mem.n_blocks, {}, None)  # (peeks inside: which key rows are read)
             rows = mem._blocks._key_run
-            mem._blocks._key_run = lambda layer, first, last: reads.append((seeded, first, last)) or rows(layer, first, last)
+            mem._blocks._key_run = lambda layer, first, last: reads.append((seeded, first, last)) or \
+                rows(layer, first, last)
             outs.append(mem.forward(text[:, 60:]))
     assert all(first >= 10 for seeded, first, _ in reads if seeded)  # past the 10 saved blocks only
     assert any(first == 0 for seeded, first, _ in reads if not seeded)

@@ -10,11 +10,11 @@ import pytest
 from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main
 from landmark_memory.format import seals
-from landmark_memory.uses import corpus
 from landmark_memory.format.directory import MemoryDir
 from landmark_memory.format.errors import MemoryFileError
 from landmark_memory.memory.saved import sealable_files
 from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.uses import corpus
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote, urlparse
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from landmark_memory import LandmarkGPT, load_tokenizer
 from landmark_memory.app import serve as served
@@ -139,7 +140,8 @@ def test_a_session_name_is_bounded_in_bytes_and_every_session_made_can_be_delete
     assert json.loads(call(server, "/v1/sessions")[1])["data"] == []
 
 
-def test_a_session_whose_turn_log_is_a_link_a_hard_link_or_damaged_is_503_and_nothing_is_written(server, corpus, tmp_path):
+def test_a_session_whose_turn_log_is_a_link_a_hard_link_or_damaged_is_503_and_nothing_is_written(server, corpus,
+                                                                                                 tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("x" * 22_000)
     body = {**CHAT, "session": "linked"}

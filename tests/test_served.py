@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 from ray.cluster_utils import Cluster
+from test_hostile_files import snapshot
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.serve_guard import APIError
@@ -17,7 +18,6 @@ from landmark_memory.app.serve_readers import Readers, ServeConfig
 from landmark_memory.app.served import Shares
 from landmark_memory.format import MemoryFileError
 from landmark_memory.uses.answer import ask
-from test_hostile_files import snapshot
 
 pytestmark = pytest.mark.slow  # servers and Ray shares
 

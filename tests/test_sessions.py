@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
-from landmark_memory.uses.answer import Message, converse, say
 from landmark_memory.app.cli import main
 from landmark_memory.format import MemoryFileError
-from landmark_memory.uses.session import Session
 from landmark_memory.format.session_files import SessionError, check_name, delete_session, list_sessions
+from landmark_memory.uses.answer import Message, converse, say
+from landmark_memory.uses.session import Session
 
 TURNS = ["The captain came to the inn on a cold night, with his sea chest on a barrow, and he looked round the cove "
          "and whistled to himself as he did so, and then he said that",
@@ -105,7 +105,8 @@ def test_what_one_session_was_told_the_other_cannot_retrieve(corpus, model):
     alone = held(corpus, model, "bob-alone", TURNS[3:])
     held(corpus, model, "alice", TURNS[:3])  # told of the map, its blocks in its own files
     beside = held(corpus, model, "bob", TURNS[3:])
-    assert [a.tokens for a in beside] == [a.tokens for a in alone] and list(map(unnamed, beside)) == list(map(unnamed, alone))
+    assert [a.tokens for a in beside] == [a.tokens for a in alone]
+    assert list(map(unnamed, beside)) == list(map(unnamed, alone))
     assert {p.session for a in beside for p in a.passages} <= {None, "bob"}
     assert torch.equal(probe(corpus, model, "bob"), probe(corpus, model, "bob-alone"))
 
@@ -290,7 +291,7 @@ def test_a_damaged_session_is_named_by_verify_and_refused_in_one_line(corpus, mo
         assert f"session damaged: {folder / name} does not match" in capsys.readouterr().out
         with LandmarkMemory.open(corpus, model, readonly=True) as mem:
             with pytest.raises(MemoryFileError, match=match), Session.open(mem, "damaged") as s:
-                s.turns  # (the turns' text is read where it is asked for)
+                _ = s.turns  # (the turns' text is read where it is asked for)
         data[10] ^= 1
         (folder / name).write_bytes(bytes(data))
     assert main(["info", str(corpus), "--verify"]) == 0

@@ -5,21 +5,19 @@ deleted; a session is bound to its own name and to the options of the memory it 
 a turn and an answer are bounded on the command line as the server bounds them."""
 
 import io
-import json
 import os
 import shutil
 import sys
 
 import pytest
+from test_hostile_files import snapshot
 
 from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main
 from landmark_memory.core.names import MAX_NEW_TOKENS, MAX_TURN_CHARS
+from landmark_memory.format.session_files import SessionError, check_name, delete_session, list_sessions
 from landmark_memory.uses.answer import QuestionError, say
 from landmark_memory.uses.session import Session
-from landmark_memory.format.session_files import SessionError, check_name, delete_session, list_sessions
-
-from test_hostile_files import snapshot
 
 
 @pytest.fixture

@@ -7,17 +7,17 @@ import json
 
 import pytest
 import torch
+from test_hf import ids_of, tiny
+from test_sessions import turns_read_as_one_forward
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from landmark_memory import hf
 from landmark_memory.app.cli import _layers
-from landmark_memory.memory import LandmarkMemory
 from landmark_memory.format import MemoryFileError
 from landmark_memory.format.directory import MemoryDir
-from landmark_memory.uses.inspect import describe, verify
+from landmark_memory.memory import LandmarkMemory
 from landmark_memory.memory.saved import saved_chunk
-from test_hf import ids_of, tiny
-from test_sessions import turns_read_as_one_forward
+from landmark_memory.uses.inspect import describe, verify
 
 OPTS = dict(chunk_size=14, top_k=2, store_dtype="float32")
 
@@ -49,7 +49,8 @@ def test_a_gemma3_memory_keeps_blocks_for_its_global_layers_only_and_info_says_s
     with LandmarkMemory(model, store="mmap", path=tmp_path / "g", **OPTS) as mem:
         assert len(mem.forward(idx, logits="none").retrieved) == 1  # what each memory layer retrieved
         assert mem.shape.n_layer == 1 and mem.shape.memory_layers == [1] and mem.shape.windows == (12, 0, 12)
-        assert sorted(mem._decoder.windows) == [0, 2] and all(k.shape[2] == 11 for k, _ in mem._decoder.windows.values())
+        assert sorted(mem._decoder.windows) == [0, 2] and all(k.shape[2] == 11 for k,
+                                                              _ in mem._decoder.windows.values())
     info = describe(tmp_path / "g")
     per_layer = 2 * 2 * (7 + 1) * 16 * 4 / 7  # keys and values, 2 heads, a block and its landmark, float32
     assert (info["layers"], info["memory_layers"], info["windows"]) == (3, 1, {"0": 12, "2": 12})

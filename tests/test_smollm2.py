@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf import smollm2
 from landmark_memory.models.hf.convert import convert, normal_logits
 from landmark_memory.models.hf.lora import adapter_settings
 from landmark_memory.models.hf.tokenizer import TextTokenizer
 from landmark_memory.models.kinds import load_model
-from landmark_memory.memory import LandmarkMemory
 
 pytestmark = pytest.mark.slow  # SmolLM2 loads
 

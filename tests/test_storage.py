@@ -5,10 +5,19 @@ import lmdb
 import pytest
 import torch
 
-from landmark_memory.core.quant import dequantize, quantize
 from landmark_memory.core.names import DISK_STORES
-from landmark_memory.storage import (DTYPES, STORE_KINDS, STORES, CorruptBlockError, HotCache, LmdbStore, MemoryStore,
-                                    MmapStore, open_store)
+from landmark_memory.core.quant import dequantize, quantize
+from landmark_memory.storage import (
+    DTYPES,
+    STORE_KINDS,
+    STORES,
+    CorruptBlockError,
+    HotCache,
+    LmdbStore,
+    MemoryStore,
+    MmapStore,
+    open_store,
+)
 
 SHAPE = (2, 3, 6, 8)  # (k/v, H, block_size + 1, D)
 

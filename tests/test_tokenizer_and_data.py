@@ -5,13 +5,28 @@ import numpy as np
 import pytest
 import torch
 
-from landmark_memory import insert_landmarks, landmark_mask, lm_targets, load_tokenizer, normal_positions, strip_landmarks
-from landmark_memory.training.data import Answer, PasskeyMix, WindowSampler, list_text_files, read_text, split_books, strip_gutenberg
-from landmark_memory.jobs.evaluate import parse_lengths
-from landmark_memory.core.passkey import PasskeyPrompts, first_int, run_passkey
+from landmark_memory import (
+    insert_landmarks,
+    landmark_mask,
+    lm_targets,
+    load_tokenizer,
+    normal_positions,
+    strip_landmarks,
+)
 from landmark_memory.core.layout import IGNORE_INDEX
+from landmark_memory.core.passkey import PasskeyPrompts, first_int, run_passkey
 from landmark_memory.core.tokenizer import EOS_TOKEN, LANDMARK_TOKEN, SPECIAL_TOKENS
-from landmark_memory.training.data import SAMPLE_DIR
+from landmark_memory.jobs.evaluate import parse_lengths
+from landmark_memory.training.data import (
+    SAMPLE_DIR,
+    Answer,
+    PasskeyMix,
+    WindowSampler,
+    list_text_files,
+    read_text,
+    split_books,
+    strip_gutenberg,
+)
 
 LM = 1
 
@@ -71,7 +86,8 @@ def test_lm_targets_at_normal_positions_are_the_next_token(T, bs):
 
 
 def test_strip_gutenberg_keeps_only_the_body():
-    text = "\ufeffHeader\r\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\nBody line.\r\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nLicence"
+    text = ("\ufeffHeader\r\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\nBody line.\r\n"
+            "*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nLicence")
     assert strip_gutenberg(text) == "Body line.\n"
     assert strip_gutenberg("plain text") == "plain text\n"
 
@@ -169,7 +185,8 @@ def test_first_int_and_length_parsing():
 
 
 def test_read_text_explains_what_is_wrong(tmp_path):
-    for data, message in [(b"", "is empty"), (b"\x00\x01\x02", "looks binary"), ("d\u00e9j\u00e0".encode("latin-1"), "not UTF-8")]:
+    for data, message in [(b"", "is empty"), (b"\x00\x01\x02", "looks binary"),
+                          ("d\u00e9j\u00e0".encode("latin-1"), "not UTF-8")]:
         (tmp_path / "f.txt").write_bytes(data)
         with pytest.raises(ValueError, match=message):
             read_text(tmp_path / "f.txt")
@@ -225,7 +242,8 @@ def test_a_text_tokenized_in_pieces_has_the_ids_of_the_whole(monkeypatch):
     assert len(refused) == 4 and "".join(kept) == book and len(kept) > 20  # (refused places passed over)
 
 
-CJK = "\u5929\u4e0b\u5927\u52bf\uff0c\u5206\u4e45\u5fc5\u5408\uff0c\u5408\u4e45\u5fc5\u5206\u3002\u5468\u672b\u4e03\u56fd\u5206\u4e89"
+CJK = ("\u5929\u4e0b\u5927\u52bf\uff0c\u5206\u4e45\u5fc5\u5408\uff0c\u5408\u4e45\u5fc5\u5206\u3002"
+       "\u5468\u672b\u4e03\u56fd\u5206\u4e89")
 
 
 @pytest.mark.parametrize("shape", ["two spaces", "no-break spaces", "tabs", "no spaces", "one long word"])

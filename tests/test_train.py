@@ -39,11 +39,14 @@ def test_lr_warms_up_then_decays_by_cosine_to_min_lr():
 
 def test_presets_and_flags():
     cfg, preset = parse_args(["--preset", "paper"])
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.ffn_hidden, cfg.seq_len, cfg.block_size) == (12, 8, 1024, 4096, 512, 50)
-    assert (cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.lr, cfg.min_lr, cfg.warmup_frac) == (0.9, 0.95, 1e-3, 2e-3, 4e-4, 0.02)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.ffn_hidden, cfg.seq_len, cfg.block_size) == (12, 8, 1024, 4096,
+                                                                                                  512, 50)
+    assert (cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.lr, cfg.min_lr, cfg.warmup_frac) == (0.9, 0.95, 1e-3, 2e-3,
+                                                                                             4e-4, 0.02)
     assert cfg.batch_size * cfg.grad_accum == 128
     cfg, preset = parse_args(["--attention", "full", "--max-iters", "7", "--resume"])
-    assert (preset, cfg.attention, cfg.max_iters, cfg.resume, cfg.n_layer) == ("tiny", "full", 7, True, PRESETS["tiny"]["n_layer"])
+    assert (preset, cfg.attention, cfg.max_iters, cfg.resume, cfg.n_layer) == ("tiny", "full", 7, True,
+                                                                               PRESETS["tiny"]["n_layer"])
 
 
 def _trainer(books, out, *extra):

@@ -13,21 +13,21 @@ import urllib.request
 import pytest
 import ray
 import torch
+from test_corpus import files_of
+from test_hf import BOOK, CASES, FAMILIES, TOL, cli, ids_of, tiny
 
 from landmark_memory import RotaryEmbedding
 from landmark_memory.core.quant import dequantize_kv, quantize
-from landmark_memory.kernels import block_attention_inference
-from landmark_memory.kernels.plain import block_inference_dense
-from landmark_memory.hf import LandmarkMemoryCache
-from landmark_memory.memory import LandmarkMemory
 from landmark_memory.format import MemoryOptions
 from landmark_memory.format.directory import MemoryDir
-from landmark_memory.uses.answer import say
 from landmark_memory.format.manifest import MemoryFileError
-from landmark_memory.uses.session import Session
+from landmark_memory.hf import LandmarkMemoryCache
+from landmark_memory.kernels import block_attention_inference
+from landmark_memory.kernels.plain import block_inference_dense
+from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.kinds import load_model
-from test_corpus import files_of
-from test_hf import BOOK, CASES, FAMILIES, TOL, cli, ids_of, tiny
+from landmark_memory.uses.answer import say
+from landmark_memory.uses.session import Session
 
 EVERY_BLOCK = dict(block_size=7, chunk_size=14, top_k=64, position_mapping="exact")
 

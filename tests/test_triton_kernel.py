@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from landmark_memory import LandmarkConfig, LandmarkGPT
-from landmark_memory.kernels import landmark_attention, landmark_attention_inference
-from landmark_memory.kernels import triton_landmark, triton_onepass
+from landmark_memory.kernels import landmark_attention, landmark_attention_inference, triton_landmark, triton_onepass
 
 TRITON = ["triton", "triton-onepass"]
 

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from landmark_memory.index import new_index
 

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass
 from typing import TextIO
 
 from ..core.printing import json_text, printable
+from ..format.session_files import list_sessions
 from ..memory import LandmarkMemory
 from ..uses.answer import Answer, say
 from ..uses.session import Session
-from ..format.session_files import list_sessions
 
 HELP = """/passages  the passages the last answer read
 /sessions  the sessions of this memory
@@ -97,25 +97,37 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
         if command in ("/quit", "/exit"):
             return 0
         if command.startswith("/"):
-            reply = {"/passages": lambda: passages_text(last), "/sessions": lambda: sessions_text(mem.dir.path),
-                     "/help": lambda: HELP}.get(command, lambda: f"unknown command {command}\n{HELP}")()
-            print(printable(reply), file=out)
+            print(printable(_command_reply(command, last, mem)), file=out)
             continue
-        shown, tokens = "", []
-
-        def show(t):  # stream the answer (a character split over tokens waits for its last one)
-            nonlocal shown
-            tokens.append(t)
-            text = tokenizer.decode(tokens)
-            if not text.endswith("\ufffd"):
-                print(printable(text[len(shown):]), end="", file=out, flush=True)
-                shown = text
-
+        stream = _Stream(tokenizer, out)
         print("memory> ", end="", file=out, flush=True)
         try:
             last = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
-                       passages=options.passages, on_token=show)
-            print(printable(last.text[len(shown):]), file=out)
+                       passages=options.passages, on_token=stream.show)
+            print(printable(last.text[len(stream.shown):]), file=out)
         except KeyboardInterrupt:  # the turn is not committed: the session goes back to its last one
             print("\n(stopped: this turn is forgotten, the session stays at its last answer)", file=out)
             session = session.reopen()
+
+
+def _command_reply(command: str, last, mem: LandmarkMemory) -> str:
+    """What a ``/command`` of the chat prints: the last answer's passages, the memory's sessions, help."""
+    if command == "/passages":
+        return passages_text(last)
+    if command == "/sessions":
+        return sessions_text(mem.dir.path)
+    return HELP if command == "/help" else f"unknown command {command}\n{HELP}"
+
+
+class _Stream:
+    """An answer streamed as its tokens come: a character split over tokens waits for its last one."""
+
+    def __init__(self, tokenizer, out: TextIO):
+        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out, [], ""
+
+    def show(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if not text.endswith("\ufffd"):
+            print(printable(text[len(self.shown):]), end="", file=self.out, flush=True)
+            self.shown = text

@@ -10,25 +10,24 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-
 from ..core.names import NAMED_MODELS
 from ..core.printing import printable
-from ..index import KINDS
-from ..memory import LandmarkMemory
 from ..format import MemoryDir
 from ..format.options import MemoryOptions
-from ..uses.answer import ask
-from ..uses.inspect import describe, verify
-from ..memory.saved import wrong_model
-from ..uses.session import Session
 from ..format.session_files import delete_session, list_sessions
-from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
-from ..models.model import BUNDLED_MODEL
+from ..index import KINDS
 from ..jobs.build import build, encode, read_inputs
-from .cli_args import given, parser
-from .stopping import exit_status, sigterm_interrupts
 from ..jobs.distributed import RayReader, WorkerError
 from ..jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
+from ..memory import LandmarkMemory
+from ..memory.saved import wrong_model
+from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
+from ..models.model import BUNDLED_MODEL
+from ..uses.answer import ask
+from ..uses.inspect import describe, verify
+from ..uses.session import Session
+from .cli_args import given, parser
+from .stopping import exit_status, sigterm_interrupts
 
 
 class UsageError(ValueError):
@@ -317,8 +316,8 @@ def cmd_passkey(args):
 
 
 def cmd_heads(args):
-    from ..uses.choose_heads import choose_heads, shipped_questions
     from ..models.heads import heads_path, save_heads
+    from ..uses.choose_heads import choose_heads, shipped_questions
 
     if args.model is None:
         raise UsageError("the bundled model was trained on books alone and answers no questions: pass --model (a "

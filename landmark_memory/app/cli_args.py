@@ -5,9 +5,26 @@ and a wrong option answer at once."""
 
 import argparse
 
-from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, DISK_STORES, EF_SEARCH, FREE_BLOCK_SIZE,
-                          FREE_READS, INDEX_KINDS, MAX_NEW_TOKENS, MAX_TOP_K, MAPPINGS, NAMED_MODELS, NPROBE,
-                          RETRIEVALS, SESSION_NAME_RULE, STORE_DTYPES, TRAIN_SIZES, is_session_name)
+from ..core.names import (
+    BLOCK_KEYS,
+    DEFAULT_INDEX,
+    DEFAULT_TOP_K,
+    DISK_STORES,
+    EF_SEARCH,
+    FREE_BLOCK_SIZE,
+    FREE_READS,
+    INDEX_KINDS,
+    MAPPINGS,
+    MAX_NEW_TOKENS,
+    MAX_TOP_K,
+    NAMED_MODELS,
+    NPROBE,
+    RETRIEVALS,
+    SESSION_NAME_RULE,
+    STORE_DTYPES,
+    TRAIN_SIZES,
+    is_session_name,
+)
 
 
 def _number(kind, low, what, high=None):
@@ -156,7 +173,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=positive, help=CHUNK_HELP + "; fixed when the memory is created")
     add_top_k(p, new=True)
     p.add_argument("--train-size", type=positive, metavar="N",
-                   help=f"landmarks per layer and head before an IVF index trains (default {DEFAULT_TRAIN_SIZES}); fixed "
+                   help=f"landmarks per layer and head before an IVF index trains (default {DEFAULT_TRAIN_SIZES}); "
+                        "fixed "
                         "when the memory is created")
     p.add_argument("--commit-every", type=nonnegative, default=60.0, metavar="SECONDS",
                    help="commit at least this often (default 60; the end of each document commits too)")
@@ -206,7 +224,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
 
     p = sub.add_parser("sessions", parents=[common], help="list the sessions of a memory, or delete one")
     p.add_argument("memory")
-    p.add_argument("--delete", type=session_name, metavar="NAME", help="delete this session (refused while it is in use)")
+    p.add_argument("--delete", type=session_name, metavar="NAME", help="delete this session (refused while it is in "
+                                                                       "use)")
 
     p = sub.add_parser("serve", help="serve a memory over HTTP: an OpenAI-compatible API and a page")
     p.add_argument("memory")

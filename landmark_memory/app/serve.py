@@ -10,17 +10,16 @@ and a page that shows which passages each answer read.
     /v1/sessions                the sessions: list, start, read, delete (``serve_sessions.py``)
     GET  /                      the page: a conversation, its answers, the passages each read
 
-Every answer carries ``passages`` (document, token offset, text, share of lookups) besides
-OpenAI's fields. This module makes the application (errors in OpenAI's shape, the API key,
-the Host check); the routes are plain functions on routers (``serve_routes.py``,
-``serve_sessions.py``) over one ``Served`` state. The model is loaded once and the memory
-opened once per answer computed at once (``serve_readers.Readers``): each request takes an open read-only memory, which first follows the commits
-made since its last answer (a build running beside the server is seen at its commits) and
-afterwards forgets what the question fed it, so answers never see each other and equal a fresh
-open's, while the hot cache stays warm. At most ``parallel`` answers are computed at once, the
-others wait their turn. With an API key, every ``/v1`` request needs ``Authorization: Bearer KEY``;
-only requests to the address served (or an allowed host) are answered, and a request that
-changes something only from the server's own page or a program (``serve_guard.py``).
+Every answer carries ``passages`` (document, token offset, text, share of lookups) besides OpenAI's fields. This
+module makes the application (errors in OpenAI's shape, the API key, the Host check); the routes are plain functions
+on routers (``serve_routes.py``, ``serve_sessions.py``) over one ``Served`` state. The model is loaded once and the
+memory opened once per answer computed at once (``serve_readers.Readers``): each request takes an open read-only
+memory, which first follows the commits made since its last answer (a build running beside the server is seen at its
+commits) and afterwards forgets what the question fed it, so answers never see each other and equal a fresh open's,
+while the hot cache stays warm. At most ``parallel`` answers are computed at once, the others wait their turn. With an
+API key, every ``/v1`` request needs ``Authorization: Bearer KEY``; only requests to the address served (or an allowed
+host) are answered, and a request that changes something only from the server's own page or a program
+(``serve_guard.py``).
 """
 
 import contextlib
@@ -80,8 +79,8 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
         words = {404: f"no route {request.url.path}: see GET /v1/models, POST /v1/completions, POST "
                       "/v1/chat/completions, GET /v1/memory, /v1/sessions and GET /",
                  405: f"{request.method} is not allowed on {request.url.path}"}
-        return APIError(exc.status_code, words.get(exc.status_code, str(exc.detail)),
-                        {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")).response()
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return APIError(exc.status_code, words.get(exc.status_code, str(exc.detail)), kind).response()
 
     @app.exception_handler(APIError)
     async def api_error(request, exc):

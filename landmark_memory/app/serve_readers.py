@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..memory import LandmarkMemory
-
 from ..format import MemoryFileError
+from ..memory import LandmarkMemory
 from ..uses.inspect import describe
 from .serve_guard import APIError
 

@@ -20,8 +20,15 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from ..format import MemoryFileError
-from ..format.session_files import (SessionError, check_name, delete_session, list_sessions, new_name,
-                                    read_session, require_session)
+from ..format.session_files import (
+    SessionError,
+    check_name,
+    delete_session,
+    list_sessions,
+    new_name,
+    read_session,
+    require_session,
+)
 from .serve_guard import APIError
 
 STATUS = {"name": (400, "invalid_session_name"), "missing": (404, "session_not_found"),

@@ -15,12 +15,11 @@ nothing on disk changes. The shares answer at the commit they opened: restart to
 
 import numpy as np
 
-from ..memory import LandmarkMemory
-
 from ..format import MemoryFileError
+from ..jobs.distributed import set_threads
+from ..memory import LandmarkMemory
 from ..storage import BlockStore
 from ..storage.base import DTYPE_NAMES
-from ..jobs.distributed import set_threads
 
 
 class _Share:

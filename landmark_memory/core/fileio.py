@@ -5,8 +5,8 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 TMP_MARK = ".tmp"  # temporary files are ".<name>.tmp<pid>": a cleanup can tell them from everything else
 

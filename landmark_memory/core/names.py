@@ -9,7 +9,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]
 ASSETS, SAMPLES = PACKAGE / "assets", PACKAGE / "samples"  # shipped models and tokenizer; sample texts
 
-INDEX_KINDS = ("ivf-rows", "flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "flat-torch", "ivf-gpu", "ivfpq-gpu")  # index/__init__.py
+INDEX_KINDS = ("ivf-rows", "flat", "hnsw", "ivf", "ivfpq", "flat-gpu", "flat-torch", "ivf-gpu",
+               "ivfpq-gpu")  # index/__init__.py
 # index/__init__.py: keys an index needs before it trains, unless told (8-bit PQ codebooks want about 10K points)
 TRAIN_SIZES = {"ivf-rows": 1024, "ivf": 4096, "ivfpq": 16384}  # a GPU kind's is its CPU twin's; 4096 for the others
 NPROBE, EF_SEARCH = 16, 128  # index/base.py: IVF lists a query visits, HNSW search breadth, unless told

@@ -83,7 +83,7 @@ def rotation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rotary(head_dim: int, base: float) -> RotaryEmbedding:
     """A shared ``RotaryEmbedding`` for kernels that are handed only the head dim and base (it
     keeps its frequencies per device, so a fresh one per call would compute them again)."""

@@ -32,7 +32,8 @@ def load_tokenizer(path: str | Path | None = None) -> "Tokenizer":
     tok = Tokenizer.from_file(str(path))
     missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
     if missing:
-        raise ValueError(f"tokenizer {path} lacks the special tokens {missing}; retrain it with experiments/train_tokenizer.py")
+        raise ValueError(f"tokenizer {path} lacks the special tokens {missing}; retrain it with "
+                         "experiments/train_tokenizer.py")
     return tok
 
 

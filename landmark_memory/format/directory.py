@@ -33,8 +33,8 @@ import re
 import stat
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -278,14 +278,13 @@ class MemoryDir:
 
     def read_block_rows(self, manifest: Manifest, first: int = 0, crcs: dict[str, int] | None = None,
                         mapped: bool = False) -> tuple[dict[str, bytes], dict[str, int]]:
-        """``({name: bytes}, {name: CRC-32})``: the committed rows of the files read whole
-        (``tokens.bin``; and ``landmarks.bin`` before format 5) from block ``first`` on, checked against the manifest's CRC-32s
-        (memories written before those were kept: not), which carry on from ``crcs``, the
-        CRC-32s of the rows before ``first`` (0 from the start); and the CRC-32s of all rows.
-        A writer then cuts what follows the committed rows (an uncommitted tail): only once they
-        match the manifest, so that a damaged manifest (``blocks`` too small) never costs a row.
-        ``mapped`` (a reader): ``tokens.bin``'s rows are a read-only map, their CRC-32 left to
-        ``verify`` (opening then costs the same however long the memory is)."""
+        """``({name: bytes}, {name: CRC-32})``: the committed rows of the files read whole (``tokens.bin``; and
+        ``landmarks.bin`` before format 5) from block ``first`` on, checked against the manifest's CRC-32s (memories
+        written before those were kept: not), which carry on from ``crcs``, the CRC-32s of the rows before ``first``
+        (0 from the start); and the CRC-32s of all rows. A writer then cuts what follows the committed rows (an
+        uncommitted tail): only once they match the manifest, so that a damaged manifest (``blocks`` too small) never
+        costs a row. ``mapped`` (a reader): ``tokens.bin``'s rows are a read-only map, their CRC-32 left to ``verify``
+        (opening then costs the same however long the memory is)."""
         sizes = manifest.rows.sizes
         rows = {name: self.read_rows(name, (manifest.blocks - first) * n, first * n, mapped and name == TOKENS)
                 for name, n in sizes.items()}

@@ -17,8 +17,8 @@ import bisect
 import json
 import os
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 

@@ -268,9 +268,9 @@ class Manifest:
             count(name, getattr(self, name))
         if self.streams is None and self.tokens:  # the first forward, which read them, fixed it
             raise bad("streams = None", f"(a memory of {self.tokens:,} tokens has read them in streams)")
-        if self.tokens != self.blocks * s.block_size + self.pending_tokens:
+        if self.tokens != (held := self.blocks * s.block_size + self.pending_tokens):
             raise bad(f"tokens = {self.tokens:,}", f"where its {self.blocks:,} blocks of {s.block_size} and "
-                      f"{self.pending_tokens:,} pending tokens make {self.blocks * s.block_size + self.pending_tokens:,}")
+                      f"{self.pending_tokens:,} pending tokens make {held:,}")
         if self.options.store not in DISK_STORES:  # (missing, it reads as the default: blocks in memory)
             raise bad(f"options.store = {self.options.store!r}", f"(a saved memory keeps its blocks in one of "
                       f"{', '.join(DISK_STORES)})")

@@ -10,8 +10,20 @@ from typing import Any
 
 import torch
 
-from ..core.names import (BLOCK_KEYS, DEFAULT_INDEX, DEFAULT_TOP_K, FREE_BLOCK_SIZE, FREE_READS, FREE_RETRIEVAL,
-                          MAX_CHUNK_SIZE, MAX_TOP_K, MAPPINGS, RETRIEVALS, STORE_DTYPES, STORES)
+from ..core.names import (
+    BLOCK_KEYS,
+    DEFAULT_INDEX,
+    DEFAULT_TOP_K,
+    FREE_BLOCK_SIZE,
+    FREE_READS,
+    FREE_RETRIEVAL,
+    MAPPINGS,
+    MAX_CHUNK_SIZE,
+    MAX_TOP_K,
+    RETRIEVALS,
+    STORE_DTYPES,
+    STORES,
+)
 from ..index import default_train_size, new_index
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES

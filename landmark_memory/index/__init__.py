@@ -1,14 +1,13 @@
 """Landmark key search by inner product, one index per (stream, layer, key/value head), of a
 kind from the registry ``KINDS``.
 
-Kinds, by module: ``on_rows.py`` (``ivf-rows``, the default, ``flat``, ``flat-gpu`` and
-``flat-torch``: over the key rows where they lie, nothing in a memory's state file),
-``faiss_kinds.py`` (``hnsw``, ``ivf``, ``ivfpq`` and their GPU variants: FAISS's own indexes,
-serialised into the state file). Ids are block numbers: blocks are added in order, so a search
-restricted to a block range is a range of ids. Adding a kind is a class (in one of those modules or one of its own), a line in ``KINDS``
-and its name in ``core/names.py`` (which the command line reads without importing FAISS); a
-kind that keeps files beside the key files says which through its class (``base.py``), and
-the memory asks it, never its module.
+Kinds, by module: ``on_rows.py`` (``ivf-rows``, the default, ``flat``, ``flat-gpu`` and ``flat-torch``: over the key
+rows where they lie, nothing in a memory's state file), ``faiss_kinds.py`` (``hnsw``, ``ivf``, ``ivfpq`` and their GPU
+variants: FAISS's own indexes, serialised into the state file). Ids are block numbers: blocks are added in order, so a
+search restricted to a block range is a range of ids. Adding a kind is a class (in one of those modules or one of its
+own), a line in ``KINDS`` and its name in ``core/names.py`` (which the command line reads without importing FAISS); a
+kind that keeps files beside the key files says which through its class (``base.py``), and the memory asks it, never
+its module.
 """
 
 from dataclasses import dataclass

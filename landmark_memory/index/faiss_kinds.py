@@ -24,7 +24,6 @@ import numpy as np
 from .base import LandmarkIndex
 from .lists import level_of
 
-
 GPU_MAX_K = 2048  # the most results a faiss-gpu search returns per query
 
 

@@ -15,9 +15,9 @@ A writer's file notes its status when taken and after each change the writer mak
 was preceded by another's, and its seals (``format/seals.py``) then never vouch for the file.
 """
 
+import contextlib
 import os
 import zlib
-import contextlib
 from pathlib import Path
 
 import numpy as np

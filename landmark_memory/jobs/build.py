@@ -15,20 +15,30 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from ..core.tokenizer import EOS_TOKEN, encode_text
-from ..memory import LandmarkMemory
-from ..uses.corpus import (ReadDocument, committed_tokens, document_folders, document_manifest,
-                             drop_merged_rows, finished, merge_document, merge_read, packs, unmerged_states)
 from ..format.manifest import InputRecord, document_folder
+from ..memory import LandmarkMemory
 from ..training.data import list_text_files, read_text, strip_gutenberg
+from ..uses.corpus import (
+    ReadDocument,
+    committed_tokens,
+    document_folders,
+    document_manifest,
+    drop_merged_rows,
+    finished,
+    merge_document,
+    merge_read,
+    packs,
+    unmerged_states,
+)
 from .reading import DocumentJob, DocumentReader, LocalReader
 
 

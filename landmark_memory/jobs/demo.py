@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from ..core.passkey import MAX_KEY, QUESTION, fact, first_int
-from ..memory import LandmarkMemory
 from ..format import MemoryOptions
-from ..uses.answer import ask
+from ..memory import LandmarkMemory
 from ..models.kinds import load_model
 from ..models.model import LandmarkGPT
 from ..training.data import SAMPLE_DIR, read_text, strip_gutenberg
+from ..uses.answer import ask
 from .build import build, encode, read_inputs
 from .evaluate import compare_indexes
 
@@ -104,7 +104,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if next(model.parameters()).is_cuda:  # the exact search on the GPU beside FAISS's on the CPU
             kinds += ("flat-torch",)
         say(f"3. Perplexity of the book's first {length:,} tokens read through memory, exact vs approximate "
-            "landmark search" + (" (IVF kinds train on the first 256 landmarks of each layer and head)" if bundled else ""))
+            "landmark search"
+            + (" (IVF kinds train on the first 256 landmarks of each layer and head)" if bundled else ""))
         rows = compare_indexes(model, ids, kinds, length, COMPARE_OPTIONS, max_segments=1, progress=not args.quiet)
         say(f"   {'index':8s} {'perplexity':>10s} {'vs exact':>9s} {'recall@4':>9s} {'search ms':>10s}")
         for r in rows:

@@ -270,7 +270,6 @@ class RayReader:
 
     def run(self, jobs, stop, bar):
         import ray
-
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -12,9 +12,9 @@ from tqdm import tqdm
 
 from ..core.decode import decode, decode_rereading
 from ..core.passkey import run_passkey
+from ..format.options import MemoryOptions
 from ..index import recall_at_k
 from ..memory import LandmarkMemory, RetrievalStats
-from ..format.options import MemoryOptions
 from ..models.infini import InfiniState
 from ..models.kinds import in_sequence_logits, is_infini, is_plain_hf, kv_cache_decoder, reads_through_memory
 
@@ -27,7 +27,8 @@ def parse_lengths(text: str) -> list[int]:
         try:
             n = int(float(part.rstrip("km")) * mult)
         except ValueError:
-            raise ValueError(f"cannot read length {part!r}: use integers with an optional k or m, e.g. 1k,4k,16k") from None
+            raise ValueError(f"cannot read length {part!r}: use integers with an optional k or m, e.g. "
+                             "1k,4k,16k") from None
         if n < 1:
             raise ValueError(f"lengths must be positive, got {part!r}")
         out.append(n)

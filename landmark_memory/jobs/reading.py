@@ -5,20 +5,21 @@ reads them in this process, ``distributed.RayReader`` on Ray. ``build.py`` merge
 """
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from ..core import heap
-from ..memory import LandmarkMemory
 from ..format import MemoryFileError
-from ..uses.corpus import ReadDocument
 from ..format.manifest import InputRecord
 from ..format.options import MemoryOptions
+from ..memory import LandmarkMemory
+from ..uses.corpus import ReadDocument
 
 BATCH_DOCUMENTS = 16  # documents read in RAM of one length are read this many at once, as a memory's streams
 BATCH_WINDOW = 64  # ... among this many consecutive jobs: the corpus merges in order and holds what came early

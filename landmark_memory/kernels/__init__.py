@@ -6,7 +6,7 @@ import torch
 from ..core.layout import check_block_size
 from ..core.quant import dequantize_kv
 from ..core.rope import RotaryEmbedding
-from .dense import landmark_attention_dense, local_group_logsumexp, landmark_inference_dense
+from .dense import landmark_attention_dense, landmark_inference_dense, local_group_logsumexp
 from .plain import block_inference_dense, block_inference_reference
 from .reference import grouped_softmax, landmark_attention_reference, landmark_inference_reference, landmark_weights
 from .window import sliding_window_attention
@@ -15,7 +15,8 @@ BACKENDS = ("auto", "reference", "dense", "triton", "triton-onepass", "numba")
 FEW_QUERIES = 16  # queries per head below which (decoding) "auto" takes the compiled CPU kernel
 
 
-def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *, scale: float | None = None,
+def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *, scale: float
+                       | None = None,
                        cmt_k: torch.Tensor | None = None, cmt_blocks: torch.Tensor | None = None,
                        backend: str = "reference") -> torch.Tensor:
     """Causal landmark attention with the grouped softmax (paper section 3.1).
@@ -85,7 +86,8 @@ def landmark_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 
 def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, *,
                                  pool_k: torch.Tensor, pool_v: torch.Tensor, block_table: torch.Tensor,
-                                 block_pos: torch.Tensor, rope: RotaryEmbedding | float = 10000.0, scale: float | None = None,
+                                 block_pos: torch.Tensor, rope: RotaryEmbedding | float = 10000.0, scale: float
+                                 | None = None,
                                  cmt_k: torch.Tensor | None = None, pool_scale: torch.Tensor | None = None,
                                  backend: str = "auto", check: bool = True) -> torch.Tensor:
     """Attention of a chunk of queries over its local keys and retrieved memory blocks.
@@ -264,7 +266,8 @@ def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos
     if pool_scale is not None and (tuple(pool_scale.shape) != (*pool_k.shape[:2], D + L) or
                                    pool_scale.dtype != torch.float32 or pool_scale.device != q.device):
         raise ValueError(f"pool_scale must be float32 (n_pool, H_kv, D + rows) = "
-                         f"{(*pool_k.shape[:2], D + L)} on q's device, got {pool_scale.dtype} {tuple(pool_scale.shape)}")
+                         f"{(*pool_k.shape[:2], D + L)} on q's device, got {pool_scale.dtype} "
+                         f"{tuple(pool_scale.shape)}")
     for name, t in (("block_table", block_table), ("block_pos", block_pos)):
         if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
             raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={Tq}, K), got "

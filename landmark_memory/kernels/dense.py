@@ -203,7 +203,8 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
         return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g[..., :w.shape[-1], :].flatten(-3, -2))[..., 0, :]
     flat = block_table.flatten()
     full = bool((flat >= 0).all())  # a chunk's slots are usually all filled: then no scatter is needed
-    slot = torch.arange(len(flat), device=q.device) if full else (flat >= 0).nonzero()[:, 0]  # flat in (B, H, Tq, K), (N,)
+    # flat in (B, H, Tq, K), (N,)
+    slot = torch.arange(len(flat), device=q.device) if full else (flat >= 0).nonzero()[:, 0]
     query = slot // K  # flat in (B, H, Tq)
     entry, pos = flat[slot].long(), block_pos.flatten()[slot].long()
     # each slot's query is rotated to its own block position below, so a block's rows serve every

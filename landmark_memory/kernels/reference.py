@@ -130,7 +130,8 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
     p_loc = landmark_positions(Tk, block_size, q.device)
     own = p_loc[i]  # (Tq,)
 
-    heads = torch.arange(H, device=q.device)[None, :, None, None] // (H // pool_k.shape[1])  # pool head of each query head
+    heads = torch.arange(H, device=q.device)[None, :, None,
+                                             None] // (H // pool_k.shape[1])  # pool head of each query head
     rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
     # <R(p_q) q, R(P + t) k> = <R(-P) R(p_q) q, R(t) k>: rotate the query back by the block's
     # start instead of every gathered key forward (RoPE scores depend only on differences)

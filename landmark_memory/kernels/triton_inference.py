@@ -114,7 +114,8 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
     ps = lse if pool_scale is None else pool_scale.contiguous()  # lse: a placeholder the kernel never reads
     _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, ps, block_table.to(torch.int32).contiguous(), cos, sin, o_loc,
                                    lse, lse if s_cmt is None else s_cmt, out, Tq, H, H // pool_k.shape[1], n_slots,
-                                   pool_k.stride(0), pool_v.stride(0), 0 if pool_scale is None else ps[0].numel(), scale,
+                                   pool_k.stride(0), pool_v.stride(0), 0 if pool_scale is None else ps[0].numel(),
+                                   scale,
                                    BS=block_size, LP=LP, HEAD_DIM=D, HAS_CMT=s_cmt is not None,
                                    QUANT=pool_scale is not None)
     return out

@@ -231,7 +231,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, CMT_STATS, CTRL, DK, DV, T, H, n_l
                                   BPT, BLOCK_M, HAS_CMT)
         dv += tl.dot(tl.trans(p).to(do.dtype), do)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-    tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=valid[:, None])
+    tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=valid[:, None])
     tl.store(DV + base + pos[:, None] * HEAD_DIM + d[None, :], dv.to(DV.dtype.element_ty), mask=valid[:, None])
 
 

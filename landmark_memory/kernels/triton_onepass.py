@@ -153,7 +153,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, scale, BS: tl.constexpr
     for start_m in range(after, T, BLOCK_M):
         dk, dv = _fold_grads(dk, dv, Q, DO, LSE, DELTA, k, v, base, bh, start_m, tile, T, scale, BS, LP, BPT, BLOCK_M,
                              HEAD_DIM, UPCAST, False)
-    tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=valid[:, None])
+    tl.store(DK + base + pos[:, None] * HEAD_DIM + d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=valid[:, None])
     tl.store(DV + base + pos[:, None] * HEAD_DIM + d[None, :], dv.to(DV.dtype.element_ty), mask=valid[:, None])
 
 

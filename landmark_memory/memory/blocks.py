@@ -14,26 +14,26 @@ operations, so one open memory answers any number of questions, each as a fresh 
 ``extend`` adds the blocks a writer committed since (``LandmarkMemory.refresh``).
 """
 
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 from ..core.rope import RotaryEmbedding
+from ..format.directory import damaged, disk_errors
+from ..format.manifest import LANDMARKS, TOKENS, MemoryFileError, RowLayout
+from ..format.options import MemoryOptions
+from ..format.shape import ModelShape
+from ..format.token_rows import TokenRows
 from ..index import LandmarkIndex, derived_from_rows
 from ..index.rows import KeyFileError
 from ..storage import STORE_KINDS, BlockStore, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
-from ..format.directory import damaged, disk_errors
 from .key_sums import KeySums
 from .landmark_keys import LandmarkKeys
-from ..format.manifest import LANDMARKS, TOKENS, MemoryFileError, RowLayout
-from ..format.shape import ModelShape
-from ..format.options import MemoryOptions
-from ..format.token_rows import TokenRows
 
 
 class BlockMemory:
@@ -91,7 +91,8 @@ class BlockMemory:
         # fetched (the functions hold no reference to self: a closed memory is freed at once,
         # not at the next cycle collection, which matters when many large memories come and go)
         self.pool_ready = pool_ready if self.store.quantized else None
-        self.cache = HotCache(self.store, device, dtype, cache_bytes, prepare=None if self.store.quantized else pool_ready)
+        prepare = None if self.store.quantized else pool_ready
+        self.cache = HotCache(self.store, device, dtype, cache_bytes, prepare=prepare)
 
     def _documents(self, shards: list[Shard], shard_path: Callable[[str], Path], store_path: Path) -> ShardedStore:
         o, shape = self.options, self.shape
@@ -163,7 +164,8 @@ class BlockMemory:
             H, D = k.shape[1], k.shape[-1]
             blocks = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D).transpose(2, 3)  # (B, 2, n_new, H, L, D)
             if self.pool_ready is not None:
-                blocks = self.pool_ready(blocks.transpose(1, 2).flatten(0, 1)).view(B, n_new, 2, H, L, D).transpose(1, 2)
+                ready = self.pool_ready(blocks.transpose(1, 2).flatten(0, 1))  # (B * n_new, 2, H, L, D)
+                blocks = ready.view(B, n_new, 2, H, L, D).transpose(1, 2)
             for b in range(B):
                 for c in range(n_new):
                     items[(b, layer, nb + c)] = blocks[b, :, c]
@@ -181,7 +183,8 @@ class BlockMemory:
             return k[:, :, :, self.shape.block_size]
         return self.rope(k, self.offsets.to(k.device)).float().mean(-2)
 
-    def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *, indexed: bool = True) -> None:
+    def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *,
+                   indexed: bool = True) -> None:
         """Add blocks whose keys and values the store holds already: per layer their landmark
         keys (B, H_kv, n, D), and their normal token ids (B, n * block_size); ``indexed=False``
         leaves the indexes to the caller."""
@@ -241,8 +244,8 @@ class BlockMemory:
                                 s and (s[0][b, g * group:(g + 1) * group].reshape(-1, k),
                                        s[1][b, g * group:(g + 1) * group].reshape(-1, k)))
                    for b in range(B) for g in range(H // group)]
-            return (np.stack([d for d, _ in out]).reshape(B, H, Tq, k), np.stack([i for _, i in out]).reshape(B, H, Tq, k),
-                    0)
+            D, I = (np.stack([x[j] for x in out]).reshape(B, H, Tq, k) for j in (0, 1))
+            return D, I, 0
         D = np.full((B, H, Tq, k), -np.inf, np.float32)
         I = np.full((B, H, Tq, k), -1, np.int64)
         skipped = int((~need.any(-1)).sum())  # layer-heads whose queries are all below the CMT cutoff
@@ -293,8 +296,8 @@ class BlockMemory:
         try:
             pool, scales, slots = self.cache.pool([(u // (nb + 1), layer, u % (nb + 1)) for u in uniq.tolist()])
         except StoreDamagedError as e:
-            raise MemoryFileError(f"{e} in the block store of {self.where}; the memory is damaged: restore it from a "
-                                  "backup or rebuild it (`landmark-memory info --verify` lists every damaged block)")
+            raise MemoryFileError(f"{e} in the block store of {self.where}; the memory is damaged: restore it "
+                                  "or rebuild it (`landmark-memory info --verify` lists each damaged block)") from e
         table[valid] = slots[inverse]
         return torch.from_numpy(table).to(self.device), pool[:, 0], pool[:, 1], scales
 

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from ..core.layout import insert_landmarks, landmark_mask
 from ..core.rope import rotation_dtype
+from ..format.shape import ModelShape
 from ..kernels import block_attention_inference, cmt_share, landmark_attention_inference, sliding_window_attention
 from .blocks import BlockMemory
 from .lookup import BlockLookup
 from .retrieval import chunk_base
-from ..format.shape import ModelShape
 
 
 @dataclass

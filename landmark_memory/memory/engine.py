@@ -24,22 +24,21 @@ import torch.nn.functional as F
 
 from ..core.layout import IGNORE_INDEX
 from ..core.names import DISK_STORES, MAX_STREAMS
+from ..format.directory import MemoryDir
+from ..format.documents import DocumentList
+from ..format.manifest import InputRecord, Manifest, ModelRecord
+from ..format.options import QUERY_OPTIONS, MemoryOptions
+from ..format.shape import ModelShape
 from ..kernels import BACKENDS
 from ..models.fingerprint import model_fingerprint
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
 from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
-from ..format.directory import MemoryDir
-from ..format.documents import DocumentList
 from .generating import generate
 from .lookup import BlockLookup
-from ..format.manifest import InputRecord, Manifest, ModelRecord
-from ..format.options import QUERY_OPTIONS, MemoryOptions
 from .outputs import MemoryOutput, RetrievalStats
 from .saved import Opened, SavedFiles, open_folder, saved_chunk
-from ..format.shape import ModelShape
-
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
 
@@ -151,7 +150,7 @@ class LandmarkMemory:
         if targets is not None and (targets.shape != idx.shape or targets.dtype not in (torch.int32, torch.int64)
                                     or logits != "all"):
             raise ValueError(f"targets ({targets.dtype} {tuple(targets.shape)}) must be integer ids of idx's shape "
-                             f"{tuple(idx.shape)}, and a loss needs every token's logits (logits='all', got {logits!r})")
+                             f"{tuple(idx.shape)}, and a loss needs every token's logits: logits='all', not {logits!r}")
         if self.streams is None:
             if idx.shape[0] > MAX_STREAMS:
                 raise ValueError(f"a memory holds at most {MAX_STREAMS:,} streams; idx has batch size {idx.shape[0]:,}")
@@ -172,7 +171,8 @@ class LandmarkMemory:
             out, chosen = out[0], chosen[0] if retrieved else []
         else:
             out = torch.cat(out, 1) if out else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
-            chosen = [torch.cat([r[layer] for r in chosen], 2) if chosen else idx.new_full((idx.shape[0], H, 0, top_k), -1)
+            chosen = [torch.cat([r[layer] for r in chosen], 2) if chosen
+                      else idx.new_full((idx.shape[0], H, 0, top_k), -1)
                       for layer in range(self.shape.n_layer)] if retrieved else []
         loss = None
         if targets is not None:

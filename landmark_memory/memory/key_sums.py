@@ -70,7 +70,8 @@ class KeySums:
 
     def state(self, n: int, rows: Rows) -> dict[str, np.ndarray]:
         """``S(n)`` of every layer as a commit's state file keeps it: ``landmark_sum.<layer>``."""
-        return {} if not n else {f"{PREFIX}{layer}": self._prefix(layer, n, "end", rows) for layer in range(self.n_layer)}
+        return {} if not n else {f"{PREFIX}{layer}": self._prefix(layer, n, "end", rows)
+                                 for layer in range(self.n_layer)}
 
     def load(self, n: int, state: dict, shape: tuple[int, int, int]) -> None:
         """Start from a commit's sums of its ``n`` blocks, where its state file has them (a

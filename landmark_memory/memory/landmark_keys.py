@@ -6,18 +6,18 @@ beside them). ``BlockMemory`` holds one, with the store and the blocks' token id
 syncs it (``sync``) and keeps an index that the rows do not rebuild in its state file (``state``).
 """
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
-from ..index import KINDS, IndexFile, LandmarkIndex, derived_from_rows, index_from_bytes, new_index
-from ..index.rows import KeyRows
 from ..format.directory import damaged, disk_errors
 from ..format.manifest import KEYS, key_file
 from ..format.options import MemoryOptions
 from ..format.shape import ModelShape
+from ..index import KINDS, IndexFile, LandmarkIndex, derived_from_rows, index_from_bytes, new_index
+from ..index.rows import KeyRows
 
 
 class LandmarkKeys:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from ..core.rope import RotaryEmbedding
-from .blocks import BlockMemory
 from ..format.options import MemoryOptions
+from .blocks import BlockMemory
 from .outputs import RetrievalStats
 from .retrieval import block_positions, recent_slots, select_blocks, top_k_stingy, with_forced, with_pinned
 

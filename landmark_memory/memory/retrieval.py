@@ -54,10 +54,10 @@ def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int
 def block_positions(ids: torch.Tensor, nb: int, reads: int, L: int, mapping: str) -> torch.Tensor:
     """Where each chosen block's first row sits, int64 like ``ids`` (B, H, T_q, reads).
 
-    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``reads + 1``
-    block slots (``reads``: the blocks a query reads); the latest ``reads`` memory blocks sit
-    at their own slots (the newest at slot ``reads``), older chosen blocks fill slots from 0 in memory order, kept left of the first
-    recent one (several share slot 0 when there is no room).
+    ``"exact"``: its true position ``block * L``. ``"stingy"``: the prefix has ``reads + 1`` block slots (``reads``:
+    the blocks a query reads); the latest ``reads`` memory blocks sit at their own slots (the newest at slot
+    ``reads``), older chosen blocks fill slots from 0 in memory order, kept left of the first recent one (several
+    share slot 0 when there is no room).
     """
     if mapping == "exact":
         return ids.clamp(min=0) * L

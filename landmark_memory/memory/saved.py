@@ -17,12 +17,12 @@ import torch
 
 from ..core.fileio import FileWatch
 from ..core.names import DISK_STORES
-from ..models.fingerprint import model_fingerprint
-from .blocks import BlockMemory
-from .decoding import OpenChunk
 from ..format.directory import MemoryDir
 from ..format.manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
 from ..format.seals import seal, statuses, unchanged, vouched
+from ..models.fingerprint import model_fingerprint
+from .blocks import BlockMemory
+from .decoding import OpenChunk
 
 
 def wrong_model(path, saved: ModelRecord, given: str) -> str:

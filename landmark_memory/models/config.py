@@ -2,7 +2,7 @@
 
 from dataclasses import asdict, dataclass, fields
 
-from ..core.tokenizer import load_tokenizer, LANDMARK_TOKEN
+from ..core.tokenizer import LANDMARK_TOKEN, load_tokenizer
 from .infini import UPDATES
 
 ATTENTIONS = ("landmark", "full", "infini")

@@ -65,7 +65,8 @@ class CausalSelfAttention(nn.Module):
                                                self.cfg.infini_update))
         q, k = self.rope(q, positions), self.rope(k, positions)
         if self.cfg.attention == "landmark":
-            cmt_k, cmt_blocks = (None, None) if cmt is None else (cmt[0].expand(q.shape[0], -1, -1, -1).to(q.dtype), cmt[1])
+            cmt_k, cmt_blocks = (None, None) if cmt is None else (cmt[0].expand(q.shape[0], -1, -1, -1).to(q.dtype),
+                                                                  cmt[1])
             y = landmark_attention(q, k, v, self.cfg.block_size, cmt_k=cmt_k, cmt_blocks=cmt_blocks,
                                    backend=self.cfg.kernel_backend)
         else:
@@ -235,7 +236,8 @@ class LandmarkGPT(nn.Module):
         try:
             doc = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file} is not valid JSON ({e}); the save was damaged, save the model again") from None
+            raise ValueError(f"{cfg_file} is not valid JSON ({e}); the save was damaged, save the model "
+                             "again") from None
         if doc.get("format") != FORMAT:
             raise ValueError(f"{cfg_file} describes {doc.get('format')!r}, not a {FORMAT} model")
         if doc.get("format_version", 0) > FORMAT_VERSION:

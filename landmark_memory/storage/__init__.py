@@ -23,8 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.names import STORES
-from .base import (DTYPE_NAMES, DTYPES, SCALE_DTYPE, BlockStore, CorruptBlockError, DiskFullError, OverlayStore,
-                   StoreDamagedError, StoreWriteError, stored_nbytes)
+from .base import (
+    DTYPE_NAMES,
+    DTYPES,
+    SCALE_DTYPE,
+    BlockStore,
+    CorruptBlockError,
+    DiskFullError,
+    OverlayStore,
+    StoreDamagedError,
+    StoreWriteError,
+    stored_nbytes,
+)
 from .hot_cache import HotCache
 from .in_memory import MemoryStore
 from .lmdb_store import LmdbStore

@@ -146,7 +146,8 @@ class OverlayStore(BlockStore):
     def read_stored(self, keys):
         off = self.offset
         mine = [self.upper is not None and k[2] >= off for k in keys]
-        new = iter(self.upper.read_stored([(b, layer, i - off) for (b, layer, i), m in zip(keys, mine) if m]) if any(mine)
+        new = iter(self.upper.read_stored([(b, layer, i - off) for (b, layer, i), m in zip(keys, mine) if m])
+                   if any(mine)
                    else ())
         old = iter(self.base.read_stored([k for k, m in zip(keys, mine) if not m]))
         return [next(new) if m else next(old) for m in mine]

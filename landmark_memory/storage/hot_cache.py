@@ -2,7 +2,8 @@
 attention kernels read through a block table, like paged attention's block pool."""
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,7 +28,8 @@ class HotCache:
     preparation was done before they were stored. A request larger than the arena gets a
     one-off pool."""
 
-    def __init__(self, store: "BlockStore", device: torch.device | str, dtype: torch.dtype, budget_bytes: int = 256 << 20,
+    def __init__(self, store: "BlockStore", device: torch.device | str, dtype: torch.dtype,
+                 budget_bytes: int = 256 << 20,
                  prepare: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if store.quantized and prepare is not None:
             raise ValueError("an int8 store's blocks are held as stored: prepare them before they are stored")

@@ -59,7 +59,8 @@ class LmdbStore(BlockStore):
     to 16% to a record of some 25 KiB (SmolLM2's) and well under 1% to all layers at once;
     a read copies out only its layer's bytes."""
 
-    def __init__(self, shape, path, store_dtype="float16", map_size=1 << 28, readonly=False, checksums=False, sealed=False):
+    def __init__(self, shape, path, store_dtype="float16", map_size=1 << 28, readonly=False, checksums=False,
+                 sealed=False):
         super().__init__(shape, store_dtype, checksums)
         if not readonly:
             Path(path).mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ import bisect
 import resource
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .base import BlockStore, CorruptBlockError
 

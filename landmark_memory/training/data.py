@@ -146,7 +146,8 @@ class PasskeyMix:
     def __init__(self, tokenizer, rate, max_prompts=4, copy_rate=0.25):
         if not 0.0 <= rate <= 1.0 or not 0.0 <= copy_rate <= 1.0:
             raise ValueError(f"passkey and copy rates must be in [0, 1], got {rate} and {copy_rate}")
-        self.prompts, self.rate, self.max_prompts, self.copy_rate = PasskeyPrompts(tokenizer), rate, max_prompts, copy_rate
+        self.prompts, self.rate = PasskeyPrompts(tokenizer), rate
+        self.max_prompts, self.copy_rate = max_prompts, copy_rate
 
     def __call__(self, window, rng):
         """``window`` (T+1,) int64 numpy array, modified in place when this window is picked;

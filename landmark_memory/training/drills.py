@@ -340,7 +340,8 @@ class RetrievalDrills:
             # words plus 60 tokens (chat template or completion prompt); the quote's own question
             # and answer by twice the sentence plus 120
             room = n - len(intro) - sum(map(len, pieces)) - sum(len(self.ids(f.question + f.chat)) + 60 for f in asked)
-            spans = [(a, b) for a, b in sentence_spans(self.tok, window[:max(0, room)]) if b + 2 * (b - a) + 120 <= room]
+            spans = [(a, b) for a, b in sentence_spans(self.tok, window[:max(0, room)]) if b + 2 * (b - a)
+                     + 120 <= room]
             if spans:
                 quoted = rng.choice(spans)
                 asked.insert(rng.randint(0, len(asked)), quote_fact(self.tok, window, quoted, rng))

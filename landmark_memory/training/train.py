@@ -48,8 +48,8 @@ class TrainConfig:
     drill_rate: float = 0.0  # fraction of windows made retrieval drills in their own book text (drills.RetrievalDrills)
     drill_chat_share: float = 0.5  # share of the drills' questions asked as chat turns (models with a chat template)
     drill_quote_share: float = 0.0  # share of the drills that also ask to quote a sentence of their book text
-    answer_weight: float = 1.0  # training loss weight of the drills' answer tokens against 1 for the rest (validation: 1)
-    recall_weight: float = 0.0  # with --hf-model and --drill-rate: weight of the recall loss on the landmark scores of the drills' answers (recall.py)
+    answer_weight: float = 1.0  # loss weight of the drills' answer tokens against 1 for the rest (validation: 1)
+    recall_weight: float = 0.0  # with --drill-rate: weight of the recall loss on the drills' answers (recall.py)
     seq_len: int = 512  # normal tokens per window (landmarks come on top)
     # model
     attention: str = "landmark"  # landmark, full (the baseline) or infini (Infini-attention)
@@ -64,11 +64,11 @@ class TrainConfig:
     n_embd: int = 1024  # model width
     ffn_hidden: int = 4096  # hidden width of each MLP
     dropout: float = 0.0  # dropout probability in training
-    init_from: str = ""  # start from this saved model (with --hf-model: an earlier stage's adapter or model); "" = random init
-    hf_model: str = ""  # fine-tune this local Hugging Face Llama-family model (or "smollm2") with landmarks instead (paper 4.2)
+    init_from: str = ""  # start from this saved model (with --hf-model: an adapter); "" = random init
+    hf_model: str = ""  # fine-tune this Hugging Face model folder (or "smollm2") with landmarks (paper 4.2)
     lora_rank: int = 0  # with --hf-model: train LoRA adapters of this rank and the landmark embedding; 0 = all weights
     lora_alpha: int = 0  # LoRA scale numerator; 0 = twice the rank
-    grad_checkpoint: bool = False  # with --hf-model: recompute each layer in the backward pass (long windows fit in memory)
+    grad_checkpoint: bool = False  # with --hf-model: recompute each layer in the backward pass (long windows fit)
     # optimisation (paper defaults)
     batch_size: int = 8  # per process, per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -156,7 +156,8 @@ class Trainer:
         self.val_batches = [val.batch() for _ in range(cfg.eval_iters)]
 
         if cfg.hf_model:
-            what = f"LoRA adapters of rank {cfg.lora_rank} and the landmark embedding" if cfg.lora_rank else "all weights"
+            what = (f"LoRA adapters of rank {cfg.lora_rank} and the landmark embedding" if cfg.lora_rank
+                    else "all weights")
             self.log(f"fine-tuning {cfg.hf_model} ({what}) with a landmark every {cfg.block_size} tokens"
                      + (f", starting from {cfg.init_from}" if cfg.init_from and not cfg.resume else ""))
         elif cfg.init_from:  # the saved model's architecture wins over the model flags
@@ -177,7 +178,8 @@ class Trainer:
         if self.ddp:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.ddp_model = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp_model = DistributedDataParallel(self.model, device_ids=ids)
 
     def log(self, msg):
         if self.master:
@@ -206,9 +208,11 @@ class Trainer:
             else:
                 train, val = split_books(files, cfg.val_books or None)
         else:
-            train, val = list_text_files(SAMPLE_DIR / "train"), list_text_files(cfg.val_data.split(",") if cfg.val_data else SAMPLE_DIR / "val")
+            train = list_text_files(SAMPLE_DIR / "train")
+            val = list_text_files(cfg.val_data.split(",") if cfg.val_data else SAMPLE_DIR / "val")
         if set(train) & set(val):
-            raise ValueError(f"validation books also appear in training: {sorted(f.name for f in set(train) & set(val))}")
+            both = sorted(f.name for f in set(train) & set(val))
+            raise ValueError(f"validation books also appear in training: {both}")
         t, v = tokenize_books(train, self.tok, eos), tokenize_books(val, self.tok, eos)
         self.log(f"data: training on {len(t):,} tokens of {len(train)} book file(s), validating on {len(v):,} tokens "
                  f"of {len(val)}: {', '.join(f.name for f in val)}")
@@ -305,7 +309,8 @@ class Trainer:
             rec["val_recall"] = round(recall, 4)
         with open(self.out / LOG_NAME, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        self.log(f"step {self.step}: val loss {val:.4f}" + (f", recall loss {recall:.4f}" if recall is not None else ""))
+        recall_loss = "" if recall is None else f", recall loss {recall:.4f}"
+        self.log(f"step {self.step}: val loss {val:.4f}{recall_loss}")
         return val
 
     def run(self):
@@ -323,9 +328,11 @@ class Trainer:
         for _ in bar:
             loss = self.train_step()
             if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss} at step {self.step}; lower --lr or check the data")
+                raise FloatingPointError(f"training loss became {loss} at step {self.step}; lower --lr or check the "
+                                         f"data")
             now = time.time()
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr_at(self.step, cfg):.2e}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr_at(self.step, cfg):.2e}",
+                            tok_s=f"{tokens_per_step / (now - tick):,.0f}")
             tick = now
             if self.step % cfg.eval_interval == 0 or self.step == cfg.max_iters:
                 self._eval_and_save(t0)

@@ -20,14 +20,14 @@ import torch
 
 from ..core.names import MAX_TURN_CHARS
 from ..core.tokenizer import encode_prompt
+from ..format.manifest import MemoryFileError
+from ..format.session_files import ROLES, Turn
+from ..memory.engine import LandmarkMemory
 from ..models.config import AskPolicy
 from ..models.reader import QuestionReader, head_attention, standardised
-from ..memory.engine import LandmarkMemory
 from .evidence import Quote
 from .evidence import point as point_heads
-from ..format.manifest import MemoryFileError
 from .session import Session
-from ..format.session_files import ROLES, Turn
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..memory.engine import LandmarkMemory
 from ..models.heads import EvidenceHeads, question_prompt
 from .answer import question_tokens, search_states
-from ..memory.engine import LandmarkMemory
 from .evidence import prompt_weights, token_attention
 
 COUNTS = (2, 4, 8, 16, 32)  # heads pooled: the count is chosen by development recall@5

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..index import KINDS
-from ..storage import BlockStore, MemoryStore
-from ..storage.sharded import Shard
 from ..format.directory import MANIFEST, MemoryDir
-from ..memory.engine import LandmarkMemory
 from ..format.documents import DocumentList
 from ..format.manifest import DOCUMENT_FOLDER, KEYS, LANDMARKS, TOKENS, InputRecord, Manifest, MemoryFileError, key_file
 from ..format.seals import SEALS
+from ..index import KINDS
+from ..memory.engine import LandmarkMemory
+from ..storage import BlockStore, MemoryStore
+from ..storage.sharded import Shard
 
 PACK_BYTES = 64 << 20  # a document whose blocks take at most this much goes into the corpus's own store
 

@@ -25,6 +25,7 @@ import torch
 from ..models.heads import EvidenceHeads
 from ..models.reader import head_attention
 
+
 @dataclass(frozen=True)
 class Quote:
     """The sentence a question's heads attend to most inside the passages read: its ``text``, the

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..memory.engine import LandmarkMemory
 from ..models.hf.convert import MemoryBackedCache
 from ..models.kinds import is_converted
-from ..memory.engine import LandmarkMemory
 
 
 class LandmarkMemoryCache(MemoryBackedCache):

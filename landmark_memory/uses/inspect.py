@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from ..core.names import NPROBE
-from ..index import KINDS, derived_from_rows, index_from_bytes
-from ..storage import StoreDamagedError, open_store
-from .corpus import document_states
 from ..format.directory import MemoryDir
 from ..format.errors import NoMemoryError
 from ..format.manifest import TOKENS, Manifest, MemoryFileError
 from ..format.session_files import committed_starts, committed_turns, list_sessions, sessions_folder
+from ..index import KINDS, derived_from_rows, index_from_bytes
+from ..storage import StoreDamagedError, open_store
+from .corpus import document_states
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
@@ -218,7 +218,8 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport, rows_sound: boo
                     report.problems.append(f"{name} holds {n} landmark keys, the manifest names {m.blocks} blocks")
     for name, s in m.pending_shapes().items():
         if name not in state or tuple(state[name].shape) != s:
-            report.problems.append(f"the state file {m.state.name if m.state else '(none)'} lacks or misshapes {name} (want {s})")
+            report.problems.append(f"the state file {m.state.name if m.state else '(none)'} lacks or misshapes {name} "
+                                   f"(want {s})")
     for name in m.window_entries(state)[1]:
         report.problems.append(f"the state file {m.state.name} holds {name}, which is no sliding-window layer's window "
                                "of this model's shape")

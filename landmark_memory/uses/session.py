@@ -30,15 +30,27 @@ from pathlib import Path
 
 import numpy as np
 
-from ..memory.blocks import BlockMemory
 from ..format.directory import MANIFEST, MemoryDir
-from ..memory.engine import LandmarkMemory
 from ..format.errors import WriterBusyError
 from ..format.manifest import TOKENS, BaseRecord, Manifest, SessionRecord
+from ..format.session_files import (
+    STARTS,
+    TURNS,
+    SessionError,
+    Turn,
+    busy_error,
+    check_record,
+    committed_starts,
+    committed_turns,
+    missing_error,
+    new_name,
+    session_path,
+    turn_bytes,
+)
+from ..memory.blocks import BlockMemory
 from ..memory.decoding import OpenChunk
+from ..memory.engine import LandmarkMemory
 from ..memory.saved import load_blocks, saved_chunk, write_commit
-from ..format.session_files import (STARTS, TURNS, SessionError, Turn, busy_error, check_record, committed_starts,
-                            committed_turns, missing_error, new_name, session_path, turn_bytes)
 
 
 def base_record(m: Manifest) -> BaseRecord:

@@ -15,7 +15,8 @@ class HFBackbone:
         self.model, self.config, self.family = model, cfg, family_of(model)
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
-        self.n_layer, self.n_head, self.n_kv_head = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.n_layer, self.n_head = cfg.num_hidden_layers, cfg.num_attention_heads
+        self.n_kv_head = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.block_size = getattr(cfg, "landmark_block_size", None)
         self.landmark_id = getattr(cfg, "landmark_token_id", None)

@@ -119,7 +119,8 @@ def convert(model: PreTrainedModel, tokenizer, block_size: int = 63, backend: st
     if landmark_id >= n_old:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         with torch.no_grad():
-            for emb in {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+            for emb in {id(m.weight): m.weight
+                        for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
                 emb[n_old:] = emb[:n_old].mean(0)
     model.config.landmark_block_size, model.config.landmark_token_id = block_size, landmark_id
     model.config.landmark_backend = backend
@@ -163,7 +164,8 @@ def from_pretrained(path: str | Path, **kwargs) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION, **kwargs)
     if not is_converted(model):
         raise ValueError(f"{path} holds a plain {type(model).__name__}, not a landmark model: "
-                         "convert it with landmark_memory.models.hf.convert and fine-tune it (experiments/finetune_hf.py)")
+                         "convert it with landmark_memory.models.hf.convert and fine-tune it "
+                         "(experiments/finetune_hf.py)")
     return _activate(model)
 
 

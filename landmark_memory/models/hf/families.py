@@ -102,7 +102,8 @@ def family_of(model) -> Family:
     for layer_type, rope in rope_parameters(cfg).items():
         where = f" ({layer_type} layers)" if layer_type else ""
         if rope.get("rope_type", "default") not in STATIC_ROPE:
-            raise ValueError(f"{name} uses RoPE type {rope.get('rope_type')!r}{where}, whose frequencies change with the "
+            raise ValueError(f"{name} uses RoPE type {rope.get('rope_type')!r}{where}, whose frequencies change with "
+                             "the "
                              f"input's length; a memory reads RoPE types {', '.join(STATIC_ROPE)} (rope_type 'default' "
                              "is plain)")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
