@@ -111,13 +111,12 @@ def documents(counts: list[int], n_tokens: int, work: Path) -> list[dict]:
         open_s = time.perf_counter() - t0
         mem.generate(prompt, 16)
         asked = time.perf_counter() - t0
-        shards = mem.cache.store.base  # the reader's overlay over the documents' stores
-        opened, opening = shards.opens, shards.open_seconds
+        opened, opening = mem.inspection.stores_opened()
         for _ in range(4):  # warm: the decoding step as a conversation goes on
-            mem.step(torch.tensor([5]))
+            mem.inspection.step(torch.tensor([5]))
         t0 = time.perf_counter()
         for _ in range(steps):
-            mem.step(torch.tensor([5]))
+            mem.inspection.step(torch.tensor([5]))
         step_ms = 1000 * (time.perf_counter() - t0) / steps
         row = {"blocks": mem.n_blocks, "open_s": open_s, "ask_s": asked, "step_ms": step_ms,
                "searches": mem.retrieval_stats.searches, "stores": opened, "stores_s": opening}

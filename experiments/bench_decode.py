@@ -153,15 +153,15 @@ def main(argv=None):
             for a in range(fed, n, mem.options.chunk_size):  # a chunk at a time: the retrieved ids stay small
                 mem.forward(ids[:, a:min(n, a + mem.options.chunk_size)], logits="none")
             rate = (n - fed) / (time.perf_counter() - t0)
-            mem.step(ids[:, n])  # untimed: a process's first step loads compiled code
+            mem.inspection.step(ids[:, n])  # untimed: a process's first step loads compiled code
             fed = n + 1
             t0 = time.perf_counter()
             for i in range(args.steps):
-                mem.step(ids[:, fed + i])
+                mem.inspection.step(ids[:, fed + i])
             ms = (time.perf_counter() - t0) * 1e3 / args.steps
             fed += args.steps
-            usage = mem.memory_usage()
-            fast, store = usage["fast"], usage["store"]
+            usage = mem.inspection.usage()
+            fast, store = usage.fast, usage.store
             print(f"| {n} | {method} | {ms:.2f} | {full[n][0] / ms:.2f}x | {fast / MiB:.1f} | "
                   f"{store / MiB:.1f} | {rate:,.0f} |", flush=True)
         mem.close()

@@ -165,7 +165,7 @@ def main(argv=None):
     # warm up as the forward was: a process's first chunk and decoding step load compiled code
     warm, k = LandmarkMemory(model, **options), min(2 * args.piece, ids.shape[1] - 1)
     warm.forward(ids[:, :k], logits="none")
-    warm.step(ids[:, k])
+    warm.inspection.step(ids[:, k])
     warm.close()
     for i, (kind, store, dtype) in enumerate(rows):
         profile = Profile(type(backbone_for(model))) if args.profile and i == 0 else None

@@ -91,8 +91,8 @@ def full_attention_turn(base, tok, session, question, n_new):
     from transformers import DynamicCache
 
     mem = session.mem
-    ids = mem.tokens(0, mem.base_blocks).tolist() + (mem.pending_ids[0].tolist() if mem.pending_ids is not None
-                                                     else [])
+    pending = mem.open_chunk().ids
+    ids = mem.tokens(0, mem.base_blocks).tolist() + ([] if pending is None else pending[0].tolist())
     prompt = ids + tok.encode(tok.chat_text([{"role": "user", "content": question}], first=False, answer=True)).ids
     if len(prompt) + n_new > base.config.max_position_embeddings:
         return None, len(prompt)

@@ -48,10 +48,10 @@ def build(model, ids, dtype, folder):
 
 def decode_ms(mem, ids, steps):
     """ms per decoding step over ``steps`` tokens of ``ids`` (after one untimed step)."""
-    mem.step(ids[:, 0])
+    mem.inspection.step(ids[:, 0])
     t0 = time.perf_counter()
     for i in range(steps):
-        mem.step(ids[:, 1 + i])
+        mem.inspection.step(ids[:, 1 + i])
     return (time.perf_counter() - t0) * 1e3 / steps
 
 

@@ -65,9 +65,11 @@ def block_keys(m, states):
     n, L, out = m.n_blocks, m.shape.block_size, []
     offsets = torch.arange(L)
     for layer, (q, _, _, _) in enumerate(states):
-        raw = torch.stack([k for k, _ in m.stored([(0, layer, b) for b in range(n)])]).float()  # (n, H_kv, L, D)
-        rot = m.rope(raw, offsets)
-        got = received(q[:, :n * L], raw.permute(1, 0, 2, 3).reshape(raw.shape[1], n * L, -1), m.rope, m.group)
+        stored = m.inspection.stored([(0, layer, b) for b in range(n)])
+        raw = torch.stack([k for k, _ in stored]).float()  # (n, H_kv, L, D)
+        rot = m.backbone.rope(raw, offsets)
+        G = m.backbone.n_head // m.shape.n_kv_head
+        got = received(q[:, :n * L], raw.permute(1, 0, 2, 3).reshape(raw.shape[1], n * L, -1), m.backbone.rope, G)
         top = got.view(-1, n, L).permute(1, 0, 2).topk(R, -1).indices  # (n, H_kv, R)
         rep = rot.gather(2, top[..., None].expand(-1, -1, -1, rot.shape[-1])).mean(2)
         out.append((rot, rot.mean(2), rep, rot.amin(2), rot.amax(2)))
@@ -77,12 +79,12 @@ def block_keys(m, states):
 def rows_of(model, tok, folder, n_blocks, facts, keys, bs):
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True) as m:
-        G, scale = m.group, m.shape.head_dim ** -0.5
+        G, scale = m.backbone.n_head // m.shape.n_kv_head, m.shape.head_dim ** -0.5
         for _, question, _, (a, b) in facts:
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
-            with m.choosing(qs.wrap):
+            with m.inspection.choosing(qs.wrap):
                 ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
             hits, counts = {}, {}
             for layer, q in enumerate(qs.layers):

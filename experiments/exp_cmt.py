@@ -33,7 +33,7 @@ def decode_ms(model, ids, context, steps, **memory):
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        logits = mem.step(logits.argmax(-1))
+        logits = mem.inspection.step(logits.argmax(-1))
         times.append(time.perf_counter() - t0)
     stats = RetrievalStats(*(getattr(mem.retrieval_stats, f.name) - getattr(start, f.name)
                              for f in dataclasses.fields(start)))

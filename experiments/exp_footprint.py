@@ -36,9 +36,9 @@ def main(argv=None):
         kv = 2 * cfg.n_layer * cfg.n_embd * 4 * n  # float32 keys and values of every layer
         mem = LandmarkMemory(landmark, chunk_size=250, top_k=4, cache_bytes=32 << 20)
         mem.forward(x, logits="none")
-        use = mem.memory_usage()
+        use = mem.inspection.usage()
         mem.close()
-        row = {"context": n, "full": kv, "landmark_fast": use["fast"], "landmark_total": use["fast"] + use["store"]}
+        row = {"context": n, "full": kv, "landmark_fast": use.fast, "landmark_total": use.fast + use.store}
         if infini is not None:
             state = InfiniState()
             infini(x, state=state)

@@ -49,7 +49,7 @@ def memory_run(model, tok, lengths, trials, seed, progress):
         for _ in range(8):
             nxt = logits.argmax(-1)
             new.append(int(nxt))
-            logits = mem.step(nxt)
+            logits = mem.inspection.step(nxt)
         mem.close()
         return tok.decode(new)
 

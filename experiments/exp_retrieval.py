@@ -172,7 +172,7 @@ def part_questions(args, state, model, tok, books):
 
 class Queries:
     """Per layer, the rotated query (H, D) at the last position of each block choice made inside
-    ``mem.choosing(queries.wrap)`` (what ``Lookups`` counts the choices of), and every query of
+    ``mem.inspection.choosing(queries.wrap)`` (what ``Lookups`` counts the choices of), and every query of
     the first, the prompt (H, T, D)."""
 
     def __init__(self, mem):
@@ -198,7 +198,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
     question's own tokens ("question" scores: a question pooled to choose the answer's blocks)."""
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True) as m:
-        G, scale, every = m.group, m.shape.head_dim ** -0.5, torch.arange(n_blocks)
+        G, scale, every = m.backbone.n_head // m.shape.n_kv_head, m.shape.head_dim ** -0.5, torch.arange(n_blocks)
         keys = []
         for layer in range(m.shape.n_layer):  # (n_blocks, H, L, D) keys rotated by their offset in the block
             keys.append(m.keys(layer, every, rows=True).repeat_interleave(G, 1))
@@ -206,7 +206,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
-            with m.choosing(qs.wrap):
+            with m.inspection.choosing(qs.wrap):
                 got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
             prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
             at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)  # the question's tokens

@@ -253,14 +253,14 @@ def test_queries_below_the_cutoff_retrieve_nothing_and_others_still_retrieve():
 def test_a_step_whose_queries_are_all_below_the_cutoff_searches_no_index():
     model = cmt_model()
     mem, out = feed(model, 1.0)  # every share is below 1
-    ixs = mem.indexes()
+    ixs = mem.inspection.indexes()
     assert sum(ix.searches for ix in ixs) == 0 and mem.retrieval_stats.searches == 0
     assert mem.retrieval_stats.skipped_searches > 0
     assert mem.retrieval_stats.skipped_queries == mem.retrieval_stats.queries
     assert all((r < 0).all() for r in out.retrieved)
-    assert mem.cache.hits + mem.cache.misses == 0  # no block fetched
+    assert mem.inspection.cache().hits + mem.inspection.cache().misses == 0  # no block fetched
     ref, _ = feed(model, 0.0)
-    assert sum(ix.searches for ix in ref.indexes()) > 0
+    assert sum(ix.searches for ix in ref.inspection.indexes()) > 0
 
 
 def test_cmt_cutoff_needs_a_cmt_model_and_a_probability():

@@ -54,8 +54,8 @@ def files_of(path, model=None):
     out = {f.relative_to(path).as_posix(): f.read_bytes() for f in [path / "tokens.bin", *(path / "keys").iterdir()]}
     mem = LandmarkMemory.open(path, model or LandmarkGPT.from_pretrained(), readonly=True)
     keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(mem.n_blocks)]
-    out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.stored(keys))
-    out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.indexes())
+    out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.inspection.stored(keys))
+    out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.inspection.indexes())
     mem.close()
     return out
 
@@ -96,7 +96,7 @@ def test_one_index_per_layer_and_head_holds_every_documents_landmarks(model, doc
     for layer in range(mem.shape.n_layer):
         keys = mem.keys(layer, slice(None))  # (H_kv, n_blocks, D)
         for h in range(mem.shape.n_kv_head):
-            ix = mem.indexes()[layer * mem.shape.n_kv_head + h]
+            ix = mem.inspection.indexes()[layer * mem.shape.n_kv_head + h]
             assert ix.ntotal == mem.n_blocks == len(mem.tokens()) // 50
             np.testing.assert_array_equal(ix.rows.array(), keys[h].float().numpy())  # the flat index is the keys
             own = [np.fromfile(d / "keys" / f"s0_l{layer}_h{h}.f32", np.float32).reshape(-1, 32) for d in docs]

@@ -40,7 +40,7 @@ def raw_keys(mem, text):
 def loop_attention(mem, keys, got, w, heads, blocks):
     """(M, K, n, BS): a loop over heads, query heads, tokens and every stored token of ``blocks``;
     a query rotated to its search position and on by the key row, a key rotated by its offset."""
-    n, rope, G = len(blocks), mem.rope, mem.backbone.n_head // mem.shape.n_kv_head
+    n, rope, G = len(blocks), mem.backbone.rope, mem.backbone.n_head // mem.shape.n_kv_head
     out = torch.zeros(w.shape[0], len(heads), n, BS)
     for i, (layer, h) in enumerate(heads):
         q, _, cos, sin = got[layer]
@@ -242,7 +242,7 @@ def test_past_the_candidate_limit_the_heads_read_the_blocks_their_block_keys_ran
         for layer, h in heads:
             q, _, cos, sin = got[layer]
             for t in range(q.shape[1]):
-                qt = mem.rope.rotate((cos[t:t + 1], sin[t:t + 1]), q[h, t][None])[0]
+                qt = mem.backbone.rope.rotate((cos[t:t + 1], sin[t:t + 1]), q[h, t][None])[0]
                 a = torch.softmax(mem.keys(layer, torch.arange(12))[h] @ qt * mem.backbone.scale, 0)
                 want += (w[0, t] - w[1, t]) * a
         got_blocks = candidates(mem, got, w, heads, 4, 12)

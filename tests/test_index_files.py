@@ -71,7 +71,7 @@ def test_a_kind_that_keeps_files_is_committed_verified_and_followed_by_asking_th
             (path / "keys" / "s0_l0_h0.old").write_bytes(b"a file the kind no longer needs")
             mem.commit()
             assert reader.refresh() and reader.n_blocks == 10
-            ix = reader.indexes()[reader.shape.n_kv_head + 1]
+            ix = reader.inspection.indexes()[reader.shape.n_kv_head + 1]
             np.testing.assert_allclose(ix.norms.array()[:, 0], np.linalg.norm(ix.rows.array(), axis=1), rtol=1e-6)
     assert not (path / "keys" / "s0_l0_h0.old").exists()
     crcs = json.loads((path / "manifest.json").read_text())["files"]["rows_crc32"]

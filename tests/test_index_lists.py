@@ -78,7 +78,7 @@ def test_a_commit_appends_to_the_lists_and_a_new_level_replaces_the_old_one(mode
         feed(mem, 20, 1)  # trained at 16 blocks, in 2 lists
         mem.commit()
         first = key_files(path)  # (a writer's files hold room to grow into: what counts is their start)
-        assert mem.indexes()[mem.shape.n_kv_head].lists.nlist == 2
+        assert mem.inspection.indexes()[mem.shape.n_kv_head].lists.nlist == 2
         feed(mem, 20, 2)
         mem.commit()
         second = key_files(path)
@@ -88,7 +88,7 @@ def test_a_commit_appends_to_the_lists_and_a_new_level_replaces_the_old_one(mode
         assert (path / "keys" / "s0_l1_h0.ivf2.lists").exists() and (path / "keys" / lists).exists()
         (path / "keys" / "s0_l0_h1.ivf3.lists").write_bytes(b"left by a writer stopped after training")
         mem.commit()
-        writer = [ix.search(np.ones((3, 16), np.float32), 2) for ix in mem.indexes()]
+        writer = [ix.search(np.ones((3, 16), np.float32), 2) for ix in mem.inspection.indexes()]
     names = set(key_files(path))  # the level before stays for readers of the commit before; the scratch goes
     assert {lists, "s0_l1_h0.ivf2.lists"} <= names and "s0_l0_h1.ivf3.lists" not in names
     crcs = json.loads((path / "manifest.json").read_text())["files"]["rows_crc32"]
@@ -96,7 +96,7 @@ def test_a_commit_appends_to_the_lists_and_a_new_level_replaces_the_old_one(mode
     assert verify(path).ok
     assert describe(path)["index_search"] == "8 lists trained at 64 blocks (again at 256), 16 probed per query"
     with LandmarkMemory.open(path, model, readonly=True) as reader:  # the lists mapped as the writer left them
-        for (D, I), ix in zip(writer, reader.indexes()):
+        for (D, I), ix in zip(writer, reader.inspection.indexes()):
             D_r, I_r = ix.search(np.ones((3, 16), np.float32), 2)
             np.testing.assert_array_equal(I_r, I)
             np.testing.assert_array_equal(D_r, D)

@@ -90,8 +90,6 @@ ROOMY = {
     "landmark_memory.memory.blocks": (420, "BlockMemory's store (a corpus's, or a served corpus's shares), cache, "
                                            "token ids, a reader's later blocks and what its commits write and read "
                                            "of them are one state (the keys and indexes are landmark_keys.py's)"),
-    "landmark_memory.memory.engine": (450, "LandmarkMemory is the face users call: every public method, each a few "
-                                           "lines over its parts (blocks, lookup, decoder, files)"),
 }
 
 
@@ -189,3 +187,13 @@ def test_ci_runs_the_readmes_test_command_as_written():
     assert len(commands) == 2, commands
     assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
     assert "ruff check" in commands[1] and commands[1].endswith('pytest -m "not slow"')
+
+
+def test_no_module_outside_the_engine_imports_a_part():
+    """The engine's parts (blocks, lookup, decoder, saved files) are imported only inside ``memory/``:
+    the rest of the package reaches a memory through ``LandmarkMemory`` and its typed objects."""
+    parts = {f"landmark_memory.memory.{m}" for m in ("blocks", "lookup", "decoding", "saved", "landmark_keys")}
+    known = modules()
+    reaches = [f"{name} imports {t}" for name, path in known.items() if not name.startswith("landmark_memory.memory")
+               for t in imports(name, path, known) if t in parts or any(t.startswith(p + ".") for p in parts)]
+    assert not reaches, "\n".join(reaches)

@@ -41,7 +41,7 @@ def test_retrieve_all_equivalence_through_disk_stores(model, text, store, tmp_pa
     mem = retrieve_all(model, chunk_size=10, store=store, path=tmp_path, cache_bytes=0,  # every block from disk
                        store_dtype="float32")  # exact: a saved memory's default, int8, is not
     torch.testing.assert_close(mem.forward(text).logits, full, rtol=1e-5, atol=1e-5)
-    assert mem.cache.misses > 0 and mem.cache.hits == 0
+    assert mem.inspection.cache().misses > 0 and mem.inspection.cache().hits == 0
     mem.close()
 
 
@@ -55,7 +55,7 @@ def test_an_int8_store_reads_as_the_reference_reads_its_dequantized_blocks_close
         with retrieve_all(model, chunk_size=10, store="lmdb", path=tmp_path / backend, store_dtype="int8",
                           cache_bytes=cache_bytes, backend=backend) as mem:
             outs[backend] = mem.forward(text).logits
-            assert mem.cache.arena is None if cache_bytes == 0 else mem.cache.arena.dtype == torch.int8
+            assert mem.inspection.cache().arena_dtype == (None if cache_bytes == 0 else torch.int8)
     torch.testing.assert_close(outs["auto"], outs["reference"], rtol=1e-5, atol=1e-5)
     err = (outs["auto"] - full).abs().max() / full.abs().max()
     assert 0 < err < 0.02  # int8 blocks are not the float ones, but close
@@ -68,7 +68,7 @@ def test_pieces_and_decoding_equal_one_call(model, text, mapping, retrieval):
     whole = LandmarkMemory(model, **kw).forward(text)
     mem = LandmarkMemory(model, **kw)
     parts = [mem.forward(text[:, :13]).logits, mem.forward(text[:, 13:40]).logits]
-    parts += [mem.step(text[:, t])[:, None] for t in range(40, 73)]
+    parts += [mem.inspection.step(text[:, t])[:, None] for t in range(40, 73)]
     torch.testing.assert_close(torch.cat(parts, 1), whole.logits, rtol=1e-5, atol=1e-5)
 
 
@@ -78,7 +78,7 @@ def test_last_or_no_logits_read_the_same_memory_as_every_logit(model, text):
     full = every.forward(text[:, :47]).logits  # (B, 47, V): several chunks, the last one open
     torch.testing.assert_close(last.forward(text[:, :47], logits="last").logits, full[:, -1:], rtol=1e-6, atol=1e-6)
     assert none.forward(text[:, :47], logits="none").logits.shape == (2, 0, 64)
-    steps = [m.step(text[:, 47]) for m in (every, last, none)]  # the same memory underneath
+    steps = [m.inspection.step(text[:, 47]) for m in (every, last, none)]  # the same memory underneath
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=0)
     torch.testing.assert_close(steps[2], steps[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match="loss needs every token's logits"):
@@ -125,7 +125,7 @@ def test_a_decoding_steps_choice_per_head_is_its_one_querys_choice(model, text, 
     mem = LandmarkMemory(model, top_k=2, chunk_size=10, position_mapping=mapping)
     mem.forward(text[:, :40])
     calls = []
-    with mem.choosing(lambda choose: lambda *args: (calls.append(args), choose(*args))[1]):
+    with mem.inspection.choosing(lambda choose: lambda *args: (calls.append(args), choose(*args))[1]):
         for t in range(40, 55):  # one token a step (two where it closes a block: token and landmark)
             mem.forward(text[:, t:t + 1])
     single = [args for args in calls if args[1].shape[2] == 1]
@@ -133,7 +133,7 @@ def test_a_decoding_steps_choice_per_head_is_its_one_querys_choice(model, text, 
 
     def chosen(args, **changes):  # the memory's own choice for ``args`` under its options changed by ``changes``
         got = []
-        with mem.querying(**changes), mem.choosing(lambda choose: got.append(choose(*args)) or choose):
+        with mem.querying(**changes), mem.inspection.choosing(lambda choose: got.append(choose(*args)) or choose):
             return got[0]
 
     for args in single:
@@ -208,14 +208,14 @@ def test_bad_arguments_are_explained(model, text):
 
 def test_memory_usage_counts_fast_and_store_bytes(model, text):
     mem = LandmarkMemory(model, top_k=2, chunk_size=10)
-    empty = mem.memory_usage()
-    assert empty == {"fast": 0, "store": 0}
+    empty = mem.inspection.usage()
+    assert (empty.fast, empty.store) == (0, 0)
     mem.forward(text[:, :25])  # 2 chunks in memory (4 blocks per stream), 5 tokens pending
     assert (mem.n_tokens, mem.n_blocks, mem.pending_count) == (25, 4, 5)
-    usage = mem.memory_usage()
+    usage = mem.inspection.usage()
     cfg = model.config
-    assert usage["store"] == 2 * 4 * cfg.n_layer * 2 * cfg.n_head * 6 * cfg.head_dim * 4  # streams, blocks, layers, k/v
-    assert usage["fast"] > 2 * 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * 4  # at least the landmark keys
+    assert usage.store == 2 * 4 * cfg.n_layer * 2 * cfg.n_head * 6 * cfg.head_dim * 4  # streams, blocks, layers, k/v
+    assert usage.fast > 2 * 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * 4  # at least the landmark keys
 
 
 def test_perplexity_through_memory_is_the_same_fed_in_pieces(model, text, monkeypatch):

@@ -156,7 +156,7 @@ def test_a_manifest_whose_blocks_are_in_no_disk_store_is_refused_as_damaged(stor
 
 @pytest.mark.parametrize("name,fingerprint", [("\r", "ab" * 32), ("tiny\nmodel", "ab" * 32), ("", "a\rb" * 16)])
 def test_a_wrong_models_name_from_a_hostile_manifest_is_one_line(name, fingerprint):
-    from landmark_memory.memory.saved import wrong_model
+    from landmark_memory.format.errors import wrong_model
 
     saved = ModelRecord(fingerprint, {}, ModelShape(n_layer=2, n_kv_head=3, head_dim=4, block_size=5), "float32", name)
     line = wrong_model("/m", saved, "bundled")

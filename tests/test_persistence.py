@@ -47,13 +47,13 @@ def test_save_reopen_continue_equals_never_stopping(model, text, tmp_path, store
     assert mem.n_tokens == cut and mem.pending_count == cut % 10
     rest = mem.forward(text[:, cut:]).logits
     torch.testing.assert_close(torch.cat([first, rest], 1), expected, rtol=0, atol=0)
-    assert len(mem.indexes()) == model.config.n_layer * model.config.n_head
-    for a, b in zip(mem.indexes(), whole.indexes()):  # same index contents, same store
+    assert len(mem.inspection.indexes()) == model.config.n_layer * model.config.n_head
+    for a, b in zip(mem.inspection.indexes(), whole.inspection.indexes()):  # same index contents, same store
         assert a.ntotal == b.ntotal
         xq = np.random.default_rng(0).standard_normal((7, model.config.head_dim)).astype(np.float32)
         np.testing.assert_array_equal(a.search(xq, 3)[1], b.search(xq, 3)[1])
     keys = [(0, layer, blk) for layer in range(2) for blk in range(mem.n_blocks)]
-    for x, y in zip(mem.stored(keys), whole.stored(keys)):
+    for x, y in zip(mem.inspection.stored(keys), whole.inspection.stored(keys)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     np.testing.assert_array_equal(mem.tokens(), text[0, :mem.n_blocks * 5].numpy())
     mem.close()

@@ -47,7 +47,7 @@ def recorded(mem, prompt):
 
     mem.backbone.qkv = rec_qkv
     try:
-        with mem.choosing(wrap):
+        with mem.inspection.choosing(wrap):
             mem.forward(torch.tensor([prompt]), logits="none")
     finally:
         del mem.backbone.qkv
@@ -72,7 +72,7 @@ def loop_scores(mem, reader, states, n, own, calibration):
                 x = h[t] / h[t].pow(2).mean().add(1e-6).sqrt()
                 for corrected in (True, False):
                     qt = q[head, t] + (B @ (A @ x)).view(c.n_head, c.head_dim)[head] if corrected else q[head, t]
-                    qt = mem.rope.rotate((cos[t:t + 1], sin[t:t + 1]), qt[None])[0]
+                    qt = mem.backbone.rope.rotate((cos[t:t + 1], sin[t:t + 1]), qt[None])[0]
                     a = torch.softmax(torch.stack([qt @ keys[head, b] for b in range(n)]) * mem.backbone.scale, 0)
                     if t in own and corrected:
                         mine += a / len(own)

@@ -15,7 +15,7 @@ def text():
 
 
 def reads(mem):
-    """Every (layer, step) choice of the memory inside ``mem.choosing(wrap)``: the ids (B, H, Tq,
+    """Every (layer, step) choice of the memory inside ``mem.inspection.choosing(wrap)``: the ids (B, H, Tq,
     reads') each query reads and how many of their first columns it chose (those before the
     reads - top_k forced); returns (that list, wrap)."""
     got, forced = [], mem.options.reads - mem.options.top_k
@@ -58,7 +58,7 @@ def test_sink_and_local_blocks_are_read_by_every_query_and_never_chosen(model, t
     mem = LandmarkMemory(model, top_k=2, sink_blocks=1, local_blocks=2, chunk_size=10, position_mapping=mapping,
                          retrieval=retrieval)
     tables, wrap = reads(mem)
-    with mem.choosing(wrap):
+    with mem.inspection.choosing(wrap):
         out = mem.forward(text)
     for ids, k in tables:
         nb = int(ids.max()) + 1 if (ids >= 0).any() else 0
@@ -127,7 +127,7 @@ def test_pinned_blocks_are_read_first_by_every_query_and_the_rest_chosen_among_t
     mem = LandmarkMemory(model, top_k=3, sink_blocks=1, chunk_size=10, position_mapping=mapping, retrieval=retrieval)
     mem.forward(text[:, :60])  # 12 blocks in memory
     tables, wrap = reads(mem)
-    with mem.reading([7, 2]), mem.choosing(wrap):
+    with mem.reading([7, 2]), mem.inspection.choosing(wrap):
         out = mem.forward(text[:, 60:])
     for ids, k in tables:
         assert k == 3 and (ids[..., :2] == torch.tensor([7, 2])).all() and (ids[..., 3] == 0).all()
@@ -135,7 +135,7 @@ def test_pinned_blocks_are_read_first_by_every_query_and_the_rest_chosen_among_t
     for ids in out.retrieved:  # a forward reports the pinned blocks among what its queries read
         assert (ids[..., :2] == torch.tensor([7, 2])).all()
     tables.clear()
-    with mem.choosing(wrap):
+    with mem.inspection.choosing(wrap):
         mem.forward(text[:, :5])  # outside the reading block: the queries choose freely again
     assert any(not (ids[..., :2] == torch.tensor([7, 2])).all() for ids, _ in tables)
 
@@ -162,11 +162,11 @@ def test_centred_choice_is_the_top_k_of_scores_against_keys_less_their_mean(mode
             return ids, pos
         return recording
 
-    with mem.choosing(wrap):
+    with mem.inspection.choosing(wrap):
         mem.forward(text[:, :60])
         mem.forward(text[:, 60:])  # the last chunk: 12 blocks in memory, 9 of them searched at slot 0
     layer, q, qr, at_search, ids, nb = calls[-1]
-    L, W, rope = mem.shape.rows, 3, mem.rope
+    L, W, rope = mem.shape.rows, 3, mem.backbone.rope
     keys = torch.stack([mem.keys(layer, slice(0, nb), stream=b) for b in range(mem.streams)])  # (B, H, nb, D)
     keys = keys - keys.mean(2, keepdim=True)
     blocks = torch.arange(nb)

@@ -157,10 +157,10 @@ def test_a_query_scores_a_block_by_the_mean_of_its_scores_against_the_blocks_tok
     model, tok = tiny(tokenizer_object, landmarks=False)
     mem = LandmarkMemory(model, block_size=7, chunk_size=14)
     mem(ids_of(tok, text, 28))
-    layer, block, rope = 1, 2, mem.rope
+    layer, block, rope = 1, 2, mem.backbone.rope
     assert mem.n_blocks == 4 and mem.pending_count == 0  # every token is in memory
     key = mem.keys(layer, torch.tensor([block]))[:, 0].double()  # (H_kv, D), not rotated
-    (stored,) = mem.stored([(0, layer, block)])  # (2, H_kv, L, D): a float store keeps keys without RoPE
+    (stored,) = mem.inspection.stored([(0, layer, block)])  # (2, H_kv, L, D): a float store keeps keys without RoPE
     q, at = torch.randn(2, 16, dtype=torch.float64), 40  # a query per key/value head, at position 40
     qr = rope(q[:, None], torch.tensor([at]))[:, 0]
     tokens = rope(stored[0].double(), block * 7 + torch.arange(7))  # (H_kv, 7, D) rotated where they sit

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..core.names import NAMED_MODELS
 from ..core.printing import printable
 from ..format import MemoryDir
+from ..format.errors import wrong_model
 from ..format.options import MemoryOptions
 from ..format.session_files import delete_session, list_sessions
 from ..index import KINDS
@@ -20,7 +21,6 @@ from ..jobs.build import build, encode, read_inputs
 from ..jobs.distributed import RayReader, WorkerError
 from ..jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from ..memory import LandmarkMemory
-from ..memory.saved import wrong_model
 from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
 from ..models.model import BUNDLED_MODEL
 from ..uses.answer import ask

@@ -46,12 +46,12 @@ class _Share:
         B, H, Tq, _ = xq.shape
         if lo >= hi:
             return np.full((B, H, Tq, k), -np.inf, np.float32), np.full((B, H, Tq, k), -1, np.int64)
-        D, I, _ = self.mem.search(layer, xq, need, k, lo, hi, group)
+        D, I, _ = self.mem.transfer.search(layer, xq, need, k, lo, hi, group)
         return D, I
 
     def read(self, keys: list[tuple[int, int, int]]):
         """The blocks ``keys`` of this share as stored (``LandmarkMemory.stored``)."""
-        return self.mem.stored(keys, raw=True)
+        return self.mem.transfer.raw_blocks(keys)
 
 
 class Shares:
@@ -135,7 +135,7 @@ class Shares:
         if mem.dir is None or mem.dir.path.resolve() != self.where or mem.manifest.commit != self.commit:
             raise MemoryFileError(f"the memory {mem.dir.path if mem.dir else 'given'} is not the corpus {self.where} "
                                   f"at the commit its shares opened ({self.commit}): restart the server")
-        mem.serve_from(self, lambda own: ShareStore(own, self))  # (its own store closed: the shares' to read)
+        mem.transfer.serve_from(self, lambda own: ShareStore(own, self))  # (its own store closed: the shares' to read)
         return mem
 
     def close(self) -> None:

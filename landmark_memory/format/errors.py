@@ -1,4 +1,5 @@
-"""The errors a memory's files raise (``manifest`` and the document list share them)."""
+"""The errors a memory's files raise (``manifest`` and the document list share them), and the
+line that names a memory's model against another."""
 
 
 class MemoryFileError(ValueError):
@@ -11,3 +12,17 @@ class WriterBusyError(MemoryFileError):
 
 class NoMemoryError(MemoryFileError):
     """No memory where one was named (its directory does not exist): nothing to call damaged."""
+
+
+def wrong_model(path, saved, given: str) -> str:
+    """One line: which model built the memory at ``path`` (``saved``, its manifest's
+    ``ModelRecord``), which was given, what to pass (the manifest's name and weights shown
+    escaped where they hold what a line cannot)."""
+    def shown(x):
+        return str(x) if str(x).isprintable() else repr(str(x))
+
+    name, weights = shown(saved.name), shown(saved.fingerprint[:12])
+    built = f"{name} (weights {weights})" if saved.name else f"weights {weights}"
+    mine = f"--model {given}" if given else "the model given"
+    fix = f"pass --model {name}" if saved.name else "open it with the model that built it"
+    return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"

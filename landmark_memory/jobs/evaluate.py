@@ -102,7 +102,7 @@ def perplexity(model: torch.nn.Module, ids, eval_length: int, *, memory: MemoryO
                 loss += out.loss * out.logits.shape[1] / x.shape[1]
                 if keep_retrieved:
                     got.append([r.cpu() for r in out.retrieved])
-            ixs = mem.indexes()
+            ixs = mem.inspection.indexes()
             searches += sum(ix.searches for ix in ixs)
             search_s += sum(ix.search_seconds for ix in ixs)
             stats += mem.retrieval_stats

@@ -105,7 +105,7 @@ def _read_in_memory(jobs: tuple[DocumentJob, ...], model: torch.nn.Module, stop:
 def _held(mem: LandmarkMemory, stream: int, entry: InputRecord) -> ReadDocument:
     """What the corpus merges of ``stream``, a document read in RAM (``entry`` its record)."""
     layers, n = mem.shape.n_layer, mem.n_blocks
-    stored = mem.stored([(stream, layer, b) for layer in range(layers) for b in range(n)], raw=True)
+    stored = mem.transfer.raw_blocks([(stream, layer, b) for layer in range(layers) for b in range(n)])
     # one tensor each, not a view per block (which would carry its whole chunk's storage to the driver)
     data = torch.stack([d for d, _ in stored])
     scales = None if stored[0][1] is None else torch.stack([s for _, s in stored])

@@ -12,8 +12,11 @@ part:
     saved.py      SavedFiles, a memory's folder and its commits; open_folder
     generating.py generate: a prompt, then token after token, over the engine's forward
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
+    attachment.py AttachedBlocks: a session's own blocks, read after a read-only memory's
+    transfer.py   BlockTransfer: a memory's blocks between processes (served shares, documents)
+    inspection.py MemoryInspection: what experiments and tests look at inside a memory
     engine.py     LandmarkMemory: its parts together and the one door to them: forward, commit,
-                  open, refresh, and what sessions, corpora and served shares ask of a memory
+                  open, refresh, and what sessions and corpora ask of a memory
 """
 
 from .engine import LandmarkMemory

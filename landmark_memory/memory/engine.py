@@ -5,16 +5,16 @@ parts"): ``_blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block 
 cache), ``_lookup`` (``BlockLookup``, lookup.py: which blocks each query reads, and the options),
 ``_decoder`` (``Decoder``, decoding.py: the open chunk and the step that reads tokens through the
 memory) and ``_files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds
-them together and is the one door to them: what users call (forward, generate, the options'
-contexts, commit, open, refresh, rewind, close) and what sessions, corpora, served shares and
-experiments ask of a memory (the methods under "the library's own").
+them together and is the one door to them: reading, querying, committing and opening, and what
+sessions and corpora ask of a memory (under "the library's own"); what goes between processes is
+``transfer`` (transfer.py), what experiments and tests look at ``inspection`` (inspection.py).
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start; a document's
 end, ``end_document``, closes its chunk early), and the tokens since the last boundary stay local:
 a text fed in one call, in pieces or a token at a time (decoding) gives the same result.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,12 +33,15 @@ from ..kernels import BACKENDS
 from ..models.fingerprint import model_fingerprint
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
+from .attachment import AttachedBlocks
 from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
 from .generating import generate
+from .inspection import MemoryInspection
 from .lookup import BlockLookup
 from .outputs import MemoryOutput, RetrievalStats
 from .saved import Opened, SavedFiles, open_folder, saved_chunk
+from .transfer import BlockTransfer
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
 
@@ -84,14 +87,12 @@ class LandmarkMemory:
         param = next(model.parameters())
         options = options if options is not None else MemoryOptions.of(**settings)
         o = options.for_model(model, bb, cmt_keys)
-        self.model, self.backbone, self.backend = model.eval(), bb, backend
+        self.model, self.backbone, self._backend = model.eval(), bb, backend
         windows = tuple(bb.windows) if any(bb.windows) else ()
         self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, o.block_size, windows,
                                 landmarks=o.block_keys == "landmark")
-        self.device, self.dtype, self.cache_bytes = param.device, param.dtype, cache_bytes
-        self.group = bb.n_head // bb.n_kv_head  # query heads per key/value head
-        self.rope = bb.rope
-        self.cmt_k = cmt_keys if self.shape.landmarks else None  # per layer the CMT's key at position -1, (1, H, 1, D)
+        self.device, self.dtype, self._cache_bytes = param.device, param.dtype, cache_bytes
+        self._cmt_k = cmt_keys if self.shape.landmarks else None  # per layer the CMT's key at position -1, (1, H, 1, D)
         self.retrieval_stats = RetrievalStats()
         self.inputs = DocumentList(paged=documents)
         self.attached = None
@@ -120,18 +121,24 @@ class LandmarkMemory:
         be) in its key files; else in memory (a reader of a memory from before them)."""
         d, documents = self._files.dir, self._files.documents
         return BlockMemory(self.shape, options, store_path=None if d is None else d.store_path(),
-                           readonly=readonly, device=self.device, dtype=self.dtype, rope=self.rope,
-                           cache_bytes=self.cache_bytes, shards=[] if documents else None,
+                           readonly=readonly, device=self.device, dtype=self.dtype, rope=self.backbone.rope,
+                           cache_bytes=self._cache_bytes, shards=[] if documents else None,
                            shard_path=lambda name: d.document(name).store_path(),
                            key_path=d.key_path() if d is not None and key_files else None)
 
     def _parts(self, blocks: BlockMemory, options: MemoryOptions) -> None:
         """Put the parts together around ``blocks``; the lookup holds the ``options`` (``options``)."""
         self._blocks = blocks
-        self._lookup = BlockLookup(blocks, options, key_row=self.shape.key_row, group=self.group, rope=self.rope,
-                                   scale=self.backbone.scale, stats=self.retrieval_stats)
-        self._decoder = Decoder(self.backbone, self.shape, blocks, self._lookup, self.cmt_k, self.backend)
+        bb = self.backbone
+        self._lookup = BlockLookup(blocks, options, key_row=self.shape.key_row, group=bb.n_head // bb.n_kv_head,
+                                   rope=bb.rope, scale=bb.scale, stats=self.retrieval_stats)
+        self._decoder = Decoder(bb, self.shape, blocks, self._lookup, self._cmt_k, self._backend)
 
+    inspection = property(lambda self: MemoryInspection(self._blocks, self._decoder, self.forward),
+                          doc="``MemoryInspection``: what experiments and tests look at inside the memory "
+                              "(made when asked: one kept would hold ``forward``, a cycle through the memory).")
+    transfer = property(lambda self: BlockTransfer(self._blocks, self.readonly),
+                        doc="``BlockTransfer``: the memory's blocks handed between processes.")
     options = property(lambda self: self._lookup.options,
                        doc="MemoryOptions, resolved for the model (defaults filled in); ``querying`` changes some.")
 
@@ -182,27 +189,13 @@ class LandmarkMemory:
 
     __call__ = forward
 
-    def step(self, idx: torch.Tensor) -> torch.Tensor:
-        """Append one token per stream, ``idx`` (B,) or (B, 1); returns its logits (B, vocab)."""
-        return self.forward(idx.reshape(-1, 1)).logits[:, -1]
-
     generate = generate
-
     streams = property(lambda self: self._blocks.streams, doc="Batch size, fixed by the first forward (None before).")
     n_blocks = property(lambda self: self._blocks.n_blocks, doc="Blocks in memory per stream.")
-
     n_tokens = property(lambda self: self.n_blocks * self.shape.block_size + self.pending_count,
                         doc="Normal tokens fed per stream.")
-
     pending_count = property(lambda self: self._decoder.count,
                              doc="Tokens of the open chunk (fed since the last chunk boundary).")
-
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes held: ``fast`` (landmark keys, indexes, resident hot blocks, the current
-        chunk's keys and values, the sliding-window layers' windows: what must sit near the
-        compute) and ``store`` (every block's keys and values, wherever the store keeps them)."""
-        fast, store = self._blocks.usage()
-        return {"fast": fast + self._decoder.usage(), "store": store}
 
     def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
         """int32 ((last - first) * block_size,) the normal token ids of blocks ``[first, last)``
@@ -226,7 +219,7 @@ class LandmarkMemory:
         if fixed:
             raise ValueError(f"only {', '.join(QUERY_OPTIONS)} change while a memory is open, not {', '.join(fixed)}")
         own = self.options
-        new = own.with_query(**changes).for_model(self.model, self.backbone, self.cmt_k)
+        new = own.with_query(**changes).for_model(self.model, self.backbone, self._cmt_k)
         self._lookup.use(new)
         try:
             yield self
@@ -270,19 +263,17 @@ class LandmarkMemory:
                         doc="Called at each memory layer of a step with what a question reader reads "
                             "(``Decoder.observer``; ``answer.point``); None.")
 
-    # ---- the library's own: sessions, corpora, served shares, experiments ----------------------
-    pending_ids = property(lambda self: self._decoder.ids, doc="Normal token ids of the open chunk (B, P), or None.")
+    # ---- the library's own: sessions, corpora ---------------------------------------------------
     base_blocks = property(lambda self: self._blocks.base,
                            doc="A read-only memory's saved blocks, those before an attached session's (else None).")
-    cache = property(lambda self: self._blocks.cache, doc="The hot-block cache (``HotCache``: hits, misses, arena).")
 
-    def attach(self, owner, blocks: BlockMemory, chunk: OpenChunk | None) -> None:
-        """Put ``blocks`` (writable: a session's, ``owner``) after this rewound read-only memory's
-        saved ones and continue after ``chunk``: what it reads from here on goes into them, until
-        ``rewind`` lets them go."""
-        self._blocks.attach(blocks)
-        if chunk is not None:
-            self.take(chunk)
+    def attach(self, owner, blocks: AttachedBlocks, resume: bool) -> None:
+        """Put ``blocks`` (a session's, ``owner``) after this rewound read-only memory's saved ones,
+        and with ``resume`` continue after the open chunk their last commit kept: what it reads from
+        here on goes into them, until ``rewind`` lets them go."""
+        self._blocks.attach(blocks.blocks)
+        if resume:
+            self._decoder.take(blocks.chunk)
         self.attached = owner
 
     def add_document(self, shard, packed: bool, landmarks: list[torch.Tensor] | None, ids: np.ndarray,
@@ -297,41 +288,6 @@ class LandmarkMemory:
         if landmarks is not None:
             self._blocks.add_blocks(landmarks, ids)
 
-    def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
-        """``BlockMemory.search`` of the blocks ``[lo, hi)``: (D, I, skipped), what a served share answers."""
-        return self._blocks.search(layer, xq, need, k, lo, hi, group)
-
-    def stored(self, keys: list[tuple[int, int, int]], raw: bool = False) -> list:
-        """The blocks ``keys`` (stream, layer, block) from the store: (2, H_kv, L, D) each, keys
-        not rotated; ``raw``: as their store keeps them (``BlockStore.read_stored``: what a served
-        share sends its front, a document read in RAM its corpus), a read-only memory's saved ones."""
-        if not raw:
-            return self._blocks.store.get(keys)
-        return (self._blocks.store.base if self.readonly else self._blocks.store).read_stored(keys)
-
-    def serve_from(self, shares, store: Callable) -> None:
-        """Make this read-only corpus a front (``app.served``): its saved blocks searched by
-        ``shares.search`` and read through ``store(its own store)``, which is closed."""
-        own = self._blocks.store.base
-        self._blocks.remote, self._blocks.store.base = shares, store(own)
-        own.close()
-
-    def indexes(self) -> list:
-        """Every ``LandmarkIndex``, by stream, layer and key/value head (an attached session's after)."""
-        return self._blocks.all_indexes()
-
-    @contextmanager
-    def choosing(self, wrap: Callable[[Callable], Callable]):
-        """Every block choice inside the ``with`` block made by ``wrap(choose)``, ``choose`` the
-        memory's own (``BlockLookup.choose``, whose arguments and results it takes and gives):
-        how an experiment or test observes or replaces the choice."""
-        own = self._decoder.choose
-        self._decoder.choose = wrap(own)
-        try:
-            yield self
-        finally:
-            self._decoder.choose = own
-
     # ---- saved ----------------------------------------------------------------------------
     dir = property(lambda self: self._files.dir, doc="The memory's folder, ``MemoryDir`` (None: not saved).")
     readonly = property(lambda self: self._files.readonly)
@@ -341,9 +297,8 @@ class LandmarkMemory:
     commit_count = property(lambda self: self._files.commit_count)
 
     def commit(self) -> int:
-        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit
-        protocol"); returns the commit number. A process killed at any instant leaves the
-        memory at its last commit."""
+        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit protocol");
+        returns the commit number. A process killed at any instant leaves the memory at its last commit."""
         manifest = Manifest(model=self.model_record(), options=self.options, streams=self.streams,
                             blocks=self.n_blocks, tokens=self.n_tokens, pending_tokens=self.pending_count,
                             inputs=self.inputs, documents=self.documents)
@@ -407,11 +362,6 @@ class LandmarkMemory:
     def open_chunk(self) -> OpenChunk:
         """What was fed past the last block, as a commit keeps it."""
         return self._decoder.open_chunk()
-
-    def take(self, chunk: OpenChunk) -> None:
-        """Continue after ``chunk`` (``open_chunk`` of this memory or of one that read the same
-        blocks): its keys rotated to where the open chunk sits now."""
-        self._decoder.take(chunk)
 
     def rewind(self) -> None:
         """Forget what was fed to this read-only memory since it opened or last refreshed: it

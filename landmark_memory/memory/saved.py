@@ -18,24 +18,12 @@ import torch
 from ..core.fileio import FileWatch
 from ..core.names import DISK_STORES
 from ..format.directory import MemoryDir
-from ..format.manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError, ModelRecord
+from ..format.errors import wrong_model
+from ..format.manifest import KEYS, LANDMARKS, TOKENS, WINDOW, Manifest, MemoryFileError
 from ..format.seals import seal, statuses, unchanged, vouched
 from ..models.fingerprint import model_fingerprint
 from .blocks import BlockMemory
 from .decoding import OpenChunk
-
-
-def wrong_model(path, saved: ModelRecord, given: str) -> str:
-    """One line: which model built the memory at ``path``, which was given, what to pass (the
-    manifest's name and weights shown escaped where they hold what a line cannot)."""
-    def shown(x):
-        return str(x) if str(x).isprintable() else repr(str(x))
-
-    name, weights = shown(saved.name), shown(saved.fingerprint[:12])
-    built = f"{name} (weights {weights})" if saved.name else f"weights {weights}"
-    mine = f"--model {given}" if given else "the model given"
-    fix = f"pass --model {name}" if saved.name else "open it with the model that built it"
-    return f"the memory {path} was built with another model, {built}, not with {mine}: {fix}"
 
 
 @dataclass

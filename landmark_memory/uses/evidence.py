@@ -90,13 +90,13 @@ def token_attention(mem, got, weights: torch.Tensor, heads, blocks: torch.Tensor
     out = torch.zeros(weights.shape[0], len(heads), n, bs)
     if n == 0:
         return out
-    shift = mem.rope.angles(torch.tensor([s.key_row]))  # from the search position to the key row's
+    shift = mem.backbone.rope.angles(torch.tensor([s.key_row]))  # from the search position to the key row's
     by_layer = {}
     for i, (layer, h) in enumerate(heads):
         by_layer.setdefault(layer, []).append((i, h))
     for layer, hs in by_layer.items():
         q, _, cos, sin = got[layer]  # (H, T, D) raw, (T, D) x 2
-        qr = mem.rope.rotate(shift, mem.rope.rotate((cos, sin), q.float()))  # (H, T, D)
+        qr = mem.backbone.rope.rotate(shift, mem.backbone.rope.rotate((cos, sin), q.float()))  # (H, T, D)
         keys = mem.keys(layer, blocks, rows=True)[:, :, :bs]  # (n, H_kv, bs, D), rotated by offset
         for i, h in hs:
             sc = torch.einsum("gtd,nld->gtnl", qr[h * G:(h + 1) * G], keys[:, h]) * bb.scale  # (G, T, n, bs)

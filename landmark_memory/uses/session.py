@@ -47,10 +47,8 @@ from ..format.session_files import (
     session_path,
     turn_bytes,
 )
-from ..memory.blocks import BlockMemory
-from ..memory.decoding import OpenChunk
+from ..memory.attachment import AttachedBlocks
 from ..memory.engine import LandmarkMemory
-from ..memory.saved import load_blocks, saved_chunk, write_commit
 
 
 def base_record(m: Manifest) -> BaseRecord:
@@ -89,17 +87,11 @@ class Session:
 
     def __init__(self, mem: LandmarkMemory, d: MemoryDir, manifest: Manifest, state: dict):
         self.mem, self.dir, self.manifest, self.name = mem, d, manifest, manifest.session.name
-        s = mem.shape
-        self.blocks = BlockMemory(s, mem.options, store_path=d.store_path(), readonly=False, device=mem.device,
-                                  dtype=mem.dtype, rope=mem.rope, cache_bytes=0, key_path=d.key_path())
+        turn_bytes(d, manifest)  # what a turn appends to, checked before anything is cut
+        self._starts = committed_starts(d, manifest).tolist()  # where each turn starts, for ``locate``
+        self.blocks = AttachedBlocks(mem, d, manifest, state)
         try:
-            turn_bytes(d, manifest)  # what a turn appends to, checked before anything is cut
-            self._starts = committed_starts(d, manifest).tolist()  # where each turn starts, for ``locate``
-            self._rows_crc = {TOKENS: 0}
-            if manifest.streams is not None:
-                self._rows_crc = load_blocks(d, self.blocks, manifest, state, self._rows_crc,
-                                             mem.backbone.vocab_size, mapped=False)
-            self.pending: OpenChunk = saved_chunk(d, manifest, state, mem.device, mem.dtype)
+            self._rows_crc = dict(self.blocks.rows_crc)
             for name, nbytes in ((TURNS, manifest.session.turns_bytes), (STARTS, 8 * manifest.session.turns)):
                 d.cut_rows(name, nbytes)  # what a stopped turn left after the committed turns
                 self._rows_crc[name] = (manifest.rows_crc or {}).get(name, 0)
@@ -166,8 +158,8 @@ class Session:
     @property
     def n_tokens(self) -> int:
         """Tokens of the session (its blocks' and its open chunk's)."""
-        ids = self.mem.pending_ids if self.mem.attached is self else self.pending.ids
-        return self.blocks.n_blocks * self.mem.shape.block_size + (0 if ids is None else ids.shape[1])
+        pending = self.mem.pending_count if self.mem.attached is self else self.blocks.pending_tokens
+        return self.blocks.n_blocks * self.mem.shape.block_size + pending
 
     def attach(self) -> None:
         """Put the session after the memory's blocks (the memory rewound first): what the memory
@@ -178,7 +170,7 @@ class Session:
         mem.rewind()
         _check_over(mem, self.manifest, self.dir.path)
         # (a session before its first turn takes the memory's open chunk, if any)
-        mem.attach(self, self.blocks, self.pending if self.manifest.commit else None)
+        mem.attach(self, self.blocks, resume=bool(self.manifest.commit))
 
     def commit(self, turns: list[Turn]) -> None:
         """Make what the memory read since the last commit durable in the session, with ``turns``
@@ -198,8 +190,8 @@ class Session:
                     session=replace(r, over=base_record(mem.manifest), turns=r.turns + len(turns),
                                     turns_bytes=r.turns_bytes + len(data)))
         chunk = mem.open_chunk()
-        write_commit(self.dir, self.blocks, m, committed, committed, self._rows_crc, chunk)
-        self.manifest, self._rows_crc, self.pending = m, m.rows_crc, chunk
+        self.blocks.commit(self.dir, m, committed, self._rows_crc, chunk)
+        self.manifest, self._rows_crc = m, m.rows_crc
         if self._turns is not None:
             self._turns += turns
         self._starts += [t.start for t in turns]
