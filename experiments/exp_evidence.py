@@ -13,7 +13,7 @@ training-free memory; ``gemma``, Gemma 3 270M as published). Each question is as
 memory when its evidence lies there, and of the 32K memory always. Its chat prompt is read as
 ``ask`` reads it, and for every (layer, key/value head) two attentions are kept, each for the
 question's own tokens and for the template's tokens around it (the calibration): over the blocks
-by their search keys (``head_attention``, what issue 59's heads read), and over every stored token
+by their block keys (``head_attention``, what issue 59's heads read), and over every stored token
 of every block (``memory.evidence.token_attention``). The shipped question reader's block scores
 are kept beside them (``landmark``). One safetensors file per question in ``DIR/MODEL/rec``.
 

@@ -138,18 +138,19 @@ def test_cmt_arguments_are_checked():
 
 # ---- inference: memory blocks are the CMT-controlled ones ---------------------------------
 @pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba"])
-@pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47)])
+@pytest.mark.parametrize("block_size,n_mem,Tk,T_q", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47)])
 def test_retrieving_every_block_with_cmt_equals_in_sequence_attention_with_memory_blocks_controlled(
-        backend, block_size, n_mem, Tk, Tq):
+        backend, block_size, n_mem, Tk, T_q):
     B, H, D = 2, 2, 32
     dtype = torch.float32 if backend == "triton" else torch.float64
     m = memory_setup(B, H, D, block_size, n_mem, Tk, dtype)
     cmt_k = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(5), dtype=dtype)
     n_lm = m["T"] // (block_size + 1)
     blocks = (torch.arange(n_lm) < n_mem).expand(B, n_lm)  # memory blocks controlled, local ones free
-    full = landmark_attention(m["q"], m["k"], m["v"], block_size, cmt_k=cmt_k, cmt_blocks=blocks)[:, :, m["T"] - Tq:]
-    table, pos = all_blocks_table(B, H, Tq, n_mem, block_size, perm=torch.randperm(n_mem))
-    out = landmark_attention_inference(m["q"][:, :, m["T"] - Tq:], m["k"][:, :, m["local"]:], m["v"][:, :, m["local"]:],
+    full = landmark_attention(m["q"], m["k"], m["v"], block_size, cmt_k=cmt_k, cmt_blocks=blocks)[:, :, m["T"] - T_q:]
+    table, pos = all_blocks_table(B, H, T_q, n_mem, block_size, perm=torch.randperm(n_mem))
+    out = landmark_attention_inference(m["q"][:, :, m["T"] - T_q:], m["k"][:, :, m["local"]:],
+                                       m["v"][:, :, m["local"]:],
                                        block_size, pool_k=m["pool_k"], pool_v=m["pool_v"], block_table=table,
                                        block_pos=pos, cmt_k=cmt_k, backend=backend)
     torch.testing.assert_close(out, full, **(TOL[torch.float32] if backend == "triton" else {}))
@@ -160,13 +161,13 @@ def test_retrieving_every_block_with_cmt_equals_in_sequence_attention_with_memor
 @pytest.mark.parametrize("n_pool", [0, 9])
 def test_fast_cmt_inference_matches_reference_on_random_retrieval(backend, dtype, n_pool):
     g = torch.Generator().manual_seed(n_pool + 1)
-    B, H, K, D, bs, Tq, Tk = 2, 2, 4, 32, 7, 5, 30
-    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Tq, Tk, Tk))
+    B, H, K, D, bs, T_q, Tk = 2, 2, 4, 32, 7, 5, 30
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (T_q, Tk, Tk))
     cmt_k = torch.randn(B, H, 1, D, generator=g).to(dtype)
     pool_k, pool_v = (torch.randn(n_pool, H, bs + 1, D, generator=g).to(dtype) for _ in range(2))
-    table = torch.randint(-1, max(n_pool, 1), (B, H, Tq, K), generator=g) if n_pool else torch.full((B, H, Tq, K), -1)
+    table = torch.randint(-1, max(n_pool, 1), (B, H, T_q, K), generator=g) if n_pool else torch.full((B, H, T_q, K), -1)
     table[0, 0, 0] = -1  # one query with every slot empty: its CMT share is lost
-    pos = torch.randint(0, 100_000, (B, H, Tq, K), generator=g)
+    pos = torch.randint(0, 100_000, (B, H, T_q, K), generator=g)
     args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos)
     out = landmark_attention_inference(q, k, v, bs, cmt_k=cmt_k, backend=backend, **args)
     ref = landmark_attention_inference(*(t.double() for t in (q, k, v)), bs, cmt_k=cmt_k.double(), backend="reference",

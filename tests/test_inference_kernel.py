@@ -26,22 +26,23 @@ def memory_setup(B, H, D, block_size, n_mem, Tk, dtype=torch.float64, seed=0):
     return dict(q=qr, k=kr, v=v, pool_k=pool_k, pool_v=blocks(v), T=T, local=n_mem * L)
 
 
-def all_blocks_table(B, H, Tq, n_mem, block_size, extra_empty=1, perm=None):
+def all_blocks_table(B, H, T_q, n_mem, block_size, extra_empty=1, perm=None):
     order = torch.arange(n_mem) if perm is None else perm
-    table = (torch.arange(B)[:, None, None, None] * n_mem + order).expand(B, H, Tq, n_mem)
-    table = torch.cat([table, torch.full((B, H, Tq, extra_empty), -1)], -1)
+    table = (torch.arange(B)[:, None, None, None] * n_mem + order).expand(B, H, T_q, n_mem)
+    table = torch.cat([table, torch.full((B, H, T_q, extra_empty), -1)], -1)
     return table, (table % n_mem) * (block_size + 1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba", "auto"])
-@pytest.mark.parametrize("block_size,n_mem,Tk,Tq", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47), (7, 4, 16, 16)])
-def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, block_size, n_mem, Tk, Tq):
+@pytest.mark.parametrize("block_size,n_mem,Tk,T_q", [(3, 5, 9, 9), (3, 5, 9, 1), (50, 3, 130, 47), (7, 4, 16, 16)])
+def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, block_size, n_mem, Tk, T_q):
     B, H, D = 2, 2, 32
     dtype = torch.float32 if backend == "triton" else torch.float64
     m = memory_setup(B, H, D, block_size, n_mem, Tk, dtype)
-    full = landmark_attention(m["q"], m["k"], m["v"], block_size)[:, :, m["T"] - Tq:]
-    table, pos = all_blocks_table(B, H, Tq, n_mem, block_size, perm=torch.randperm(n_mem))  # order is irrelevant
-    out = landmark_attention_inference(m["q"][:, :, m["T"] - Tq:], m["k"][:, :, m["local"]:], m["v"][:, :, m["local"]:],
+    full = landmark_attention(m["q"], m["k"], m["v"], block_size)[:, :, m["T"] - T_q:]
+    table, pos = all_blocks_table(B, H, T_q, n_mem, block_size, perm=torch.randperm(n_mem))  # order is irrelevant
+    out = landmark_attention_inference(m["q"][:, :, m["T"] - T_q:], m["k"][:, :, m["local"]:],
+                                       m["v"][:, :, m["local"]:],
                                        block_size, pool_k=m["pool_k"], pool_v=m["pool_v"], block_table=table,
                                        block_pos=pos, backend=backend)
     torch.testing.assert_close(out, full, **(TOL[torch.float32] if backend == "triton" else {}))
@@ -50,14 +51,14 @@ def test_retrieving_every_earlier_block_equals_in_sequence_attention(backend, bl
 @pytest.mark.parametrize("backend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
                                            ("dense", torch.float32), ("numba", torch.float32),
                                            ("auto", torch.float32)])
-@pytest.mark.parametrize("block_size,Tk,Tq,D", [(50, 110, 24, 64), (50, 37, 1, 32), (7, 30, 5, 64)])
-def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, block_size, Tk, Tq, D):
-    g = torch.Generator().manual_seed(block_size + Tq)
+@pytest.mark.parametrize("block_size,Tk,T_q,D", [(50, 110, 24, 64), (50, 37, 1, 32), (7, 30, 5, 64)])
+def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, block_size, Tk, T_q, D):
+    g = torch.Generator().manual_seed(block_size + T_q)
     B, H, K, n_pool = 2, 2, 4, 9
-    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Tq, Tk, Tk))
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (T_q, Tk, Tk))
     pool_k, pool_v = (torch.randn(n_pool, H, block_size + 1, D, generator=g).to(dtype) for _ in range(2))
-    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)  # some slots empty
-    pos = torch.randint(0, 100_000, (B, H, Tq, K), generator=g)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K), generator=g)  # some slots empty
+    pos = torch.randint(0, 100_000, (B, H, T_q, K), generator=g)
     args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos)
     out = landmark_attention_inference(q, k, v, block_size, backend=backend, **args)
     ref = landmark_attention_inference(*(t.double() for t in (q, k, v)), block_size, backend="reference",
@@ -69,11 +70,11 @@ def test_fast_inference_matches_reference_on_random_retrieval(backend, dtype, bl
 @pytest.mark.parametrize("backend", ["reference", "dense", "triton", "numba"])
 def test_grouped_query_pool_equals_pool_repeated_per_query_head(backend):
     g = torch.Generator().manual_seed(11)
-    B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 5, 12, 3, 6
-    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (Tq, Tk, Tk))
+    B, H, H_kv, D, bs, T_q, Tk, K, n_pool = 2, 4, 2, 32, 7, 5, 12, 3, 6
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (T_q, Tk, Tk))
     pool_k, pool_v = (torch.randn(n_pool, H_kv, bs + 1, D, generator=g) for _ in range(2))
-    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
-    pos = torch.randint(0, 1000, (B, H, Tq, K), generator=g)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K), generator=g)
+    pos = torch.randint(0, 1000, (B, H, T_q, K), generator=g)
     out = landmark_attention_inference(q, k, v, bs, pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos,
                                        backend=backend)
     rep = landmark_attention_inference(q, k, v, bs, pool_k=pool_k.repeat_interleave(2, 1),
@@ -188,12 +189,12 @@ def test_inference_bad_input_is_rejected_clearly(change, match):
 @pytest.mark.parametrize("cmt", [False, True])
 def test_chunk_slots_grouped_by_block_or_compiled_agree_with_the_reference(backend, cmt):
     g = torch.Generator().manual_seed(5)
-    B, H, H_kv, D, bs, Tq, Tk, K, n_pool = 2, 4, 2, 32, 7, 40, 48, 4, 12
-    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tk, Tk))
+    B, H, H_kv, D, bs, T_q, Tk, K, n_pool = 2, 4, 2, 32, 7, 40, 48, 4, 12
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (T_q, Tk, Tk))
     arena = torch.randn(n_pool + 3, 2, H_kv, bs + 1, D, generator=g, dtype=torch.float64)
     pool_k, pool_v = arena[:n_pool, 0], arena[:n_pool, 1]  # strided views, as the hot cache hands them
-    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
-    pos = torch.randint(0, 5000, (B, H, Tq, K), generator=g)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K), generator=g)
+    pos = torch.randint(0, 5000, (B, H, T_q, K), generator=g)
     table[..., 2:], pos[..., 2:] = torch.tensor([3, 7]), torch.tensor([8, 16])  # two pairs every query reads
     cmt_k = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64) if cmt else None
     args = dict(pool_k=pool_k, pool_v=pool_v, block_table=table, block_pos=pos, cmt_k=cmt_k)
@@ -219,20 +220,20 @@ def test_compiled_code_runs_where_no_disk_cache_can_be_written(monkeypatch):
     assert twice(21) == 42
 
 
-@pytest.mark.parametrize("backend,Tq", [("dense", 40), ("dense", 1), ("numba", 3), ("triton", 5), ("auto", 40),
+@pytest.mark.parametrize("backend,T_q", [("dense", 40), ("dense", 1), ("numba", 3), ("triton", 5), ("auto", 40),
                                         ("auto", 1)])  # auto: a chunk's slots compiled, and a decoding step
 @pytest.mark.parametrize("cmt", [False, True])
-def test_int8_pools_are_read_in_place_as_the_reference_reads_them_dequantized(backend, Tq, cmt):
+def test_int8_pools_are_read_in_place_as_the_reference_reads_them_dequantized(backend, T_q, cmt):
     from landmark_memory.core.quant import dequantize_kv, quantize
 
-    g = torch.Generator().manual_seed(Tq + cmt)
+    g = torch.Generator().manual_seed(T_q + cmt)
     B, H, H_kv, D, bs, Tk, K, n_pool = 2, 4, 2, 32, 7, 48, 4, 12
-    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (Tq, Tk, Tk))
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (T_q, Tk, Tk))
     data, scales = quantize(torch.randn(n_pool + 3, 2, H_kv, bs + 1, D, generator=g) * torch.logspace(-2, 1, D))
     # as the hot cache has them
     pool_k, pool_v, pool_scale = data[:n_pool, 0], data[:n_pool, 1], scales[:n_pool].float()
-    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g)
-    pos = torch.randint(0, 5000, (B, H, Tq, K), generator=g)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K), generator=g)
+    pos = torch.randint(0, 5000, (B, H, T_q, K), generator=g)
     cmt_k = torch.randn(B, H, 1, D, generator=g) if cmt else None
     args = dict(block_table=table, block_pos=pos, cmt_k=cmt_k)
     out = landmark_attention_inference(q, k, v, bs, pool_k=pool_k, pool_v=pool_v, pool_scale=pool_scale,

@@ -89,7 +89,7 @@ def test_no_module_imports_itself_through_others():
 ROOMY = {
     "landmark_memory.memory.blocks": (420, "BlockMemory's store (a corpus's, or a served corpus's shares), cache, "
                                            "token ids, a reader's later blocks and what its commits write and read "
-                                           "of them are one state (the keys and indexes are landmark_keys.py's)"),
+                                           "of them are one state (the keys and indexes are block_keys.py's)"),
 }
 
 

@@ -162,15 +162,15 @@ def test_compiled_stingy_positions_equal_the_tensor_expression(nb, top_k, width)
 @pytest.mark.parametrize("nb,top_k,m", [(40, 4, 4), (40, 4, 0), (6, 4, 2), (3, 4, 0), (20, 2, 5)])
 def test_compiled_stingy_top_k_equals_select_blocks_then_block_positions(nb, top_k, m):
     g = torch.Generator().manual_seed(nb + m)
-    B, H, Tq = 2, 3, 5
+    B, H, T_q = 2, 3, 5
     recent = torch.arange(max(0, nb - top_k), nb)
-    S_recent = torch.randn(B, H, Tq, len(recent), generator=g)
-    I_old = torch.stack([torch.randperm(max(1, nb - top_k), generator=g)[:m] for _ in range(B * H * Tq)])
-    I_old = I_old.view(B, H, Tq, m) if m <= nb - top_k else torch.full((B, H, Tq, m), -1)
-    S_old = torch.randn(B, H, Tq, m, generator=g).masked_fill(I_old < 0, float("-inf"))
+    S_recent = torch.randn(B, H, T_q, len(recent), generator=g)
+    I_old = torch.stack([torch.randperm(max(1, nb - top_k), generator=g)[:m] for _ in range(B * H * T_q)])
+    I_old = I_old.view(B, H, T_q, m) if m <= nb - top_k else torch.full((B, H, T_q, m), -1)
+    S_old = torch.randn(B, H, T_q, m, generator=g).masked_fill(I_old < 0, float("-inf"))
     S_old[0, 0, 0], I_old[0, 0, 0] = float("-inf"), -1  # a query the index found nothing for
     ids, pos = top_k_stingy(S_old.numpy(), I_old.numpy(), S_recent, recent, nb, top_k, 7)
-    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, Tq, -1)], -1)
+    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, T_q, -1)], -1)
     ref = select_blocks(S, I, 0, nb, top_k, "per_token_head")
     assert torch.equal(ids, ref)
     assert torch.equal(pos, stingy_slots(ref, nb, top_k) * 7)

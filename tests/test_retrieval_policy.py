@@ -15,7 +15,7 @@ def text():
 
 
 def reads(mem):
-    """Every (layer, step) choice of the memory inside ``mem.inspection.choosing(wrap)``: the ids (B, H, Tq,
+    """Every (layer, step) choice of the memory inside ``mem.inspection.choosing(wrap)``: the ids (B, H, T_q,
     reads') each query reads and how many of their first columns it chose (those before the
     reads - top_k forced); returns (that list, wrap)."""
     got, forced = [], mem.options.reads - mem.options.top_k
@@ -77,18 +77,18 @@ def test_sink_and_local_blocks_are_read_by_every_query_and_never_chosen(model, t
                                                (20, 2, 5, [0, 1])])
 def test_compiled_stingy_top_k_with_forced_blocks_equals_select_then_append_then_positions(nb, top_k, m, forced):
     g = torch.Generator().manual_seed(nb + m)
-    B, H, Tq = 2, 3, 5
+    B, H, T_q = 2, 3, 5
     forced = torch.tensor(forced)
     W = top_k + len(forced) + 1  # a window wider than what is read leaves -1 at the end
     candidates = torch.tensor([b for b in range(nb) if b not in forced.tolist()])
     recent = candidates[candidates >= nb - W]
     old = candidates[candidates < nb - W]
-    S_recent = torch.randn(B, H, Tq, len(recent), generator=g)
-    I_old = torch.stack([old[torch.randperm(len(old), generator=g)[:m]] for _ in range(B * H * Tq)])
-    I_old = I_old.view(B, H, Tq, -1)
+    S_recent = torch.randn(B, H, T_q, len(recent), generator=g)
+    I_old = torch.stack([old[torch.randperm(len(old), generator=g)[:m]] for _ in range(B * H * T_q)])
+    I_old = I_old.view(B, H, T_q, -1)
     S_old = torch.randn(I_old.shape, generator=g)
     ids, pos = top_k_stingy(S_old.numpy(), I_old.numpy(), S_recent, recent, nb, top_k, 7, forced.numpy(), W)
-    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, Tq, -1)], -1)
+    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, T_q, -1)], -1)
     ref = with_forced(select_blocks(S, I, 0, nb, top_k, "per_token_head"), forced, W)
     assert torch.equal(ids, ref)
     assert torch.equal(pos, block_positions(ref, nb, W, 7, "stingy"))
@@ -98,20 +98,21 @@ def test_compiled_stingy_top_k_with_forced_blocks_equals_select_then_append_then
                                                (20, 3, 5, [])])
 def test_compiled_stingy_top_k_with_pinned_blocks_equals_pinned_then_the_best_others(nb, top_k, m, pinned):
     g = torch.Generator().manual_seed(nb + m + len(pinned))
-    B, H, Tq = 2, 3, 5
+    B, H, T_q = 2, 3, 5
     forced, pinned = torch.tensor([0]), torch.tensor(pinned, dtype=torch.long)
     W = top_k + 2
     candidates = torch.arange(1, nb)
     recent = candidates[candidates >= nb - W]
     old = candidates[candidates < nb - W]
-    S_recent = torch.randn(B, H, Tq, len(recent), generator=g)
-    I_old = torch.stack([old[torch.randperm(len(old), generator=g)[:m]] for _ in range(B * H * Tq)]).view(B, H, Tq, -1)
+    S_recent = torch.randn(B, H, T_q, len(recent), generator=g)
+    I_old = torch.stack([old[torch.randperm(len(old), generator=g)[:m]] for _ in range(B * H * T_q)]).view(B, H, T_q,
+                                                                                                           -1)
     I_old[0, 0, 0, 0] = pinned[0] if len(pinned) else I_old[0, 0, 0, 0]  # a pinned block among the index's results
     S_old = torch.randn(I_old.shape, generator=g)
     S_old[0, 0, 0, 0] = 99.0  # the best score of all: still not chosen twice
     ids, pos = top_k_stingy(S_old.numpy(), I_old.numpy(), S_recent, recent, nb, top_k, 7, forced.numpy(), W,
                             pinned.numpy())
-    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, Tq, -1)], -1)
+    S, I = torch.cat([S_old, S_recent], -1), torch.cat([I_old, recent.expand(B, H, T_q, -1)], -1)
     S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
     ref = with_forced(with_pinned(select_blocks(S, I, 0, nb, top_k - len(pinned), "per_token_head"), pinned), forced, W)
     assert torch.equal(ids, ref)

@@ -22,16 +22,16 @@ from landmark_memory.uses.inspect import describe, verify
 OPTS = dict(chunk_size=14, top_k=2, store_dtype="float32")
 
 
-@pytest.mark.parametrize("Tq,Tk,window,G", [(9, 9, 4, 1), (5, 13, 6, 2), (1, 7, 8, 2), (1, 7, 7, 1), (1, 9, 3, 4)])
-def test_sliding_window_attention_equals_a_softmax_over_each_querys_window(Tq, Tk, window, G):
+@pytest.mark.parametrize("T_q,Tk,window,G", [(9, 9, 4, 1), (5, 13, 6, 2), (1, 7, 8, 2), (1, 7, 7, 1), (1, 9, 3, 4)])
+def test_sliding_window_attention_equals_a_softmax_over_each_querys_window(T_q, Tk, window, G):
     from landmark_memory.kernels import sliding_window_attention
 
-    g = torch.Generator().manual_seed(Tq * 100 + Tk)
-    q = torch.randn(2, 2 * G, Tq, 8, generator=g, dtype=torch.float64)
+    g = torch.Generator().manual_seed(T_q * 100 + Tk)
+    q = torch.randn(2, 2 * G, T_q, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, Tk, 8, generator=g, dtype=torch.float64) for _ in range(2))
     out = torch.full_like(q, float("nan"))
-    for i in range(Tq):  # query i sits at position Tk - Tq + i and reads the window ending there
-        at = Tk - Tq + i
+    for i in range(T_q):  # query i sits at position Tk - T_q + i and reads the window ending there
+        at = Tk - T_q + i
         ks, vs = (t[:, :, max(at - window + 1, 0):at + 1].repeat_interleave(G, 1) for t in (k, v))
         out[:, :, i] = (q[:, :, i:i + 1] @ ks.transpose(-2, -1) * 0.3).softmax(-1).matmul(vs)[:, :, 0]
     torch.testing.assert_close(sliding_window_attention(q, k, v, window, 0.3), out, rtol=1e-12, atol=1e-12)

@@ -1,7 +1,7 @@
 """A memory without landmarks (``block_keys="mean"``): any checkpoint of the families we read, as
 published, no training. Its kernel against a gather-everything reference, the invariant that
 reading every block at its place is the stock model's forward (every family, tiny random
-configurations), greedy decoding, saving and continuing, the search key's meaning, the command
+configurations), greedy decoding, saving and continuing, the block key's meaning, the command
 line, and the refusals."""
 
 import json
@@ -36,14 +36,14 @@ def pools(g, n_pool, H_kv, L, D, dtype):
     return (torch.randn(n_pool, H_kv, L, D, generator=g, dtype=dtype) for _ in range(2))
 
 
-@pytest.mark.parametrize("Tq", [1, 5, 24])  # a decoding step, a few queries (slots gathered), a chunk (grouped)
-def test_blocks_read_in_place_equal_every_querys_blocks_gathered(Tq):
-    g = torch.Generator().manual_seed(Tq)
+@pytest.mark.parametrize("T_q", [1, 5, 24])  # a decoding step, a few queries (slots gathered), a chunk (grouped)
+def test_blocks_read_in_place_equal_every_querys_blocks_gathered(T_q):
+    g = torch.Generator().manual_seed(T_q)
     B, H, H_kv, D, L, K, n_pool = 2, 4, 2, 16, 6, 3, 5
-    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tq + 9, Tq + 9))
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (T_q, T_q + 9, T_q + 9))
     pool_k, pool_v = pools(g, n_pool, H_kv, L, D, torch.float64)
-    args = dict(pool_k=pool_k, pool_v=pool_v, block_table=torch.randint(-1, n_pool, (B, H, Tq, K), generator=g),
-                block_pos=torch.randint(0, 500, (B, H, Tq, K), generator=g), rope=RotaryEmbedding(D, 10000.0),
+    args = dict(pool_k=pool_k, pool_v=pool_v, block_table=torch.randint(-1, n_pool, (B, H, T_q, K), generator=g),
+                block_pos=torch.randint(0, 500, (B, H, T_q, K), generator=g), rope=RotaryEmbedding(D, 10000.0),
                 scale=0.3)
     ref = block_attention_inference(q, k, v, backend="reference", **args)
     compiled = block_attention_inference(q, k, v, **args)  # CPU float64: the slots scored by compiled loops
@@ -54,19 +54,19 @@ def test_blocks_read_in_place_equal_every_querys_blocks_gathered(Tq):
     torch.testing.assert_close(pytorch, ref, rtol=1e-10, atol=1e-12)
     # a query whose slots are all empty reads its local keys alone: plain causal attention
     empty = block_attention_inference(q, k, v, **{**args, "block_table": torch.full_like(args["block_table"], -1)})
-    s = (q @ k.transpose(-2, -1) * 0.3).masked_fill(torch.ones(Tq, Tq + 9, dtype=torch.bool).triu(10), float("-inf"))
+    s = (q @ k.transpose(-2, -1) * 0.3).masked_fill(torch.ones(T_q, T_q + 9, dtype=torch.bool).triu(10), float("-inf"))
     torch.testing.assert_close(empty, s.softmax(-1) @ v, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("Tq", [1, 24])
-def test_blocks_every_query_of_a_head_reads_join_the_local_keys_with_the_same_result(Tq, int8):
-    g = torch.Generator().manual_seed(3 + Tq)
+@pytest.mark.parametrize("T_q", [1, 24])
+def test_blocks_every_query_of_a_head_reads_join_the_local_keys_with_the_same_result(T_q, int8):
+    g = torch.Generator().manual_seed(3 + T_q)
     B, H, H_kv, D, L, K, S, n_pool = 2, 4, 2, 16, 6, 3, 3, 9
-    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (Tq, Tq + 5, Tq + 5))
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (T_q, T_q + 5, T_q + 5))
     pool_k, pool_v = pools(g, n_pool, H_kv, L, D, torch.float64)
-    table = torch.randint(-1, n_pool, (B, H, Tq, K + S), generator=g)
-    pos = torch.randint(0, 500, (B, H, Tq, K + S), generator=g)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K + S), generator=g)
+    pos = torch.randint(0, 500, (B, H, T_q, K + S), generator=g)
     # per stream and head one block and position for every query; empty columns where a head has fewer
     table[..., K:] = torch.randint(-1, n_pool, (B, H, 1, S), generator=g)
     pos[..., K:] = torch.randint(0, 500, (B, H, 1, S), generator=g)
@@ -91,21 +91,21 @@ def test_blocks_every_query_of_a_head_reads_join_the_local_keys_with_the_same_re
                                                          **{**per_head, "pool_k": pool_k, "pool_v": pool_v,
                                                             "pool_scale": None}),
                                **(dict(rtol=1e-4, atol=1e-5) if int8 else dict(rtol=1e-10, atol=1e-12)))
-    if Tq > 1:
+    if T_q > 1:
         with pytest.raises(ValueError, match="same for every query of a stream and head"):
             block_attention_inference(q, k, v, shared=K + 1, **args)  # a chosen column is not shared
     with pytest.raises(ValueError, match="count of the table"):
         block_attention_inference(q, k, v, shared=K + S + 1, **args)
 
 
-@pytest.mark.parametrize("Tq", [1, 24])
-def test_int8_blocks_are_read_as_the_reference_reads_them_dequantized(Tq):
+@pytest.mark.parametrize("T_q", [1, 24])
+def test_int8_blocks_are_read_as_the_reference_reads_them_dequantized(T_q):
     g = torch.Generator().manual_seed(7)
     B, H, H_kv, D, L, K, n_pool = 1, 4, 2, 32, 8, 4, 6
-    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (Tq, Tq + 3, Tq + 3))
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (T_q, T_q + 3, T_q + 3))
     data, scales = quantize(torch.randn(n_pool, 2, H_kv, L, D, generator=g) * torch.logspace(-2, 1, D))
-    args = dict(block_table=torch.randint(-1, n_pool, (B, H, Tq, K), generator=g),
-                block_pos=torch.randint(0, 900, (B, H, Tq, K), generator=g), rope=RotaryEmbedding(D, 10000.0))
+    args = dict(block_table=torch.randint(-1, n_pool, (B, H, T_q, K), generator=g),
+                block_pos=torch.randint(0, 900, (B, H, T_q, K), generator=g), rope=RotaryEmbedding(D, 10000.0))
     out = block_attention_inference(q, k, v, pool_k=data[:, 0], pool_v=data[:, 1], pool_scale=scales.float(), **args)
     fk, fv = dequantize_kv(data[:, 0], data[:, 1], scales.float(), torch.float64)
     ref = block_attention_inference(q.double(), k.double(), v.double(), pool_k=fk, pool_v=fv, backend="reference",

@@ -53,13 +53,13 @@ def in_sequence(backend, block_size, T, D, dtype, device, B, H, cmt=False, seed=
     return rel_error(run(backend, dtype), run("reference", torch.float64))
 
 
-def inference(block_size, D, dtype, device, int8, cmt, Tq=24, Tk=110, B=2, H=4, H_kv=2, K=4, n_pool=12, seed=0):
-    """A chunk of Tq queries over Tk local keys and K blocks each from a pool of H_kv heads."""
+def inference(block_size, D, dtype, device, int8, cmt, T_q=24, Tk=110, B=2, H=4, H_kv=2, K=4, n_pool=12, seed=0):
+    """A chunk of T_q queries over Tk local keys and K blocks each from a pool of H_kv heads."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device, dtype) for n in (Tq, Tk, Tk))
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device, dtype) for n in (T_q, Tk, Tk))
     kv = torch.randn(n_pool, 2, H_kv, block_size + 1, D, generator=g).to(device)
-    table = torch.randint(-1, n_pool, (B, H, Tq, K), generator=g).to(device)
-    pos = torch.randint(0, 100_000, (B, H, Tq, K), generator=g).to(device)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K), generator=g).to(device)
+    pos = torch.randint(0, 100_000, (B, H, T_q, K), generator=g).to(device)
     cmt_k = torch.randn(B, H, 1, D, generator=g).to(device, dtype) if cmt else None
     if int8:
         data, scales = quantize(kv)
@@ -76,13 +76,13 @@ def inference(block_size, D, dtype, device, int8, cmt, Tq=24, Tk=110, B=2, H=4, 
     return rel_error([out], [ref])
 
 
-def shared_blocks(D, dtype, device, Tq=40, B=2, H=4, H_kv=2, L=64, K=3, S=3, n_pool=9, seed=0):
+def shared_blocks(D, dtype, device, T_q=40, B=2, H=4, H_kv=2, L=64, K=3, S=3, n_pool=9, seed=0):
     """Training-free attention: K chosen blocks per query, then S columns shared by every query."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device, dtype) for n in (Tq, Tq + 5, Tq + 5))
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device, dtype) for n in (T_q, T_q + 5, T_q + 5))
     pool_k, pool_v = (torch.randn(n_pool, H_kv, L, D, generator=g).to(device, dtype) for _ in range(2))
-    table = torch.randint(-1, n_pool, (B, H, Tq, K + S), generator=g)
-    pos = torch.randint(0, 500, (B, H, Tq, K + S), generator=g)
+    table = torch.randint(-1, n_pool, (B, H, T_q, K + S), generator=g)
+    pos = torch.randint(0, 500, (B, H, T_q, K + S), generator=g)
     table[..., K:] = torch.randint(-1, n_pool, (B, H, 1, S), generator=g)
     pos[..., K:] = torch.randint(0, 500, (B, H, 1, S), generator=g)
     args = dict(block_table=table.to(device), block_pos=pos.to(device), rope=RotaryEmbedding(D, 10000.0))
@@ -98,7 +98,7 @@ def cases(small: bool, device: torch.device):
     T, B, H = (70, 1, 2) if small else (1000, 2, 4)
     dtypes = (torch.float32, torch.bfloat16) if small else (torch.float32, torch.bfloat16, torch.float16)
     block_sizes = (50, 7) if small else (50, 64, 37)
-    shape = dict(Tq=3, B=1, H=2, H_kv=1) if small else {}  # the interpreter runs a program per query
+    shape = dict(T_q=3, B=1, H=2, H_kv=1) if small else {}  # the interpreter runs a program per query
     for backend in ("triton", "triton-onepass"):
         for bs in block_sizes:
             for dt in dtypes:

@@ -19,7 +19,6 @@ from ..format import MemoryFileError
 from ..jobs.distributed import set_threads
 from ..memory import LandmarkMemory
 from ..storage import BlockStore
-from ..storage.base import DTYPE_NAMES
 
 
 class _Share:
@@ -43,9 +42,9 @@ class _Share:
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
         """``BlockMemory.search`` of the blocks of ``[lo, hi)`` in this share: (D, I) (B, H, T_q, k)."""
         lo, hi = max(lo, self.first), min(hi, self.end)
-        B, H, Tq, _ = xq.shape
+        B, H, T_q, _ = xq.shape
         if lo >= hi:
-            return np.full((B, H, Tq, k), -np.inf, np.float32), np.full((B, H, Tq, k), -1, np.int64)
+            return np.full((B, H, T_q, k), -np.inf, np.float32), np.full((B, H, T_q, k), -1, np.int64)
         D, I, _ = self.mem.transfer.search(layer, xq, need, k, lo, hi, group)
         return D, I
 
@@ -149,7 +148,7 @@ class ShareStore(BlockStore):
     """The blocks of a served corpus, read from its shares (as the store ``like`` keeps them)."""
 
     def __init__(self, like: BlockStore, shares: Shares):
-        super().__init__(like.shape, DTYPE_NAMES[like.store_dtype], like.checksums)
+        super().__init__(like.shape, like.store_dtype, like.checksums)
         self.shares = shares
 
     def read_stored(self, keys):

@@ -61,8 +61,8 @@ class MemoryOptions:
         multiple nearest 250 (the paper's l_local): 250 for blocks of 50, 252 for blocks of 63.
     retrieval : {"per_token_head", "per_head", "per_token"}, paper Table 2 (default per_token_head
         through landmarks, per_head without them: ``FREE_RETRIEVAL``).
-    position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest top_k blocks at
-        their own slots of a (top_k + 1)-block prefix and all older ones at slot 0; exact uses
+    position_mapping : {"stingy", "exact"}; stingy (paper 3.2.1) puts the latest ``reads`` blocks
+        at their own slots of a (reads + 1)-block prefix and all older ones at slot 0; exact uses
         true positions (for models trained with positional jumps) and scores every landmark
         exactly by brute force.
     max_blocks : int, optional, only the newest ``max_blocks`` blocks can be retrieved.

@@ -36,7 +36,7 @@ class ModelShape:
 
     @property
     def key_row(self) -> int:
-        """The row whose position a block's search key is scored at: its landmark's, or its first
+        """The row whose position a block's block key is scored at: its landmark's, or its first
         (the mean of its tokens' keys rotated to their offsets)."""
         return self.block_size if self.landmarks else 0
 

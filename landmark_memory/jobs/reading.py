@@ -109,8 +109,8 @@ def _held(mem: LandmarkMemory, stream: int, entry: InputRecord) -> ReadDocument:
     # one tensor each, not a view per block (which would carry its whole chunk's storage to the driver)
     data = torch.stack([d for d, _ in stored])
     scales = None if stored[0][1] is None else torch.stack([s for _, s in stored])
-    landmarks = [mem.keys(layer, slice(None), stream=stream)[None] for layer in range(layers)]  # (1, H_kv, n, D)
-    return ReadDocument(entry, n, data, scales, landmarks, mem.tokens(stream)[None])  # ids (1, n * block_size)
+    block_keys = [mem.keys(layer, slice(None), stream=stream)[None] for layer in range(layers)]  # (1, H_kv, n, D)
+    return ReadDocument(entry, n, data, scales, block_keys, mem.tokens(stream)[None])  # ids (1, n * block_size)
 
 
 def batches(jobs: list[DocumentJob]) -> Iterator[tuple[DocumentJob, ...]]:

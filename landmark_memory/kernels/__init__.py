@@ -141,7 +141,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     -------
     Tensor (B, H, T_q, D).
     """
-    Tq = q.shape[2]
+    T_q = q.shape[2]
     if backend == "triton-onepass":
         raise ValueError("the triton-onepass backend serves landmark_attention only; use auto or triton")
     if check:
@@ -157,7 +157,7 @@ def landmark_attention_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if backend == "numba" and not compiled:
         raise ValueError(f"the numba backend takes float32 or float64 CPU tensors without autograd, got {q.dtype} "
                          f"on {q.device}{' needing gradients' if torch.is_grad_enabled() else ''}; use auto or dense")
-    if backend == "numba" or (backend == "auto" and compiled and Tq < FEW_QUERIES):
+    if backend == "numba" or (backend == "auto" and compiled and T_q < FEW_QUERIES):
         from .numba_decode import landmark_inference_numba
 
         return landmark_inference_numba(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, rope, scale,
@@ -237,8 +237,8 @@ def cmt_share(q: torch.Tensor, k: torch.Tensor, block_size: int, cmt_k: torch.Te
     _check_cmt(q, cmt_k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, cmt_k = q.float(), k.float(), cmt_k.float()
-    lse = local_group_logsumexp((q @ k.transpose(-2, -1)) * scale, block_size)  # (B, H, Tq)
-    s_cmt = ((q @ cmt_k.transpose(-2, -1)) * scale)[..., 0]  # (B, H, Tq)
+    lse = local_group_logsumexp((q @ k.transpose(-2, -1)) * scale, block_size)  # (B, H, T_q)
+    s_cmt = ((q @ cmt_k.transpose(-2, -1)) * scale)[..., 0]  # (B, H, T_q)
     return torch.sigmoid(s_cmt - lse)
 
 
@@ -252,8 +252,8 @@ def _compiled_cpu(q, *tensors):
 def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos, cmt_k, pool_scale, backend,
                      landmarks=True):
     _check_common(q, k, v, block_size, backend)
-    B, H, Tq, D = q.shape
-    if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < Tq:
+    B, H, T_q, D = q.shape
+    if k.shape[:2] != (B, H) or k.shape[-1] != D or k.shape[-2] < T_q:
         raise ValueError(f"local keys k {tuple(k.shape)} must be (B, H, T_k, D) with T_k >= T_q for q {tuple(q.shape)}")
     L = block_size + landmarks
     for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
@@ -269,8 +269,8 @@ def _check_inference(q, k, v, block_size, pool_k, pool_v, block_table, block_pos
                          f"{(*pool_k.shape[:2], D + L)} on q's device, got {pool_scale.dtype} "
                          f"{tuple(pool_scale.shape)}")
     for name, t in (("block_table", block_table), ("block_pos", block_pos)):
-        if t.dim() != 4 or t.shape[:3] != (B, H, Tq) or t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={Tq}, K), got "
+        if t.dim() != 4 or t.shape[:3] != (B, H, T_q) or t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an integer tensor (B={B}, H={H}, T_q={T_q}, K), got "
                              f"{t.dtype} {tuple(t.shape)}")
     if block_pos.shape != block_table.shape:
         raise ValueError(f"block_pos {tuple(block_pos.shape)} must match block_table {tuple(block_table.shape)}")

@@ -58,9 +58,9 @@ def _group_logits(parts, earlier, own, own_keys, block_size):
     parts : list of (..., T_q, N_i, L) block scores, N = sum of N_i; the own block is in the last.
     earlier : (..., T_q, N) bool. own : (T_q,) long, index of the own block in the last part.
     own_keys : (T_q, L) bool."""
-    lm = torch.cat([s[..., block_size] for s in parts], -1).masked_fill(~earlier, NEG_INF)  # (..., Tq, N)
+    lm = torch.cat([s[..., block_size] for s in parts], -1).masked_fill(~earlier, NEG_INF)  # (..., T_q, N)
     s = parts[-1]
-    mine = s[..., torch.arange(s.shape[-3], device=s.device), own, :].masked_fill(~own_keys, NEG_INF)  # (..., Tq, L)
+    mine = s[..., torch.arange(s.shape[-3], device=s.device), own, :].masked_fill(~own_keys, NEG_INF)  # (..., T_q, L)
     return torch.cat([lm, mine], -1)
 
 
@@ -71,7 +71,7 @@ def _grouped_weights(parts, earlier, own, own_keys, block_size, s_cmt=None, cont
     s_cmt : (..., T_q, 1), the CMT's scores, with controlled (..., N) bool, the blocks it
     controls (broadcast)."""
     N = earlier.shape[-1]
-    group = _group_logits(parts, earlier, own, own_keys, block_size)  # (..., Tq, N + L)
+    group = _group_logits(parts, earlier, own, own_keys, block_size)  # (..., T_q, N + L)
     if s_cmt is not None:
         ctrl = earlier & controlled  # the controlled landmarks each query sees
         seen = ctrl.any(-1, keepdim=True)
@@ -80,10 +80,10 @@ def _grouped_weights(parts, earlier, own, own_keys, block_size, s_cmt=None, cont
         shift = torch.where(ctrl & seen, s_cmt - lse, 0.0)
         sink = torch.where(seen, NEG_INF, s_cmt)  # the CMT's share, lost when nothing is controlled
         group = torch.cat([group[..., :N] + shift, group[..., N:], sink], -1)
-    P = torch.softmax(group, -1)  # (..., Tq, N + L [+ 1])
+    P = torch.softmax(group, -1)  # (..., T_q, N + L [+ 1])
     out, n = [], 0
     for s in parts:  # a block's tokens share its landmark's weight by a softmax inside the block
-        inside = torch.softmax(s[..., :block_size], -1)  # (..., Tq, N_i, bs)
+        inside = torch.softmax(s[..., :block_size], -1)  # (..., T_q, N_i, bs)
         P_i = P[..., n:n + s.shape[-2], None]
         # in place where nothing needs the softmax kept for a backward (one pass less over the weights)
         out.append(inside * P_i if inside.requires_grad else inside.mul_(P_i))
@@ -148,27 +148,27 @@ def landmark_inference_dense(q, k, v, block_size, pool_k, pool_v, block_table, b
     B, H, T_q, D = q.shape
     K = block_table.shape[-1]
     q = q * (D ** -0.5 if scale is None else scale)  # scaled once, not every score
-    s = _as_blocks(q @ k.transpose(-2, -1), block_size)  # (B, H, Tq, nb, L)
+    s = _as_blocks(q @ k.transpose(-2, -1), block_size)  # (B, H, T_q, nb, L)
     own, own_keys, earlier = _local_layout(k.shape[-2], T_q, block_size, q.device)
     parts = [s]
     if K:
         s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope,
-                                                       pool_scale)  # (B, H, Tq, K, L)
+                                                       pool_scale)  # (B, H, T_q, K, L)
         parts.insert(0, s_ret)
         earlier = torch.cat([block_table >= 0, earlier.expand(B, H, -1, -1)], -1)  # empty slots are not seen
     s_cmt = controlled = None
     if cmt_k is not None:  # every retrieved landmark is CMT-controlled, every local one free
-        s_cmt = q @ cmt_k.transpose(-2, -1)  # (B, H, Tq, 1)
+        s_cmt = q @ cmt_k.transpose(-2, -1)  # (B, H, T_q, 1)
         controlled = torch.arange(earlier.shape[-1], device=q.device) < K
     w = _grouped_weights(parts, earlier, own, own_keys, block_size, s_cmt, controlled)
-    out = w[-1].flatten(-2) @ _normal_rows(v, block_size)  # (B, H, Tq, D)
+    out = w[-1].flatten(-2) @ _normal_rows(v, block_size)  # (B, H, T_q, D)
     return out + read_values(w[0]) if K else out
 
 
 def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
-    """Scores of every (query, slot) against its retrieved block, (B, H, Tq, K, L), and the
-    function that turns the weights of their first rows (B, H, Tq, K, n), n <= L (a landmark
-    block's normal tokens, or every row of a block without one), into the output (B, H, Tq, D).
+    """Scores of every (query, slot) against its retrieved block, (B, H, T_q, K, L), and the
+    function that turns the weights of their first rows (B, H, T_q, K, n), n <= L (a landmark
+    block's normal tokens, or every row of a block without one), into the output (B, H, T_q, D).
     ``q`` comes scaled; an int8 pool's blocks are dequantized as they
     are read (``pool_scale`` (n_pool, H_kv, D + L)), never the whole pool.
 
@@ -196,16 +196,16 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
 
     if T_q < GATHER_BELOW:
         bh_all = torch.arange(B * H, device=q.device).view(B, H, 1, 1)
-        e = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+        e = block_table.clamp(min=0).long()  # (B, H, T_q, K)
         qb = rope(q[:, :, :, None, :], -block_pos)  # rotated back to each block's start
         k_g, v_g = (rows(r, st, bh_all, e).view(B, H, T_q, K, L, D) for r, st in ((rows_k, step_k), (rows_v, step_v)))
-        s = (qb[..., None, :] @ k_g.transpose(-2, -1))[..., 0, :]  # (B, H, Tq, K, L)
+        s = (qb[..., None, :] @ k_g.transpose(-2, -1))[..., 0, :]  # (B, H, T_q, K, L)
         return s, lambda w: (w.flatten(-2)[..., None, :] @ v_g[..., :w.shape[-1], :].flatten(-3, -2))[..., 0, :]
     flat = block_table.flatten()
     full = bool((flat >= 0).all())  # a chunk's slots are usually all filled: then no scatter is needed
-    # flat in (B, H, Tq, K), (N,)
+    # flat in (B, H, T_q, K), (N,)
     slot = torch.arange(len(flat), device=q.device) if full else (flat >= 0).nonzero()[:, 0]
-    query = slot // K  # flat in (B, H, Tq)
+    query = slot // K  # flat in (B, H, T_q)
     entry, pos = flat[slot].long(), block_pos.flatten()[slot].long()
     # each slot's query is rotated to its own block position below, so a block's rows serve every
     # slot of its (head, block) whatever the position
@@ -241,7 +241,7 @@ def _retrieved(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None)
             r += n * m
         return out.index_select(0, row)
 
-    def per_slot(x, width):  # (N, width) for the filled slots -> (B, H, Tq, K, width), empty slots 0
+    def per_slot(x, width):  # (N, width) for the filled slots -> (B, H, T_q, K, width), empty slots 0
         return (x if full else x.new_zeros((len(flat), width)).index_copy_(0, slot, x)).view(B, H, T_q, K, width)
 
     # a chunk's slots sit at a few distinct positions (stingy): angles once per position

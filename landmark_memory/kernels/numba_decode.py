@@ -58,12 +58,12 @@ def _logsumexp(x):
 
 @njit(fastmath=_FAST)
 def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq, block_size, scale, cmt_k, ps, out):
-    """q (B, H, Tq, D); k, v (B, H, Tk, D); the pool's (L, D) rows (R, L, D), entry e and head
-    g at row ``e * step + g`` (dense.pool_rows), H_kv pool heads; table, pos (B, H, Tq, K);
+    """q (B, H, T_q, D); k, v (B, H, Tk, D); the pool's (L, D) rows (R, L, D), entry e and head
+    g at row ``e * step + g`` (dense.pool_rows), H_kv pool heads; table, pos (B, H, T_q, K);
     inv_freq (D/2,) float64; cmt_k (B, H, 1, D) or (B, H, 0, D) without a CMT; ps the scales
     of an int8 pool (n_pool, H_kv, D + L), or (0, H_kv, D + L) for a float pool; out
-    (B, H, Tq, D), written. Every array C-contiguous, so inner loops vectorise."""
-    B, H, Tq, D = q.shape
+    (B, H, T_q, D), written. Every array C-contiguous, so inner loops vectorise."""
+    B, H, T_q, D = q.shape
     Tk, K, L, half = k.shape[2], table.shape[3], block_size + 1, D // 2
     G = H // H_kv  # query heads per pool head
     n_ret = K * L  # retrieved columns come first, then the local ones
@@ -72,8 +72,8 @@ def _kernel(q, k, v, rows_k, step_k, rows_v, step_v, H_kv, table, pos, inv_freq,
     acc = np.empty(D, np.float64)
     for b in range(B):
         for h in range(H):
-            for t in range(Tq):
-                x, i = q[b, h, t], Tk - Tq + t  # the query and its local position
+            for t in range(T_q):
+                x, i = q[b, h, t], Tk - T_q + t  # the query and its local position
                 own = i // L  # its block among the local ones
                 # retrieved blocks: scores at the block's own position, gated by its landmark
                 lse_ctrl, seen = -np.inf, False

@@ -25,8 +25,8 @@ _FAST = {"reassoc", "contract"}
 
 
 @njit(fastmath=_FAST, parallel=True)
-def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, ps, out):
-    """q (N, D) the scaled queries, flat over (B, H, Tq); the pool's (L, D) rows (R, L, D),
+def _scores(q, rows_k, step_k, H, G, T_q, table, which, cos, sin, ps, out):
+    """q (N, D) the scaled queries, flat over (B, H, T_q); the pool's (L, D) rows (R, L, D),
     entry e and pool head g at row ``e * step_k + g``; table, which (N, K): pool entry (-1
     empty) and index of its position's rotation in cos, sin (U, D/2); ps the scales of an int8
     pool (n_pool, H_kv, D + L), or (0, H_kv, D + L) for a float pool; out (N, K, L), written:
@@ -35,7 +35,7 @@ def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, ps, out):
     D, L = q.shape[1], out.shape[2]
     half = D // 2
     for n in prange(N):
-        g = (n // Tq) % H // G  # the pool head of query head (n // Tq) % H
+        g = (n // T_q) % H // G  # the pool head of query head (n // T_q) % H
         x, qb = q[n], np.empty(D, q.dtype)
         for j in range(K):
             e = table[n, j]
@@ -58,13 +58,13 @@ def _scores(q, rows_k, step_k, H, G, Tq, table, which, cos, sin, ps, out):
 
 
 @njit(fastmath=_FAST, parallel=True)
-def _values(w, rows_v, step_v, H, G, Tq, table, ps, out):
+def _values(w, rows_v, step_v, H, G, T_q, table, ps, out):
     """w (N, K, n) weights of each slot's first n rows (its normal ones); ps as for ``_scores``; out
     (N, D), written: the weighted sum of those rows' values over every filled slot."""
     N, K = table.shape
     bs, D = w.shape[2], out.shape[1]
     for n in prange(N):
-        g = (n // Tq) % H // G
+        g = (n // T_q) % H // G
         acc = np.zeros(D, out.dtype)
         for j in range(K):
             e = table[n, j]
@@ -79,9 +79,9 @@ def _values(w, rows_v, step_v, H, G, Tq, table, ps, out):
 
 
 def retrieved_compiled(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale=None):
-    """``dense._retrieved`` compiled: scores (B, H, Tq, K, L) of every (query, slot) against its
+    """``dense._retrieved`` compiled: scores (B, H, T_q, K, L) of every (query, slot) against its
     block (``q`` comes scaled), and the function that turns the weights of their normal rows
-    (B, H, Tq, K, n) into the output (B, H, Tq, D). An int8 pool is read in place."""
+    (B, H, T_q, K, n) into the output (B, H, T_q, D). An int8 pool is read in place."""
     B, H, T_q, D = q.shape
     K, H_kv, L = block_table.shape[-1], pool_k.shape[1], pool_k.shape[2]
     ps = (pool_scale if pool_scale is not None else torch.empty((0, H_kv, D + L))).contiguous().numpy()

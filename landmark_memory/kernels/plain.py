@@ -20,22 +20,22 @@ from ..core.rope import as_rotary
 from .dense import NEG_INF, _retrieved
 
 
-def _causal(Tk, Tq, device):
-    """(Tq, Tk) bool: the local keys each of the last ``Tq`` of ``Tk`` positions sees."""
-    return torch.arange(Tk, device=device)[None, :] <= torch.arange(Tk - Tq, Tk, device=device)[:, None]
+def _causal(Tk, T_q, device):
+    """(T_q, Tk) bool: the local keys each of the last ``T_q`` of ``Tk`` positions sees."""
+    return torch.arange(Tk, device=device)[None, :] <= torch.arange(Tk - T_q, Tk, device=device)[:, None]
 
 
 def block_inference_reference(q, k, v, pool_k, pool_v, block_table, block_pos, rope=10000.0, scale=None):
     """One softmax per query over its retrieved blocks' rows, each at its block's position,
     and the local keys it sees (causal). Arguments as ``block_attention_inference``'s."""
-    B, H, Tq, D = q.shape
+    B, H, T_q, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     heads = torch.arange(H, device=q.device)[None, :, None, None] // (H // pool_k.shape[1])
-    rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
-    qb = as_rotary(rope, D)(q[:, :, :, None, :], -block_pos)  # (B, H, Tq, K, D) back to each block's start
-    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]) * scale  # (B, H, Tq, K, L)
+    rows = block_table.clamp(min=0).long()  # (B, H, T_q, K)
+    qb = as_rotary(rope, D)(q[:, :, :, None, :], -block_pos)  # (B, H, T_q, K, D) back to each block's start
+    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]) * scale  # (B, H, T_q, K, L)
     s_ret = s_ret.masked_fill((block_table < 0)[..., None], NEG_INF).flatten(-2)
-    s_loc = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~_causal(k.shape[-2], Tq, q.device), NEG_INF)
+    s_loc = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~_causal(k.shape[-2], T_q, q.device), NEG_INF)
     w = torch.softmax(torch.cat([s_ret, s_loc], -1), -1)
     n = s_ret.shape[-1]
     return torch.einsum("bhqn,bhqnd->bhqd", w[..., :n], pool_v[rows, heads].flatten(3, 4)) + w[..., n:] @ v
@@ -66,7 +66,7 @@ def block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope=
     pool (``pool_scale``) is read in place too. ``shared``: the table's last ``shared`` columns
     hold, per stream and head, the same blocks at the same positions for every query: they are
     read as keys before the local ones (all in every query's past)."""
-    B, H, Tq, D = q.shape
+    B, H, T_q, D = q.shape
     bias = None
     if shared and block_table.shape[-1] and pool_k.shape[0]:
         sk, sv, bias = _shared_kv(pool_k, pool_v, block_table[:, :, 0, -shared:], block_pos[:, :, 0, -shared:], rope,
@@ -74,15 +74,15 @@ def block_inference_dense(q, k, v, pool_k, pool_v, block_table, block_pos, rope=
         k, v = torch.cat([sk, k], 2), torch.cat([sv, v], 2)  # (B, H, S * L + Tk, D)
         block_table, block_pos = block_table[..., :-shared], block_pos[..., :-shared]
     q = q * (D ** -0.5 if scale is None else scale)  # scaled once
-    s_loc = (q @ k.transpose(-2, -1)).masked_fill(~_causal(k.shape[-2], Tq, q.device), NEG_INF)  # (B, H, Tq, Tk)
+    s_loc = (q @ k.transpose(-2, -1)).masked_fill(~_causal(k.shape[-2], T_q, q.device), NEG_INF)  # (B, H, T_q, Tk)
     if bias is not None:  # the empty shared columns' rows
         s_loc[..., :bias.shape[-1]] += bias
     if block_table.shape[-1] == 0 or pool_k.shape[0] == 0:
         return torch.softmax(s_loc, -1) @ v
     s_ret, read_values = (retrieved or _retrieved)(q, pool_k, pool_v, block_table, block_pos, rope, pool_scale)
-    s_ret = s_ret.masked_fill((block_table < 0)[..., None], NEG_INF)  # (B, H, Tq, K, L)
-    # (B, H, Tq, 1), finite: a query sees itself
+    s_ret = s_ret.masked_fill((block_table < 0)[..., None], NEG_INF)  # (B, H, T_q, K, L)
+    # (B, H, T_q, 1), finite: a query sees itself
     top = torch.maximum(s_loc.amax(-1), s_ret.flatten(-2).amax(-1))[..., None]
     p_loc, p_ret = torch.exp(s_loc - top), torch.exp(s_ret - top[..., None])
-    total = p_loc.sum(-1, keepdim=True) + p_ret.flatten(-2).sum(-1, keepdim=True)  # (B, H, Tq, 1)
+    total = p_loc.sum(-1, keepdim=True) + p_ret.flatten(-2).sum(-1, keepdim=True)  # (B, H, T_q, 1)
     return (p_loc @ v + read_values(p_ret)) / total

@@ -72,7 +72,7 @@ def grouped_softmax(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def _gated_weights(scores, G, own, gate_col, zero_col):
     """Equations 3-4 from scores and groups, for any key layout.
 
-    scores, G : (..., Tq, N); own : (Tq,) the query's own group id; gate_col : (N,) column of
+    scores, G : (..., T_q, N); own : (T_q,) the query's own group id; gate_col : (N,) column of
     each key's landmark (ignored where unused); zero_col : (..., N) bool, keys whose final
     weight is 0 (landmarks)."""
     S = grouped_softmax(scores, G)
@@ -123,40 +123,40 @@ def landmark_inference_reference(q, k, v, block_size, pool_k, pool_v, block_tabl
     See ``landmark_attention_inference`` for the arguments."""
     from ..core.rope import as_rotary
 
-    B, H, Tq, D = q.shape
-    Tk, n_slots, L = k.shape[-2], block_table.shape[-1], block_size + 1
+    B, H, T_q, D = q.shape
+    Tk, K, L = k.shape[-2], block_table.shape[-1], block_size + 1
     scale = D ** -0.5 if scale is None else scale
-    i = torch.arange(Tk - Tq, Tk, device=q.device)  # query positions in the local layout
+    i = torch.arange(Tk - T_q, Tk, device=q.device)  # query positions in the local layout
     p_loc = landmark_positions(Tk, block_size, q.device)
-    own = p_loc[i]  # (Tq,)
+    own = p_loc[i]  # (T_q,)
 
     heads = torch.arange(H, device=q.device)[None, :, None,
                                              None] // (H // pool_k.shape[1])  # pool head of each query head
-    rows = block_table.clamp(min=0).long()  # (B, H, Tq, K)
+    rows = block_table.clamp(min=0).long()  # (B, H, T_q, K)
     # <R(p_q) q, R(P + t) k> = <R(-P) R(p_q) q, R(t) k>: rotate the query back by the block's
     # start instead of every gathered key forward (RoPE scores depend only on differences)
-    qb = as_rotary(rope, D)(q[:, :, :, None, :], -block_pos)  # (B, H, Tq, K, D)
-    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]).flatten(-2) * scale  # (B, H, Tq, K * L)
-    rv = pool_v[rows, heads]  # (B, H, Tq, K, L, D)
-    s_loc = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    qb = as_rotary(rope, D)(q[:, :, :, None, :], -block_pos)  # (B, H, T_q, K, D)
+    s_ret = torch.einsum("bhqkd,bhqkld->bhqkl", qb, pool_k[rows, heads]).flatten(-2) * scale  # (B, H, T_q, K * L)
+    rv = pool_v[rows, heads]  # (B, H, T_q, K, L, D)
+    s_loc = (q @ k.transpose(-2, -1)) * scale  # (B, H, T_q, Tk)
 
-    slot = torch.arange(n_slots, device=q.device)[:, None]
+    slot = torch.arange(K, device=q.device)[:, None]
     t = torch.arange(L, device=q.device)[None, :]
-    ctrl_group = Tk + 1 + n_slots  # group "-2" of the CMT-controlled (retrieved) landmarks
+    ctrl_group = Tk + 1 + K  # group "-2" of the CMT-controlled (retrieved) landmarks
     lm_group = own[:, None, None] if cmt_k is None else torch.full_like(own[:, None, None], ctrl_group)
-    G_ret = torch.where(t == block_size, lm_group, Tk + 1 + slot)  # (Tq, K, L): unique group per slot
-    G_ret = torch.where((block_table < 0)[..., None], -1, G_ret).flatten(-2)  # (B, H, Tq, K * L)
-    G_loc = landmark_groups(Tk, block_size, q.device)[i].expand(B, H, Tq, Tk)
-    gate_col = torch.cat([(slot * L + block_size).expand(n_slots, L).flatten(), n_slots * L + p_loc.clamp(max=Tk - 1)])
-    zero_col = torch.cat([(t == block_size).expand(n_slots, L).flatten(), landmark_mask(Tk, block_size, q.device)])
+    G_ret = torch.where(t == block_size, lm_group, Tk + 1 + slot)  # (T_q, K, L): unique group per slot
+    G_ret = torch.where((block_table < 0)[..., None], -1, G_ret).flatten(-2)  # (B, H, T_q, K * L)
+    G_loc = landmark_groups(Tk, block_size, q.device)[i].expand(B, H, T_q, Tk)
+    gate_col = torch.cat([(slot * L + block_size).expand(K, L).flatten(), K * L + p_loc.clamp(max=Tk - 1)])
+    zero_col = torch.cat([(t == block_size).expand(K, L).flatten(), landmark_mask(Tk, block_size, q.device)])
     scores, G = torch.cat([s_ret, s_loc], -1), torch.cat([G_ret, G_loc], -1)
     if cmt_k is None:
         W = _gated_weights(scores, G, own, gate_col, zero_col)
     else:  # the CMT as a last column in the query's group; retrieved tokens gated by it too
         S = grouped_softmax(torch.cat([scores, (q @ cmt_k.transpose(-2, -1)) * scale], -1),
-                            torch.cat([G, own[:, None].expand(B, H, Tq, 1)], -1))
+                            torch.cat([G, own[:, None].expand(B, H, T_q, 1)], -1))
         S, S_cmt = S[..., :-1], S[..., -1:]
         gate = S.gather(-1, gate_col.expand_as(S)) * torch.cat([S_cmt.expand_as(s_ret), torch.ones_like(s_loc)], -1)
         W = torch.where(zero_col, 0, torch.where(G == own[:, None], S, S * gate))
-    return (torch.einsum("bhqn,bhqnd->bhqd", W[..., :n_slots * L], rv.flatten(3, 4))
-            + W[..., n_slots * L:] @ v)
+    return (torch.einsum("bhqn,bhqnd->bhqd", W[..., :K * L], rv.flatten(3, 4))
+            + W[..., K * L:] @ v)

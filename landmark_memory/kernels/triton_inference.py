@@ -97,23 +97,24 @@ def landmark_inference_triton(q, k, v, block_size, pool_k, pool_v, block_table, 
 
     scale = _check_backend(q) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    B, H, Tq, D = q.shape
+    B, H, T_q, D = q.shape
     # the pool may be a strided view into the hot-cache arena: only each block must be dense
     pool_k, pool_v = (p if p.stride()[1:] == (p.shape[2] * D, D, 1) else p.contiguous() for p in (pool_k, pool_v))
-    Tk, n_slots = k.shape[-2], block_table.shape[-1]
+    Tk, K = k.shape[-2], block_table.shape[-1]
     LP, BPT, BLOCK_M = _tiling(block_size)
     o_loc = _empty_like(q, dtype=torch.float32)
-    lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, Tq)
+    lse = _empty_like(q[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format)  # (B, H, T_q)
     meta = dict(BS=block_size, LP=LP, BPT=BPT, BLOCK_M=BLOCK_M, HEAD_DIM=D, UPCAST=_INTERPRET, HAS_CMT=False)
-    _fwd_kernel[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, o_loc, lse, lse, lse, lse, lse, Tq, Tk, H, 0, scale, **meta)
+    _fwd_kernel[(triton.cdiv(T_q, BLOCK_M), B * H)](q, k, v, o_loc, lse, lse, lse, lse, lse, T_q, Tk, H, 0, scale,
+                                                    **meta)
     s_cmt = None if cmt_k is None else ((q.float() @ cmt_k.float().transpose(-2, -1)) * scale)[..., 0].contiguous()
-    if n_slots == 0:  # with a CMT, its share of the group is lost
+    if K == 0:  # with a CMT, its share of the group is lost
         return (o_loc if s_cmt is None else o_loc * torch.sigmoid(lse - s_cmt)[..., None]).to(q.dtype)
-    cos, sin = as_rotary(rope, D).cos_sin(-block_pos, q.device)  # (B, H, Tq, K, D/2)
+    cos, sin = as_rotary(rope, D).cos_sin(-block_pos, q.device)  # (B, H, T_q, K, D/2)
     out = _empty_like(q)
     ps = lse if pool_scale is None else pool_scale.contiguous()  # lse: a placeholder the kernel never reads
-    _retrieved_kernel[(Tq, B * H)](q, pool_k, pool_v, ps, block_table.to(torch.int32).contiguous(), cos, sin, o_loc,
-                                   lse, lse if s_cmt is None else s_cmt, out, Tq, H, H // pool_k.shape[1], n_slots,
+    _retrieved_kernel[(T_q, B * H)](q, pool_k, pool_v, ps, block_table.to(torch.int32).contiguous(), cos, sin, o_loc,
+                                   lse, lse if s_cmt is None else s_cmt, out, T_q, H, H // pool_k.shape[1], K,
                                    pool_k.stride(0), pool_v.stride(0), 0 if pool_scale is None else ps[0].numel(),
                                    scale,
                                    BS=block_size, LP=LP, HEAD_DIM=D, HAS_CMT=s_cmt is not None,

@@ -23,16 +23,16 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     -------
     Tensor (B, H, T_q, D).
     """
-    B, H, Tq, D = q.shape
+    B, H, T_q, D = q.shape
     Tk, G = k.shape[2], H // k.shape[1]
-    if window < 1 or Tk < Tq or k.shape[1] * G != H:
+    if window < 1 or Tk < T_q or k.shape[1] * G != H:
         raise ValueError(f"sliding_window_attention needs window >= 1 (got {window}), T_k >= T_q "
                          f"(k {tuple(k.shape)}, q {tuple(q.shape)}) and H_kv dividing H")
     if G > 1:
         k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # (B, H, Tk, D)
-    if Tq == 1 and Tk <= window:  # a decoding step over its window: every key is seen, no mask to build
+    if T_q == 1 and Tk <= window:  # a decoding step over its window: every key is seen, no mask to build
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    i = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]  # (Tq, 1) the queries' positions
+    i = torch.arange(Tk - T_q, Tk, device=q.device)[:, None]  # (T_q, 1) the queries' positions
     j = torch.arange(Tk, device=q.device)  # (Tk,)
-    seen = (j <= i) & (j > i - window)  # (Tq, Tk)
+    seen = (j <= i) & (j > i - window)  # (T_q, Tk)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale)

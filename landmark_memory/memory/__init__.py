@@ -4,7 +4,7 @@ part:
 
     retrieval.py  the retrieval policy as pure functions: top-k selection, block positions
     key_sums.py   running sums of the landmark keys (the mean key that centring subtracts)
-    landmark_keys.py  the landmark key rows and their indexes per (stream, layer, kv head)
+    block_keys.py the block key rows (landmark or mean keys) and their indexes per (stream, layer, kv head)
     blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache, and
                   what a commit writes of them and opening reads back
     lookup.py     BlockLookup, which blocks each query reads: landmark scores, policy, positions

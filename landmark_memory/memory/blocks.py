@@ -1,4 +1,4 @@
-"""The blocks a memory holds: their landmark keys and indexes (``landmark_keys.py``: per
+"""The blocks a memory holds: their block keys and indexes (``block_keys.py``: per
 (stream, layer, key/value head) float32 rows, a saved memory's in files of their own, mapped,
 and the index that searches them), every block's keys and values in the store behind the hot
 cache, and the token ids of every block.
@@ -32,8 +32,8 @@ from ..index import LandmarkIndex, derived_from_rows
 from ..index.rows import KeyFileError
 from ..storage import STORE_KINDS, BlockStore, HotCache, OverlayStore, StoreDamagedError, open_store
 from ..storage.sharded import Shard, ShardedStore, open_budget
+from .block_keys import BlockKeys
 from .key_sums import KeySums
-from .landmark_keys import LandmarkKeys
 
 
 class BlockMemory:
@@ -65,7 +65,7 @@ class BlockMemory:
         self.streams: int | None = None  # batch size, fixed by the first chunk
         self.n_blocks = 0  # blocks per stream
         self.key_path = key_path
-        self.landmarks = LandmarkKeys(shape, options, key_path, not readonly, self.where)  # keys and indexes
+        self.keys = BlockKeys(shape, options, key_path, not readonly, self.where)  # keys and indexes
         self.ids = TokenRows(shape.block_size)  # the token ids of the blocks in ``indexes``
         # read-only: blocks [0, base) are saved (in ``indexes``), later ones in ``upper``; None: all in ``indexes``
         self.base: int | None = 0 if readonly else None
@@ -122,7 +122,7 @@ class BlockMemory:
     def start(self, streams: int) -> None:
         """Fix the number of streams and create their (empty) landmark keys and indexes."""
         self.streams = streams
-        self.landmarks.start(streams)
+        self.keys.start(streams)
 
     # ---- the blocks past a read-only memory's saved ones -----------------------------------
     def attach(self, upper: "BlockMemory") -> None:
@@ -159,7 +159,7 @@ class BlockMemory:
             return
         B, L, bs, nb = self.streams, self.L, self.shape.block_size, self.n_blocks
         n_new = ids.shape[1] // bs
-        items, landmarks = {}, []
+        items, keys = {}, []
         for layer, (k, v) in enumerate(kv):
             H, D = k.shape[1], k.shape[-1]
             blocks = torch.stack([k, v], 1).view(B, 2, H, n_new, L, D).transpose(2, 3)  # (B, 2, n_new, H, L, D)
@@ -169,12 +169,12 @@ class BlockMemory:
             for b in range(B):
                 for c in range(n_new):
                     items[(b, layer, nb + c)] = blocks[b, :, c]
-            landmarks.append(self._search_keys(k.view(B, H, n_new, L, D)))  # (B, H, n_new, D)
+            keys.append(self._new_block_keys(k.view(B, H, n_new, L, D)))  # (B, H, n_new, D)
         with disk_errors(f"the block store of {self.where}"):
             self.store.put(items)
-        self.add_blocks(landmarks, ids)
+        self.add_blocks(keys, ids)
 
-    def _search_keys(self, k: torch.Tensor) -> torch.Tensor:
+    def _new_block_keys(self, k: torch.Tensor) -> torch.Tensor:
         """The keys blocks are searched by, (B, H_kv, n, D), from their un-rotated keys (B, H_kv,
         n, L, D): each block's landmark key, or (no landmarks) the mean of its tokens' keys
         rotated to their offsets in the block, so that a query's score against it, the block
@@ -183,18 +183,18 @@ class BlockMemory:
             return k[:, :, :, self.shape.block_size]
         return self.rope(k, self.offsets.to(k.device)).float().mean(-2)
 
-    def add_blocks(self, landmarks: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *,
+    def add_blocks(self, keys: list[torch.Tensor], ids: torch.Tensor | np.ndarray, *,
                    indexed: bool = True) -> None:
         """Add blocks whose keys and values the store holds already: per layer their landmark
         keys (B, H_kv, n, D), and their normal token ids (B, n * block_size); ``indexed=False``
         leaves the indexes to the caller."""
-        with self.landmarks.errors():
-            for layer, lm in enumerate(landmarks):
-                self.landmarks.add(lm.float().cpu().numpy(), layer, indexed)  # (B, H, n, D)
+        with self.keys.errors():
+            for layer, lm in enumerate(keys):
+                self.keys.add(lm.float().cpu().numpy(), layer, indexed)  # (B, H, n, D)
         self.n_blocks += self.ids.add(ids)
 
     # ---- reading --------------------------------------------------------------------------
-    def landmark_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
+    def block_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
         """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``, in the model's dtype."""
         ids = np.arange(self.n_blocks)[blocks] if isinstance(blocks, slice) else blocks.cpu().numpy()
         return torch.from_numpy(self._key_rows(layer, ids)).to(self.device, self.dtype)
@@ -215,9 +215,9 @@ class BlockMemory:
         base = self.n_blocks if self.base is None else self.base
         saved, fed = ids < base, ids >= base
         out = np.empty((self.streams, self.shape.n_kv_head, len(ids), self.shape.head_dim), np.float32)
-        self.landmarks.read(layer, ids[saved], out, saved)
+        self.keys.read(layer, ids[saved], out, saved)
         if fed.any():
-            self.upper.landmarks.read(layer, ids[fed] - base, out, fed)
+            self.upper.keys.read(layer, ids[fed] - base, out, fed)
         return out
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int,
@@ -236,7 +236,7 @@ class BlockMemory:
         D : float32 (B, H, T_q, k), scores, -inf where none; I : int64 ids, -1 there;
         skipped : int, layer-heads not searched.
         """
-        B, H, Tq, dim = xq.shape
+        B, H, T_q, dim = xq.shape
         base = self.n_blocks if self.base is None else self.base  # a served corpus's shares search the saved ones
         s = self.remote.search(layer, xq, need, k, lo, min(hi, base), group) if self.remote and lo < base else None
         if need is None:  # every query: each key/value head's query heads in one call, no masks
@@ -244,10 +244,10 @@ class BlockMemory:
                                 s and (s[0][b, g * group:(g + 1) * group].reshape(-1, k),
                                        s[1][b, g * group:(g + 1) * group].reshape(-1, k)))
                    for b in range(B) for g in range(H // group)]
-            D, I = (np.stack([x[j] for x in out]).reshape(B, H, Tq, k) for j in (0, 1))
+            D, I = (np.stack([x[j] for x in out]).reshape(B, H, T_q, k) for j in (0, 1))
             return D, I, 0
-        D = np.full((B, H, Tq, k), -np.inf, np.float32)
-        I = np.full((B, H, Tq, k), -1, np.int64)
+        D = np.full((B, H, T_q, k), -np.inf, np.float32)
+        I = np.full((B, H, T_q, k), -1, np.int64)
         skipped = int((~need.any(-1)).sum())  # layer-heads whose queries are all below the CMT cutoff
         for b in range(B):
             for g in range(H // group):  # the query heads of a key/value head search its index in one call
@@ -264,7 +264,7 @@ class BlockMemory:
         higher score first; of equal ones, the saved block)."""
         base = self.n_blocks if self.base is None else self.base
         try:
-            D, I = saved or self.landmarks.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
+            D, I = saved or self.keys.indexes[b][layer][h].search(xq, k, lo, min(hi, base))
         except KeyFileError as e:  # (an index may read its own files at its first search)
             raise damaged(str(e)) from None
         if hi <= base:
@@ -316,7 +316,7 @@ class BlockMemory:
         was cut since it was mapped: reading a page past a file's end would be a SIGBUS."""
         try:
             self.store.check()
-            for rows in self.landmarks.files():
+            for rows in self.keys.files():
                 rows.check()
         except (StoreDamagedError, KeyFileError) as e:
             raise damaged(str(e)) from None
@@ -325,16 +325,16 @@ class BlockMemory:
             self.upper.check_files()
 
     def all_indexes(self) -> list[LandmarkIndex]:
-        return self.landmarks.all_indexes() + (self.upper.all_indexes() if self.upper is not None else [])
+        return self.keys.all_indexes() + (self.upper.all_indexes() if self.upper is not None else [])
 
     def index(self, stream: int, layer: int, head: int) -> LandmarkIndex:
         """The landmark index of key/value head ``head`` of ``layer`` in ``stream``."""
-        return self.landmarks.indexes[stream][layer][head]
+        return self.keys.indexes[stream][layer][head]
 
     def usage(self) -> tuple[int, int]:
         """``(fast, store)`` bytes: landmark keys, indexes and resident hot blocks; every
         block's keys and values in the store."""
-        fast = self.landmarks.nbytes() + self.cache.bytes + (self.upper.usage()[0] if self.upper is not None else 0)
+        fast = self.keys.nbytes() + self.cache.bytes + (self.upper.usage()[0] if self.upper is not None else 0)
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
 
     def rewind(self) -> None:
@@ -352,7 +352,7 @@ class BlockMemory:
     def close(self) -> dict[str, tuple]:
         """Release the key files (a writer's cut to the keys that count) and the store; returns
         ``{file: FileWatch.kept}`` of a writer's files no other changed: what its seals vouch for."""
-        kept = self.landmarks.close()
+        kept = self.keys.close()
         self.store.close()
         return kept
 
@@ -364,17 +364,17 @@ class BlockMemory:
     def sync_keys(self, first: int, crcs: dict[str, int]) -> dict[str, int]:
         """Make the landmark keys durable; ``{key file: CRC-32}`` of all its rows, carried on
         from ``crcs`` (those of its rows before block ``first``)."""
-        return self.landmarks.sync(first, crcs)
+        return self.keys.sync(first, crcs)
 
     def drop_stale_files(self) -> None:
         """Remove the index files no reader needs any more (after a commit: the kind's
         ``stale_files``)."""
-        self.landmarks.drop_stale_files(self.all_indexes())
+        self.keys.drop_stale_files(self.all_indexes())
 
     def index_state(self) -> dict[str, torch.Tensor]:
         """Every index in FAISS's serialisation, named ``index.<stream>.<layer>.<head>``; none
         for a kind that the landmark rows rebuild (``index.derived_from_rows``)."""
-        return self.landmarks.state()
+        return self.keys.state()
 
     def extend(self, layout: RowLayout, n_blocks: int, rows: dict[str, bytes], state: dict[str, torch.Tensor],
                where: Path) -> None:
@@ -399,11 +399,11 @@ class BlockMemory:
                 self.add_blocks(layout.decode_landmarks(rows[LANDMARKS], self.device), ids, indexed=derived)
                 self.base = base
             else:  # the key files hold them: mapped as far as they count now
-                self.landmarks.follow(n_blocks)
+                self.keys.follow(n_blocks)
                 self.n_blocks += self.ids.add(ids)
         if not derived:
-            self.landmarks.load(state, B, where)
-        if any(ix.ntotal != n_blocks for ix in self.landmarks.all_indexes()):
+            self.keys.load(state, B, where)
+        if any(ix.ntotal != n_blocks for ix in self.keys.all_indexes()):
             raise damaged(f"the indexes of {where}", f"do not hold the {n_blocks} blocks the manifest names")
         try:
             if n_blocks:

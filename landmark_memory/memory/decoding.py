@@ -54,7 +54,7 @@ class Decoder:
     kv : per memory layer (k, k rotated, v) of those positions, (B, H_kv, P', D), or None.
     windows : per sliding-window layer (k, v) of the last positions its window reads, no RoPE.
     observer : called at each memory layer of a step with (memory layer, the layer's input
-        (B, Tq, C), raw queries (B, H, Tq, D), at_search angles, the step's normal rows): what a
+        (B, T_q, C), raw queries (B, H, T_q, D), at_search angles, the step's normal rows): what a
         question reader reads (``answer.point``); None.
     """
 
@@ -129,12 +129,12 @@ class Decoder:
         x = insert_landmarks(ids, bs, bb.landmark_id) if s.landmarks else ids  # (B, Tk) the chunk so far
         p0, Tk = s.rows_of(P), x.shape[1]
         at_q, at_search = self._angles(p0, Tk)
-        h = bb.embed(x[:, p0:])  # (B, Tq, C)
+        h = bb.embed(x[:, p0:])  # (B, T_q, C)
         # the new positions that are normal tokens: all of them unless the step closes a block
         normal = slice(None) if Tk - p0 == new.shape[1] else ~landmark_mask(Tk, bs, self.device)[p0:]
         retrieved, new_kv, windows = [], [], {}
         for layer in range(bb.n_layer):
-            q, k, v = bb.qkv(layer, h)  # (B, H, Tq, D) and (B, H_kv, Tq, D) x 2, no RoPE
+            q, k, v = bb.qkv(layer, h)  # (B, H, T_q, D) and (B, H_kv, T_q, D) x 2, no RoPE
             if bb.windows[layer]:  # a sliding-window layer: no memory, its last positions only
                 y, windows[layer] = self._window(layer, q, k, v)
                 h = bb.finish(layer, h, y)
@@ -152,7 +152,7 @@ class Decoder:
             if self.cmt_k is not None:
                 cmt_k = self.cmt_k[m].expand(q.shape[0], -1, -1, -1).to(qr.dtype)  # (B, H, 1, D)
                 if o.cmt_cutoff > 0:  # the CMT's share needs only local keys: decide before searching
-                    skip = cmt_share(qr, local_k, bs, cmt_k) < o.cmt_cutoff  # (B, H, Tq)
+                    skip = cmt_share(qr, local_k, bs, cmt_k) < o.cmt_cutoff  # (B, H, T_q)
             ids_used, block_pos = self.choose(m, q, qr, at_search, skip)
             read, block_pos, shared = _read_columns(ids_used, block_pos, self._shared())
             table, pool_k, pool_v, pool_scale = self.blocks.pool(m, read)
@@ -180,20 +180,20 @@ class Decoder:
         return o.reads if o.retrieval == "per_head" else o.reads - o.top_k
 
     def _window(self, layer, q, k, v):
-        """A sliding-window layer's attention for the step's queries ``q`` (B, H, Tq, D) over the
-        positions its window still reads and the step's ``k``, ``v`` (B, H_kv, Tq, D), no RoPE;
+        """A sliding-window layer's attention for the step's queries ``q`` (B, H, T_q, D) over the
+        positions its window still reads and the step's ``k``, ``v`` (B, H_kv, T_q, D), no RoPE;
         and what its window reads after the step. Keys are rotated where they sit in the window
         (RoPE scores depend only on position differences), so where the memory puts the chunk
         does not matter to these layers."""
         bb, past = self.backbone, self.windows.get(layer)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, H_kv, Tk, D)
-        Tk, Tq, window = k.shape[2], q.shape[2], bb.windows[layer]
+        Tk, T_q, window = k.shape[2], q.shape[2], bb.windows[layer]
         if self._window_angles is None or self._window_angles[0].shape[0] < Tk:  # made once: every step slices them
             pos = torch.arange(max(Tk, window + self.shape.rows_of(self.options.chunk_size)), device=self.device)
             self._window_angles = bb.window_rope.angles(pos, dtype=rotation_dtype(self.blocks.dtype))
         cos, sin = self._window_angles
-        qr = bb.window_rope.rotate((cos[Tk - Tq:Tk], sin[Tk - Tq:Tk]), q)
+        qr = bb.window_rope.rotate((cos[Tk - T_q:Tk], sin[Tk - T_q:Tk]), q)
         kr = bb.window_rope.rotate((cos[:Tk], sin[:Tk]), k)
         y = sliding_window_attention(qr, kr, v, window, bb.window_scale)
         keep = max(Tk - (window - 1), 0)  # the next query reads the window - 1 positions before it
@@ -214,7 +214,7 @@ class Decoder:
 
 
 def _read_columns(ids: torch.Tensor, pos: torch.Tensor, shared: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The columns of a step's block table (B, H, Tq, reads) that some query reads, with their
+    """The columns of a step's block table (B, H, T_q, reads) that some query reads, with their
     positions, and how many of the last ``shared`` remain: a ``top_k`` larger than the blocks
     in memory (every block read, at exact positions, to prove the memory exact) leaves most
     columns empty, and the kernels' work grows with the columns, not the blocks."""

@@ -149,7 +149,7 @@ class LandmarkMemory:
         """Feed normal token ids ``idx`` (B, T); returns ``MemoryOutput``. ``logits``: ``"all"``
         (B, T, vocab); ``"last"`` (B, 1, vocab), all that generating after a prompt needs;
         ``"none"`` (B, 0, vocab), for reading text into memory (``build``): no output head.
-        ``retrieved``: report the blocks each token chose (False: none, T x top_k ids a layer)."""
+        ``retrieved``: report the blocks each token chose (False: none, T x n_chosen ids a layer)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"idx must be integer token ids of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
         if logits not in LOGITS:
@@ -203,11 +203,11 @@ class LandmarkMemory:
         return self._blocks.tokens(stream, first, last)
 
     def keys(self, layer: int, blocks: torch.Tensor | slice, rows: bool = False, stream: int = 0) -> torch.Tensor:
-        """float32 keys of ``stream``'s ``blocks`` (n,) at memory layer ``layer``: their search keys
-        (landmarks, or mean keys) (H_kv, n, D), not rotated; with ``rows``, every row's key (n, H_kv,
+        """float32 keys of ``stream``'s ``blocks`` (n,) at memory layer ``layer``: their block keys
+        (landmark or mean keys) (H_kv, n, D), not rotated; with ``rows``, every row's key (n, H_kv,
         rows, D), rotated by its offset in its block (as a retrieved block's rows are read)."""
         if not rows:
-            return self._blocks.landmark_keys(layer, blocks)[stream].float()
+            return self._blocks.block_keys(layer, blocks)[stream].float()
         return torch.stack(self._blocks.cache.get([(stream, layer, int(b)) for b in blocks]))[:, 0].float()
 
     @contextmanager
@@ -276,17 +276,17 @@ class LandmarkMemory:
             self._decoder.take(blocks.chunk)
         self.attached = owner
 
-    def add_document(self, shard, packed: bool, landmarks: list[torch.Tensor] | None, ids: np.ndarray,
+    def add_document(self, shard, packed: bool, block_keys: list[torch.Tensor] | None, ids: np.ndarray,
                      source=None) -> None:
         """A corpus writer's next document (``corpus.merge_document``): its store as ``shard`` of the
         corpus's, or ``packed``, copied into the corpus's (from ``source``, a store of it read in RAM,
-        if given); then its blocks' ``landmarks`` (per layer (1, H_kv, n, D)) and token ``ids`` (1,
+        if given); then its blocks' ``block_keys`` (per layer (1, H_kv, n, D)) and token ``ids`` (1,
         n * block_size), None when it has no block."""
         if self.streams is None:
             self._blocks.start(1)
         self._blocks.add_document(shard, packed, source)  # (a packed one's blocks copied before any key is searched)
-        if landmarks is not None:
-            self._blocks.add_blocks(landmarks, ids)
+        if block_keys is not None:
+            self._blocks.add_blocks(block_keys, ids)
 
     # ---- saved ----------------------------------------------------------------------------
     dir = property(lambda self: self._files.dir, doc="The memory's folder, ``MemoryDir`` (None: not saved).")

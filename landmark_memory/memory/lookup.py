@@ -55,18 +55,18 @@ class BlockLookup:
 
     def choose(self, layer: int, q: torch.Tensor, qr: torch.Tensor, at_search: tuple, skip: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block ids (B, H, Tq, reads') each query reads (-1 = none): its ``top_k`` (the pinned
+        """Block ids (B, H, T_q, reads') each query reads (-1 = none): its ``top_k`` (the pinned
         blocks, ``pinned``, then its own choice), then ``reads - top_k`` columns of the sink and
         local blocks every query reads; and the positions their first rows sit at. The chosen
         columns are fewer than ``top_k`` where fewer blocks are candidates (a ``top_k`` over the
         memory's size, every block read to prove it exact, would make every step's tables that
         wide): reads' = reads - top_k + the chosen columns. ``at_search``:
         ``rope.angles`` of the positions the raw queries ``q`` search older blocks from;
-        ``skip`` (B, H, Tq) bool: queries that retrieve nothing."""
-        B, H, Tq, D = q.shape
+        ``skip`` (B, H, T_q) bool: queries that retrieve nothing."""
+        B, H, T_q, D = q.shape
         o, L, r, nb, device = self.options, self.blocks.L, self.key_row, self.blocks.n_blocks, self.blocks.device
         lo = max(0, nb - o.max_blocks) if o.max_blocks else 0
-        empty = q.new_full((B, H, Tq, o.reads), -1, dtype=torch.long)
+        empty = q.new_full((B, H, T_q, o.reads), -1, dtype=torch.long)
         if nb == lo:
             return empty, torch.zeros_like(empty)
         # the retrievable blocks [lo, nb): the first sink_blocks and the last local_blocks are read by
@@ -80,7 +80,7 @@ class BlockLookup:
         pinned_np = self.pinned[(self.pinned >= c_lo) & (self.pinned < c_hi)]  # a sink or local block is read anyway
         pinned = torch.from_numpy(pinned_np).to(device)
         stats = self.stats
-        stats.queries += B * H * Tq
+        stats.queries += B * H * T_q
         if skip is not None:
             stats.skipped_queries += int(skip.sum())
             if skip.all():  # nothing to search, score or fetch
@@ -90,15 +90,15 @@ class BlockLookup:
         centre = self._mean_key(layer, lo, nb) if o.centre else None  # (B, H, 1, D) or None
 
         def landmarks(blocks):  # (B, H, n, D): key/value head h // G serves query head h
-            lms = self.blocks.landmark_keys(layer, blocks)
+            lms = self.blocks.block_keys(layer, blocks)
             lms = lms.repeat_interleave(self.group, 1) if self.group > 1 else lms
             return lms if centre is None else lms - centre
 
         if o.position_mapping == "exact":
             ids = torch.arange(c_lo, c_hi, device=device)
-            S = (qr @ rope(landmarks(ids), ids * L + r).transpose(-2, -1)) * scale  # (B, H, Tq, m)
+            S = (qr @ rope(landmarks(ids), ids * L + r).transpose(-2, -1)) * scale  # (B, H, T_q, m)
             S[..., pinned - c_lo] = float("-inf")
-            I = ids.expand(B, H, Tq, -1)
+            I = ids.expand(B, H, T_q, -1)
         else:
             first = min(max(c_lo, nb - o.reads), c_hi)  # the latest candidates, scored exactly at their own slots
             cached = self._recent_keys.get(layer)
@@ -108,9 +108,9 @@ class BlockLookup:
                 cached = (lo, nb), recent, rope(landmarks(recent), at).transpose(-2, -1)
                 self._recent_keys[layer] = cached
             _, recent, keys = cached
-            S = (qr @ keys) * scale  # (B, H, Tq, r)
+            S = (qr @ keys) * scale  # (B, H, T_q, r)
             if first > c_lo:  # older blocks all sit at slot 0: one RoPE-adjusted query searches them
-                xq = rope.rotate(at_search, q).to("cpu", torch.float32).numpy()  # (B, H, Tq, D)
+                xq = rope.rotate(at_search, q).to("cpu", torch.float32).numpy()  # (B, H, T_q, D)
                 need = None if skip is None else ~skip.cpu().numpy()
                 S_old, I_old, skipped = self.blocks.search(layer, xq, need, o.top_k, c_lo, first, self.group)
                 if centre is not None:  # the index holds raw keys: q . (k - mean) = q . k - q . mean
@@ -119,14 +119,14 @@ class BlockLookup:
                 stats.searches += B * H - skipped
                 stats.skipped_searches += skipped
             else:
-                S_old, I_old = np.full((B, H, Tq, 0), -np.inf, np.float32), np.full((B, H, Tq, 0), -1, np.int64)
+                S_old, I_old = np.full((B, H, T_q, 0), -np.inf, np.float32), np.full((B, H, T_q, 0), -1, np.int64)
             # the steps below in one compiled call (a head's choice for one query, a decoding step's, is that query's)
-            if device.type == "cpu" and (o.retrieval == "per_token_head" or o.retrieval == "per_head" and Tq == 1):
+            if device.type == "cpu" and (o.retrieval == "per_token_head" or o.retrieval == "per_head" and T_q == 1):
                 if skip is not None:  # (skipped queries searched nothing: their S_old is -inf already)
                     S = S.masked_fill(skip[..., None], float("-inf"))
                 return top_k_stingy(S_old, I_old, S, recent, nb, o.top_k, L, forced_np, o.reads, pinned_np)
             S = torch.cat([torch.from_numpy(S_old).to(device, S.dtype), S], -1)
-            I = torch.cat([torch.from_numpy(I_old).to(device), recent.expand(B, H, Tq, -1)], -1)
+            I = torch.cat([torch.from_numpy(I_old).to(device), recent.expand(B, H, T_q, -1)], -1)
             S = S.masked_fill(torch.isin(I, pinned), float("-inf"))
         if skip is not None:
             S, I = S.masked_fill(skip[..., None], float("-inf")), I.masked_fill(skip[..., None], -1)

@@ -9,7 +9,8 @@ import torch
 class MemoryOutput:
     logits: torch.Tensor  # (B, T, vocab); (B, 1, vocab) for logits="last", (B, 0, vocab) for "none"
     loss: torch.Tensor | None  # mean next-token loss when targets were given
-    retrieved: list[torch.Tensor]  # per layer: int64 (B, H, T, top_k) memory block ids used by each token, -1 = none
+    # per layer: int64 (B, H, T, n_chosen) memory block ids each token chose (top_k, or fewer candidates), -1 = none
+    retrieved: list[torch.Tensor]
 
 
 @dataclass

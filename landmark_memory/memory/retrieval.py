@@ -29,7 +29,7 @@ def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int
     -------
     int64 (B, H, T_q, top_k), -1 where fewer blocks qualify.
     """
-    B, H, Tq, M = S.shape
+    B, H, T_q, M = S.shape
     if retrieval == "per_token_head":
         top = S.topk(min(top_k, M), dim=-1)
         ids = torch.where(top.values == float("-inf"), -1, I.gather(-1, top.indices))
@@ -37,15 +37,15 @@ def select_blocks(S: torch.Tensor, I: torch.Tensor, lo: int, nb: int, top_k: int
         logp = S - torch.logsumexp(S, -1, keepdim=True)
         logp = torch.where(I >= 0, logp, float("-inf"))
         if retrieval == "per_token":
-            logp, I = logp.transpose(1, 2).flatten(2), I.transpose(1, 2).flatten(2)  # (B, Tq, H * M)
+            logp, I = logp.transpose(1, 2).flatten(2), I.transpose(1, 2).flatten(2)  # (B, T_q, H * M)
         else:
-            logp, I = logp.flatten(2), I.flatten(2)  # (B, H, Tq * M)
+            logp, I = logp.flatten(2), I.flatten(2)  # (B, H, T_q * M)
         dense = logp.new_full((*logp.shape[:2], nb - lo), float("-inf"))
         dense = dense.scatter_reduce(-1, (I - lo).clamp(min=0), logp, "amax")
         top = dense.topk(min(top_k, nb - lo), dim=-1)
-        ids = torch.where(top.values == float("-inf"), -1, top.indices + lo)  # (B, H or Tq, k)
+        ids = torch.where(top.values == float("-inf"), -1, top.indices + lo)  # (B, H or T_q, k)
         ids = ids[:, :, None] if retrieval == "per_head" else ids[:, None]
-        ids = ids.expand(B, H, Tq, -1)
+        ids = ids.expand(B, H, T_q, -1)
     if ids.shape[-1] < top_k:
         ids = F.pad(ids, (0, top_k - ids.shape[-1]), value=-1)
     return ids
@@ -84,8 +84,8 @@ def stingy_slots(ids: torch.Tensor, nb: int, reads: int) -> torch.Tensor:
 def with_forced(ids: torch.Tensor, forced: torch.Tensor, width: int) -> torch.Tensor:
     """The chosen ``ids`` (B, H, T_q, k) followed by the ``forced`` blocks every query reads
     (int64 (f,)), padded with -1 to ``width`` columns."""
-    B, H, Tq, k = ids.shape
-    out = ids.new_full((B, H, Tq, width), -1)
+    B, H, T_q, k = ids.shape
+    out = ids.new_full((B, H, T_q, width), -1)
     out[..., :k] = ids
     out[..., k:k + len(forced)] = forced
     return out
@@ -121,13 +121,13 @@ def top_k_stingy(S_old: np.ndarray, I_old: np.ndarray, S_recent: torch.Tensor, r
     ids, pos : int64 (B, H, T_q, reads), as the three functions give them (equal scores may be
         ordered otherwise).
     """
-    B, H, Tq, _ = S_recent.shape
+    B, H, T_q, _ = S_recent.shape
     forced = np.zeros(0, np.int64) if forced is None else forced
     pinned = np.zeros(0, np.int64) if pinned is None else pinned
     reads = top_k if reads is None else reads
-    ids, slots = (torch.empty((B, H, Tq, reads), dtype=torch.long) for _ in range(2))
-    _top_k_stingy_rows(S_old.reshape(B * H * Tq, -1), I_old.reshape(B * H * Tq, -1),
-                       S_recent.float().reshape(B * H * Tq, -1).numpy(), recent.numpy(), nb, top_k, forced, pinned,
+    ids, slots = (torch.empty((B, H, T_q, reads), dtype=torch.long) for _ in range(2))
+    _top_k_stingy_rows(S_old.reshape(B * H * T_q, -1), I_old.reshape(B * H * T_q, -1),
+                       S_recent.float().reshape(B * H * T_q, -1).numpy(), recent.numpy(), nb, top_k, forced, pinned,
                        ids.view(-1, reads).numpy(), slots.view(-1, reads).numpy())
     return ids, slots * L
 

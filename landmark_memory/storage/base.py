@@ -54,9 +54,10 @@ class BlockStore:
     def __init__(self, shape, store_dtype="float16", checksums=False):
         if store_dtype not in DTYPES:
             raise ValueError(f"store dtype must be one of {sorted(DTYPES)}, got {store_dtype!r}")
-        self.shape, self.store_dtype, self.checksums = tuple(shape), DTYPES[store_dtype], checksums
+        self.shape, self.store_dtype, self.checksums = tuple(shape), store_dtype, checksums
+        self.torch_dtype = DTYPES[store_dtype]  # (the store_dtype's tensors)
         self.quantized = store_dtype == "int8"
-        self.data_bytes = int(np.prod(self.shape)) * self.store_dtype.itemsize
+        self.data_bytes = int(np.prod(self.shape)) * self.torch_dtype.itemsize
         self.nbytes = stored_nbytes(self.shape, store_dtype)  # one block's keys and values (and scales)
         self.record_bytes = self.nbytes + (4 if checksums else 0)  # as stored
 
@@ -67,7 +68,7 @@ class BlockStore:
         t = torch.stack([t.detach() for t in items.values()]).to("cpu")  # (n, 2, H, L, D)
         if t.shape[1:] != self.shape:
             raise ValueError(f"block tensor must be {self.shape} (2, H, block_size + 1, D), got {tuple(t.shape[1:])}")
-        data, scales = quantize(t) if self.quantized else (t.to(self.store_dtype), None)
+        data, scales = quantize(t) if self.quantized else (t.to(self.torch_dtype), None)
         return {key: (data[i], None if scales is None else scales[i]) for i, key in enumerate(items)}
 
     def _encode(self, stored):
@@ -84,7 +85,7 @@ class BlockStore:
                                            != bytes(b[self.nbytes:])):
             raise CorruptBlockError(key)
         b = bytearray(b[:self.nbytes])
-        data = torch.frombuffer(b, dtype=self.store_dtype, count=self.data_bytes // self.store_dtype.itemsize)
+        data = torch.frombuffer(b, dtype=self.torch_dtype, count=self.data_bytes // self.torch_dtype.itemsize)
         data = data.view(self.shape)
         if not self.quantized:
             return data, None
@@ -129,7 +130,7 @@ class OverlayStore(BlockStore):
     files. Blocks are put into the upper store by its own memory, never through this one."""
 
     def __init__(self, base):
-        super().__init__(base.shape, DTYPE_NAMES[base.store_dtype])
+        super().__init__(base.shape, base.store_dtype)
         self.base, self.upper, self.offset = base, None, 0
 
     def attach(self, upper: BlockStore, offset: int) -> None:

@@ -34,7 +34,7 @@ class HotCache:
         if store.quantized and prepare is not None:
             raise ValueError("an int8 store's blocks are held as stored: prepare them before they are stored")
         self.store, self.device, self.dtype, self.budget = store, torch.device(device), dtype, budget_bytes
-        self.arena_dtype = store.store_dtype if store.quantized else dtype
+        self.arena_dtype = store.torch_dtype if store.quantized else dtype
         self.prepare = prepare or (lambda t: t)
         self.scale_shape = scale_shape(store.shape) if store.quantized else None
         self.block_bytes = int(np.prod(store.shape)) * self.arena_dtype.itemsize + (

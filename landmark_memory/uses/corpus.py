@@ -80,8 +80,8 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     rows, _ = d.read_block_rows(m)
     layout = m.rows
     ids = layout.decode_tokens(rows[TOKENS]).transpose(1, 0, 2).reshape(layout.streams, -1)  # (1, n * bs)
-    landmarks = saved_landmarks(d, m, rows, mem.device) if m.blocks else None
-    return _append(mem, folder, entry, m.blocks, landmarks, ids, packs(m.blocks, m.block_bytes), not finished(m))
+    block_keys = saved_block_keys(d, m, rows, mem.device) if m.blocks else None
+    return _append(mem, folder, entry, m.blocks, block_keys, ids, packs(m.blocks, m.block_bytes), not finished(m))
 
 
 @dataclass
@@ -89,13 +89,13 @@ class ReadDocument:
     """A small document read to its end in RAM, not in a folder of its own (``build.read_document``
     of a job ``in_memory``): ``entry`` its record; its ``blocks`` blocks as stored, ``data`` (n_layer
     * blocks, 2, H_kv, L, D) in the store dtype layer by layer and, for an int8 store, ``scales``;
-    per layer their ``landmarks`` (1, H_kv, blocks, D) and its token ``ids`` (1, blocks * block_size)."""
+    per layer their ``block_keys`` (1, H_kv, blocks, D) and its token ``ids`` (1, blocks * block_size)."""
 
     entry: InputRecord
     blocks: int
     data: torch.Tensor
     scales: torch.Tensor | None
-    landmarks: list[torch.Tensor]
+    block_keys: list[torch.Tensor]
     ids: np.ndarray
 
 
@@ -105,16 +105,16 @@ def merge_read(mem: LandmarkMemory, folder: str, read: ReadDocument) -> InputRec
     keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(read.blocks)]
     store = MemoryStore(mem.shape.block_entry, mem.options.store_dtype)
     store.keep({k: (read.data[i], None if read.scales is None else read.scales[i]) for i, k in enumerate(keys)})
-    return _append(mem, folder, read.entry, read.blocks, read.landmarks if read.blocks else None, read.ids, True,
+    return _append(mem, folder, read.entry, read.blocks, read.block_keys if read.blocks else None, read.ids, True,
                    False, store)
 
 
-def _append(mem: LandmarkMemory, folder: str, entry: InputRecord, blocks: int, landmarks: list[torch.Tensor] | None,
+def _append(mem: LandmarkMemory, folder: str, entry: InputRecord, blocks: int, block_keys: list[torch.Tensor] | None,
             ids: np.ndarray, packed: bool, abandoned: bool, source: BlockStore | None = None) -> InputRecord:
     """Append a document's ``blocks`` to the corpus ``mem`` and record it (``entry``, its own)."""
     start, bs = mem.n_blocks, mem.shape.block_size
     shard = Shard(start, blocks, folder)
-    mem.add_document(shard, packed, landmarks, ids, source)
+    mem.add_document(shard, packed, block_keys, ids, source)
     record = InputRecord(path=entry.path, name=entry.name, sha256=entry.sha256, tokens=entry.tokens,
                          ingested=blocks * bs, start=start * bs, abandoned=abandoned, document=folder, packed=packed)
     mem.inputs.append(record, None if packed else shard)
@@ -149,7 +149,7 @@ def drop_merged_rows(corpus: MemoryDir, folder: str, packed: bool) -> None:
         keys.rmdir()
 
 
-def saved_landmarks(d: MemoryDir, m: Manifest, rows: dict[str, bytes], device: torch.device) -> list[torch.Tensor]:
+def saved_block_keys(d: MemoryDir, m: Manifest, rows: dict[str, bytes], device: torch.device) -> list[torch.Tensor]:
     """Per layer the landmark keys (streams, H_kv, n, D) of the committed blocks of the memory in
     ``d`` (its manifest ``m``): from its key files, or from ``rows`` (its ``landmarks.bin``, read
     whole) before format 5."""

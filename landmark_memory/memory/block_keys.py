@@ -1,9 +1,9 @@
-"""The landmark keys of a memory's own blocks and their indexes: per (stream, layer, key/value
-head) the float32 rows (``index.rows.KeyRows``: in a saved memory, a key file of its own,
-mapped, appended in place by a writer) and the ``LandmarkIndex`` that searches them (a flat one
-searches those rows where they lie; an ``ivf-rows`` one keeps its centroids and lists in files
-beside them). ``BlockMemory`` holds one, with the store and the blocks' token ids; a commit
-syncs it (``sync``) and keeps an index that the rows do not rebuild in its state file (``state``).
+"""The block keys of a memory's own blocks (a landmark's key, or the mean of the block's keys:
+``MemoryOptions.block_keys``) and their indexes: per (stream, layer, key/value head) the float32 rows
+(``index.rows.KeyRows``: in a saved memory, a key file of its own, mapped, appended in place by a writer) and the
+``LandmarkIndex`` that searches them (a flat one searches those rows where they lie; an ``ivf-rows`` one keeps its
+centroids and lists in files beside them). ``BlockMemory`` holds one, with the store and the blocks' token ids; a
+commit syncs it (``sync``) and keeps an index that the rows do not rebuild in its state file (``state``).
 """
 
 from collections.abc import Iterator
@@ -20,8 +20,8 @@ from ..index import KINDS, IndexFile, LandmarkIndex, derived_from_rows, index_fr
 from ..index.rows import KeyRows
 
 
-class LandmarkKeys:
-    """Landmark key rows and indexes per [stream][layer][key/value head].
+class BlockKeys:
+    """Block key rows and indexes per [stream][layer][key/value head].
 
     Parameters
     ----------
