@@ -15,7 +15,7 @@ attends to (a book's front matter) do not win by it.
 
 A blended reader (``blend`` > 0) also ranks the blocks by fixed weights ``heads`` of the heads'
 attention by the model's own queries, and mixes the two rankings, each standardised over the
-blocks. SmolLM2's adapter ships one: stage 11's trained correction and mix (the model and its
+blocks. SmolLM2's adapter ships one: its question-reader stage's trained correction and mix (the model and its
 keys frozen, the other blocks of a question's memory its negatives) blended, a fifth of it, with
 the 8 retrieval heads chosen on development questions (QRHead's recipe,
 ``experiments/results/heads.md``): trained alone it found planted facts better and natural

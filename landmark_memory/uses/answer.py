@@ -157,7 +157,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     The passages are ranked by the lookups of every layer, or of the deeper half of them where
     the model's ``AskPolicy`` says so (SmolLM2's first layers' choices say little of the
     question: ``experiments/results/retrieval.md``). A model with a question reader whose
-    policy asks for ``reader_blocks`` (SmolLM2's: stage 11 blended with its retrieval heads) reads
+    policy asks for ``reader_blocks`` (SmolLM2's: its question reader blended with its retrieval heads) reads
     a chat prompt first, ranks the memory's blocks by the reader (``point``), and every token of
     the answer reads the best of them as the first of its top-k (``LandmarkMemory.reading``):
     those are the first passages.
