@@ -5,7 +5,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 # Before any library import: local files only, and Triton kernels interpreted on CPU-only machines.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -19,11 +18,10 @@ if not torch.cuda.is_available():
 
 
 import pytest  # noqa: E402
+from helpers import BOOK  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from landmark_memory.training.data import SAMPLE_DIR  # noqa: E402
-
-BOOK = Path(__file__).parents[1] / "landmark_memory" / "samples" / "book" / "up_from_slavery.txt"
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import ChatTokenizer
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app.cli import main
@@ -35,17 +36,6 @@ def test_streamed_tokens_are_the_answers_tokens_in_order(corpus):
     assert seen == got.tokens
 
 
-class ChatTokenizer:
-    """The shipped tokenizer with a chat template of one line and the given end-of-turn tokens."""
-
-    def __init__(self, end_of_turn_ids):
-        self.tok, self.end_of_turn_ids = load_tokenizer(), tuple(end_of_turn_ids)
-
-    def __getattr__(self, name):
-        return getattr(self.tok, name)
-
-    def chat_text(self, messages, *, first, answer):
-        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + ("assistant:" if answer else "")
 
 
 def test_a_chat_answer_ends_at_any_end_of_turn_token_and_leaves_it_out(corpus):

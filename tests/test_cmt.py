@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_inference_kernel import TOL, all_blocks_table, memory_setup
+from kernel_cases import TOL, all_blocks_table, memory_setup
 
 from landmark_memory import LandmarkConfig, LandmarkGPT, LandmarkMemory
 from landmark_memory.kernels import (

@@ -7,6 +7,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+from helpers import files_of
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main
@@ -49,15 +50,6 @@ def corpus(model, path, files, reader=None, **build_options):
     return summary
 
 
-def files_of(path, model=None):
-    """The corpus's own files and every stored block, as bytes (its model: the bundled one)."""
-    out = {f.relative_to(path).as_posix(): f.read_bytes() for f in [path / "tokens.bin", *(path / "keys").iterdir()]}
-    mem = LandmarkMemory.open(path, model or LandmarkGPT.from_pretrained(), readonly=True)
-    keys = [(0, layer, b) for layer in range(mem.shape.n_layer) for b in range(mem.n_blocks)]
-    out["blocks"] = b"".join(t.numpy().tobytes() for t in mem.inspection.stored(keys))
-    out["index"] = b"".join(ix.to_bytes().tobytes() for ix in mem.inspection.indexes())
-    mem.close()
-    return out
 
 
 class Reversed(LocalReader):

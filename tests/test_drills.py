@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 import pytest
-from test_experiments import script
+from helpers import script
 
 from landmark_memory import load_tokenizer
 from landmark_memory.training.data import SAMPLE_DIR

@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from test_answer import ChatTokenizer
-from test_reader import BS
+from helpers import BS, ChatTokenizer
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length

@@ -1,6 +1,5 @@
 """The benchmark scripts run end to end on tiny settings (their figures come from full runs)."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -9,20 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import EXPERIMENTS, script
 
 from landmark_memory.format import MemoryOptions
-
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-
-
-def script(name):
-    # the scripts import _common from beside them, as `python experiments/x.py` does
-    if str(EXPERIMENTS) not in sys.path:
-        sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_kernel_benchmark_reports_ratios_against_sdpa(capsys):

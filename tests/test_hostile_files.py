@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from helpers import snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,10 +88,6 @@ def context_memory(text, tmp_path_factory):
     return mem
 
 
-def snapshot(folder):
-    """Every file under ``folder`` with its bytes (lock files aside)."""
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name not in ("writer.lock", "lock.mdb")}
 
 
 def run(*argv):

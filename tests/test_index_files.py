@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_index_lists import feed
+from helpers import feed
 
 from landmark_memory.format import MemoryFileError
 from landmark_memory.index import KINDS, IndexFile, IndexKind

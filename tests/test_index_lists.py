@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-import torch
+from helpers import feed
 
 from landmark_memory.format import MemoryFileError
 from landmark_memory.index import new_index, recall_at_k
@@ -63,8 +63,6 @@ def test_lists_depend_on_the_keys_alone_not_on_how_they_were_added():
             np.testing.assert_array_equal(a, b)
 
 
-def feed(mem, blocks, seed):
-    mem.forward(torch.randint(4, 64, (1, 5 * blocks), generator=torch.Generator().manual_seed(seed)))
 
 
 def key_files(path):

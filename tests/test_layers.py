@@ -197,3 +197,13 @@ def test_no_module_outside_the_engine_imports_a_part():
     reaches = [f"{name} imports {t}" for name, path in known.items() if not name.startswith("landmark_memory.memory")
                for t in imports(name, path, known) if t in parts or any(t.startswith(p + ".") for p in parts)]
     assert not reaches, "\n".join(reaches)
+
+
+def test_no_test_module_imports_another():
+    """Tests share fixtures through conftest.py and helpers through modules that are not tests
+    (helpers.py, hf_tiny.py, kernel_cases.py): a test module imported by another runs its
+    module-level code twice and hides what it shares."""
+    tests = ROOT / "tests"
+    found = [f"{p.name} imports {n.module}" for p in tests.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("test_")]
+    assert not found, "\n".join(found)

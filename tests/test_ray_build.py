@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 import torch
-from test_corpus import files_of
+from helpers import files_of
 
 from landmark_memory import load_tokenizer
 from landmark_memory.app.cli import main

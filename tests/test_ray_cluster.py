@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from helpers import files_of
 from ray.cluster_utils import Cluster
-from test_corpus import files_of
 
 from landmark_memory.app.cli import main
 from landmark_memory.training.data import SAMPLE_DIR

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import BS
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.core.layout import landmarked_length
@@ -12,8 +13,6 @@ from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf.lora import question_reader
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, load_reader, save_reader
 from landmark_memory.uses.answer import point
-
-BS = 5
 
 
 def random_reader(layers, heads, dim, width, seed=0):

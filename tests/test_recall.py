@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_hf import tiny
+from hf_tiny import tiny
 from transformers import AttentionInterface
 
 from landmark_memory import load_tokenizer

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import ray
 import torch
+from helpers import snapshot
 from ray.cluster_utils import Cluster
-from test_hostile_files import snapshot
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.serve_guard import APIError

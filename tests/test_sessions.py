@@ -14,6 +14,7 @@ from dataclasses import replace
 import openai
 import pytest
 import torch
+from helpers import turns_read_as_one_forward
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
 from landmark_memory.app.cli import main
@@ -387,21 +388,3 @@ def test_a_session_with_every_block_retrieved_reads_as_one_forward_over_the_memo
     assert s.mem.base_blocks == 6 and s.blocks.n_blocks == 10 and s.manifest.pending_tokens == 0
 
 
-@torch.no_grad()
-def turns_read_as_one_forward(model, text, full, tmp_path, chunk_size, turns, rtol):
-    """A memory of ``text`` up to the first turn with every block retrieved at its own position,
-    then each turn (``(start, end)``) held in a session closed and opened again between them:
-    each turn's logits equal ``full``'s, the in-sequence forward's (within ``rtol``, 1e-5
-    absolute). Returns the last turn's session."""
-    exact = dict(top_k=64, position_mapping="exact")  # every block retrieved at its own position
-    with LandmarkMemory(model, store="lmdb", path=tmp_path / "m", store_dtype="float32", chunk_size=chunk_size,
-                        **exact) as mem:
-        mem.forward(text[:, :turns[0][0]], logits="none")  # tokens left in the open chunk: the session takes them
-    with LandmarkMemory.open(tmp_path / "m", model, readonly=True) as mem:
-        for a, b in turns:
-            with Session.open(mem, "s") as s:
-                s.attach()
-                out = mem.forward(text[:, a:b]).logits
-                s.commit([])
-                torch.testing.assert_close(out, full[:, a:b], rtol=rtol, atol=1e-5)
-        return s

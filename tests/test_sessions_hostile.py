@@ -10,7 +10,7 @@ import shutil
 import sys
 
 import pytest
-from test_hostile_files import snapshot
+from helpers import snapshot
 
 from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from test_hf import ids_of, tiny
-from test_sessions import turns_read_as_one_forward
+from helpers import turns_read_as_one_forward
+from hf_tiny import ids_of, tiny
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from landmark_memory import hf

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 import ray
 import torch
-from test_corpus import files_of
-from test_hf import BOOK, CASES, FAMILIES, TOL, cli, ids_of, tiny
+from helpers import BOOK, files_of
+from hf_tiny import CASES, FAMILIES, TOL, cli, ids_of, tiny
 
 from landmark_memory import RotaryEmbedding
 from landmark_memory.core.quant import dequantize_kv, quantize
