@@ -29,7 +29,7 @@ def model():
 @pytest.fixture
 def sharded(monkeypatch):
     """Every document keeps its own store (as a large one does), none is packed into the corpus's."""
-    monkeypatch.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
+    monkeypatch.setattr("landmark_memory.format.corpus_files.PACK_BYTES", -1)
 
 
 @pytest.fixture(params=["packed", "sharded"])
@@ -37,7 +37,7 @@ def packing(request, monkeypatch):
     """Each way a corpus keeps a document's blocks: "packed" into its own store (a small
     document's), "sharded" in the document's (a large one's)."""
     if request.param == "sharded":
-        monkeypatch.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
+        monkeypatch.setattr("landmark_memory.format.corpus_files.PACK_BYTES", -1)
     return request.param
 
 
@@ -254,7 +254,7 @@ def test_a_packed_corpus_holds_and_answers_bit_for_bit_as_one_whose_documents_ke
     files = sorted(documents.glob("*.txt"))
     corpus(model, tmp_path / "packed", files)
     with monkeypatch.context() as m:
-        m.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
+        m.setattr("landmark_memory.format.corpus_files.PACK_BYTES", -1)
         corpus(model, tmp_path / "sharded", files)
     assert not (tmp_path / "packed" / "docs").exists() or not any((tmp_path / "packed" / "docs").iterdir())
     assert files_of(tmp_path / "packed") == files_of(tmp_path / "sharded")

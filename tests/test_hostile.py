@@ -123,7 +123,7 @@ def test_a_manifest_naming_a_file_outside_the_memory_is_refused(tmp_path, book, 
 def test_a_manifest_naming_a_document_outside_the_memory_is_refused(tmp_path, book, capsys, monkeypatch, folder,
                                                                     where, refused):
     if where == "shards":  # the document keeps its own store: the manifest lists its folder
-        monkeypatch.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
+        monkeypatch.setattr("landmark_memory.format.corpus_files.PACK_BYTES", -1)
     mem = built(tmp_path, book)
     doc = json.loads((mem / "manifest.json").read_text())
     if where == "shards":

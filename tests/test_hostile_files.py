@@ -51,7 +51,7 @@ def sharded_corpus(text, tmp_path_factory):
     """A corpus of one document that keeps its own store (as a large one does)."""
     mem = tmp_path_factory.mktemp("sharded") / "m"
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
+        m.setattr("landmark_memory.format.corpus_files.PACK_BYTES", -1)
         assert main(["build", str(mem), "--input", str(text), "--chunk-size", "50", "--quiet"]) == 0
     return mem
 

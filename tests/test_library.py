@@ -135,7 +135,7 @@ def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model,
                                                                          monkeypatch, capsys):
     files, path = sorted(texts.glob("*.txt")), tmp_path / "m"
     with monkeypatch.context() as m:  # format 6: every document kept its own store, its list in the manifest
-        m.setattr("landmark_memory.uses.corpus.PACK_BYTES", -1)
+        m.setattr("landmark_memory.format.corpus_files.PACK_BYTES", -1)
         build_into(model, path, files[:3])
     doc = json.loads((path / "manifest.json").read_text())
     with LandmarkMemory.open(path, model, readonly=True) as mem:

@@ -9,12 +9,11 @@ import pytest
 
 from landmark_memory import LandmarkGPT, LandmarkMemory
 from landmark_memory.app.cli import main
-from landmark_memory.format import seals
+from landmark_memory.format import corpus_files, seals
 from landmark_memory.format.directory import MemoryDir
 from landmark_memory.format.errors import MemoryFileError
 from landmark_memory.memory.saved import sealable_files
 from landmark_memory.training.data import SAMPLE_DIR
-from landmark_memory.uses import corpus
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +101,7 @@ def test_a_writer_seals_only_once_the_clock_has_passed_its_files_last_change(sea
 
 def test_a_merged_document_that_keeps_its_store_keeps_no_seals(built, tmp_path, monkeypatch):
     monkeypatch.setattr(seals, "SEAL_BYTES", 0)
-    monkeypatch.setattr(corpus, "PACK_BYTES", 0)
+    monkeypatch.setattr(corpus_files, "PACK_BYTES", 0)
     text = tmp_path / "more.txt"
     text.write_text((SAMPLE_DIR / "val" / "alice_excerpt.txt").read_text()[:1500])
     mem = tmp_path / "m"

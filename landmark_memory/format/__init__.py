@@ -10,6 +10,7 @@ it back, with no model and no engine (docs/DESIGN.md, "On-disk format"). One job
     seals.py      a writer's seals: the key files as it let them go; the next reads only those changed
     token_rows.py the blocks' token ids, as they were added
     session_files.py  a memory's sessions as files: names, turn logs checked, list, delete
+    corpus_files.py   a corpus's document folders: their states, their keys, what a merge drops
 """
 
 from .directory import MemoryDir

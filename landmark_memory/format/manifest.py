@@ -109,7 +109,7 @@ class Manifest:
     updated: str = ""
     documents: bool = False  # a corpus (format 4): inputs are documents, their blocks in their own stores
     # a corpus's document whose rows (token rows, landmark keys, index state) its corpus holds: dropped
-    # here once the corpus committed them (``corpus.drop_merged_rows``); its store is the corpus's too
+    # here once the corpus committed them (``corpus_files.drop_merged_rows``); its store is the corpus's too
     rows_merged: bool = False
     version: int = FORMAT_VERSION  # as read (a commit writes FORMAT_VERSION)
     session: SessionRecord | None = None  # a session's memory: its blocks follow those of the memory it is over

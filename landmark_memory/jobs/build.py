@@ -24,21 +24,19 @@ import numpy as np
 from tqdm import tqdm
 
 from ..core.tokenizer import EOS_TOKEN, encode_text
-from ..format.manifest import InputRecord, document_folder
-from ..memory import LandmarkMemory
-from ..training.data import list_text_files, read_text, strip_gutenberg
-from ..uses.corpus import (
-    ReadDocument,
+from ..format.corpus_files import (
     committed_tokens,
     document_folders,
     document_manifest,
     drop_merged_rows,
     finished,
-    merge_document,
-    merge_read,
     packs,
     unmerged_states,
 )
+from ..format.manifest import InputRecord, document_folder
+from ..memory import LandmarkMemory
+from ..training.data import list_text_files, read_text, strip_gutenberg
+from ..uses.corpus import ReadDocument, merge_document, merge_read
 from .reading import DocumentJob, DocumentReader, LocalReader
 
 

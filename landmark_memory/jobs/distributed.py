@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..format import MemoryDir
-from ..uses.corpus import committed_tokens
+from ..format.corpus_files import committed_tokens
 from .reading import DocumentJob, DocumentResult, batches, read_batch
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")

@@ -4,7 +4,7 @@
     evidence.py   a question's evidence read by retrieval heads token by token: blocks, a quote
     choose_heads.py  choosing a model's retrieval heads on development questions
     session.py    a session: a named conversation in a memory of its own over a memory
-    corpus.py     a corpus: documents read apart, merged into one memory; their states
+    corpus.py     a corpus: documents read apart, their blocks merged into one memory
     inspect.py    a saved memory read without its model: describe (info) and verify
     hf_cache.py   LandmarkMemoryCache: a memory as a transformers Cache for ``generate``
 """

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from ..core.names import NPROBE
+from ..format.corpus_files import document_states
 from ..format.directory import MemoryDir
 from ..format.errors import NoMemoryError
 from ..format.manifest import TOKENS, Manifest, MemoryFileError
 from ..format.session_files import committed_starts, committed_turns, list_sessions, sessions_folder
 from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError, open_store
-from .corpus import document_states
 
 
 def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
