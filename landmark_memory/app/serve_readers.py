@@ -82,7 +82,7 @@ class Readers:
                 mem.refresh()
             else:  # (shares answer at the commit they opened: their files and the front's checked)
                 self.shares.check_files()
-                mem.check_files()
+                mem.transfer.check_files()
         except (MemoryFileError, OSError) as e:  # rebuilt in place, damaged, or gone: open it again, or give up
             if mem is not None:
                 mem.close()

@@ -36,8 +36,8 @@ class _Share:
         return self.mem.n_blocks
 
     def check_files(self) -> None:
-        """``LandmarkMemory.check_files`` of this share (``MemoryFileError``: a file it maps was cut)."""
-        self.mem.check_files()
+        """``BlockTransfer.check_files`` of this share (``MemoryFileError``: a file it maps was cut)."""
+        self.mem.transfer.check_files()
 
     def search(self, layer: int, xq: np.ndarray, need: np.ndarray | None, k: int, lo: int, hi: int, group: int):
         """``BlockMemory.search`` of the blocks of ``[lo, hi)`` in this share: (D, I) (B, H, T_q, k)."""
@@ -104,7 +104,7 @@ class Shares:
         return out
 
     def check_files(self) -> None:
-        """Every share's ``LandmarkMemory.check_files``, asked at once: a file cut under a share
+        """Every share's ``BlockTransfer.check_files``, asked at once: a file cut under a share
         is a ``MemoryFileError`` (a server's 503), not a share dead of a SIGBUS."""
         self._call(lambda a: a.check_files.remote())
 

@@ -339,17 +339,12 @@ class LandmarkMemory:
             raise ValueError("only a saved memory opened read-only follows its writer's commits; a writable one "
                              "is the newest there is")
         newer = self._files.newer(self.inputs)
-        self.check_files()
+        self._blocks.check_files()
         if newer is None:
             return False
         self.rewind()
         self._follow(*newer)
         return True
-
-    def check_files(self) -> None:
-        """``MemoryFileError`` where a file this memory maps was cut short since it was mapped
-        (a read there would be a SIGBUS): what a server asks before each answer."""
-        self._blocks.check_files()
 
     def _follow(self, manifest: Manifest, state: dict[str, torch.Tensor]) -> None:
         """Take the commit ``manifest`` (with its ``state``): the blocks it holds beyond this

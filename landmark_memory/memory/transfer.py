@@ -34,6 +34,11 @@ class BlockTransfer:
         store = self._blocks.store
         return (store.base if self._readonly else store).read_stored(keys)
 
+    def check_files(self) -> None:
+        """``MemoryFileError`` where a file this memory maps was cut short since it was mapped (a read
+        there would be a SIGBUS): what a served corpus's front and shares ask before each answer."""
+        self._blocks.check_files()
+
     def serve_from(self, shares, store: Callable[[BlockStore], BlockStore]) -> None:
         """Make this read-only corpus a front: its saved blocks searched by ``shares.search`` and
         read through ``store(its own store)``; its own store is closed."""
