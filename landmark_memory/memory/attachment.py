@@ -17,8 +17,8 @@ from .saved import load_blocks, saved_chunk, write_commit
 class AttachedBlocks:
     """The blocks of the folder ``d`` at its commit ``manifest`` (with its ``state``), shaped as
     ``mem``'s (a ``LandmarkMemory``, which imports this module), to read after its saved ones.
-    ``rows_crc``: the CRC-32s of their rows, which the next commit carries on; ``chunk``: the open
-    chunk their last commit kept."""
+    ``rows_crc``: the CRC-32s of their rows as loaded (the owner carries them on from there); ``chunk``:
+    the open chunk their last commit kept."""
 
     def __init__(self, mem, d: MemoryDir, manifest: Manifest, state: dict[str, torch.Tensor]):
         self.blocks = BlockMemory(mem.shape, mem.options, store_path=d.store_path(), readonly=False,
