@@ -92,7 +92,7 @@ def full_attention_turn(base, tok, session, question, n_new):
 
     mem = session.mem
     pending = mem.open_chunk().ids
-    ids = mem.tokens(0, mem.base_blocks).tolist() + ([] if pending is None else pending[0].tolist())
+    ids = mem.tokens(0, mem.attachment.base_blocks).tolist() + ([] if pending is None else pending[0].tolist())
     prompt = ids + tok.encode(tok.chat_text([{"role": "user", "content": question}], first=False, answer=True)).ids
     if len(prompt) + n_new > base.config.max_position_embeddings:
         return None, len(prompt)

@@ -47,7 +47,7 @@ def test_a_reader_refreshed_after_each_commit_answers_as_a_fresh_open(model, tmp
             assert reader.refresh() is False  # nothing committed yet
             writer.commit()
             assert reader.refresh() is True
-            assert reader.n_tokens == writer.n_tokens and reader.commit_count == writer.commit_count
+            assert reader.n_tokens == writer.n_tokens and reader.manifest.commit == writer.manifest.commit
         assert torch.equal(reader.forward(probe).logits, fresh(path, model, probe))
     finally:
         reader.close()

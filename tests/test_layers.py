@@ -208,3 +208,35 @@ def test_no_test_module_imports_another():
     found = [f"{p.name} imports {n.module}" for p in tests.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
              if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("test_")]
     assert not found, "\n".join(found)
+
+
+# LandmarkMemory's public names, each in DESIGN.md ("The memory's parts"): a new one is a decision
+ENGINE_NAMES = {
+    "methods": {"forward", "tokens", "keys", "querying", "reading", "end_document", "attach", "add_document",
+                "commit", "open", "refresh", "open_chunk", "rewind", "close"},
+    "attributes": {"model", "backbone", "shape", "device", "retrieval_stats", "inputs", "attachment"},
+    "properties": {"inspection", "transfer", "options", "generate", "streams", "n_blocks", "n_tokens",
+                   "pending_count", "observer", "dir", "readonly", "documents", "manifest"},
+}
+
+
+def test_the_engines_public_names_are_the_narrow_door():
+    """``LandmarkMemory`` has the public names listed above and no other: its methods, the
+    attributes its ``__init__`` sets, and its properties (what experiments and tests look at is
+    ``inspection``'s, what goes between processes ``transfer``'s)."""
+    cls = next(n for n in ast.parse((PACKAGE / "memory" / "engine.py").read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "LandmarkMemory")
+    found = {"methods": set(), "attributes": set(), "properties": set()}
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef):
+            is_property = any(ast.unparse(d) == "property" for d in node.decorator_list)
+            found["properties" if is_property else "methods"].add(node.name)
+        elif isinstance(node, ast.Assign):
+            found["properties"] |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    for node in ast.walk(init):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) == "self":
+            found["attributes"].add(node.attr)
+    public = {kind: {n for n in names if not n.startswith("_")} for kind, names in found.items()}
+    assert public == ENGINE_NAMES
+    assert len(public["methods"]) + len(public["attributes"]) <= 21

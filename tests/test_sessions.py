@@ -163,12 +163,14 @@ def test_a_corpus_that_gains_documents_is_seen_from_the_next_turn_on(documents, 
     with LandmarkMemory.open(mem_path, model, readonly=True, top_k=2) as mem, Session.open(mem, "s") as s:
         say(s, tok, TURNS[0], **OPTIONS)
         assert in_new_process(mem_path, "t", TURNS[:1]).returncode == 0
-        read = mem.tokens(0, mem.base_blocks)  # the session's blocks
+        base = mem.attachment.base_blocks
+        read = mem.tokens(0, base)  # the session's blocks
         assert main(["build", str(mem_path), "--input", str(tmp_path / "in"), str(third), "--quiet"]) == 0
         kept = [say(s, tok, t, **OPTIONS) for t in TURNS[1:3]]  # the kept memory follows the corpus's new commit
         with LandmarkMemory.open(mem_path, model, readonly=True) as grown:
-            assert mem.base_blocks == grown.n_blocks and len(mem.inputs) == 3  # every document committed before
-        assert (mem.tokens(0, mem.base_blocks)[:len(read)] == read).all()  # its earlier turns stay as they were read
+            base = mem.attachment.base_blocks
+            assert base == grown.n_blocks and len(mem.inputs) == 3  # every document committed before
+        assert (mem.tokens(0, base)[:len(read)] == read).all()  # its earlier turns stay as they were read
     resumed = held(mem_path, model, "t", TURNS[1:3])  # the same turns, resumed in this process over the grown corpus
     assert [a.tokens for a in resumed] == [a.tokens for a in kept]
     other = tmp_path / "other"
@@ -385,6 +387,7 @@ def test_a_session_with_every_block_retrieved_reads_as_one_forward_over_the_memo
     with torch.no_grad():
         full = small(text)
     s = turns_read_as_one_forward(small, text, full, tmp_path, chunk_size=10, turns=((33, 51), (51, 80)), rtol=1e-5)
-    assert s.mem.base_blocks == 6 and s.blocks.n_blocks == 10 and s.manifest.pending_tokens == 0
+    assert s.mem.attachment is None and s.mem.n_blocks == 6  # closed: the memory let go, rewound to its own
+    assert s.blocks.n_blocks == 10 and s.manifest.pending_tokens == 0
 
 

@@ -125,10 +125,10 @@ def cmd_build(args):
         finally:
             mem.close(commit=False)  # build() committed everything it merged
     doc = {"memory": str(path), "created": saved is None, **asdict(summary), "documents": len(mem.inputs),
-           "tokens": mem.n_tokens, "blocks": mem.n_blocks, "commit": mem.commit_count,
+           "tokens": mem.n_tokens, "blocks": mem.n_blocks, "commit": mem.manifest.commit,
            "workers": args.workers or 0}
     lines = [f"{'updated' if saved else 'created'} {path}: {len(mem.inputs):,} documents, {mem.n_tokens:,} tokens in "
-             f"{mem.n_blocks:,} blocks (commit {mem.commit_count}); {summary.added:,} tokens read now in "
+             f"{mem.n_blocks:,} blocks (commit {mem.manifest.commit}); {summary.added:,} tokens read now in "
              f"{summary.seconds:,.1f} s ({summary.added / max(summary.seconds, 1e-9):,.0f} tokens/s)"]
     lines += [f"skipped (already in memory): {s}" for s in summary.skipped]
     lines += [f"left unfinished: {s}" for s in summary.left]

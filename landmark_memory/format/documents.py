@@ -19,6 +19,7 @@ import os
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -56,6 +57,13 @@ class InputRecord:
     abandoned: bool = False  # left unfinished on purpose (its file changed mid-build)
     document: str | None = None  # a corpus's document folder (``document_folder``); None: read in this context
     packed: bool = False  # a corpus's document whose blocks are in the corpus's own store (its folder removed)
+
+    @classmethod
+    def of_file(cls, path: str | Path, sha256: str, tokens: int, start: int) -> "InputRecord":
+        """The record of the text file ``path`` whose ``tokens`` tokens are fed from the memory's
+        token ``start`` on, none yet (``ingested`` is the caller's to advance)."""
+        return cls(path=str(Path(path).resolve()), name=Path(path).name, sha256=sha256, tokens=tokens, ingested=0,
+                   start=start)
 
     @property
     def done(self) -> bool:

@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
             f"pass key {key} planted {100 * depth:.0f}% of the way in (seed {seed})")
         with LandmarkMemory(model, path=mem_path, store="lmdb", documents=True) as mem:
             build(mem, read_inputs([book]), tok, progress=not args.quiet)
-        say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.commit_count}")
+        say(f"   saved to {mem_path}: {mem.n_blocks:,} blocks, commit {mem.manifest.commit}")
 
         say(f"2. Reopening it from disk and asking:{QUESTION}")
         with LandmarkMemory.open(mem_path, model, readonly=True) as mem:  # every block read, most read first

@@ -64,7 +64,7 @@ def read_document(job: DocumentJob, model: torch.nn.Module, stop: Callable[[], b
         mem = LandmarkMemory(model, job.options, path=job.folder)
     try:
         if not mem.inputs:
-            mem.add_input(Path(job.path), job.sha256, len(job.ids))
+            mem.inputs.append(InputRecord.of_file(job.path, job.sha256, len(job.ids), start=mem.n_tokens))
         entry = mem.inputs[0]
         if entry.sha256 != job.sha256 or entry.tokens != len(job.ids):
             raise MemoryFileError(f"{job.folder} holds another document than {job.path} (or the tokenizer changed); "
@@ -92,7 +92,9 @@ def _read_in_memory(jobs: tuple[DocumentJob, ...], model: torch.nn.Module, stop:
     blocks stored as the corpus stores them; returns them (``DocumentResult.read``), or
     nothing when ``stop()`` turns true."""
     with LandmarkMemory(model, replace(jobs[0].options, store="memory")) as mem:
-        entries = [mem.add_input(Path(j.path), j.sha256, len(j.ids)) for j in jobs]
+        entries = [InputRecord.of_file(j.path, j.sha256, len(j.ids), start=0) for j in jobs]  # (a stream each)
+        for entry in entries:
+            mem.inputs.append(entry)
         for n in read_steps(mem, np.stack([j.ids for j in jobs])):
             on_tokens(n * len(jobs))
             if stop():

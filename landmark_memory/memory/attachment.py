@@ -5,13 +5,26 @@ attached (``LandmarkMemory.attach``), what the memory reads goes into them, and 
 them with the memory's open chunk to their folder, never to the memory's.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from ..format.directory import MemoryDir
 from ..format.manifest import TOKENS, Manifest
+from ..storage import DTYPES
 from .blocks import BlockMemory
 from .decoding import OpenChunk
 from .saved import load_blocks, saved_chunk, write_commit
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Whose blocks follow a read-only memory's saved ones (``LandmarkMemory.attachment``):
+    ``owner`` (a session) and ``base_blocks``, the saved blocks before them; the memory's block
+    ``b >= base_blocks`` is the owner's block ``b - base_blocks``."""
+
+    owner: object
+    base_blocks: int
 
 
 class AttachedBlocks:
@@ -21,15 +34,16 @@ class AttachedBlocks:
     the open chunk their last commit kept."""
 
     def __init__(self, mem, d: MemoryDir, manifest: Manifest, state: dict[str, torch.Tensor]):
+        dtype = DTYPES[manifest.model.dtype]  # (the memory's: the session's manifest is made of its record)
         self.blocks = BlockMemory(mem.shape, mem.options, store_path=d.store_path(), readonly=False,
-                                  device=mem.device, dtype=mem.dtype, rope=mem.backbone.rope, cache_bytes=0,
+                                  device=mem.device, dtype=dtype, rope=mem.backbone.rope, cache_bytes=0,
                                   key_path=d.key_path())
         try:
             self.rows_crc = {TOKENS: 0}
             if manifest.streams is not None:
                 self.rows_crc = load_blocks(d, self.blocks, manifest, state, self.rows_crc,
                                             mem.backbone.vocab_size, mapped=False)
-            self.chunk: OpenChunk = saved_chunk(d, manifest, state, mem.device, mem.dtype)
+            self.chunk: OpenChunk = saved_chunk(d, manifest, state, mem.device, dtype)
         except BaseException:
             self.blocks.close()
             raise

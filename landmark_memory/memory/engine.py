@@ -26,14 +26,14 @@ from ..core.layout import IGNORE_INDEX
 from ..core.names import DISK_STORES, MAX_STREAMS
 from ..format.directory import MemoryDir
 from ..format.documents import DocumentList
-from ..format.manifest import InputRecord, Manifest, ModelRecord
+from ..format.manifest import Manifest, ModelRecord
 from ..format.options import QUERY_OPTIONS, MemoryOptions
 from ..format.shape import ModelShape
 from ..kernels import BACKENDS
 from ..models.fingerprint import model_fingerprint
 from ..models.kinds import backbone_for
 from ..storage import DTYPE_NAMES
-from .attachment import AttachedBlocks
+from .attachment import AttachedBlocks, Attachment
 from .blocks import BlockMemory
 from .decoding import Decoder, OpenChunk
 from .generating import generate
@@ -70,7 +70,9 @@ class LandmarkMemory:
     options : MemoryOptions, resolved for the model (defaults filled in).
     retrieval_stats : RetrievalStats.
     inputs : list of InputRecord, the text files ``build`` ingested.
-    attached : the session whose blocks follow this read-only memory's (``uses/session.py``).
+    device : torch.device, the model's, where ``forward`` takes its token ids.
+    attachment : Attachment, the session whose blocks follow this read-only memory's saved ones
+        (``uses/session.py``) and where they start; None.
     """
 
     def __init__(self, model: torch.nn.Module, options: MemoryOptions | None = None, *,
@@ -91,11 +93,11 @@ class LandmarkMemory:
         windows = tuple(bb.windows) if any(bb.windows) else ()
         self.shape = ModelShape(bb.n_layer - sum(map(bool, windows)), bb.n_kv_head, bb.head_dim, o.block_size, windows,
                                 landmarks=o.block_keys == "landmark")
-        self.device, self.dtype, self._cache_bytes = param.device, param.dtype, cache_bytes
+        self.device, self._dtype, self._cache_bytes = param.device, param.dtype, cache_bytes
         self._cmt_k = cmt_keys if self.shape.landmarks else None  # per layer the CMT's key at position -1, (1, H, 1, D)
         self.retrieval_stats = RetrievalStats()
         self.inputs = DocumentList(paged=documents)
-        self.attached = None
+        self.attachment = None
         self._fingerprint, self._closed = None if opened is None else opened.fingerprint, False
         if opened is not None:
             m = opened.manifest
@@ -111,8 +113,9 @@ class LandmarkMemory:
             raise ValueError("a corpus of documents is a saved memory: pass a path")
         if path is not None and o.store == "memory":
             raise ValueError(f"a memory saved at a path keeps its blocks on disk: pass store= one of {DISK_STORES}")
-        self._files = SavedFiles(None if path is None else MemoryDir.create(
-            path, Manifest(model=self.model_record(), options=o, documents=documents)), documents=documents)
+        created = None if path is None else Manifest(model=self._model_record(), options=o, documents=documents)
+        self._files = SavedFiles(None if path is None else MemoryDir.create(path, created), documents=documents,
+                                 created=created)
         self._parts(self._new_blocks(o, readonly=False), o)
 
     def _new_blocks(self, options: MemoryOptions, readonly: bool, key_files: bool = True) -> BlockMemory:
@@ -121,7 +124,7 @@ class LandmarkMemory:
         be) in its key files; else in memory (a reader of a memory from before them)."""
         d, documents = self._files.dir, self._files.documents
         return BlockMemory(self.shape, options, store_path=None if d is None else d.store_path(),
-                           readonly=readonly, device=self.device, dtype=self.dtype, rope=self.backbone.rope,
+                           readonly=readonly, device=self.device, dtype=self._dtype, rope=self.backbone.rope,
                            cache_bytes=self._cache_bytes, shards=[] if documents else None,
                            shard_path=lambda name: d.document(name).store_path(),
                            key_path=d.key_path() if d is not None and key_files else None)
@@ -177,7 +180,7 @@ class LandmarkMemory:
         if len(out) == 1:  # one step (a chunk, or a token): nothing to join, and logits are large
             out, chosen = out[0], chosen[0] if retrieved else []
         else:
-            out = torch.cat(out, 1) if out else idx.new_zeros((idx.shape[0], 0, V), dtype=self.dtype)
+            out = torch.cat(out, 1) if out else idx.new_zeros((idx.shape[0], 0, V), dtype=self._dtype)
             chosen = [torch.cat([r[layer] for r in chosen], 2) if chosen
                       else idx.new_full((idx.shape[0], H, 0, top_k), -1)
                       for layer in range(self.shape.n_layer)] if retrieved else []
@@ -251,30 +254,19 @@ class LandmarkMemory:
                              f"are not a multiple of the block size {self.shape.block_size}")
         self._decoder.flush()
 
-    def add_input(self, path: Path, sha256: str, tokens: int) -> InputRecord:
-        """Record a text file whose ``tokens`` tokens are about to be fed from here on; the
-        record's ``ingested`` count is the caller's to advance, and commits keep it."""
-        entry = InputRecord(path=str(Path(path).resolve()), name=Path(path).name, sha256=sha256, tokens=tokens,
-                            ingested=0, start=self.n_tokens)
-        self.inputs.append(entry)
-        return entry
-
     observer = property(lambda self: self._decoder.observer, lambda self, fn: setattr(self._decoder, "observer", fn),
                         doc="Called at each memory layer of a step with what a question reader reads "
                             "(``Decoder.observer``; ``answer.point``); None.")
 
     # ---- the library's own: sessions, corpora ---------------------------------------------------
-    base_blocks = property(lambda self: self._blocks.base,
-                           doc="A read-only memory's saved blocks, those before an attached session's (else None).")
-
     def attach(self, owner, blocks: AttachedBlocks, resume: bool) -> None:
         """Put ``blocks`` (a session's, ``owner``) after this rewound read-only memory's saved ones,
         and with ``resume`` continue after the open chunk their last commit kept: what it reads from
-        here on goes into them, until ``rewind`` lets them go."""
+        here on goes into them, until ``rewind`` lets them go (``attachment`` says whose they are)."""
         self._blocks.attach(blocks.blocks)
         if resume:
             self._decoder.take(blocks.chunk)
-        self.attached = owner
+        self.attachment = Attachment(owner, self._blocks.base)
 
     def add_document(self, shard, packed: bool, block_keys: list[torch.Tensor] | None, ids: np.ndarray,
                      source=None) -> None:
@@ -293,13 +285,13 @@ class LandmarkMemory:
     readonly = property(lambda self: self._files.readonly)
     documents = property(lambda self: self._files.documents, doc="A corpus: its blocks are its documents'.")
     manifest = property(lambda self: self._files.manifest,
-                        doc="The last commit this memory wrote or read, ``Manifest`` (None: never saved).")
-    commit_count = property(lambda self: self._files.commit_count)
+                        doc="The last commit this memory wrote or read, ``Manifest``: a new folder's commit 0 "
+                            "before its first; its ``model`` is the model the memory was built with (None: not saved).")
 
     def commit(self) -> int:
         """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit protocol");
         returns the commit number. A process killed at any instant leaves the memory at its last commit."""
-        manifest = Manifest(model=self.model_record(), options=self.options, streams=self.streams,
+        manifest = Manifest(model=self._model_record(), options=self.options, streams=self.streams,
                             blocks=self.n_blocks, tokens=self.n_tokens, pending_tokens=self.pending_count,
                             inputs=self.inputs, documents=self.documents)
         return self._files.commit(self._blocks, manifest, self.open_chunk())
@@ -351,7 +343,7 @@ class LandmarkMemory:
         memory's, its documents' stores, its open chunk."""
         self._files.follow(self._blocks, manifest, state, self.backbone.vocab_size)
         self.inputs = manifest.inputs
-        self._decoder.take(saved_chunk(self.dir, manifest, state, self.device, self.dtype))
+        self._decoder.take(saved_chunk(self.dir, manifest, state, self.device, self._dtype))
         self._decoder.keep()
 
     def open_chunk(self) -> OpenChunk:
@@ -367,13 +359,13 @@ class LandmarkMemory:
         self._blocks.rewind()
         self._decoder.restore()
         self._lookup.forget()
-        self.attached = None
+        self.attachment = None
 
-    def model_record(self) -> ModelRecord:
+    def _model_record(self) -> ModelRecord:
         """The model this memory was built with, as its manifest records it (fingerprint first)."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
-        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self.dtype],
+        return ModelRecord(self._fingerprint, self.model.config.to_dict(), self.shape, DTYPE_NAMES[self._dtype],
                            getattr(self.model, "landmark_name", ""), getattr(self.model, "tokenizer_digest", ""))
 
     def close(self, commit: bool = True) -> None:

@@ -157,13 +157,15 @@ class SavedFiles:
 
     Attributes
     ----------
-    manifest : Manifest or None, the last commit this memory wrote or read (None: never saved).
-    commit_count : int, that commit's number (0: none).
+    manifest : Manifest or None, the last commit this memory wrote or read: a new folder's commit 0,
+        written when it was made (``created``); None: not saved.
+    commit_count : int, that commit's number.
     """
 
-    def __init__(self, dir: MemoryDir | None, readonly: bool = False, documents: bool = False):
+    def __init__(self, dir: MemoryDir | None, readonly: bool = False, documents: bool = False,
+                 created: Manifest | None = None):
         self.dir, self.readonly, self.documents = dir, readonly, documents
-        self.manifest: Manifest | None = None
+        self.manifest: Manifest | None = created
         self.commit_count = 0
         self._committed_blocks = 0  # blocks of the last commit: a commit writes the rows after them
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)

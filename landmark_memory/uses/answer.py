@@ -114,10 +114,10 @@ def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage
                               f"model's vocabulary at block {block}; the memory is damaged: restore it from a backup "
                               "or rebuild it (`landmark-memory info --verify` checks every file)")
     at, text = block * bs, tokenizer.decode(ids.tolist())
-    s = mem.attached
-    if s is not None and block >= mem.base_blocks:
-        turn, offset = s.locate(block - mem.base_blocks)
-        return Passage(block, None, offset, text, share, s.name, turn)
+    a = mem.attachment
+    if a is not None and block >= a.base_blocks:
+        turn, offset = a.owner.locate(block - a.base_blocks)
+        return Passage(block, None, offset, text, share, a.owner.name, turn)
     e = mem.inputs.containing(at)  # (a corpus reads one page of its document list)
     if e is not None:
         return Passage(block, e.path, at - e.start, text, share)

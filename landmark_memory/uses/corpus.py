@@ -35,7 +35,7 @@ def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     m = document_manifest(mem.dir, folder)
     if m is None or not m.inputs:
         raise MemoryFileError(f"{d.path} holds no document yet: build it again to read it")
-    if m.model.fingerprint != mem.model_record().fingerprint:
+    if m.model.fingerprint != mem.manifest.model.fingerprint:
         raise MemoryFileError(f"the document {d.path} was read by another model than its corpus {mem.dir.path}; "
                               "remove that folder and build again to read it anew")
     fixed = ("store", "store_dtype", "chunk_size", "block_checksums")

@@ -121,7 +121,7 @@ class Session:
             if not create:
                 raise missing_error(mem.dir.path, name)
             try:
-                d = MemoryDir.create(path, Manifest(model=mem.model_record(), options=mem.manifest.options,
+                d = MemoryDir.create(path, Manifest(model=mem.manifest.model, options=mem.manifest.options,
                                                     session=SessionRecord(name, base_record(mem.manifest))))
             except WriterBusyError as e:
                 raise busy_error(e, name) from None
@@ -158,14 +158,20 @@ class Session:
     @property
     def n_tokens(self) -> int:
         """Tokens of the session (its blocks' and its open chunk's)."""
-        pending = self.mem.pending_count if self.mem.attached is self else self.blocks.pending_tokens
+        pending = self.mem.pending_count if self.attached else self.blocks.pending_tokens
         return self.blocks.n_blocks * self.mem.shape.block_size + pending
+
+    @property
+    def attached(self) -> bool:
+        """Whether the memory reads into this session now (``attach``)."""
+        a = self.mem.attachment
+        return a is not None and a.owner is self
 
     def attach(self) -> None:
         """Put the session after the memory's blocks (the memory rewound first): what the memory
         reads from here on goes into the session. Nothing to do while it is attached."""
         mem = self.mem
-        if mem.attached is self:
+        if self.attached:
             return
         mem.rewind()
         _check_over(mem, self.manifest, self.dir.path)
@@ -176,7 +182,7 @@ class Session:
         """Make what the memory read since the last commit durable in the session, with ``turns``
         (docs/DESIGN.md, "Commit protocol"; ``turns.jsonl`` is written with the token rows)."""
         mem, r = self.mem, self.manifest.session
-        if mem.attached is not self:
+        if not self.attached:
             raise RuntimeError(f"the session {self.name} is not attached to its memory: attach it first")
         data = b"".join(json.dumps(asdict(t), ensure_ascii=False).encode() + b"\n" for t in turns)
         starts = np.array([t.start for t in turns], np.int64).tobytes()
@@ -211,7 +217,7 @@ class Session:
 
     def close(self) -> None:
         """Let the memory go (rewound) and release the session's files and lock."""
-        if self.mem.attached is self:
+        if self.attached:
             self.mem.rewind()
         self.blocks.close()
         self.dir.close()
@@ -227,7 +233,7 @@ def _check_identity(mem: LandmarkMemory, m: Manifest, path: Path) -> None:
     """Refuse what is no session, a session under another name, of another model, or made
     over a memory built with other options (its blocks are stored as that memory's are)."""
     check_record(m, path)
-    if m.model.fingerprint != mem.model_record().fingerprint:
+    if m.model.fingerprint != mem.manifest.model.fingerprint:
         raise SessionError("other", f"the session {m.session.name!r} was held with another model (weights "
                            f"{m.model.fingerprint[:12]}) than the memory's; delete it or use its model")
     ours, theirs = m.options.built(), mem.manifest.options.built()
