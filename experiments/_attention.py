@@ -5,7 +5,7 @@ the passages of natural questions by them)."""
 import torch
 
 from landmark_memory.models.reader import NULL, head_attention
-from landmark_memory.uses.answer import question_tokens, search_states
+from landmark_memory.uses.question import question_tokens, search_states
 
 __all__ = ["NULL", "attention_of", "block_attention", "landmark_keys", "pooled_rank", "question_states", "rank_of"]
 

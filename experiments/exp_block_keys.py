@@ -34,7 +34,8 @@ from exp_retrieval import ASK_NEW, Lookups, Queries
 
 from landmark_memory.jobs.evaluate import parse_lengths
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.uses.answer import ask, search_states
+from landmark_memory.uses.answer import ask
+from landmark_memory.uses.question import search_states
 
 SCHEMES = ("mean key", "representative", "channel bound", "best token")
 R, WINDOW, K = 4, 256, 4

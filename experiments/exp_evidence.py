@@ -43,8 +43,8 @@ from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.heads import question_prompt
 from landmark_memory.models.reader import head_attention
 from landmark_memory.training.data import read_text
-from landmark_memory.uses.answer import question_tokens, search_states
 from landmark_memory.uses.evidence import prompt_weights, token_attention
+from landmark_memory.uses.question import question_tokens, search_states
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions_2.json"
 SIZES = (8064, 32256)  # 128 and 512 blocks of 63
@@ -99,7 +99,7 @@ def record_question(m, tok, q, reader):
                              for layer, (qq, _, cos, sin) in enumerate(got)], 1).flatten(1, 2)  # (2, L*H_kv, n)
     out = {"tokens": tokens.half(), "landmarks": landmarks}
     if reader is not None:
-        from landmark_memory.uses.answer import point
+        from landmark_memory.uses.question import point
         m.rewind()
         out["reader"] = torch.tensor([v for _, v in sorted(point(m, *reader, ids, own, n))])
     return out, took
@@ -269,11 +269,11 @@ def cost_step(args):
     """What pointing costs per question, by memory size (``--sizes`` tokens of ``COST_BOOK``, e.g.
     ``8064,32256,129024``):
     the prompt read alone, then with the retrieval heads' token-level reading (``evidence.point``)
-    and with the shipped question reader (``answer.point``), the median over the book's evaluation
+    and with the shipped question reader (``question.point``), the median over the book's evaluation
     questions, each after a warm-up; written to ``WORK/MODEL/cost.json``."""
     from landmark_memory.models.heads import load_heads
-    from landmark_memory.uses.answer import point
     from landmark_memory.uses.evidence import point as point_heads
+    from landmark_memory.uses.question import point
 
     model, tok = load_model(args.model)
     reader = getattr(model, "question_reader", None)

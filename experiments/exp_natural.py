@@ -176,7 +176,8 @@ def report(args):
             body.append(f"- {r['question']} ask: {r['ask_answer']!r} ({'right' if r['ask_right'] else 'wrong'}, "
                         f"block {'found' if r['ask_recall5'] else 'not found'}); base: {b.get('answer', '-')!r}")
     write_result("natural_questions", "Natural questions: the answer's block and the answer, through memory and in "
-                 "context", body + second_set(args.results), results=args.results, commands=trials.commands)
+                 "context", body + second_set(args.results) + answers_set(args.results), results=args.results,
+                 commands=trials.commands)
 
 
 def second_set(results):
@@ -208,6 +209,31 @@ def second_set(results):
             body.append(f"| {model}: ranking by {ranking} | " + " | ".join(
                 (lambda v: f"recall5 {sum(v)}/{len(v)}" if v else "-")(s["ranking"][g].get(ranking, []))
                 for g in groups) + " |")
+    return body
+
+
+def answers_set(results):
+    """The second set's evaluation half answered from the evidence (``exp_answers.py``'s summary,
+    ``answers_eval.json``), or nothing."""
+    f = Path(results) / "answers_eval.json"
+    if not f.is_file():
+        return []
+    summary = json.loads(f.read_text())
+    body = ["", "## Answers from the evidence (`exp_answers.py`, the second set's evaluation half)", "",
+            "The same 40 evaluation questions (22 at 8K) and 24 questions the books do not answer, asked through `ask` "
+            "with the quote its heads found read into the prompt before the question (`evidence=\"quote\"`, the "
+            "default) and without (`\"none\"`); with the refusal, a quote holding none of the question's own words is "
+            "answered \"not found\". Each figure with its trials; the base model reading the text whole and the "
+            "answering sentence alone: `answers_eval.md`.", "",
+            "| model | evidence | 8K: right | right, refusing | answerable refused | unanswerable refused | "
+            "32K: right | right, refusing | answerable refused | unanswerable refused |", "|---|---|" + "---|" * 8]
+    for model, policies in summary.items():
+        for policy, sizes in policies.items():
+            body.append(f"| {model} | {policy.split('|')[0]} | " + " | ".join(
+                (lambda c: " | ".join(f"{sum(c[k])}/{len(c[k])}" for k in ("right", "right_refusing",
+                                                                          "answerable_refused",
+                                                                          "unanswerable_refused")))(
+                    sizes[size]) if size in sizes else "- | - | - | -" for size in ("8064", "32256")) + " |")
     return body
 
 

@@ -11,9 +11,18 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length
 from landmark_memory.core.tokenizer import load_tokenizer
 from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
-from landmark_memory.uses.answer import question_tokens, search_states
+from landmark_memory.uses.answer import EVIDENCE_PROMPT, NOT_FOUND
 from landmark_memory.uses.choose_heads import DevQuestion, choose, choose_heads, head_ranks
-from landmark_memory.uses.evidence import candidates, point, prompt_weights, quote, token_attention
+from landmark_memory.uses.evidence import (
+    around,
+    candidates,
+    point,
+    prompt_weights,
+    quote,
+    shared_words,
+    token_attention,
+)
+from landmark_memory.uses.question import question_tokens, search_states
 
 
 def raw_keys(mem, text):
@@ -142,7 +151,7 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
     try:
         with LandmarkMemory.open(corpus, model, readonly=True) as mem:
             n = mem.n_blocks
-            got = ask(mem, tok, question, max_new_tokens=5, passages=4)
+            got = ask(mem, tok, question, max_new_tokens=5, passages=4, evidence="none", refuse=False)
             mem.rewind()
             prompt, _ = question_prompt(tok, question, model.evidence_heads.frame)
             assert prompt.startswith("user:" if chat else "Q: Who found")
@@ -167,12 +176,72 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
     assert got.to_json()["quote"]["text"] == q.text and got.prompt_tokens == len(enc.ids) and got.chat == chat
 
 
+def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_answers_after_it(corpus):
+    model, question, tok = LandmarkGPT.from_pretrained(), "Who found the treasure map?", ChatTokenizer([])
+    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
+    try:
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+            n = mem.n_blocks
+            got = ask(mem, tok, question, max_new_tokens=5, refuse=False)
+            mem.rewind()
+            wide = ask(mem, tok, question, max_new_tokens=5, evidence="around", refuse=False)
+            mem.rewind()
+            closed = tok.chat_text([{"role": "user", "content": question}], first=True, answer=False)
+            enc = tok.encode(closed)  # the question's turn, closed: what the heads score
+            best, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
+                                question_tokens(enc.offsets, closed, question), n, 2)
+            turn = EVIDENCE_PROMPT.format(evidence=found.text, question=question)
+            rest = tok.encode(tok.chat_text([{"role": "user", "content": turn}], first=False, answer=True)).ids
+            with mem.reading([b for b, _ in best]):
+                new = mem.generate(torch.tensor([rest]), 5)[0].tolist()
+            assert around(mem, tok, found, n, sentences=0) == found.text
+    finally:
+        del model.evidence_heads
+    assert got.evidence == found.text == got.quote.text and got.tokens == new
+    assert got.prompt_tokens == len(enc.ids) + len(rest) and [p.block for p in got.passages[:2]] == [b for b, _ in best]
+    assert got.grounded == shared_words(got.text, found.text, question)
+    assert found.text in wide.evidence and len(wide.evidence) > len(found.text)  # with its neighbours
+
+
+def test_ask_says_the_memory_holds_no_answer_where_its_quote_speaks_of_nothing_asked_and_names_the_closest_text(
+        corpus):
+    model, question, tok = LandmarkGPT.from_pretrained(), "Whose xylophone did the quokka borrow?", ChatTokenizer([])
+    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
+    try:
+        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+            before = mem.n_tokens
+            got = ask(mem, tok, question, max_new_tokens=5)
+            read = mem.n_tokens - before
+            mem.rewind()
+            anyway = ask(mem, tok, question, max_new_tokens=5, refuse=False)
+    finally:
+        del model.evidence_heads
+    assert got.refused and got.text == NOT_FOUND and got.tokens == tok.encode(NOT_FOUND).ids and got.evidence is None
+    assert read == got.prompt_tokens + len(got.tokens)  # the memory read the refusal as the answer it gave
+    assert got.quote == anyway.quote and [p.block for p in got.passages] == [p.block for p in anyway.passages[:2]]
+    assert not anyway.refused and anyway.support == got.support == 0 and anyway.evidence == anyway.quote.text
+
+
+def test_ask_refuses_an_evidence_policy_it_does_not_know(corpus):
+    with LandmarkMemory.open(corpus, LandmarkGPT.from_pretrained(), readonly=True) as mem:
+        with pytest.raises(ValueError, match="evidence must be one of quote, around, none"):
+            ask(mem, load_tokenizer(), "Who?", evidence="all")
+
+
+def test_an_answers_grounded_words_are_those_its_evidence_holds_beyond_the_question():
+    question = "What was the name of the inn that Jim's father kept?"
+    evidence = "my father kept the Admiral Benbow inn"
+    assert shared_words("The inn was the Admiral Benbow, kept by his father.", evidence, question) == \
+        ["admiral", "benbow"]
+    assert shared_words("It was the Red Lion.", evidence, question) == []  # nothing taken from its evidence
+
+
 def test_a_framed_answer_ends_where_the_model_writes_the_frames_words_again(corpus):
     model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
     model.evidence_heads = EvidenceHeads(((0, 1),), frame="(The {question}\n")  # the bundled model writes "(The"
     try:
         with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-            got = ask(mem, tok, "Who found the treasure map?", max_new_tokens=60)
+            got = ask(mem, tok, "Who found the treasure map?", max_new_tokens=60, refuse=False)
     finally:
         del model.evidence_heads
     assert got.stop == "(The" and "(The" not in got.text and len(got.tokens) < 60
@@ -249,3 +318,17 @@ def test_past_the_candidate_limit_the_heads_read_the_blocks_their_block_keys_ran
     assert got_blocks.tolist() == sorted(want.topk(4).indices.tolist())
     best, _ = point(mem, ChatTokenizer([]), EvidenceHeads(tuple(heads), candidates=4), got, [2, 3, 4, 5], 12, 3)
     assert {b for b, _ in best} <= set(got_blocks.tolist())
+
+
+def test_a_terminal_shows_the_quote_with_what_the_answer_took_from_it_or_a_warning_or_the_closest_text():
+    from landmark_memory.uses.answer import Answer
+    from landmark_memory.uses.evidence import Quote
+
+    q = Quote("My father kept the Admiral Benbow inn.", 3, 200, 0.5, source="book.txt", token_offset=200)
+    said = Answer("Which inn?", "The Admiral Benbow.", [], True, quote=q, grounded=["admiral", "benbow"])
+    assert said.evidence_lines() == [f"Quote: {q.cited()}", "From the quote: admiral, benbow"]
+    wrong = Answer("Which inn?", "The Red Lion.", [], True, quote=q, grounded=[])
+    assert wrong.evidence_lines()[1].startswith("Check this answer")
+    refused = Answer("Which inn?", NOT_FOUND, [], True, quote=q, refused=True)
+    assert refused.evidence_lines() == [f"Closest text: {q.cited()}"] and refused.evidence_fields()["refused"]
+    assert Answer("Which inn?", "No idea.", [], True).evidence_lines() == []

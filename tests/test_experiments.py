@@ -563,3 +563,33 @@ def test_evidence_report_tables_rankings_and_asks_from_what_was_recorded(tmp_pat
     summary = json.loads((tmp_path / "results" / "evidence.json").read_text())
     assert summary["base"]["ask"]["heads"]["natural, 8K"]["quoted"] == [True, True]
     assert summary["landmark"] == {"ranking": {}}  # a model this work folder does not hold keeps its summary
+
+
+def test_unanswerable_questions_ask_of_each_books_of_both_halves_and_are_not_its_answerable_ones():
+    answers, evidence = script("exp_answers"), script("exp_evidence")
+    for split in ("dev", "eval"):
+        asked = {q["question"] for q in evidence.questions(split)}
+        none = answers.unanswerable(split)
+        assert len(none) >= 20 and {q["book"] for q in none} == {q["book"] for q in evidence.questions(split)}
+        assert not asked & {q["question"] for q in none} and len({q["question"] for q in none}) == len(none)
+
+
+def test_answers_report_applies_asks_refusal_to_each_trial_and_tables_every_policy(tmp_path):
+    answers = script("exp_answers")
+    work = tmp_path / "work"
+    (work / "base").mkdir(parents=True)
+    row = {"question": "What was the name of the inn?", "answer": "The Admiral Benbow.", "right": True,
+           "quoted": True, "recall5": True, "seconds": 3.0, "quote": "my father kept the Admiral Benbow inn"}
+    off = dict(row, quote="It rained all day.", right=False, quoted=False)  # a quote of nothing asked: refused
+    none = {"question": "What was the name of Jim's sister?", "quote": "Jim went out.", "answer": "Mary"}
+    (work / "base" / "answers.json").write_text(json.dumps({"commands": ["python experiments/exp_answers.py ask"],
+                                                           "cells": {"dev|quote|plain|b-8064": [row, off],
+                                                                     "none-dev|quote|plain|b-8064": [none],
+                                                                     "dev|context|-|b-8064": [{"right": False}] * 2}}))
+    answers.report(SimpleNamespace(work=str(work), results=str(tmp_path), command="x", split="dev"))
+    cell = json.loads((tmp_path / "answers_dev.json").read_text())["smollm2"]["quote|plain"]["8064"]
+    assert cell == {"right": [True, False], "right_refusing": [True, False], "answerable_refused": [False, True],
+                    "unanswerable_refused": [False], "quoted": [True, False], "recall5": [True, True]}
+    text = (tmp_path / "answers_dev.md").read_text()
+    assert "| quote | plain | 1/2 (50%) | 1/2 (50%) | 1/2 (50%) | 0/1 (0%) | 1/2 (50%) | 2/2 (100%) | 3.0 |" in text
+    assert "| context | - | 0/2 (0%) | - |" in text

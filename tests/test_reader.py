@@ -12,7 +12,7 @@ from landmark_memory.core.layout import landmarked_length
 from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf.lora import question_reader
 from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, load_reader, save_reader
-from landmark_memory.uses.answer import point
+from landmark_memory.uses.question import point
 
 
 def random_reader(layers, heads, dim, width, seed=0):

@@ -209,6 +209,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "The captain sa
     ("/v1/chat/completions", {"logprobs": True}, "invalid_logprobs"),
     ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "invalid_stop"),
     ("/v1/completions", {"stop": ""}, "invalid_stop"),
+    ("/v1/chat/completions", {"evidence": "all"}, "invalid_evidence"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_values_that_were_tracebacks_are_400_streamed_or_not(server, route, change, code, stream):

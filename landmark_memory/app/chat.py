@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
+from ..core.names import EVIDENCE
 from ..core.printing import json_text, printable
 from ..format.session_files import list_sessions
 from ..memory import LandmarkMemory
@@ -30,19 +31,21 @@ class ChatOptions:
     raw: bool = False
     max_new_tokens: int = 128
     passages: int = 3
+    evidence: str = EVIDENCE[0]
+    refuse: bool = True
 
 
 def answer_json(a: Answer) -> dict:
     """An answer as one line of ``chat --json``."""
     return {"session": a.session, "text": a.text, "tokens": a.tokens, "passages": [asdict(p) for p in a.passages],
-            "quote": a.quote and asdict(a.quote)}
+            **a.evidence_fields()}
 
 
 def passages_text(a: Answer | None) -> str:
     """The passages of an answer, as the terminal shows them."""
     if a is None or not a.passages:
         return "(no passages: ask something first)" if a is None else "(the answer read no passage of the memory)"
-    out = [f"quote: {a.quote.cited()}"] if a.quote is not None else []
+    out = a.evidence_lines()
     for p in a.passages:
         where = (f"session {p.session}, turn {p.turn + 1}" if p.session else f"{p.source or 'the memory'}") + \
             f" at token {p.token_offset:,}"
@@ -69,8 +72,7 @@ def chat(session: Session, tokenizer, options: ChatOptions, *, as_json: bool = F
         line = line.rstrip("\n")
         if not line.strip():
             continue
-        a = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
-                passages=options.passages)
+        a = say(session, tokenizer, line, **asdict(options))
         print(json_text(answer_json(a)) if as_json else printable(a.text.strip()), file=stdout, flush=True)
     return 0
 
@@ -102,8 +104,7 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
         stream = _Stream(tokenizer, out)
         print("memory> ", end="", file=out, flush=True)
         try:
-            last = say(session, tokenizer, line, raw=options.raw, max_new_tokens=options.max_new_tokens,
-                       passages=options.passages, on_token=stream.show)
+            last = say(session, tokenizer, line, **asdict(options), on_token=stream.show)
             print(printable(last.text[len(stream.shown):]), file=out)
         except KeyboardInterrupt:  # the turn is not committed: the session goes back to its last one
             print("\n(stopped: this turn is forgotten, the session stays at its last answer)", file=out)

@@ -189,13 +189,12 @@ def cmd_ask(args):
     with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k", "cmt_cutoff")) as mem:
         say_block_keys(model, mem.options)
         answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     seed=args.seed, raw=args.raw, passages=args.passages)
+                     seed=args.seed, raw=args.raw, passages=args.passages, evidence=args.evidence, refuse=args.refuse)
     doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
            "retrieved": [asdict(p) for p in answer.passages], "memory_tokens": answer.memory_tokens,
-           "quote": answer.quote and asdict(answer.quote)}
+           **answer.evidence_fields()}
     lines = [f"Q: {args.prompt}\nA: {answer.text.strip()}" if answer.chat else args.prompt + answer.text]
-    if answer.quote is not None:
-        lines.append(f"Quote: {answer.quote.cited()}")
+    lines += answer.evidence_lines()
     if args.show_retrieved:
         for p in answer.passages:
             lines.append(f"\n--- retrieved block {p.block} ({100 * p.share:.0f}% of lookups), "
@@ -214,7 +213,8 @@ def cmd_chat(args):
         with Session.open(mem, args.session) as session:
             if args.session is None:
                 print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)
-            return chat(session, tok, ChatOptions(args.raw, args.max_new_tokens, args.passages), as_json=args.json)
+            options = ChatOptions(args.raw, args.max_new_tokens, args.passages, args.evidence, args.refuse)
+            return chat(session, tok, options, as_json=args.json)
 
 
 def cmd_sessions(args):

@@ -11,6 +11,7 @@ from ..core.names import (
     DEFAULT_TOP_K,
     DISK_STORES,
     EF_SEARCH,
+    EVIDENCE,
     FREE_BLOCK_SIZE,
     FREE_READS,
     INDEX_KINDS,
@@ -77,6 +78,17 @@ CHUNK_HELP = "tokens per chunk, a multiple of the block size up to 65,536 (defau
 RETRIEVAL_HELP = ("what chooses a set of blocks: each query of each head (per_token_head), each head for a step's "
                   "queries (per_head), each query for all heads (per_token); default per_token_head through landmarks, "
                   "per_head without them")
+
+
+def add_evidence(p):
+    """``--evidence`` and ``--always-answer``: how ``ask`` answers from what its retrieval heads found."""
+    p.add_argument("--evidence", choices=EVIDENCE, default=EVIDENCE[0],
+                   help="what a chat model with retrieval heads reads before the question once they found the quote: "
+                        "the quote (default), the quote with the sentence before and after it (around), or nothing "
+                        "(none: the answer reads the memory alone)")
+    p.add_argument("--always-answer", dest="refuse", action="store_false",
+                   help="answer even where the retrieval heads find too little evidence (by default the answer says "
+                        "the memory does not seem to hold one, and names the closest text)")
 
 
 def add_top_k(p, default=None, new=False):
@@ -203,6 +215,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
     p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
+    add_evidence(p)
     p.add_argument("--raw", action="store_true",
                    help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
                         "template and its answer ends at its end-of-turn token")
@@ -216,6 +229,7 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help=f"the most tokens of an answer (default 128, at most {MAX_NEW_TOKENS:,})")
     add_top_k(p)
     p.add_argument("--passages", type=positive, default=3, help="passages to report per answer (default 3)")
+    add_evidence(p)
     p.add_argument("--raw", action="store_true",
                    help="turns are plain text continued as written (a model without a chat template, such as the "
                         "bundled one); by default a chat model gets each as a user turn of its template")

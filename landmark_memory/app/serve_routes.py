@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ..core.names import EVIDENCE
 from ..uses.answer import Answer, Message, QuestionError, check_messages, converse, say
 from ..uses.session import Session
 from .serve_guard import APIError, client_gone
@@ -105,6 +106,8 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     passages: int = 3
+    evidence: str = EVIDENCE[0]  # what a chat model with retrieval heads reads before the question (``converse``)
+    refuse: bool = True  # say the memory holds no answer where the heads find too little (``converse``)
     stop: str | list[str] | None = None
     n: int | None = None
     logprobs: bool | int | None = None
@@ -180,6 +183,8 @@ def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]
         raise APIError(400, f"n must be 1: this server gives one choice per request, got {req.n}", "invalid_n")
     if req.logprobs not in (None, False, 0) or req.top_logprobs is not None:
         raise APIError(400, "logprobs and top_logprobs are not supported: leave them out", "invalid_logprobs")
+    if req.evidence not in EVIDENCE:
+        raise APIError(400, f"evidence must be one of {', '.join(EVIDENCE)}, got {req.evidence!r}", "invalid_evidence")
     try:  # what converse would refuse, refused before a stream sends its status
         check_messages(messages, seed=req.seed or 0, stop=req.stops())
     except QuestionError as e:
@@ -192,7 +197,8 @@ def answer(s: "Served", messages: list[Message], raw: bool, req: _Request, n: in
            on_token=None) -> Answer:
     """The answer to ``messages``: read into the ``session`` named, or after the memory alone."""
     options = dict(max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0, raw=raw,
-                   passages=max(0, req.passages), stop=req.stops(), on_token=on_token)
+                   passages=max(0, req.passages), stop=req.stops(), on_token=on_token, evidence=req.evidence,
+                   refuse=req.refuse)
     with s.readers.take() as mem:
         if session is None:
             return converse(mem, s.tokenizer, messages, **options)
@@ -216,7 +222,7 @@ async def respond(s: "Served", kind: str, messages: list[Message], raw: bool, re
               {"text": a.text, "logprobs": None})
     return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [{"index": 0, **choice, "finish_reason": finish(a, n)}], "usage": usage(a),
-            "passages": [asdict(p) for p in a.passages], "quote": a.quote and asdict(a.quote)}
+            "passages": [asdict(p) for p in a.passages], **a.evidence_fields()}
 
 async def answered(s: "Served", messages: list[Message], raw: bool, req: _Request, n: int, session: str | None,
                    request: Request) -> Answer | None:
@@ -314,7 +320,7 @@ async def stream(s: "Served", kind, head, messages, raw, req, n, session):
             if a.text[len(shown):]:
                 yield event(a.text[len(shown):])
             yield event(finish_reason=finish(a, n), extra={"passages": [asdict(p) for p in a.passages],
-                                                         "quote": a.quote and asdict(a.quote), "usage": usage(a)})
+                                                         **a.evidence_fields(), "usage": usage(a)})
         yield "data: [DONE]\n\n"
     finally:  # the client left (or the stream ended): the answer stops at its next token
         left.set()

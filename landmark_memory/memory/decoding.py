@@ -55,7 +55,7 @@ class Decoder:
     windows : per sliding-window layer (k, v) of the last positions its window reads, no RoPE.
     observer : called at each memory layer of a step with (memory layer, the layer's input
         (B, T_q, C), raw queries (B, H, T_q, D), at_search angles, the step's normal rows): what a
-        question reader reads (``answer.point``); None.
+        question reader reads (``question.point``); None.
     """
 
     def __init__(self, backbone, shape: ModelShape, blocks: BlockMemory,

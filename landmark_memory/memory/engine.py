@@ -233,7 +233,7 @@ class LandmarkMemory:
     def reading(self, blocks: Sequence[int]):
         """Every query fed inside the ``with`` block reads the memory blocks ``blocks`` (at most
         ``top_k``) as the first of its top-k and chooses the rest among the other blocks by its
-        landmark scores: a question's evidence, chosen by a question reader (``answer.point``),
+        landmark scores: a question's evidence, chosen by a question reader (``question.point``),
         read by every token of its answer at every layer. A sink or local block is read anyway."""
         ids = np.array([int(b) for b in blocks], np.int64)
         if len(ids) > self.options.top_k or len(set(ids.tolist())) < len(ids) or \
@@ -256,7 +256,7 @@ class LandmarkMemory:
 
     observer = property(lambda self: self._decoder.observer, lambda self, fn: setattr(self._decoder, "observer", fn),
                         doc="Called at each memory layer of a step with what a question reader reads "
-                            "(``Decoder.observer``; ``answer.point``); None.")
+                            "(``Decoder.observer``; ``question.point``); None.")
 
     # ---- the library's own: sessions, corpora ---------------------------------------------------
     def attach(self, owner, blocks: AttachedBlocks, resume: bool) -> None:

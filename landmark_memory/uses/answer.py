@@ -18,16 +18,20 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..core.names import MAX_TURN_CHARS
+from ..core.names import EVIDENCE, MAX_TURN_CHARS
 from ..core.tokenizer import encode_prompt
 from ..format.manifest import MemoryFileError
 from ..format.session_files import ROLES, Turn
 from ..memory.engine import LandmarkMemory
 from ..models.config import AskPolicy
-from ..models.reader import QuestionReader, head_attention, standardised
-from .evidence import Quote
+from .evidence import Quote, around, shared_words, support
 from .evidence import point as point_heads
+from .question import point, question_tokens, search_states
 from .session import Session
+
+# the turn the evidence and the question are read in (chosen on development questions: experiments/exp_answers.py)
+EVIDENCE_PROMPT = "{evidence}\n\n{question}"
+NOT_FOUND = "The memory does not seem to hold the answer to this question."  # said where the quote is off the point
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,31 @@ class Answer:
     prompt_tokens: int = 0  # the tokens the question was read as (through the chat template)
     end_of_turn: int | None = None  # the end-of-turn token that ended it (read by the memory, not in ``tokens``)
     quote: Quote | None = None  # the sentence of the memory the question's retrieval heads attend to most
+    evidence: str | None = None  # what was read into the prompt before the question (None: the memory alone)
+    grounded: list[str] | None = None  # the answer's words its quote holds (``shared_words``; None: no quote)
+    support: float | None = None  # the share of the question's own words the quote holds (None: no quote)
+    refused: bool = False  # ``NOT_FOUND`` said: the quote holds none of the question's own words
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def evidence_fields(self) -> dict:
+        """What the answer rests on, as the command line's, the chat's and the server's JSON give
+        it: the quote, the evidence read before the question, the answer's words the quote holds,
+        how much of the question the quote speaks of, whether it said the memory holds no answer."""
+        return {"quote": self.quote and asdict(self.quote), "evidence": self.evidence, "grounded": self.grounded,
+                "support": self.support, "refused": self.refused}
+
+    def evidence_lines(self) -> list[str]:
+        """The quote and the answer held against it, as a terminal shows them: the words the
+        answer took from it, or a warning that it took none; where the memory held no answer,
+        the closest text it holds."""
+        if self.quote is None:
+            return []
+        if self.refused:
+            return [f"Closest text: {self.quote.cited()}"]
+        return [f"Quote: {self.quote.cited()}", "From the quote: " + ", ".join(self.grounded) if self.grounded
+                else "Check this answer: none of its words comes from the quote"]
 
 
 class QuestionError(ValueError):
@@ -134,7 +160,7 @@ def ask(mem: LandmarkMemory, tokenizer, question: str, **options) -> Answer:
 def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max_new_tokens: int = 32,
              temperature: float = 0.0, seed: int = 0, raw: bool = False, passages: int = 3,
              stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None, first: bool = True,
-             centre: bool | None = None) -> Answer:
+             centre: bool | None = None, evidence: str = EVIDENCE[0], refuse: bool = True) -> Answer:
     """Read ``messages`` after everything the memory ``mem`` holds and generate the answer.
 
     Parameters
@@ -153,6 +179,16 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     centre : the messages and the answer choose their blocks by landmark scores centred
         (``MemoryOptions.centre``), whatever the memory reads other text with; False: as it
         reads; None: as the model's ``AskPolicy`` says.
+    evidence : what a chat model with retrieval heads reads before the question once its heads
+        have found the quote (``EVIDENCE``): ``"quote"``, the quote; ``"around"``, the quote with
+        the sentence before and after it; ``"none"``, nothing (the answer reads the memory alone).
+        The messages are first read as a closed turn, which the heads score; then the evidence
+        and the question are read as the next user turn (``EVIDENCE_PROMPT``), and the answer
+        follows it. ``Answer.evidence`` says what was read.
+    refuse : where the quote holds none of the question's own words (``Answer.support`` 0,
+        ``evidence.support``; the rule chosen on development questions the books answer and
+        questions they do not), say ``NOT_FOUND`` instead of generating (``Answer.refused``; the
+        quote and passages still name the closest text); False: always generate.
 
     The passages are ranked by the lookups of every layer, or of the deeper half of them where
     the model's ``AskPolicy`` says so (SmolLM2's first layers' choices say little of the
@@ -168,6 +204,8 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     centre = policy.centre if centre is None else centre
     if max_new_tokens < 0 or passages < 0:
         raise ValueError(f"max_new_tokens and passages must be >= 0, got {max_new_tokens} and {passages}")
+    if evidence not in EVIDENCE:
+        raise ValueError(f"evidence must be one of {', '.join(EVIDENCE)}, got {evidence!r}")
     question = messages[-1].content
     chat = None if raw else getattr(tokenizer, "chat_text", lambda *a, **k: None)(
         [asdict(m) for m in messages], first=first, answer=True)
@@ -179,8 +217,11 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     last = question if frame is None else frame.replace("{question}", question)
     if frame is not None:  # a model that writes the frame's words again has ended its answer
         stop = (*stop, *[w.strip() for w in frame.split("{question}") if w.strip()])
-    prompt = chat if chat is not None else "\n".join([m.content for m in messages[:-1]] + [last])
     n_saved, n_tokens = mem.n_blocks, mem.n_tokens  # blocks the question adds are no passages of the memory
+    reads_evidence = evidence != "none" and heads is not None and chat is not None and n_saved > 0
+    if reads_evidence:  # the messages a closed turn: the heads score it, the evidence and question follow
+        chat = tokenizer.chat_text([asdict(m) for m in messages], first=first, answer=False)
+    prompt = chat if chat is not None else "\n".join([m.content for m in messages[:-1]] + [last])
     uses = Counter()
     stops = set(tokenizer.end_of_turn_ids) if chat else set()
 
@@ -199,11 +240,12 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     encoded = encode_prompt(tokenizer, prompt, [m.content for m in messages])  # (their text never a special token)
     ids, rest = encoded.ids, encoded.ids
     reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
-    pointed, found = [], None
+    pointed, found, scored, said = [], None, [], None
     if (heads or reader) and n_saved and len(ids) > 1:  # the prompt is read first (by the memory's own options),
-        own = question_tokens(encoded.offsets[:-1], prompt, question)  # then the answer reads the blocks it points at
+        scored = ids if reads_evidence else ids[:-1]  # then the answer reads the blocks it points at
+        own = question_tokens(encoded.offsets[:len(scored)], prompt, question)
         if heads is not None:
-            best, found = point_heads(mem, tokenizer, heads, search_states(mem, ids[:-1]), own, n_saved,
+            best, found = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
                                       max(min(heads.blocks, mem.options.top_k), 1))
             pointed = [b for b, _ in best][:heads.blocks]
             if found is not None:  # where it lies, as its block's passage says
@@ -211,13 +253,25 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
                 found = replace(found, source=at.source, session=at.session, turn=at.turn,
                                 token_offset=at.token_offset + found.token - found.block * mem.shape.block_size)
         else:
-            pointed = [b for b, _ in point(mem, *reader, ids[:-1], own, min(policy.reader_blocks, mem.options.top_k))]
-        rest = ids[-1:]
-    with mem.querying(centre=True) if centre else nullcontext():
-        with mem.reading(pointed):
-            new = mem.generate(torch.tensor([rest], device=mem.device), max_new_tokens, temperature=temperature,
-                               generator=torch.Generator().manual_seed(seed), stop_ids=stops,
-                               until=stopped if stop else None, on_token=told, on_read=read)[0].tolist()
+            pointed = [b for b, _ in point(mem, *reader, scored, own, min(policy.reader_blocks, mem.options.top_k))]
+        rest = ids[len(scored):]
+    if reads_evidence:  # the next turn: the evidence and the question (or, with no quote, the answer's opening)
+        said = found and (found.text if evidence == "quote" else around(mem, tokenizer, found, n_saved))
+        turn = [{"role": "user", "content": EVIDENCE_PROMPT.format(evidence=said, question=question)}] if said else []
+        rest = encode_prompt(tokenizer, tokenizer.chat_text(turn, first=False, answer=True),
+                             [t["content"] for t in turn]).ids
+    backing = None if found is None else support(question, found.text)
+    refused = refuse and backing == 0
+    if refused:  # the memory reads the refusal as the answer it gave: a session goes on after it
+        said, rest = None, encode_prompt(tokenizer, tokenizer.chat_text([], first=False, answer=True), []).ids \
+            if reads_evidence else rest
+        new = tokenizer.encode(NOT_FOUND).ids
+        mem.forward(torch.tensor([rest + new], device=mem.device), logits="none")
+        for t in new:
+            told([t])
+    else:
+        new = _generated(mem, rest, pointed, centre, max_new_tokens, temperature, seed, stops,
+                         stopped if stop else None, told, read)
     total = sum(uses.values()) or 1
     ranked = pointed + [b for b, _ in uses.most_common() if b not in pointed]  # the reader's blocks first
     most_read = [passage(mem, b, tokenizer, uses[b] / total) for b in ranked[:passages]]
@@ -227,75 +281,19 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     if hits:
         at, cut = min(hits)
         text = text[:at]
-    return Answer(question, text, answer, chat is not None, most_read, n_tokens, cut, prompt_tokens=len(ids),
-                  end_of_turn=new[-1] if new and new[-1] in stops else None, quote=found)
+    return Answer(question, text, answer, chat is not None, most_read, n_tokens, cut,
+                  prompt_tokens=len(scored) + len(rest), end_of_turn=new[-1] if new and new[-1] in stops else None,
+                  quote=found, evidence=said, support=backing, refused=refused,
+                  grounded=None if found is None or refused else shared_words(text, said or found.text, question))
 
 
-@torch.no_grad()
-def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own: list[int],
-          k: int) -> list[tuple[int, float]]:
-    """Read ``prompt`` (token ids: a question at the positions ``own``, the chat template's
-    tokens around it) into the memory ``mem`` and rank the blocks the memory held before it by
-    ``reader``: the best ``k`` as (block, score), best first.
-
-    Every block's landmark key is scored in each memory layer the reader weighs (a layer at a
-    time): the cost grows with the memory's blocks (SmolLM2's shipped reader weighs all 30 layers;
-    over 520 blocks a warm ``point`` took 0.25 s with the prompt's reading, which alone took 0.2 s)."""
-    n, c = mem.n_blocks, reader.config
-    got = search_states(mem, prompt)
-    if n == 0 or not own:
-        return []
-    mine = torch.zeros(1, 1, len(prompt))
-    mine[..., own] = 1.0
-    theirs = (1 - mine) / max(len(prompt) - len(own), 1)  # the template's tokens (the calibration)
-    mine /= len(own)
-    mix = reader.weights()  # (L, H_kv)
-    heads = reader.heads.view_as(mix) if c.blend else torch.zeros_like(mix)  # by the model's own queries
-    total, base = torch.zeros(n), torch.zeros(n)
-    for layer, (q, h, cos, sin) in enumerate(got):
-        if not (mix[layer].any() or heads[layer].any()):  # a layer the reader does not weigh
-            continue
-        keys = mem.keys(layer, torch.arange(n)).cpu()[None]  # (1, H_kv, n, D)
-        a = reader.attention(q[None, None], h[None, None], cos[None], sin[None], mine, keys, mem.backbone.scale,
-                             layers=[layer])[0, 0]  # (H_kv, n)
-        own_a, null = head_attention(q[None, None], cos[None], sin[None], torch.cat([mine, theirs]), keys,
-                                     mem.backbone.scale)[:, 0]  # (H_kv, n) each: the model's own queries
-        if calibration != "template":
-            null = torch.zeros_like(null)
-        total += (mix[layer, :, None] * (a - null)).sum(0)
-        base += (heads[layer, :, None] * (own_a - null)).sum(0)
-    if c.blend:
-        total = (1 - c.blend) * standardised(total) + c.blend * standardised(base)
-    top = total.topk(min(k, n))
-    return list(zip(top.indices.tolist(), top.values.tolist()))
-
-
-@torch.no_grad()
-def search_states(mem, prompt: list[int]) -> list[tuple[torch.Tensor, ...]]:
-    """Read ``prompt`` (token ids) into the memory ``mem`` and return, per memory layer, what its
-    tokens search the memory with (stream 0, float32 on the CPU): the raw queries (H, T, D), the
-    layer's inputs (T, C), and the rotation ``cos``, ``sin`` (T, D) each that moves a raw query
-    to where it searches older blocks from (the engine's ``observer``, over every step)."""
-    got = [[] for _ in range(mem.shape.n_layer)]
-
-    def observe(layer, h, q, at_search, normal):  # the step's normal rows
-        cos, sin = at_search
-        got[layer].append((q[0][:, normal], h[0][normal], cos[normal], sin[normal]))
-
-    mem.observer = observe
-    try:
-        mem.forward(torch.tensor([prompt], device=mem.device), logits="none")
-    finally:
-        mem.observer = None
-    return [tuple(torch.cat(parts, -2).float().cpu() for parts in zip(*steps)) for steps in got]
-
-
-def question_tokens(offsets: Sequence[tuple[int, int]], prompt: str, question: str) -> list[int]:
-    """The positions of the prompt's tokens (their character ``offsets``) that are the
-    question's own: the last place the prompt holds its text."""
-    start = prompt.rfind(question)
-    end = start + len(question)
-    return [i for i, (a, b) in enumerate(offsets) if start >= 0 and start <= a < b <= end]
+def _generated(mem, rest, pointed, centre, max_new_tokens, temperature, seed, stops, until, told, read) -> list[int]:
+    """The answer's token ids, generated after ``rest`` with every token reading the ``pointed`` blocks first."""
+    with mem.querying(centre=True) if centre else nullcontext():
+        with mem.reading(pointed):
+            return mem.generate(torch.tensor([rest], device=mem.device), max_new_tokens, temperature=temperature,
+                                generator=torch.Generator().manual_seed(seed), stop_ids=stops, until=until,
+                                on_token=told, on_read=read)[0].tolist()
 
 
 def check_messages(messages: Sequence[Message], *, seed: int = 0, stop: Sequence[str] = ()) -> None:

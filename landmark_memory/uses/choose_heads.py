@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from ..memory.engine import LandmarkMemory
 from ..models.heads import EvidenceHeads, question_prompt
-from .answer import question_tokens, search_states
 from .evidence import prompt_weights, token_attention
+from .question import question_tokens, search_states
 
 COUNTS = (2, 4, 8, 16, 32)  # heads pooled: the count is chosen by development recall@5
 RECALL_AT = 5

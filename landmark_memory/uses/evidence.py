@@ -64,7 +64,7 @@ def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: 
           ) -> tuple[list[tuple[int, float]], Quote | None]:
     """The ``k`` of the memory's first ``n`` blocks (those it held before the prompt) the
     retrieval ``heads`` rank first, as (block, score), best first, and the quote among them, for a
-    prompt read into ``mem`` (``got``: ``answer.search_states``; ``own``: the question's positions
+    prompt read into ``mem`` (``got``: ``question.search_states``; ``own``: the question's positions
     in it)."""
     heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
     if not own or n == 0:
@@ -81,7 +81,7 @@ def token_attention(mem, got, weights: torch.Tensor, heads, blocks: torch.Tensor
     """float32 (M, K, n, block_size): each of the K ``heads``' attention over the normal tokens of
     ``blocks`` (n,), for M averages over the prompt's tokens ``weights`` (M, T) (rows summing to 1).
 
-    ``got``: per memory layer what the prompt's tokens search with (``answer.search_states``). A
+    ``got``: per memory layer what the prompt's tokens search with (``question.search_states``). A
     query is rotated to where it would read a block at slot 0 (its search position plus the
     block's key row), each stored key sits at its offset in the block: the scores the attention
     gives a retrieved block's tokens."""
@@ -164,3 +164,53 @@ def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[i
             if found is None or s > found.score:
                 found = Quote(" ".join(text[a:z].split()), int(lo + first // bs), int(lo * bs + first), s)
     return found
+
+
+def around(mem, tokenizer, found: Quote, n: int, sentences: int = 1) -> str:
+    """The quote ``found`` with the ``sentences`` sentences before and after it, as the memory's
+    first ``n`` blocks hold them (white space folded); the quote alone where its sentence is cut
+    differently in the wider text."""
+    lo, hi = max(found.block - 2, 0), min(found.block + 3, n)
+    text = tokenizer.decode([int(t) for t in mem.tokens(0, lo, hi)])
+    cuts = [0] + [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]
+    said = [s for s in (" ".join(text[a:z].split()) for a, z in zip(cuts, cuts[1:])) if s]
+    if found.text not in said:
+        return found.text
+    i = said.index(found.text)
+    return " ".join(said[max(i - sentences, 0):i + sentences + 1])
+
+
+# words an answer shares with any text, which say nothing of where it came from
+COMMON = frozenset("""a about after again all also am an and any are as at be because been before being but by can
+could did do does done each for from had has have he her here him his how i if in into is it its just may me
+might more most must my no not now of on one ones only or other our out over own said same she should so some
+such than that the their them then there these they this those to too up us very was we were what when where
+which while who whom why will with would yet you your""".split())
+
+
+# words a question asks with, which its evidence need not hold ("What was the name of ...")
+ASKING = frozenset("name named called many much kind sort old age year long far".split())
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def support(question: str, evidence: str) -> float:
+    """The share of ``question``'s own words (common words and those it asks with aside, a
+    plural's ``s`` dropped) that ``evidence`` holds: 0 where the evidence speaks of nothing asked."""
+    def own(text):
+        return {w.removesuffix("s") for w in _words(text) if w not in COMMON and w not in ASKING and len(w) > 2}
+
+    asked = own(question)
+    return len(asked & own(evidence)) / len(asked) if asked else 1.0
+
+
+def shared_words(answer: str, evidence: str, question: str) -> list[str]:
+    """The words of ``answer`` (in its order, once each, lower case) that ``evidence`` holds and
+    ``question`` does not, common words aside: what the answer took from its evidence."""
+    held, asked, out = set(_words(evidence)), set(_words(question)), []
+    for w in _words(answer):
+        if w in held and w not in asked and w not in COMMON and w not in out:
+            out.append(w)
+    return out

@@ -1,0 +1,203 @@
+"""Answers from the evidence: does the model answer right once the sentence its heads found is
+read into its prompt before the question, and how often without it?
+
+    python experiments/exp_answers.py ask --books BOOKS --work DIR [--model base|landmark] [--split dev|eval]
+    python experiments/exp_answers.py report --work DIR [--split dev|eval]
+
+The questions and memories are ``exp_evidence.py``'s (``fixtures/natural_questions_2.json``; its
+development half ships with the package, ``samples/questions.json``): each book's first 8,064 and
+32,256 tokens (``--sizes``) read at the defaults into ``DIR/MODEL`` (shared with it: a memory one
+of them read is not read again). The model is loaded as the command line loads it, with the
+retrieval heads it ships with. Each question is asked of each memory that holds its evidence,
+once per evidence policy (``--policies``: ``ask``'s ``evidence``) and wording of the evidence
+turn (``--wordings``, ``WORDINGS``), on the same memory, rewound between questions. Beside them,
+with ``--baselines``, SmolLM2 as published without a memory: reading the 8K text whole in its
+own context, then the question (``exp_natural.answers_in_context``), and reading only the
+sentence that answers (the fixture's) before the question, worded as the evidence turn.
+
+right: the answer holds the expected words; quoted: the quote holds them; recall@5: the
+evidence's block among the 5 passages; seconds: the whole ``ask``. Policies and wordings are
+chosen on the development half; ``--split eval`` reports the evaluation half, which no choice saw.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from _common import ROOT, Trials, command_line, write_result
+from _texts import is_right
+from exp_evidence import SIZES, cases, memory_of
+from exp_natural import ASK_NEW, answers_in_context
+
+from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.kinds import load_model
+from landmark_memory.uses import answer as answering
+from landmark_memory.uses.evidence import support
+
+NAMES = {"base": "smollm2", "landmark": "smollm2-landmark"}  # the command line's names of the models
+WORDINGS = {  # the evidence turn (``answer.EVIDENCE_PROMPT``), chosen on the development half
+    "from": 'From the text: "{evidence}"\n\n{question}',
+    "plain": "{evidence}\n\n{question}",
+    "passage": "Read this passage and answer the question from it.\n\nPassage: {evidence}\n\nQuestion: {question}",
+}
+
+
+def ask_step(args):
+    model, tok = load_model(NAMES[args.model], "cpu")
+    work = Path(args.work) / args.model
+    state = Trials(work / "answers.json", args.command)
+    none = unanswerable(args.split)
+    for key, ids, asked in cases(args, tok):
+        asked = [(q, span) for q, span in asked if span is not None and q["split"] == args.split]
+        if not asked:
+            continue
+        unasked = [q for q in none if q["book"] == key.rsplit("-", 1)[0]]
+        with LandmarkMemory.open(memory_of(model, work, key, ids), model, readonly=True) as m:
+            bs = m.shape.block_size
+            for policy, wording in [(p, w) for p in args.policies for w in (args.wordings if p != "none" else ["-"])]:
+                answering.EVIDENCE_PROMPT = WORDINGS.get(wording, answering.EVIDENCE_PROMPT)
+                cell = f"{args.split}|{policy}|{wording}|{key}"
+                for i, (q, (a, b)) in enumerate(asked):
+                    if i < len(state.cell(cell)):
+                        continue
+                    got, took = asked_of(m, tok, q["question"], policy)
+                    blocks = list(range(a // bs, (b - 1) // bs + 1))
+                    state.add(cell, {**got, "seconds": took, "recall5": any(p in blocks for p in got["passages"]),
+                                     "right": is_right(got["answer"], q["words"]),
+                                     "quoted": bool(got["quote"]) and is_right(got["quote"], q["words"])}, at=i)
+                for i, q in enumerate(unasked):  # the memory holds no answer: what does it say?
+                    if i < len(state.cell("none-" + cell)):
+                        continue
+                    got, took = asked_of(m, tok, q["question"], policy)
+                    state.add("none-" + cell, {**got, "seconds": took}, at=i)
+                rows = state.cell(cell)
+                print(f"{cell}: right {sum(r['right'] for r in rows)}/{len(rows)}, quoted "
+                      f"{sum(r['quoted'] for r in rows)}, recall@5 {sum(r['recall5'] for r in rows)}, median "
+                      f"{np.median([r['seconds'] for r in rows]):.1f} s", flush=True)
+    if args.baselines:
+        baselines(args, state)
+
+
+def unanswerable(split):
+    """The questions of ``split`` whose answer the books do not hold (``book``, ``question``)."""
+    from exp_evidence import FIXTURE
+    path = ROOT / "landmark_memory" / "samples" / "questions.json" if split == "dev" else FIXTURE
+    return json.loads(path.read_text())["unanswerable"]
+
+
+def asked_of(m, tok, question, policy):
+    """(what ``ask`` answered ``question`` from the read-only memory ``m`` with the evidence
+    ``policy``, as a trial keeps it; seconds)."""
+    m.rewind()
+    t0 = time.perf_counter()
+    got = answering.ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5, evidence=policy, refuse=False)
+    took = time.perf_counter() - t0
+    return {"question": question, "answer": got.text.strip(), "passages": [p.block for p in got.passages],
+            "quote": got.quote and got.quote.text, "score": got.quote and got.quote.score, "support": got.support,
+            "grounded": got.grounded}, took
+
+
+@torch.no_grad()
+def baselines(args, state):
+    """SmolLM2 as published without a memory: the 8K text whole in its context, then the
+    question; and the sentence that answers, worded as each evidence turn, then the question."""
+    base, tok = load_model(NAMES["base"], "cpu")
+    for key, ids, asked in cases(argparse.Namespace(**{**vars(args), "sizes": [SIZES[0]]}), tok):
+        asked = [q for q, span in asked if span is not None and q["split"] == args.split]
+        if asked and len(state.cell(f"{args.split}|context|-|{key}")) < len(asked):
+            got = answers_in_context(base, tok, ids, [q["question"] for q in asked])
+            for i, (q, text) in enumerate(zip(asked, got)):
+                state.add(f"{args.split}|context|-|{key}", {"question": q["question"], "answer": text.strip(),
+                                               "right": is_right(text, q["words"])}, at=i)
+        for wording in args.wordings:
+            cell = f"{args.split}|sentence|{wording}|{key}"
+            for i, q in enumerate(asked):
+                if i < len(state.cell(cell)):
+                    continue
+                turn = WORDINGS[wording].format(evidence=q["sentence"], question=q["question"])
+                ids = torch.tensor([tok.encode(tok.chat_prompt(turn)).ids])
+                new = base.generate(ids, max_new_tokens=ASK_NEW, do_sample=False,
+                                    eos_token_id=list(tok.end_of_turn_ids))[0, ids.shape[1]:]
+                text = tok.decode([t for t in new.tolist() if t not in tok.end_of_turn_ids])
+                state.add(cell, {"question": q["question"], "answer": text.strip(),
+                                 "right": is_right(text, q["words"])}, at=i)
+
+
+def report(args):
+    """``answers_<split>.md`` (and ``answers_<split>.json``, the summary ``exp_natural.py`` reads):
+    per model, evidence policy and wording, at each size, the answerable questions answered right
+    without the refusal and with it (``ask``'s rule applied to each trial's quote: a quote holding
+    none of the question's own words is answered ``NOT_FOUND``), those refused, quoted, recall@5
+    and seconds; then the questions the books do not answer, and how many are refused."""
+    body, commands, summary = [], [], {}
+    for model in sorted(p.name for p in Path(args.work).iterdir() if (p / "answers.json").is_file()):
+        state = Trials(Path(args.work) / model / "answers.json")
+        commands += state.commands
+        cells = {}
+        for k, rows in state.cells.items():
+            split, policy, wording, key = k.split("|")
+            kind = "none" if split.startswith("none-") else "asked"
+            if split.removeprefix("none-") == args.split:
+                cells.setdefault((policy, wording), {}).setdefault(key.rsplit("-", 1)[1], {}).setdefault(
+                    kind, []).extend(rows)
+        if not cells:
+            continue
+        sizes = sorted({s for c in cells.values() for s in c}, key=int)
+        body += [f"## {NAMES[model]}", "", "| evidence read before the question | wording | " + " | ".join(
+                 f"{int(s):,} tokens: right | right, with the refusal | answerable refused | unanswerable refused "
+                 "| quoted | recall@5 | s" for s in sizes) + " |", "|---|---|" + "---|" * 7 * len(sizes)]
+        for (policy, wording), by_size in sorted(cells.items()):
+            row = []
+            for s in sizes:
+                rows, none = by_size.get(s, {}).get("asked", []), by_size.get(s, {}).get("none", [])
+                if "quoted" not in (rows or [{}])[0]:  # a baseline without a memory
+                    row += [frac([r["right"] for r in rows])] + ["-"] * 6
+                    continue
+                cell = {"right": [r["right"] for r in rows],
+                        "right_refusing": [r["right"] and not refused(r) for r in rows],
+                        "answerable_refused": [refused(r) for r in rows], "unanswerable_refused":
+                        [refused(r) for r in none], "quoted": [r["quoted"] for r in rows],
+                        "recall5": [r["recall5"] for r in rows]}
+                summary.setdefault(NAMES[model], {}).setdefault(f"{policy}|{wording}", {})[s] = cell
+                row += [frac(v) for v in cell.values()] + [f"{np.median([r['seconds'] for r in rows]):.1f}"]
+            body.append(f"| {policy} | {wording} | " + " | ".join(row) + " |")
+        body.append("")
+    Path(args.results, f"answers_{args.split}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_result(f"answers_{args.split}", f"Answers from the evidence ({args.split} questions)",
+                 [__doc__.split("\n\n")[-2].replace("\n", " "), ""] + body, results=args.results,
+                 commands=list(dict.fromkeys(commands)) or [args.command])
+
+
+def refused(row):
+    """Whether ``ask`` would have said ``NOT_FOUND`` in this trial (asked with ``refuse=False``)."""
+    return row["quote"] is not None and support(row["question"], row["quote"]) == 0
+
+
+def frac(v):
+    return f"{sum(v)}/{len(v)} ({np.mean(v):.0%})" if v else "-"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["ask", "report"])
+    ap.add_argument("--books")
+    ap.add_argument("--work", required=True, help="memories (shared with exp_evidence.py) and the trials")
+    ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
+    ap.add_argument("--model", default="base", choices=sorted(NAMES))
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES),
+                    help="memory sizes in tokens (default 8064,32256)")
+    ap.add_argument("--only", nargs="*", help="these books only")
+    ap.add_argument("--split", default="dev", choices=["dev", "eval"])
+    ap.add_argument("--policies", nargs="+", default=list(answering.EVIDENCE), choices=answering.EVIDENCE)
+    ap.add_argument("--wordings", nargs="+", default=["from"], choices=sorted(WORDINGS))
+    ap.add_argument("--baselines", action="store_true", help="and SmolLM2 as published without a memory")
+    args = ap.parse_args(argv)
+    args.command, args.planted = command_line(argv), False
+    {"ask": ask_step, "report": report}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()
