@@ -159,20 +159,21 @@ class SavedFiles:
     ----------
     manifest : Manifest or None, the last commit this memory wrote or read: a new folder's commit 0,
         written when it was made (``created``); None: not saved.
-    commit_count : int, that commit's number.
     """
 
     def __init__(self, dir: MemoryDir | None, readonly: bool = False, documents: bool = False,
                  created: Manifest | None = None):
         self.dir, self.readonly, self.documents = dir, readonly, documents
         self.manifest: Manifest | None = created
-        self.commit_count = 0
         self._committed_blocks = 0  # blocks of the last commit: a commit writes the rows after them
         self._rows_crc = {TOKENS: 0}  # CRC-32 of the committed rows of each row file (and key file)
         self._keys_committed = 0  # blocks whose keys the key files' committed CRC-32s cover
         self._checked: dict[str, list[int]] = {}  # a writer's sealable files' status before it checked them
         self._tokens = FileWatch(dir.path / TOKENS) if dir is not None else None  # a writer's: its commits write it
         self._sealable = False  # a writer whose key and index files were checked, or written, to its manifest
+
+    commit_count = property(lambda self: 0 if self.manifest is None else self.manifest.commit,
+                            doc="The number of the last commit this memory wrote or read (0: none).")
 
     def commit(self, blocks: BlockMemory, manifest: Manifest, chunk: OpenChunk) -> int:
         """Commit ``blocks`` and the open ``chunk`` as ``manifest`` says (its counts; the commit
@@ -188,7 +189,7 @@ class SavedFiles:
         with self._tokens.change():
             write_commit(self.dir, blocks, manifest, self._committed_blocks, self._keys_committed, self._rows_crc,
                          chunk)
-        self.manifest, self.commit_count, self._rows_crc = manifest, manifest.commit, manifest.rows_crc
+        self.manifest, self._rows_crc = manifest, manifest.rows_crc
         self._committed_blocks = self._keys_committed = manifest.blocks
         self._sealable = manifest.version >= 5
         return self.commit_count
@@ -196,7 +197,7 @@ class SavedFiles:
     def follow(self, blocks: BlockMemory, manifest: Manifest, state: dict[str, torch.Tensor], vocab_size: int) -> None:
         """Take into ``blocks`` what the commit ``manifest`` (with its ``state``) holds beyond
         them: its blocks, and a corpus's documents' stores."""
-        self.commit_count, self.manifest = manifest.commit, manifest
+        self.manifest = manifest
         if manifest.streams is not None:
             if self.documents:
                 blocks.shards.follow(manifest.inputs.shards, manifest.blocks)  # (its documents' stores, its own)
