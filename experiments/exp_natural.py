@@ -176,7 +176,8 @@ def report(args):
             body.append(f"- {r['question']} ask: {r['ask_answer']!r} ({'right' if r['ask_right'] else 'wrong'}, "
                         f"block {'found' if r['ask_recall5'] else 'not found'}); base: {b.get('answer', '-')!r}")
     write_result("natural_questions", "Natural questions: the answer's block and the answer, through memory and in "
-                 "context", body + second_set(args.results) + answers_set(args.results), results=args.results,
+                 "context", body + second_set(args.results) + answers_set(args.results) + search_set(args.results),
+                 results=args.results,
                  commands=trials.commands)
 
 
@@ -234,6 +235,34 @@ def answers_set(results):
                                                                           "answerable_refused",
                                                                           "unanswerable_refused")))(
                     sizes[size]) if size in sizes else "- | - | - | -" for size in ("8064", "32256")) + " |")
+    return body
+
+
+def search_set(results):
+    """The second set's questions ranked by the heads alone, the text index alone and their fusion
+    (``exp_search.py``'s summary, ``search.json``), or nothing."""
+    f = Path(results) / "search.json"
+    if not f.is_file():
+        return []
+    from exp_search import described
+
+    summary = json.loads(f.read_text())
+    c = summary["chosen"]
+    body = ["", "## The evidence by the heads, the text index and their fusion (`exp_search.py`)", "",
+            "recall@5 of the second set's questions: the answer's block among the first five of the retrieval heads' "
+            "ranking alone, of the memory's text index (BM25 over each block's words) alone, and of their fusion, "
+            f"what `search` and `ask` report (reciprocal rank fusion, k = {c['k']}, text weight {c['weight']}, the "
+            f"text index's first {c['text_depth']} blocks: chosen on the development half). Each figure with its "
+            "trials; the development half beside it: `search.md`.", "",
+            "| model | memory | questions | heads alone | text index alone | fusion |", "|---|---|---|---|---|---|"]
+    for model, cells in summary["models"].items():
+        for cell, got in cells.items():
+            split, kind = cell.split("|", 1)
+            if split != "eval":
+                continue
+            n = got["questions"]
+            body.append(f"| {model} | {described(int(kind) if kind.isdigit() else kind)} | {n} | " + " | ".join(
+                f"{got[k]}/{n} ({got[k] / n:.0%})" for k in ("heads", "text", "fused")) + " |")
     return body
 
 

@@ -26,7 +26,8 @@ _HOMES = {
     "LandmarkGPT": "models.model", "RotaryEmbedding": "core.rope", "insert_landmarks": "core.layout",
     "landmark_mask": "core.layout", "lm_targets": "core.layout", "normal_positions": "core.layout",
     "strip_landmarks": "core.layout", "LANDMARK_TOKEN": "core.tokenizer", "load_tokenizer": "core.tokenizer",
-    "ask": "uses.answer", "Answer": "uses.answer", "Passage": "uses.answer",
+    "ask": "uses.answer", "Answer": "uses.answer", "Passage": "uses.search", "search": "uses.search",
+    "Found": "uses.search",
 }
 __all__ = sorted(_HOMES)
 
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
     from .models.config import LandmarkConfig
     from .models.infini import InfiniState
     from .models.model import LandmarkGPT
-    from .uses.answer import Answer, Passage, ask
+    from .uses.answer import Answer, ask
+    from .uses.search import Found, Passage, search
 
 def __getattr__(name: str):
     if name not in _HOMES:

@@ -23,6 +23,7 @@ from landmark_memory.uses.evidence import (
     token_attention,
 )
 from landmark_memory.uses.question import question_tokens, search_states
+from landmark_memory.uses.search import text_ranking
 
 
 def raw_keys(mem, text):
@@ -157,7 +158,9 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
             assert prompt.startswith("user:" if chat else "Q: Who found")
             enc = tok.encode(prompt)
             own = question_tokens(enc.offsets[:-1], prompt, question)
-            best, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2)
+            ranking, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2,
+                                   text_ranking(mem, tok, question, n))
+            best = ranking.fused[:2]
             seen = []
             with mem.reading([b for b, _ in best]):
                 mem.generate(torch.tensor([enc.ids[-1:]]), 5, on_read=seen.append)
@@ -188,8 +191,10 @@ def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_a
             mem.rewind()
             closed = tok.chat_text([{"role": "user", "content": question}], first=True, answer=False)
             enc = tok.encode(closed)  # the question's turn, closed: what the heads score
-            best, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
-                                question_tokens(enc.offsets, closed, question), n, 2)
+            ranking, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
+                                   question_tokens(enc.offsets, closed, question), n, 2,
+                                   text_ranking(mem, tok, question, n))
+            best = ranking.fused[:2]
             turn = EVIDENCE_PROMPT.format(evidence=found.text, question=question)
             rest = tok.encode(tok.chat_text([{"role": "user", "content": turn}], first=False, answer=True)).ids
             with mem.reading([b for b, _ in best]):
@@ -238,14 +243,14 @@ def test_an_answers_grounded_words_are_those_its_evidence_holds_beyond_the_quest
 
 def test_a_framed_answer_ends_where_the_model_writes_the_frames_words_again(corpus):
     model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
-    model.evidence_heads = EvidenceHeads(((0, 1),), frame="(The {question}\n")  # the bundled model writes "(The"
+    model.evidence_heads = EvidenceHeads(((0, 1),), frame="the {question}\n")  # the bundled model writes "the"
     try:
         with LandmarkMemory.open(corpus, model, readonly=True) as mem:
             got = ask(mem, tok, "Who found the treasure map?", max_new_tokens=60, refuse=False)
     finally:
         del model.evidence_heads
-    assert got.stop == "(The" and "(The" not in got.text and len(got.tokens) < 60
-    assert "(The" in tok.decode(got.tokens)  # cut from the text, as a stop string is
+    assert got.stop == "the" and "the" not in got.text and len(got.tokens) < 60
+    assert "the" in tok.decode(got.tokens)  # cut from the text, as a stop string is
 
 
 def test_heads_without_a_frame_leave_a_model_without_a_chat_template_asking_as_it_did(corpus):
@@ -316,7 +321,8 @@ def test_past_the_candidate_limit_the_heads_read_the_blocks_their_block_keys_ran
         got_blocks = candidates(mem, got, w, heads, 4, 12)
         assert candidates(mem, got, w, heads, 12, 12).tolist() == list(range(12))
     assert got_blocks.tolist() == sorted(want.topk(4).indices.tolist())
-    best, _ = point(mem, ChatTokenizer([]), EvidenceHeads(tuple(heads), candidates=4), got, [2, 3, 4, 5], 12, 3)
+    ranking, _ = point(mem, ChatTokenizer([]), EvidenceHeads(tuple(heads), candidates=4), got, [2, 3, 4, 5], 12, 3)
+    best = ranking.fused
     assert {b for b, _ in best} <= set(got_blocks.tolist())
 
 

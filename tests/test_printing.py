@@ -8,8 +8,9 @@ import pytest
 
 from landmark_memory.app import chat
 from landmark_memory.core.printing import json_text, printable
-from landmark_memory.uses.answer import Answer, Passage
+from landmark_memory.uses.answer import Answer
 from landmark_memory.uses.evidence import Quote
+from landmark_memory.uses.search import Passage
 
 TITLE = "\x1b]0;owned\x07"  # sets a terminal's window title
 BIDI = "report\u202eexe.txt"  # shows as reporttxt.exe

@@ -20,8 +20,10 @@ def shown():
     commands = re.findall(r"^\$ (landmark-memory \w+ .*?)(?:\s+#.*)?$", screen, re.M)
     build = next(c for c in commands if c.startswith("landmark-memory build"))
     ask = next(c for c in commands if c.startswith("landmark-memory ask"))
+    search = next(c for c in commands if c.startswith("landmark-memory search"))
     printed = screen.split(ask, 1)[1].split("\n$ ", 1)[0].strip().splitlines()
-    return build, ask, said(printed)
+    found = screen.split(search, 1)[1].split("\n$ ", 1)[0].strip().splitlines()
+    return build, ask, said(printed), search, found
 
 
 def said(lines):
@@ -34,7 +36,7 @@ def test_the_readmes_question_gets_the_answer_and_the_quote_it_shows(tmp_path, m
 
     from landmark_memory.app.cli import main
 
-    build, ask, printed = shown()
+    build, ask, printed, search, found = shown()
     books = tmp_path / "books"
     books.mkdir()
     text = (SAMPLES / "book" / "up_from_slavery.txt").read_text()
@@ -45,3 +47,6 @@ def test_the_readmes_question_gets_the_answer_and_the_quote_it_shows(tmp_path, m
     assert main(shlex.split(ask)[1:]) == 0
     got = capsys.readouterr().out.replace(str(books.resolve()), "/.../books").splitlines()
     assert said(got) == printed and len(printed) == 4
+    assert main(shlex.split(search)[1:]) == 0
+    got = capsys.readouterr().out.replace(str(books.resolve()), "/.../books").splitlines()
+    assert got[:len(found)] == found and len(found) == 5  # the question, the quote, the first passages

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
+from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer, search
 from landmark_memory.app.cli import main
 from landmark_memory.uses.inspect import describe
 
@@ -120,3 +120,14 @@ def test_a_server_opened_once_follows_a_build_beside_it_and_answers_as_a_fresh_o
             assert got.choices[0].text == want.text and got.passages == [p.__dict__ for p in want.passages]
         assert any(p["source"] == str(more / "b.txt") for q in QUESTIONS for p in
                    c.completions.create(model=MODEL, prompt=q, max_tokens=2, extra_body={"passages": 8}).passages)
+
+
+def test_a_search_request_gives_the_passages_and_quote_as_the_library_does_and_refuses_bad_ones(server, corpus):
+    status, got = request(server, "/v1/search", {"question": "the treasure map", "passages": 2})
+    with LandmarkMemory.open(corpus, LandmarkGPT.from_pretrained(), readonly=True) as mem:
+        want = search(mem, load_tokenizer(), "the treasure map", k=2).to_json()
+    assert status == 200 and got["passages"] == want["passages"] and got["ranking"] == want["ranking"]
+    for body, code in [({"question": " "}, "invalid_question"),
+                       ({"question": "map", "passages": 0}, "invalid_passages")]:
+        status, err = request(server, "/v1/search", body)
+        assert status == 400 and err["error"]["code"] == code

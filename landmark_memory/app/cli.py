@@ -3,87 +3,29 @@ line, ``entry.py`` the entry point that parses it before the heavy imports)."""
 
 import contextlib
 import errno
-import json
 import os
 import signal
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..core.names import NAMED_MODELS
 from ..core.printing import printable
 from ..format import MemoryDir
-from ..format.errors import wrong_model
 from ..format.options import MemoryOptions
 from ..format.session_files import delete_session, list_sessions
-from ..index import KINDS
-from ..jobs.build import build, encode, read_inputs
+from ..jobs.build import build, read_inputs
 from ..jobs.distributed import RayReader, WorkerError
-from ..jobs.evaluate import compare_indexes, parse_lengths, passkey_accuracy, perplexity, uses_memory
 from ..memory import LandmarkMemory
-from ..models.kinds import load_model, model_name, reading_mode, reads_through_memory
-from ..models.model import BUNDLED_MODEL
+from ..models.kinds import load_model, model_name
 from ..uses.answer import ask
 from ..uses.inspect import describe, verify
+from ..uses.search import keep_text_index, search, snippet
 from ..uses.session import Session
 from .cli_args import given, parser
+from .cli_common import UsageError, emit, saved_model, say_block_keys
+from .cli_measure import cmd_compare, cmd_eval, cmd_passkey
 from .stopping import exit_status, sigterm_interrupts
-
-
-class UsageError(ValueError):
-    pass
-
-
-# ---- shared helpers ---------------------------------------------------------------------
-def emit(args, doc, text):
-    """One JSON document with --json (its strings escaped by JSON), else human-readable text."""
-    print(json.dumps(doc, indent=1) if args.json else printable(text))
-
-
-def memory_options(args, model, **settings) -> MemoryOptions:
-    """The memory's options from the command line and ``settings`` (which win), what they leave
-    out the defaults, resolved for ``model``."""
-    index_options = {k: getattr(args, k) for k in ("train_size", "nprobe", "ef_search") if getattr(args, k, None)}
-    options = given(args, "top_k", "index", "retrieval", "position_mapping", "cmt_cutoff", "store_dtype", "chunk_size")
-    resolved = MemoryOptions.of(**{**options, **settings}, index_options=index_options).for_model(model)
-    say_block_keys(model, resolved)
-    return resolved
-
-
-def read_one_text(path):
-    inputs = read_inputs([path])
-    if len(inputs) != 1:
-        raise UsageError(f"--input takes one text file, {path} holds {len(inputs)}")
-    return inputs[0]
-
-
-def say_block_keys(model, options: MemoryOptions):
-    """Say once, on stderr, that a memory of ``options`` (resolved) reads ``model`` without
-    landmarks (no training)."""
-    if options.block_keys == "mean":
-        print(f"{printable(getattr(model, 'landmark_name', '') or 'the model')}: no landmarks; each block of "
-              f"{options.block_size} tokens is searched by the mean of its own keys (training-free)", file=sys.stderr)
-
-
-# ---- commands ---------------------------------------------------------------------------
-def saved_model(args, required=True):
-    """The manifest of the memory ``args.memory`` (unless ``required``, None where there is none
-    yet), refused in one line, before any model loads, when it records another model than
-    ``--model``. Without ``--model``, ``args.model`` becomes the model the memory records when
-    that is one the package ships (its weights are checked against the memory's fingerprint as
-    it opens); a folder a manifest names is loaded only when the user names it again: a memory
-    received from someone else never chooses what is loaded."""
-    if not required and not (Path(args.memory) / "manifest.json").exists():
-        return None
-    saved = MemoryDir(args.memory, writable=False).read_manifest()
-    if args.model is None and saved.model.name not in ("", "bundled"):
-        if saved.model.name not in NAMED_MODELS:
-            raise UsageError(f"{args.memory} was built with the model in {saved.model.name}; a memory never chooses "
-                             f"which folder's model is loaded: if you trust that folder, name it with --model")
-        args.model = saved.model.name
-    if saved.model.name and saved.model.name != model_name(args.model):
-        raise UsageError(wrong_model(args.memory, saved.model, model_name(args.model)))
-    return saved
 
 
 def cmd_build(args):
@@ -149,6 +91,14 @@ def _layers(info: dict) -> str:
             f"{' or '.join(map(str, windows))} positions and keep only it)")
 
 
+def _text_index(state: dict | None, blocks: int) -> str:
+    if state is None:
+        return "none (`landmark-memory index` writes one; readers build it in memory meanwhile)"
+    held = "unreadable" if state["blocks"] is None else f"{state['blocks']:,} of {blocks:,} blocks"
+    trust = "sealed" if state["sealed"] else "not sealed: built again by the next writer, in memory by readers"
+    return f"{held}, {state['bytes'] / 2**20:,.1f} MiB, {trust}"
+
+
 def cmd_info(args):
     if args.verify:
         return cmd_verify(args)
@@ -165,6 +115,7 @@ def cmd_info(args):
              f"disk        {info['disk_bytes'] / 2**20:,.1f} MiB" + (
                  f" ({info['bytes_per_token']:,.0f} bytes per token read)" if info["bytes_per_token"] else ""),
              f"sessions    {info['sessions']:,} ({info['sessions_bytes'] / 2**20:,.1f} MiB)",
+             f"text index  {_text_index(info['text_index'], info['blocks'])}",
              f"{kind:11s} {len(info['inputs'])}"]
     lines += [f"  {e['status']:7s} {e['ingested']:>10,} / {e['tokens']:<10,} {e['path']}" for e in info["inputs"]]
     emit(args, info, "\n".join(lines))
@@ -200,6 +151,41 @@ def cmd_ask(args):
             lines.append(f"\n--- retrieved block {p.block} ({100 * p.share:.0f}% of lookups), "
                          f"{p.source} at token {p.token_offset:,}:\n{p.text.strip()}")
     emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def cmd_search(args):
+    saved = saved_model(args)
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    with LandmarkMemory.open(args.memory, model, readonly=True) as mem:
+        found = search(mem, tok, args.question, k=args.passages)
+    r = found.ranking
+    lines = [f"Q: {args.question}"]
+    if found.quote is not None:
+        lines.append(f"Quote: {found.quote.cited()}")
+    for i, p in enumerate(found.passages, 1):
+        where = f"session {p.session}, turn {p.turn + 1}" if p.session else p.source or "the memory"
+        text = p.text.strip() if args.full else snippet(p.text, args.question)
+        lines.append(f"{i}. block {p.block} ({where}, token {p.token_offset:,}): {text}")
+    if not found.passages:
+        lines.append("(no passage: the memory holds none of the question's words)")
+    lines.append(f"{found.seconds * 1000:,.0f} ms; heads {len(r.heads)} candidates ranked, text index "
+                 f"{len(r.text)} blocks with its words")
+    emit(args, found.to_json(), "\n".join(lines))
+    return 0
+
+
+def cmd_index(args):
+    saved = saved_model(args)
+    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    mem, t0 = LandmarkMemory.open(args.memory, model), time.perf_counter()
+    try:
+        added = keep_text_index(mem, tok, quiet=args.quiet)
+    finally:
+        mem.close(commit=False)  # (nothing to commit: the index is written and sealed)
+    emit(args, {"memory": args.memory, "blocks": mem.n_blocks, "added": added},
+         f"{args.memory}: text index of {mem.n_blocks:,} blocks ({added:,} added) in "
+         f"{time.perf_counter() - t0:,.1f} s")
     return 0
 
 
@@ -254,67 +240,6 @@ def cmd_serve(args):
     return 0
 
 
-def cmd_eval(args):
-    inp = read_one_text(args.input)
-    model, tok = load_model(args.model, args.device)
-    ids = encode(tok, inp.text)
-    mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
-    res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
-    mode = "memory" if mem else reading_mode(model)
-    doc = {"input": str(inp.path), "mode": mode, "eval_length": args.eval_length,
-           **({"memory": mem.to_dict()} if mem else {}),
-           **{k: res[k] for k in ("perplexity", "loss", "tokens", "segments", "seconds")}}
-    emit(args, doc, f"{inp.path.name}: perplexity {res['perplexity']:.3f} over {res['tokens']:,} tokens "
-                    f"({res['segments']} segments of {args.eval_length}, {mode}), {res['seconds']:.1f} s")
-    return 0
-
-
-def cmd_compare(args):
-    inp = read_one_text(args.input)
-    model, tok = load_model(args.model, args.device)
-    if not reads_through_memory(model):
-        raise UsageError("compare measures retrieval: give a model a memory reads (a landmark model, or a Hugging "
-                         "Face model of a family we read)")
-    kinds = [k.strip() for k in args.index.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds:
-        raise UsageError(f"unknown index kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
-    ids = encode(tok, inp.text)
-    length = args.eval_length or len(ids) - 1
-    opts = memory_options(args, model, index=kinds[0])  # (each kind in turn)
-    rows = compare_indexes(model, ids, kinds, length, opts, max_segments=args.max_segments, progress=not args.quiet)
-    if args.plot:
-        from ..jobs.plots import plot_compare
-
-        plot_compare(rows, args.plot, title=f"{inp.path.name}: {length:,}-token segments, top-{opts.top_k}")
-    doc = {"input": str(inp.path), "eval_length": length, "top_k": opts.top_k, "chunk_size": opts.chunk_size,
-           "index_options": opts.index_options, "rows": rows}
-    lines = [f"{inp.path.name}: segments of {length:,} tokens, top-{opts.top_k}, chunk {opts.chunk_size}",
-             f"{'index':8s} {'perplexity':>10s} {'vs exact':>9s} {'recall@k':>9s} {'search ms':>10s} {'searches':>9s}"]
-    lines += [f"{r['index']:8s} {r['perplexity']:10.3f} {r['ppl_delta_pct']:+8.2f}% {r['recall']:9.3f} "
-              f"{r['search_ms']:10.3f} {r['searches']:9,}" for r in rows]
-    emit(args, doc, "\n".join(lines))
-    return 0
-
-
-def cmd_passkey(args):
-    model, tok = load_model(args.model, args.device)
-    lengths = parse_lengths(args.lengths)
-    mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
-    rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)
-    label = "landmark + memory" if mem else reading_mode(model)
-    if args.plot:
-        from ..jobs.plots import plot_passkey
-
-        plot_passkey({label: rows}, args.plot)
-    doc = {"model": str(args.model or BUNDLED_MODEL), "mode": label, "trials": args.trials, "seed": args.seed,
-           **({"memory": mem.to_dict()} if mem else {}), "results": rows}
-    lines = [f"passkey, {label}, {args.trials} trials per length (seed {args.seed})"]
-    lines += [f"{r['length']:>9,} tokens: {100 * r['accuracy']:5.1f}% ({r['correct']}/{r['trials']})" for r in rows]
-    emit(args, doc, "\n".join(lines))
-    return 0
-
-
 def cmd_heads(args):
     from ..models.heads import heads_path, save_heads
     from ..uses.choose_heads import choose_heads, shipped_questions
@@ -350,7 +275,8 @@ def cmd_train(argv):
     return 0
 
 
-COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "chat": cmd_chat, "sessions": cmd_sessions,
+COMMANDS = {"build": cmd_build, "info": cmd_info, "ask": cmd_ask, "search": cmd_search, "index": cmd_index,
+            "chat": cmd_chat, "sessions": cmd_sessions,
             "serve": cmd_serve, "eval": cmd_eval,
             "compare": cmd_compare, "passkey": cmd_passkey, "heads": cmd_heads, "demo": cmd_demo}
 ERRORS = (ValueError, OSError, WorkerError)  # bad input, damaged memories (MemoryFileError), files that cannot be

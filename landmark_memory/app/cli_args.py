@@ -220,6 +220,18 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
                         "template and its answer ends at its end-of-turn token")
 
+    p = sub.add_parser("search", parents=[common], help="the passages of a memory a question points at, without "
+                       "generating: its words (the text index) and its retrieval heads")
+    p.add_argument("memory")
+    p.add_argument("question")
+    add_model_args(p)
+    p.add_argument("-k", "--passages", type=positive, default=5, help="passages to give (default 5)")
+    p.add_argument("--full", action="store_true", help="print each passage's whole text, not its first line")
+
+    p = sub.add_parser("index", parents=[common], help="write (or bring up to date) a saved memory's text index")
+    p.add_argument("memory")
+    add_model_args(p)
+
     p = sub.add_parser("chat", help="a conversation over a memory, kept as a named session")
     p.add_argument("memory")
     add_model_args(p)

@@ -20,8 +20,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..core.names import EVIDENCE
+from ..core.names import EVIDENCE, MAX_TURN_CHARS
 from ..uses.answer import Answer, Message, QuestionError, check_messages, converse, say
+from ..uses.search import search
 from ..uses.session import Session
 from .serve_guard import APIError, client_gone
 from .serve_readers import Readers, ServeConfig
@@ -155,6 +156,30 @@ async def complete(req: CompletionRequest, request: Request, s: Served = Depends
         raise APIError(400, f"one prompt per request, got {len(prompts)}", "invalid_request")
     n = check(s, req, req.max_tokens, [Message("user", prompts[0])])
     return await respond(s, "completion", [Message("user", prompts[0])], True, req, n, None, request)
+
+
+MAX_PASSAGES = 64  # passages a search may ask for
+
+
+class SearchRequest(BaseModel):
+    question: str
+    passages: int = 5
+
+
+@router.post("/v1/search")
+async def search_memory(req: SearchRequest, s: Served = Depends(served)):
+    """The passages a question points at and the quote among them (``uses/search.py``), without
+    generating."""
+    if not req.question.strip() or len(req.question) > MAX_TURN_CHARS:
+        raise APIError(400, f"question must hold words, at most {MAX_TURN_CHARS:,} characters", "invalid_question")
+    if not 1 <= req.passages <= MAX_PASSAGES:
+        raise APIError(400, f"passages must be from 1 to {MAX_PASSAGES}, got {req.passages}", "invalid_passages")
+
+    def run():
+        with s.readers.take() as mem:
+            return search(mem, s.tokenizer, req.question, k=req.passages).to_json()
+
+    return await anyio.to_thread.run_sync(run, limiter=s.answering)
 
 
 @router.get("/v1/memory")

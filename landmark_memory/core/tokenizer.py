@@ -67,6 +67,11 @@ def encode_text(tokenizer, text: str) -> Encoded:
     return Encoded(enc.ids, enc.offsets)
 
 
+def special_ids(tokenizer) -> list[int]:
+    """The ids of ``tokenizer``'s special tokens."""
+    return [i for i, t in _backend(tokenizer).get_added_tokens_decoder().items() if t.special]
+
+
 def special_texts(tokenizer) -> list[str]:
     """The texts of ``tokenizer``'s special tokens."""
     return [t.content for t in _backend(tokenizer).get_added_tokens_decoder().values() if t.special]

@@ -34,9 +34,11 @@ from ..format.corpus_files import (
     unmerged_states,
 )
 from ..format.manifest import InputRecord, document_folder
+from ..format.text_index import TEXT_INDEX
 from ..memory import LandmarkMemory
 from ..training.data import list_text_files, read_text, strip_gutenberg
 from ..uses.corpus import ReadDocument, merge_document, merge_read
+from ..uses.search import keep_text_index
 from .reading import DocumentJob, DocumentReader, LocalReader
 
 
@@ -249,6 +251,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             summary.merged += 1
         if uncommitted and (force or time.monotonic() - last_commit >= commit_every):
             mem.commit()
+            keep_text_index(mem, tokenizer, quiet=True)  # (the text index follows each commit, sealed)
             last_commit = time.monotonic()
             while uncommitted:
                 e = uncommitted.pop(0)
@@ -269,6 +272,8 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
         merge_ready(force=True)
         if stop():
             summary.interrupted = signal.Signals(stop.signum).name
+    if not (mem.dir.path / TEXT_INDEX).exists():  # (a memory built before the text index gains it)
+        keep_text_index(mem, tokenizer, quiet=not progress)
     summary.seconds = time.monotonic() - started
     return summary
 

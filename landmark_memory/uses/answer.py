@@ -20,34 +20,18 @@ import torch
 
 from ..core.names import EVIDENCE, MAX_TURN_CHARS
 from ..core.tokenizer import encode_prompt
-from ..format.manifest import MemoryFileError
 from ..format.session_files import ROLES, Turn
 from ..memory.engine import LandmarkMemory
 from ..models.config import AskPolicy
 from .evidence import Quote, around, shared_words, support
 from .evidence import point as point_heads
 from .question import point, question_tokens, search_states
+from .search import Passage, passage, text_ranking
 from .session import Session
 
 # the turn the evidence and the question are read in (chosen on development questions: experiments/exp_answers.py)
 EVIDENCE_PROMPT = "{evidence}\n\n{question}"
 NOT_FOUND = "The memory does not seem to hold the answer to this question."  # said where the quote is off the point
-
-
-@dataclass(frozen=True)
-class Passage:
-    """A memory block an answer read: its ``text``, its ``source`` (the document's file, None
-    where the memory does not know it), the ``token_offset`` of its first token in that
-    source, and its ``share`` of the answer's lookups. A block of a session names the
-    ``session`` and its ``turn`` instead (the offset is then in that turn)."""
-
-    block: int
-    source: str | None
-    token_offset: int
-    text: str
-    share: float
-    session: str | None = None
-    turn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -130,24 +114,6 @@ def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) ->
         raise QuestionError("seed", f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
     if any(not isinstance(s, str) or not s for s in stop):
         raise QuestionError("stop", f"stop strings must be non-empty strings, got {list(stop)!r}")
-
-
-def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage:
-    """The block ``block`` of the memory as a ``Passage``."""
-    bs, ids = mem.shape.block_size, mem.tokens(0, block, block + 1)
-    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < mem.backbone.vocab_size:  # read, not checked, at open
-        raise MemoryFileError(f"the token rows of {mem.dir.path if mem.dir else 'the memory'} hold ids outside the "
-                              f"model's vocabulary at block {block}; the memory is damaged: restore it from a backup "
-                              "or rebuild it (`landmark-memory info --verify` checks every file)")
-    at, text = block * bs, tokenizer.decode(ids.tolist())
-    a = mem.attachment
-    if a is not None and block >= a.base_blocks:
-        turn, offset = a.owner.locate(block - a.base_blocks)
-        return Passage(block, None, offset, text, share, a.owner.name, turn)
-    e = mem.inputs.containing(at)  # (a corpus reads one page of its document list)
-    if e is not None:
-        return Passage(block, e.path, at - e.start, text, share)
-    return Passage(block, None, at, text, share)
 
 
 def ask(mem: LandmarkMemory, tokenizer, question: str, **options) -> Answer:
@@ -245,9 +211,10 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         scored = ids if reads_evidence else ids[:-1]  # then the answer reads the blocks it points at
         own = question_tokens(encoded.offsets[:len(scored)], prompt, question)
         if heads is not None:
-            best, found = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
-                                      max(min(heads.blocks, mem.options.top_k), 1))
-            pointed = [b for b, _ in best][:heads.blocks]
+            ranking, found = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
+                                         max(min(heads.blocks, mem.options.top_k), 1),
+                                         text_ranking(mem, tokenizer, question, n_saved))
+            pointed = [b for b, _ in ranking.fused][:heads.blocks]
             if found is not None:  # where it lies, as its block's passage says
                 at = passage(mem, found.block, tokenizer, 0.0)
                 found = replace(found, source=at.source, session=at.session, turn=at.turn,

@@ -13,7 +13,9 @@ already holds, so a stock checkpoint's training-free memory reads its evidence t
 landmark memory.
 
 Candidates: every block up to ``EvidenceHeads.candidates``; past that, the blocks the same heads
-rank first by their block keys (landmarks, or a training-free memory's mean keys).
+rank first by their block keys (landmarks, or a training-free memory's mean keys), and with them
+the blocks the memory's text index ranks first for the question's words (``uses/search.py``). The
+passages are the fusion of the heads' ranking and the text index's (``fuse``).
 """
 
 import re
@@ -59,21 +61,54 @@ def prompt_weights(own: list[int], n: int) -> torch.Tensor:
     return w
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """How a question's candidate blocks ranked, each as (block, score), best first: by its
+    retrieval heads' calibrated token attention (``heads``, every candidate), by the text index's
+    BM25 (``text``, its top blocks) and by their fusion (``fused``, what ``ask`` reads and reports)."""
+
+    heads: list[tuple[int, float]]
+    text: list[tuple[int, float]]
+    fused: list[tuple[int, float]]
+
+
+# the fusion of the two rankings: a block's score is the sum over rankings of weight / (FUSION_K + its rank)
+# (reciprocal rank fusion), chosen on development questions (experiments/exp_search.py)
+FUSION_K = 3
+TEXT_WEIGHT = 4.0
+
+
+def fuse(heads: list[tuple[int, float]], text: list[tuple[int, float]], *, k: int = FUSION_K,
+         weight: float = TEXT_WEIGHT) -> list[tuple[int, float]]:
+    """The blocks of ``heads`` and ``text`` (each (block, score), best first) by reciprocal rank
+    fusion, best first: ``1 / (k + rank)`` from the heads and ``weight / (k + rank)`` from the
+    text index (ranks from 1; a ranking that lacks a block adds nothing)."""
+    score: dict[int, float] = {}
+    for ranked, w in ((heads, 1.0), (text, weight)):
+        for r, (b, _) in enumerate(ranked, 1):
+            score[b] = score.get(b, 0.0) + w / (k + r)
+    return sorted(score.items(), key=lambda bs: (-bs[1], bs[0]))
+
+
 @torch.no_grad()
-def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int
-          ) -> tuple[list[tuple[int, float]], Quote | None]:
-    """The ``k`` of the memory's first ``n`` blocks (those it held before the prompt) the
-    retrieval ``heads`` rank first, as (block, score), best first, and the quote among them, for a
-    prompt read into ``mem`` (``got``: ``question.search_states``; ``own``: the question's positions
-    in it)."""
+def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int,
+          text: list[tuple[int, float]] = ()) -> tuple[Ranking, Quote | None]:
+    """How the retrieval ``heads`` and the ``text`` index's ranking (of the memory's first ``n``
+    blocks, those it held before the prompt) rank its blocks, the fusion's first ``k`` the
+    passages, and the quote among those, for a prompt read into ``mem`` (``got``:
+    ``question.search_states``; ``own``: the question's positions in it)."""
     heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
+    text = list(text)
     if not own or n == 0:
-        return [], None
+        return Ranking([], text, text[:k]), None
     w = prompt_weights(own, got[0][0].shape[-2])
     blocks = candidates(mem, got, w, heads.heads, heads.candidates, n)
+    blocks = torch.cat([blocks, torch.tensor(sorted({b for b, _ in text} - set(blocks.tolist())), dtype=torch.long)])
     mass = token_attention(mem, got, w, heads.heads, blocks)  # (2, K, n, bs)
-    best = rank_blocks(mass, blocks, k)
-    return best, quote(mem, tokenizer, mass, blocks, [b for b, _ in best], n)
+    ranked = rank_blocks(mass, blocks, len(blocks))
+    fused = fuse(ranked, text) if text else ranked
+    best = fused[:k]
+    return Ranking(ranked, text, fused), quote(mem, tokenizer, mass, blocks, [b for b, _ in best], n)
 
 
 @torch.no_grad()
@@ -196,14 +231,17 @@ def _words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
-def support(question: str, evidence: str) -> float:
-    """The share of ``question``'s own words (common words and those it asks with aside, a
-    plural's ``s`` dropped) that ``evidence`` holds: 0 where the evidence speaks of nothing asked."""
-    def own(text):
-        return {w.removesuffix("s") for w in _words(text) if w not in COMMON and w not in ASKING and len(w) > 2}
+def own_words(text: str) -> list[str]:
+    """The words of ``text`` that say what it is about (lower case, in order, once each): those
+    of three letters or more, common words and those a question asks with aside."""
+    return list(dict.fromkeys(w for w in _words(text) if w not in COMMON and w not in ASKING and len(w) > 2))
 
-    asked = own(question)
-    return len(asked & own(evidence)) / len(asked) if asked else 1.0
+
+def support(question: str, evidence: str) -> float:
+    """The share of ``question``'s own words (``own_words``, a plural's ``s`` dropped) that
+    ``evidence`` holds: 0 where the evidence speaks of nothing asked."""
+    asked, held = ({w.removesuffix("s") for w in own_words(t)} for t in (question, evidence))
+    return len(asked & held) / len(asked) if asked else 1.0
 
 
 def shared_words(answer: str, evidence: str, question: str) -> list[str]:

@@ -14,6 +14,7 @@ from ..format.directory import MemoryDir
 from ..format.errors import NoMemoryError
 from ..format.manifest import TOKENS, Manifest, MemoryFileError
 from ..format.session_files import committed_starts, committed_turns, list_sessions, sessions_folder
+from ..format.text_index import index_state
 from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError, open_store
 
@@ -54,7 +55,7 @@ def describe(path: str | Path, manifest: Manifest | None = None) -> dict:
             "disk_bytes": disk,
             "tokens_read": read, "bytes_per_token": round(disk / read, 1) if read else None,
             "model": {"fingerprint": m.model.fingerprint, "config": m.model.config},
-            "documents": m.documents, "inputs": inputs,
+            "documents": m.documents, "inputs": inputs, "text_index": index_state(path),
             "sessions": sum(1 for p in sessions.iterdir() if not p.name.startswith(".")) if sessions.is_dir() else 0,
             "sessions_bytes": _folder_bytes(sessions) if sessions.is_dir() else 0}
 
