@@ -109,23 +109,19 @@ def six_books(args, model, tok, work):
     return SIX, folder / "m", excerpt_questions(folder / "m", model, tok)
 
 
-LIBRARY_CHARS = 200  # a small document of the library: a paragraph of a held-out book, about one block
+LIBRARY_CHARS = 200  # at most, a small document of the library: about one block
 
 
 def small_documents(books: Path, folder: Path, n: int) -> None:
-    """``n`` small documents (about ``LIBRARY_CHARS`` characters, each opened by a line naming it)
-    in ``folder``, from the paragraphs of the books training held out (kept: a later run finds them)."""
+    """``n`` small documents in ``folder``: each a paragraph of a book training held out, cut at a
+    word to at most ``LIBRARY_CHARS`` characters, opened by a line naming it (kept: a later run
+    finds them)."""
     if (folder / "DONE").is_file():
         return
     _, held = split_books(list_text_files([books]))
     paragraphs = [" ".join(p.split()) for f in held for p in re.split(r"\n\s*\n", strip_gutenberg(read_text(f)))
                   if len(p.strip()) > 80]
-    docs, cur = [], ""
-    for p in paragraphs:
-        cur = f"{cur}\n\n{p}" if cur else p
-        if len(cur) >= LIBRARY_CHARS:
-            docs.append(cur)
-            cur = ""
+    docs = [p[:p.rfind(" ", 0, LIBRARY_CHARS)] if len(p) > LIBRARY_CHARS else p for p in paragraphs]  # (a word cut)
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         (folder / f"doc{i:06d}.txt").write_text(f"Document {i}.\n\n{docs[i % len(docs)]}", encoding="utf-8")
