@@ -26,7 +26,7 @@ from ..models.config import AskPolicy
 from .evidence import Quote, around, shared_words, support
 from .evidence import point as point_heads
 from .question import point, question_tokens, search_states
-from .search import Passage, passage, text_ranking
+from .search import Passage, passage, placed, text_ranking
 from .session import Session
 
 # the turn the evidence and the question are read in (chosen on development questions: experiments/exp_answers.py)
@@ -215,10 +215,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
                                          max(min(heads.blocks, mem.options.top_k), 1),
                                          text_ranking(mem, tokenizer, question, n_saved))
             pointed = [b for b, _ in ranking.fused][:heads.blocks]
-            if found is not None:  # where it lies, as its block's passage says
-                at = passage(mem, found.block, tokenizer, 0.0)
-                found = replace(found, source=at.source, session=at.session, turn=at.turn,
-                                token_offset=at.token_offset + found.token - found.block * mem.shape.block_size)
+            found = placed(mem, found, tokenizer)
         else:
             pointed = [b for b, _ in point(mem, *reader, scored, own, min(policy.reader_blocks, mem.options.top_k))]
         rest = ids[len(scored):]

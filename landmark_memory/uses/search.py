@@ -12,7 +12,7 @@ for as long as it holds the memory.
 import re
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -182,8 +182,14 @@ def search(mem: LandmarkMemory, tokenizer, question: str, *, k: int = 5) -> Foun
             if mem.readonly and mem.attachment is None:
                 mem.rewind()
     passages = [passage(mem, b, tokenizer, s) for b, s in ranking.fused[:k]]
-    if found is not None:
-        at = passage(mem, found.block, tokenizer, 0.0)
-        found = Quote(found.text, found.block, found.token, found.score, at.source,
-                      at.token_offset + found.token - found.block * mem.shape.block_size, at.session, at.turn)
-    return Found(question, passages, found, ranking, time.perf_counter() - t0, mem.n_tokens)
+    return Found(question, passages, placed(mem, found, tokenizer), ranking, time.perf_counter() - t0, mem.n_tokens)
+
+
+def placed(mem: LandmarkMemory, found: Quote | None, tokenizer) -> Quote | None:
+    """The quote ``found`` with where it lies, as its block's passage says (its document and
+    offset there, or its session's turn)."""
+    if found is None:
+        return None
+    at = passage(mem, found.block, tokenizer, 0.0)
+    return replace(found, source=at.source, session=at.session, turn=at.turn,
+                   token_offset=at.token_offset + found.token - found.block * mem.shape.block_size)
