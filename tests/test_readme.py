@@ -21,8 +21,8 @@ def shown():
     build = next(c for c in commands if c.startswith("landmark-memory build"))
     ask = next(c for c in commands if c.startswith("landmark-memory ask"))
     search = next(c for c in commands if c.startswith("landmark-memory search"))
-    printed = screen.split(ask, 1)[1].split("\n$ ", 1)[0].strip().splitlines()
-    found = screen.split(search, 1)[1].split("\n$ ", 1)[0].strip().splitlines()
+    printed, found = ([line for line in screen.split(c, 1)[1].split("\n$ ", 1)[0].splitlines()[1:] if line]
+                      for c in (ask, search))  # (what follows each command's own line)
     return build, ask, said(printed), search, found
 
 
