@@ -226,7 +226,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("question")
     add_model_args(p)
     p.add_argument("-k", "--passages", type=positive, default=5, help="passages to give (default 5)")
-    p.add_argument("--full", action="store_true", help="print each passage's whole text, not its first line")
+    p.add_argument("--full", action="store_true",
+                   help="print each passage's whole text, not the part around the question's words")
 
     p = sub.add_parser("index", parents=[common], help="write (or bring up to date) a saved memory's text index")
     p.add_argument("memory")

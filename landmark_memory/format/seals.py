@@ -44,17 +44,7 @@ def unchanged(folder: Path, sizes: dict[str, int], crcs: dict[str, int]) -> set[
     """The files of ``sizes`` ({name in ``folder``: committed bytes}) sealed with those bytes
     and the CRC-32 ``crcs`` gives them, whose status is what their seal says: they need not be
     read again. Anything wrong with the seals file counts as no seal (empty set)."""
-    try:
-        fd = open_nofollow(folder / SEALS, os.O_RDONLY)
-    except OSError:  # (none, a link, no regular file)
-        return set()
-    with os.fdopen(fd, "rb") as f:
-        sealed_at = os.fstat(f.fileno()).st_ctime_ns
-        data = f.read(MAX_SEALS_BYTES + 1)
-    try:
-        seals = json.loads(data) if len(data) <= MAX_SEALS_BYTES else None
-    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-        return set()
+    seals, sealed_at = read_seal(folder / SEALS, MAX_SEALS_BYTES)
     files = seals.get("files") if isinstance(seals, dict) and seals.get("version") == 1 else None
     if not isinstance(files, dict):
         return set()
@@ -90,7 +80,30 @@ def seal(folder: Path, sizes: dict[str, int], crcs: dict[str, int], vouched: dic
     files = {name: [nbytes, crcs[name], *status] for name, nbytes in sizes.items()
              if name in crcs and (status := file_status(folder / name)) is not None and status == vouched.get(name)}
     last = max((s[6] for s in files.values()), default=0)
-    data = json.dumps({"version": 1, "files": files}).encode()
+    write_seal(folder / SEALS, {"version": 1, "files": files}, last)
+
+
+def read_seal(path: Path, max_bytes: int) -> tuple[object, int]:
+    """(the JSON of the seal file ``path``, its change time in ns); (None, 0) where there is none,
+    it is a link or no regular file, longer than ``max_bytes`` or no JSON."""
+    try:
+        fd = open_nofollow(path, os.O_RDONLY)
+    except OSError:  # (none, a link, no regular file)
+        return None, 0
+    with os.fdopen(fd, "rb") as f:
+        sealed_at = os.fstat(f.fileno()).st_ctime_ns
+        data = f.read(max_bytes + 1)
+    try:
+        return (json.loads(data), sealed_at) if len(data) <= max_bytes else (None, 0)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None, 0
+
+
+def write_seal(path: Path, doc: dict, last: int) -> None:
+    """Write ``doc`` as JSON to the seal file ``path`` (temporary file, rename), its change time
+    after ``last`` (ns, the newest change time of the files it seals): the writer waits until the
+    file system's clock has passed it, so that a later change to them shows."""
+    data = json.dumps(doc).encode()
 
     def write(tmp: str) -> None:
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -102,4 +115,4 @@ def seal(folder: Path, sizes: dict[str, int], crcs: dict[str, int], vouched: dic
                 time.sleep(TICK_WAIT_S)
                 os.utime(f.fileno())  # (sets its change time to the clock's now)
 
-    atomic_write(folder / SEALS, write)
+    atomic_write(path, write)

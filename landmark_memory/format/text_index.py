@@ -23,10 +23,8 @@ meanwhile. A reader never writes the file; blocks committed after the index are 
 copy in memory.
 """
 
-import json
 import os
 import sqlite3
-import time
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -34,7 +32,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..core.fileio import TMP_MARK, atomic_write, file_status, open_nofollow
+from ..core.fileio import TMP_MARK, file_status
+from .seals import read_seal, write_seal
 
 TEXT_INDEX = "text.sqlite"
 TEXT_SEAL = "text.seal.json"
@@ -224,17 +223,7 @@ def _seal_holds(folder: Path) -> bool:
     status = file_status(path)
     if status is None or os.path.lexists(f"{path}-journal"):
         return False
-    try:
-        fd = open_nofollow(folder / TEXT_SEAL, os.O_RDONLY)
-    except OSError:
-        return False
-    with os.fdopen(fd, "rb") as f:
-        sealed_at = os.fstat(f.fileno()).st_ctime_ns
-        data = f.read(MAX_SEAL_BYTES + 1)
-    try:
-        seal = json.loads(data) if len(data) <= MAX_SEAL_BYTES else None
-    except (ValueError, RecursionError):
-        return False
+    seal, sealed_at = read_seal(folder / TEXT_SEAL, MAX_SEAL_BYTES)
     return isinstance(seal, dict) and seal.get("version") == VERSION and seal.get("status") == status \
         and status[4] < sealed_at
 
@@ -265,18 +254,5 @@ def _seal(path: Path) -> None:
     """Write the seal of the index file ``path`` as it is now, once the file system's clock has
     passed its change time (a later change then shows)."""
     status = file_status(path)
-    if status is None:
-        return
-    data = json.dumps({"version": VERSION, "status": status}).encode()
-
-    def write(tmp: str) -> None:
-        fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            for _ in range(25):
-                if os.fstat(f.fileno()).st_ctime_ns > status[4]:
-                    return
-                time.sleep(0.002)
-                os.utime(f.fileno())
-
-    atomic_write(path.with_name(TEXT_SEAL), write)
+    if status is not None:
+        write_seal(path.with_name(TEXT_SEAL), {"version": VERSION, "status": status}, status[4])

@@ -34,7 +34,6 @@ from ..format.corpus_files import (
     unmerged_states,
 )
 from ..format.manifest import InputRecord, document_folder
-from ..format.text_index import TEXT_INDEX
 from ..memory import LandmarkMemory
 from ..training.data import list_text_files, read_text, strip_gutenberg
 from ..uses.corpus import ReadDocument, merge_document, merge_read
@@ -272,8 +271,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
         merge_ready(force=True)
         if stop():
             summary.interrupted = signal.Signals(stop.signum).name
-    if not (mem.dir.path / TEXT_INDEX).exists():  # (a memory built before the text index gains it)
-        keep_text_index(mem, tokenizer, quiet=not progress)
+    keep_text_index(mem, tokenizer, quiet=not progress)  # (up to date already, unless nothing was merged now)
     summary.seconds = time.monotonic() - started
     return summary
 

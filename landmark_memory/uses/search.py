@@ -12,7 +12,7 @@ for as long as it holds the memory.
 import re
 import time
 import weakref
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -87,7 +87,6 @@ class Found:
     ranking: Ranking
     seconds: float = 0.0
     memory_tokens: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         r = self.ranking
@@ -131,7 +130,6 @@ def text_ranking(mem: LandmarkMemory, tokenizer, question: str, n: int, k: int =
     if not words or n == 0:
         return []
     kept = _OPEN.setdefault(mem, {})
-    borders, decode = set(special_ids(tokenizer)), _decoder(tokenizer)
     a = mem.attachment
     base = min(n, a.base_blocks) if a is not None else n
     digest = kept.get("digest") or kept.setdefault("digest", tokenizer_digest(tokenizer))
@@ -140,14 +138,14 @@ def text_ranking(mem: LandmarkMemory, tokenizer, question: str, n: int, k: int =
         saved = mem.dir is not None
         own = kept["memory"] = TextIndex.open(mem.dir.path, digest, writable=False) if saved \
             else TextIndex.in_memory(digest)
-    if own.blocks != base:
-        own.sync(_rows(mem, 0, base), borders, decode, quiet=base - own.blocks < 4096)
+    if own.blocks != base:  # (blocks committed since it was written, or none indexed yet)
+        own.sync(_rows(mem, 0, base), set(special_ids(tokenizer)), _decoder(tokenizer), quiet=False)
     found = own.search(words, k, base)
     if n > base:  # a session's turns, after the memory's blocks
         turns = kept.get("session")
         if turns is None or turns[0]() is not a.owner:  # (held weakly: a session holds its memory)
             turns = kept["session"] = (weakref.ref(a.owner), TextIndex.in_memory(digest))
-        turns[1].sync(_rows(mem, base, n), borders, decode)
+        turns[1].sync(_rows(mem, base, n), set(special_ids(tokenizer)), _decoder(tokenizer))
         found = sorted(found + [(base + b, s) for b, s in turns[1].search(words, k, n - base)],
                        key=lambda bs: -bs[1])[:k]
     return found
