@@ -86,10 +86,11 @@ def signals_deferred():
     """SIGINT and SIGTERM held back while Ray starts, then raised again once it has started or has
     been shut down (``RayReader``): a signal acted on midway through ``ray.init`` (a
     KeyboardInterrupt, or the SIGTERM handler Ray sets, which exits from inside its start) left its
-    threads to crash the process at exit. Ray's Python SIGTERM handlers are not set meanwhile;
-    the caller calls ``hold()`` after each step of the start, since ``ray.init`` sets one in C++
-    in its last milliseconds (a signal in those few ms still meets Ray's handler). Yields the
-    ``_Held`` handler, whose ``noted`` says what came."""
+    threads to crash the process at exit. Neither Ray's Python SIGTERM handler nor its C++
+    failure-signal handler (which printed a stack for a SIGTERM in ``ray.init``'s last
+    milliseconds) is set meanwhile in this process; the caller calls ``hold()`` after each step
+    of the start all the same. Yields the ``_Held`` handler, whose ``noted`` says what came."""
+    import ray._private.ray_constants as ray_constants
     import ray._private.utils as ray_utils
 
     held = _Held()
@@ -98,12 +99,14 @@ def signals_deferred():
         return
     old = {s: signal.getsignal(s) for s in held.SIGNALS}
     held.hold()
-    ray_sets = ray_utils.set_sigterm_handler
+    ray_sets, ray_fails = ray_utils.set_sigterm_handler, ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
     ray_utils.set_sigterm_handler = lambda handler: None
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True  # (read as the driver's core worker starts)
     try:
         yield held
     finally:
         ray_utils.set_sigterm_handler = ray_sets
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = ray_fails
         for s, handler in old.items():  # (None: a handler not set from Python; the default stands in)
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
     if held.noted:
