@@ -35,25 +35,48 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENT_CHARS = 2000
 
 
+SMALL_CHARS = 200  # at most, a small document: about one block
+
+
+def _paragraphs(books: Path) -> list[str]:
+    """The paragraphs (over 80 characters) of the books training held out, in order."""
+    from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
+
+    _, held_out = split_books(list_text_files([books]))
+    return [p.strip() for f in held_out for p in re.split(r"\n\s*\n", strip_gutenberg(read_text(f)))
+            if len(p.strip()) > 80]
+
+
+def _write_documents(folder: Path, n: int, texts: list[str]) -> None:
+    """``n`` documents in ``folder``, the ``texts`` cycled, each opened by a line naming it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"doc{i:06d}.txt").write_text(f"Document {i}.\n\n{texts[i % len(texts)]}", encoding="utf-8")
+    (folder / "DONE").write_text(f"{n} documents from {len(texts)} distinct texts\n")
+
+
 def write_library(books: Path, folder: Path, n: int) -> None:
     """``n`` documents of about 2 KB in ``folder`` (kept: a later run finds them)."""
     if (folder / "DONE").is_file():
         return
-    from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
-
-    _, held_out = split_books(list_text_files([books]))
-    paragraphs = [p.strip() for f in held_out for p in re.split(r"\n\s*\n", strip_gutenberg(read_text(f)))
-                  if len(p.strip()) > 80]
     docs, cur = [], ""
-    for p in paragraphs:
+    for p in _paragraphs(books):
         cur = f"{cur}\n\n{p}" if cur else p
         if len(cur) >= DOCUMENT_CHARS:
             docs.append(cur)
             cur = ""
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        (folder / f"doc{i:06d}.txt").write_text(f"Document {i}.\n\n{docs[i % len(docs)]}", encoding="utf-8")
-    (folder / "DONE").write_text(f"{n} documents from {len(docs)} distinct texts\n")
+    _write_documents(folder, n, docs)
+
+
+def small_documents(books: Path, folder: Path, n: int) -> None:
+    """``n`` small documents in ``folder``: each a paragraph of a book training held out, its
+    white space made single spaces, cut at a word to at most ``SMALL_CHARS`` characters (kept: a
+    later run finds them)."""
+    if (folder / "DONE").is_file():
+        return
+    paragraphs = [" ".join(p.split()) for p in _paragraphs(books)]
+    _write_documents(folder, n, [p[:p.rfind(" ", 0, SMALL_CHARS)] if len(p) > SMALL_CHARS else p
+                                 for p in paragraphs])  # (a word cut)
 
 
 def build_library(memory: Path, inputs: Path, package: Path | None, workers: int) -> dict:
@@ -90,8 +113,10 @@ def measure(memory: Path, package: Path | None, books: Path, threads: int, appen
     print(f"  {warm(memory):.1f} GB read into the page cache", file=sys.stderr)
     opens = [run_probe(memory, "bundled", package, threads, books) for _ in range(2)]
     full = run_probe(memory, "bundled", package, threads, books, asks=True, append=append, unsealed=package is None)
+    text = memory / "text.sqlite"
     return {**full, "open_s": statistics.median([o["open_s"] for o in opens] + [full["open_s"]]),
-            **measure_server(memory, "bundled", package)}
+            **measure_server(memory, "bundled", package),
+            **({"text_bytes": text.stat().st_size} if text.is_file() else {})}
 
 
 def served(memory: Path, shares: int) -> dict:
@@ -262,23 +287,28 @@ def list_costs(sizes: list[int], repeats: int = 5) -> list[dict]:
 
 
 def report(rows: list[dict]) -> list[str]:
-    out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | add one document | "
-           "the same, seals removed | build | built documents/s |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    def ms(r, key):
+        return f"{1000 * r[key]:.1f} ms" if key in r else "-"
+
+    out = ["| version | documents | tokens | open | RSS after open | warm ask | server request | search | "
+           "text index query | text index per token | add one document | the same, seals removed | build | "
+           "built documents/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         unsealed = f"{r['append_unsealed_s']:.2f} s" if "append_unsealed_s" in r else "-"
+        per_token = f"{r['text_bytes'] / r['tokens']:.2f} B" if "text_bytes" in r else "-"
         out.append(f"| {r['version']} ({r['commit']}) | {r['documents']:,} | {r['tokens']:,} | "
-                   f"{1000 * r['open_s']:.1f} ms | {r['rss_open_mb']:.0f} MB | {1000 * r['ask_s']:.0f} ms | "
-                   f"{1000 * r['serve_alone_p50_s']:.0f} ms | {r['append_s']:.2f} s | {unsealed} | "
+                   f"{ms(r, 'open_s')} | {r['rss_open_mb']:.0f} MB | {1000 * r['ask_s']:.0f} ms | "
+                   f"{1000 * r['serve_alone_p50_s']:.0f} ms | {ms(r, 'search_s')} | {ms(r, 'text_query_s')} | "
+                   f"{per_token} | {r['append_s']:.2f} s | {unsealed} | "
                    f"{r['build']['wall_s']:.0f} s | {r['documents'] / r['build']['seconds']:.1f} |")
+    keys = ("open_s", "rss_open_mb", "ask_s", "serve_alone_p50_s", "search_s", "append_s", "append_unsealed_s")
     out += ["", "Ratios against the smallest library of the same version:", "",
-            "| version | documents | open | RSS after open | warm ask | server request | add one document | "
-            "the same, seals removed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| version | documents | open | RSS after open | warm ask | server request | search | add one document | "
+            "the same, seals removed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = next(b for b in rows if b["version"] == r["version"])
         out.append(f"| {r['version']} | {r['documents']:,} | " + " | ".join(
-            f"{r[k] / base[k]:.2f}x" if k in r else "-"
-            for k in ("open_s", "rss_open_mb", "ask_s", "serve_alone_p50_s", "append_s", "append_unsealed_s")) + " |")
+            f"{r[k] / base[k]:.2f}x" if k in r and k in base else "-" for k in keys) + " |")
     return out
 
 
@@ -286,6 +316,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--books", required=True, help="the book corpus (its held-out books give the documents)")
     ap.add_argument("--counts", default="100,1000,10000", help="documents per library, comma-separated")
+    ap.add_argument("--documents", choices=["2kb", "small"], default="2kb",
+                    help=f"2kb: documents of about 2 KB; small: of at most {SMALL_CHARS} characters, about a block")
     ap.add_argument("--work", help="where the libraries are built and kept between runs (default "
                     "~/.cache/landmark-memory/bench-library)",
                     default=os.path.join(os.path.expanduser("~"), ".cache", "landmark-memory", "bench-library"))
@@ -301,12 +333,12 @@ def main():
     versions = [("this version", None)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     from _common import write_result
 
-    built = []
+    built, kind = [], "" if args.documents == "2kb" else "small-"
     for n in counts:  # every library built first: nothing else runs while they are measured
-        inputs = work / f"docs-{n}"
-        write_library(books, inputs, n)
+        inputs = work / f"docs-{kind}{n}"
+        (write_library if args.documents == "2kb" else small_documents)(books, inputs, n)
         for label, package in versions:
-            memory = work / f"library-{n}-{'this' if package is None else 'baseline'}"
+            memory = work / f"library-{kind}{n}-{'this' if package is None else 'baseline'}"
             built.append((n, label, package, memory, build_library(memory, inputs, package, args.workers)))
     rows = []
     for n, label, package, memory, summary in built:
@@ -318,7 +350,7 @@ def main():
     lists = list_costs([100, 1000, 10_000, 100_000])
     print("  timing a document's reading on one core", file=sys.stderr)
     smallest = next(m for n, _, package, m, _ in built if package is None)
-    ceiling = reading_ceiling(smallest, work / f"docs-{max(counts)}")
+    ceiling = reading_ceiling(smallest, work / f"docs-{kind}{max(counts)}")
     ray_served = None
     if args.shares:
         second = counts[min(1, len(counts) - 1)]
@@ -327,10 +359,14 @@ def main():
         ray_served = {"documents": second, **served(memory, args.shares)}
     (Path(args.results) / "library.json").write_text(json.dumps({"rows": rows, "served": ray_served,
                                                                  "ceiling": ceiling, "lists": lists}, indent=1))
+    documents = ("about 2 KB (paragraphs of the held-out books" if args.documents == "2kb" else
+                 f"at most {SMALL_CHARS} characters (a paragraph of the held-out books each, cut at a word")
     body = ["Each library is built once by `landmark-memory build --workers 2` (the bundled model) from documents of "
-            "about 2 KB (paragraphs of the held-out books, each opened by a line of its own), then measured in fresh "
+            f"{documents}, each opened by a line of its own), then measured in fresh "
             "processes (`bench_scale.py`'s probes): the open (median of 3), the resident memory after it, a warm ask "
-            "(median of 8, 8 tokens each), a server request one at a time (median of 8), and adding one 2 KB "
+            "(median of 8, 8 tokens each), a server request one at a time (median of 8), `search` (5 passages, "
+            "nothing generated) and the text index's query alone (medians of 8), the text index's file per token "
+            "stored, and adding one 2 KB "
             "document (`build` in the process, after the model loads; the median of 3 added one after the other), "
             "and for this version the same with the seals its last writer left removed before each (`keys/seals.json`: "
             "the writer then reads every key and index file, as before seals). The build's documents/s is over its own "

@@ -138,6 +138,7 @@ def probe(args) -> None:
             if hasattr(mem, "rewind"):  # a kept memory forgets each question (earlier versions cannot)
                 mem.rewind()
         out.update(ask_s=statistics.median(times), rss_ask_mb=proc.memory_info().rss / 2**20)
+        out.update(searched(mem, tok))
     mem.close()
     if args.append:
         doc, seals = Path(args.append), Path(args.probe) / "keys" / "seals.json"
@@ -156,6 +157,24 @@ def probe(args) -> None:
         if args.unsealed:
             out["append_unsealed_s"] = statistics.median([append(True) for _ in range(APPENDS)])
     print(json.dumps(out))
+
+
+def searched(mem, tok) -> dict:
+    """The median seconds of ``search`` (5 passages, nothing generated) and of the text index's
+    query alone over the questions, after one to warm up; {} for a version without them."""
+    try:
+        from landmark_memory.uses.search import search, text_ranking
+    except ImportError:
+        return {}
+    times = {"search_s": [], "text_query_s": []}
+    for i, q in enumerate([QUESTIONS[0]] + QUESTIONS):
+        for key, run in (("search_s", lambda: search(mem, tok, q)),
+                         ("text_query_s", lambda: text_ranking(mem, tok, q, mem.n_blocks))):
+            t0 = time.perf_counter()
+            run()
+            if i:
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(xs) for key, xs in times.items()}
 
 
 def read_speed(args) -> None:

@@ -4,7 +4,7 @@ documents around the six question books' excerpts, by what they cost and what th
     python experiments/bench_text_index.py --books BOOKS --counts 10000,100000
 
 A library is the six books' first 32,256 tokens (SmolLM2's tokenizer; each a document) and N
-small documents of about 200 characters (``exp_search.small_documents``), laid out as a corpus
+small documents of about 200 characters (``bench_library.small_documents``), laid out as a corpus
 lays out its documents: each its tokens, an end-of-text token, and end-of-text tokens to the end
 of its last block of 64. Each engine indexes every block's row as the memory's text index does
 (``text_index.block_texts``: the block after the last 8 tokens of the one before, cut at a
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 from _common import write_result
+from bench_library import SMALL_CHARS, small_documents
 from exp_evidence import questions
 from exp_natural import evidence_span
-from exp_search import LIBRARY_CHARS, small_documents
 
 from landmark_memory.core.tokenizer import special_ids
 from landmark_memory.format.text_index import TextIndex, block_texts
@@ -141,7 +141,7 @@ def main(argv=None):
             print(rows_out[-1], flush=True)
             shutil.rmtree(folder, ignore_errors=True)
     body = [f"Libraries of the six question books' first {EXCERPT:,} tokens and N small documents of about "
-            f"{LIBRARY_CHARS} characters, in blocks of {BS} (SmolLM2's tokenizer); each engine indexes every block's "
+            f"{SMALL_CHARS} characters, in blocks of {BS} (SmolLM2's tokenizer); each engine indexes every block's "
             "row as the memory's text index does. Build: one thread, decoding included; size: the index's files; "
             f"query: the median of the 78 questions' own words, {DEPTH} blocks; recall@5: the evidence's block among "
             "the first five.", "",
