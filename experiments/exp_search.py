@@ -20,7 +20,6 @@ table gives the heads alone, the text index alone and the fusion side by side, w
 
 import argparse
 import json
-import re
 import shutil
 import time
 from itertools import product
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 from _common import Trials, command_line, write_result
+from bench_library import small_documents
 from exp_answers import NAMES
 from exp_evidence import SIZES, cases, memory_of, questions
 from exp_natural import evidence_span
@@ -35,8 +35,9 @@ from exp_natural import evidence_span
 from landmark_memory.app.cli import main as cli
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
+from landmark_memory.models.heads import EvidenceHeads
 from landmark_memory.models.kinds import load_model
-from landmark_memory.training.data import list_text_files, read_text, split_books, strip_gutenberg
+from landmark_memory.training.data import read_text
 from landmark_memory.uses.evidence import candidates, fuse, prompt_weights, rank_blocks, token_attention
 from landmark_memory.uses.question import question_tokens, search_states
 from landmark_memory.uses.search import text_ranking
@@ -109,25 +110,6 @@ def six_books(args, model, tok, work):
     return SIX, folder / "m", excerpt_questions(folder / "m", model, tok)
 
 
-LIBRARY_CHARS = 200  # at most, a small document of the library: about one block
-
-
-def small_documents(books: Path, folder: Path, n: int) -> None:
-    """``n`` small documents in ``folder``: each a paragraph of a book training held out, cut at a
-    word to at most ``LIBRARY_CHARS`` characters, opened by a line naming it (kept: a later run
-    finds them)."""
-    if (folder / "DONE").is_file():
-        return
-    _, held = split_books(list_text_files([books]))
-    paragraphs = [" ".join(p.split()) for f in held for p in re.split(r"\n\s*\n", strip_gutenberg(read_text(f)))
-                  if len(p.strip()) > 80]
-    docs = [p[:p.rfind(" ", 0, LIBRARY_CHARS)] if len(p) > LIBRARY_CHARS else p for p in paragraphs]  # (a word cut)
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        (folder / f"doc{i:06d}.txt").write_text(f"Document {i}.\n\n{docs[i % len(docs)]}", encoding="utf-8")
-    (folder / "DONE").write_text(f"{n} documents from {len(docs)} distinct texts\n")
-
-
 def library(args, model, tok, work):
     """(key, the six books' excerpts (``six_books``'s documents) inside a library of ``--library``
     small documents, built by ``landmark-memory build --workers 2`` (Ray), [(question, its
@@ -181,14 +163,20 @@ def record_corpus(args):
     print(f"{key}: recorded", flush=True)
 
 
-def rankings(row, k, weight, depth):
+def rankings(row, k, weight, depth, keyed=True):
     """{name: the first five blocks} of the three rankings of a recorded question, the fusion
-    with ``k``, ``weight`` and the text index's first ``depth`` blocks among the candidates."""
+    with ``k``, ``weight`` and the text index's first ``depth`` blocks among the candidates (and,
+    ``keyed``, the blocks the block keys chose in a memory of more blocks than the heads read)."""
     text = [tuple(x) for x in row["text"]]
-    allowed = set(row["keyed"]) | {b for b, _ in text[:depth]}
+    allowed = (set(row["keyed"]) if keyed or not chosen_by_keys(row) else set()) | {b for b, _ in text[:depth]}
     heads = [tuple(x) for x in row["heads"] if x[0] in allowed]
     return {"heads": [b for b, _ in heads[:5]], "text": [b for b, _ in text[:5]],
             "fused": [b for b, _ in fuse(heads, text[:depth], k=k, weight=weight)[:5]]}
+
+
+def chosen_by_keys(row) -> bool:
+    """Whether the block keys chose the heads' candidates (a memory of more blocks than they read)."""
+    return len(row["keyed"]) != max(row["keyed"], default=-1) + 1
 
 
 def hits(rows, name, *fusion):
@@ -254,6 +242,25 @@ def report(args):
             "them, then the evidence's mean reciprocal rank; the next: "
             + ", ".join(f"k {f[0]}, weight {f[1]}, depth {f[2]}: {-score(f)[0]}"
                                            for f in grid[1:4]) + ").", ""]
+    # memories of more blocks than the heads read: does dropping the block keys' candidates, or another fusion, do
+    # better on their development questions?
+    large = {m: [r for c, rs in cs.items() if c.startswith("dev|") for r in rs if chosen_by_keys(r)]
+             for m, cs in cells.items()}
+    n_large = sum(map(len, large.values()))
+    if n_large:
+        big = sorted(product(KS, WEIGHTS, TEXT_DEPTHS, (True, False)),
+                     key=lambda f: (-sum(hits(rows, "fused", *f) for rows in large.values()), f != (*chosen, True)))
+        text_alone = sum(hits(rows, "text", *chosen) for rows in large.values())
+        out["large"] = {"questions": n_large, "chosen": sum(hits(rows, "fused", *chosen) for rows in large.values()),
+                        "best": {"k": big[0][0], "weight": big[0][1], "text_depth": big[0][2], "keyed": big[0][3],
+                                 "hits": sum(hits(rows, "fused", *big[0]) for rows in large.values())},
+                        "text": text_alone}
+        body += [f"Memories of more than {EvidenceHeads.candidates} blocks, where the block keys choose the heads' "
+                 f"candidates ({n_large} development questions of both models: the six-book memory and the library): "
+                 f"the fusion above finds {out['large']['chosen']}, the text index alone {text_alone}; the best of "
+                 f"the same grid, with and without the block keys' candidates, k = {big[0][0]}, weight {big[0][1]}, "
+                 f"depth {big[0][2]}, {'with' if big[0][3] else 'without'} them: {out['large']['best']['hits']} "
+                 "(ties to the fusion above).", ""]
     for model, cs in cells.items():
         out["models"][model] = {}
         body += [f"## {model}: {MODELS[model]}", "",
