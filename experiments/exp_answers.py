@@ -2,7 +2,13 @@
 read into its prompt before the question, and how often without it?
 
     python experiments/exp_answers.py ask --books BOOKS --work DIR [--model base|landmark] [--split dev|eval]
+    python experiments/exp_answers.py quotes --books BOOKS --work DIR [--model base|landmark] [--split dev|eval]
+    python experiments/exp_answers.py choose --work DIR
+    python experiments/exp_answers.py signals --work DIR
     python experiments/exp_answers.py report --work DIR [--split dev|eval]
+
+``quotes`` keeps, per answerable question, every sentence the quote is chosen among, so that
+``choose`` can choose how to choose it on the development half (``results/quotes.md``).
 
 The questions and memories are ``exp_evidence.py``'s (``fixtures/natural_questions_2.json``; its
 development half ships with the package, ``samples/questions.json``): each book's first 8,064 and
@@ -23,6 +29,7 @@ chosen on the development half; ``--split eval`` reports the evaluation half, wh
 import argparse
 import json
 import time
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +42,9 @@ from exp_natural import ASK_NEW, answers_in_context
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.kinds import load_model
 from landmark_memory.uses import answer as answering
+from landmark_memory.uses import evidence
 from landmark_memory.uses.evidence import support
+from landmark_memory.uses.search import search
 
 NAMES = {"base": "smollm2", "landmark": "smollm2-landmark"}  # the command line's names of the models
 WORDINGS = {  # the evidence turn (``answer.EVIDENCE_PROMPT``), chosen on the development half
@@ -79,6 +88,37 @@ def ask_step(args):
                       f"{np.median([r['seconds'] for r in rows]):.1f} s", flush=True)
     if args.baselines:
         baselines(args, state)
+
+
+def quotes_step(args):
+    """Every sentence ``ask`` chooses its quote among (``evidence.sentences``: those of the fusion's
+    first blocks), per answerable question of ``args.split`` at each size: its heads' score, its
+    tokens, the share of the question's words it holds, the rank of its block, and whether it holds
+    the answer's words; in ``DIR/MODEL/quotes.json``."""
+    model, tok = load_model(NAMES[args.model], "cpu")
+    work = Path(args.work) / args.model
+    state = Trials(work / "quotes.json", args.command)
+    seen = []
+
+    def every(mem, tokenizer, mass, blocks, best, n, question):  # (in place of evidence.quote: each with its rank)
+        seen[:] = [(r, q) for r, b in enumerate(best) for q in evidence.sentences(mem, tokenizer, mass, blocks, [b], n)]
+        return None
+
+    evidence.quote = every
+    for key, ids, asked in cases(args, tok):
+        asked = [q for q, span in asked if span is not None and q["split"] == args.split]
+        cell = f"{args.split}|{key}"
+        with LandmarkMemory.open(memory_of(model, work, key, ids), model, readonly=True) as m:
+            k = max(min(model.evidence_heads.blocks, m.options.top_k), 1)  # as ``ask`` pins and quotes
+            for i, q in enumerate(asked):
+                if i < len(state.cell(cell)):
+                    continue
+                search(m, tok, q["question"], k=k)
+                state.add(cell, {"question": q["question"], "sentences": [
+                    {"text": s.text, "score": s.score, "tokens": len(tok.encode(s.text).ids), "rank": r,
+                     "support": support(q["question"], s.text), "holds": is_right(s.text, q["words"])}
+                    for r, s in seen]}, at=i)
+        print(f"{cell}: {len(state.cell(cell))} questions", flush=True)
 
 
 def unanswerable(split):
@@ -171,6 +211,108 @@ def report(args):
                  commands=list(dict.fromkeys(commands)) or [args.command])
 
 
+@torch.no_grad()
+def signals(args):
+    """``results/refusal_signals.md``: how well what ``ask`` could refuse by tells the questions the
+    memory answers from those it cannot (AUC: the chance that an answerable question's signal
+    exceeds an unanswerable one's), per model, size and split, over the recorded ``quote`` trials
+    of the evidence turn ``plain``: the quote's heads' score; its support (the share of the
+    question's own words it holds: today's rule refuses at 0); and how much the quote raises the
+    answer's likelihood (the mean over its tokens of log p(answer | quote and question) - log
+    p(answer | question), SmolLM2 as published reading each as a chat turn, no memory)."""
+    base, tok = load_model(NAMES["base"], "cpu")
+
+    def logp(turn, answer):  # (n,): each answer token's log-probability after the turn
+        ids = tok.encode(tok.chat_prompt(turn)).ids
+        out = base(torch.tensor([ids + answer])).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
+        return out[torch.arange(len(answer)), torch.tensor(answer)]
+
+    def signal(r):
+        answer = tok.encode(r["answer"]).ids[:ASK_NEW]
+        gain = (logp(WORDINGS["plain"].format(evidence=r["quote"], question=r["question"]), answer)
+                - logp(r["question"], answer)).mean() if answer else torch.tensor(0.0)
+        return {"score": r["score"], "support": support(r["question"], r["quote"]), "gain": float(gain)}
+
+    def auc(pos, neg):
+        return float(np.mean([(p > n) + 0.5 * (p == n) for p in pos for n in neg])) if pos and neg else float("nan")
+
+    intro = signals.__doc__.split("\n\n")[0].replace("\n    ", " ").removeprefix("``results/refusal_signals.md``: ")
+    body = [intro[0].upper() + intro[1:], "",
+            "| model | split | memory | answerable | unanswerable | heads' score | support | likelihood gain |",
+            "|---|---|---|---|---|---|---|---|"]
+    commands = []
+    for model in NAMES:
+        path = Path(args.work) / model / "answers.json"
+        if not path.is_file():
+            continue
+        state = Trials(path)
+        commands += state.commands
+        for split in ("dev", "eval"):
+            for size in map(str, args.sizes):
+                got = {kind: [signal(r) for c, rs in state.cells.items() for r in rs
+                              if c.startswith(f"{prefix}{split}|quote|plain|") and c.endswith(f"-{size}")
+                              and r["quote"]]
+                       for kind, prefix in (("yes", ""), ("no", "none-"))}
+                if got["yes"] and got["no"]:
+                    body.append(f"| {NAMES[model]} | {split} | {int(size):,} tokens | {len(got['yes'])} | "
+                                f"{len(got['no'])} | " + " | ".join(
+                                    f"{auc([x[f] for x in got['yes']], [x[f] for x in got['no']]):.2f}"
+                                    for f in ("score", "support", "gain")) + " |")
+    body += ["", "A rule that refuses half the unanswerable questions and under a tenth of the answerable ones needs "
+             "an AUC near 0.8 or more; none of these comes near it on the evaluation half."]
+    write_result("refusal_signals", "What could tell an unanswerable question", body, results=args.results,
+                 commands=list(dict.fromkeys(commands)) + [args.command])
+
+
+QUOTE_GRID = {"alpha": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0), "eps": (0.1, 0.5), "beta": (0.0, 0.5, 1.0),
+              "ranks": (1, 2, 4)}
+
+
+def chosen_sentence(sentences, alpha, eps, beta, ranks):
+    """The sentence a rule quotes: of those in the first ``ranks`` blocks, the best heads' score
+    per ``tokens ** beta``, times ``(support + eps) ** alpha`` (of equal ones the first)."""
+    kept = [s for s in sentences if s["rank"] < ranks]
+    return max(kept, key=lambda s: s["score"] / s["tokens"] ** beta * (s["support"] + eps) ** alpha, default=None)
+
+
+def quote_report(args):
+    """``results/quotes.md``: how often the quote holds the answer's words under each way of
+    choosing it (``QUOTE_GRID``; the first, today's: the heads' score alone, every block), the
+    way chosen on the development questions of both models, and the evaluation half under both."""
+    found = {m: Trials(p).cells for m in NAMES if (p := Path(args.work) / m / "quotes.json").is_file()}
+    if not found:
+        return
+    grid = [dict(zip(QUOTE_GRID, v)) for v in product(*QUOTE_GRID.values())]
+    today = {"alpha": 0.0, "eps": 0.1, "beta": 0.0, "ranks": max(QUOTE_GRID["ranks"])}
+
+    def holds(split, rule, model=None, size=None):
+        rows = [r for m, cells in found.items() if model in (None, m) for c, rs in cells.items()
+                if c.startswith(split + "|") and size in (None, c.rsplit("-", 1)[1]) for r in rs]
+        return sum(bool((s := chosen_sentence(r["sentences"], **rule)) and s["holds"]) for r in rows), len(rows)
+
+    best = max(grid, key=lambda rule: (holds("dev", rule)[0], rule == today))
+    sizes = sorted({c.rsplit("-", 1)[1] for cells in found.values() for c in cells}, key=int)
+    cols = [(m, z) for m in found for z in sizes]
+    body = ["How `ask` chooses its quote among the sentences of the fusion's first blocks (`evidence.sentences`): "
+            "by the heads' score (their calibrated attention summed over the sentence's tokens) per "
+            "`tokens ** beta`, times `(support + eps) ** alpha` (support: the share of the question's own words it "
+            "holds), among the first `ranks` blocks. The rule is chosen on the development questions of both "
+            f"models ({holds('dev', today)[1]} asked); figures: the quote holds the answer's words.", "",
+            f"Chosen: alpha {best['alpha']}, eps {best['eps']}, beta {best['beta']}, ranks {best['ranks']}.", "",
+            "| split | rule | " + " | ".join(f"{NAMES[m]} {int(z):,}" for m, z in cols) + " | all |",
+            "|---|---|" + "---|" * (len(cols) + 1)]
+    for split in ("dev", "eval"):
+        for name, rule in (("the heads' score alone (before)", today), ("chosen", best)):
+            got = [holds(split, rule, m, z) for m, z in cols] + [holds(split, rule)]
+            body.append(f"| {split} | {name} | " + " | ".join(f"{h}/{n} ({h / max(n, 1):.0%})" for h, n in got) + " |")
+    body += ["", "The development questions' best rules:", ""] + [
+        f"- alpha {r['alpha']}, eps {r['eps']}, beta {r['beta']}, ranks {r['ranks']}: {holds('dev', r)[0]}"
+        for r in sorted(grid, key=lambda r: -holds("dev", r)[0])[:6]]
+    commands = list(dict.fromkeys(c for m in found for c in Trials(Path(args.work) / m / "quotes.json").commands))
+    write_result("quotes", "Choosing the quote", body, results=args.results, commands=commands)
+    return best
+
+
 def refused(row):
     """Whether ``ask`` would have said ``NOT_FOUND`` in this trial (asked with ``refuse=False``)."""
     return row["quote"] is not None and support(row["question"], row["quote"]) == 0
@@ -182,7 +324,7 @@ def frac(v):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["ask", "report"])
+    ap.add_argument("step", choices=["ask", "quotes", "choose", "signals", "report"])
     ap.add_argument("--books")
     ap.add_argument("--work", required=True, help="memories (shared with exp_evidence.py) and the trials")
     ap.add_argument("--results", default=str(ROOT / "experiments" / "results"))
@@ -196,7 +338,8 @@ def main(argv=None):
     ap.add_argument("--baselines", action="store_true", help="and SmolLM2 as published without a memory")
     args = ap.parse_args(argv)
     args.command, args.planted = command_line(argv), False
-    {"ask": ask_step, "report": report}[args.step](args)
+    {"ask": ask_step, "quotes": quotes_step, "report": report, "choose": quote_report, "signals": signals}[args.step](
+        args)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,13 @@ from landmark_memory.uses.choose_heads import DevQuestion, choose, choose_heads,
 from landmark_memory.uses.evidence import (
     around,
     candidates,
+    own_words,
     point,
     prompt_weights,
     quote,
+    sentences,
     shared_words,
+    support,
     token_attention,
 )
 from landmark_memory.uses.question import question_tokens, search_states
@@ -107,6 +110,25 @@ def test_the_quote_is_the_sentence_whose_tokens_hold_the_most_attention(corpus):
     assert got.block in (8, 9) and 8 * bs <= got.token < 10 * bs
 
 
+def test_the_quote_weighs_the_heads_attention_by_the_share_of_the_questions_words_it_holds(corpus):
+    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        n, bs = mem.n_blocks, mem.shape.block_size
+        blocks, mass = torch.arange(n), torch.zeros(2, 1, n, bs)
+        mass[0, 0, 8:11] = 1.0  # every token alike: the longest sentence holds the most attention
+        found = sentences(mem, tok, mass, blocks, [9], n)
+        most = max(found, key=lambda q: q.score)
+
+        def stems(text):
+            return {w.removesuffix("s") for w in own_words(text)}
+
+        other = next(q for q in found if stems(q.text) - stems(most.text))
+        question = "What of " + " ".join(sorted(stems(other.text) - stems(most.text))[:3]) + "?"
+        assert quote(mem, tok, mass, blocks, [9], n) == most
+        assert quote(mem, tok, mass, blocks, [9], n, question) == other != most
+        assert support(question, other.text) == 1.0 and support(question, most.text) == 0.0
+
+
 def test_choose_pools_the_heads_that_rank_the_evidence_first_as_many_as_dev_recall_wants():
     g = torch.Generator().manual_seed(0)
     masses, golds = [], []
@@ -159,7 +181,7 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
             enc = tok.encode(prompt)
             own = question_tokens(enc.offsets[:-1], prompt, question)
             ranking, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2,
-                                   text_ranking(mem, tok, question, n))
+                                   text_ranking(mem, tok, question, n), question)
             best = ranking.fused[:2]
             seen = []
             with mem.reading([b for b, _ in best]):
@@ -193,7 +215,7 @@ def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_a
             enc = tok.encode(closed)  # the question's turn, closed: what the heads score
             ranking, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
                                    question_tokens(enc.offsets, closed, question), n, 2,
-                                   text_ranking(mem, tok, question, n))
+                                   text_ranking(mem, tok, question, n), question)
             best = ranking.fused[:2]
             turn = EVIDENCE_PROMPT.format(evidence=found.text, question=question)
             rest = tok.encode(tok.chat_text([{"role": "user", "content": turn}], first=False, answer=True)).ids
@@ -210,7 +232,7 @@ def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_a
 
 def test_ask_says_the_memory_holds_no_answer_where_its_quote_speaks_of_nothing_asked_and_names_the_closest_text(
         corpus):
-    model, question, tok = LandmarkGPT.from_pretrained(), "Whose xylophone did the quokka borrow?", ChatTokenizer([])
+    model, question, tok = LandmarkGPT.from_pretrained(), "Which xylophone did the quokka borrow?", ChatTokenizer([])
     model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
     try:
         with LandmarkMemory.open(corpus, model, readonly=True) as mem:

@@ -213,7 +213,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         if heads is not None:
             ranking, found = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
                                          max(min(heads.blocks, mem.options.top_k), 1),
-                                         text_ranking(mem, tokenizer, question, n_saved))
+                                         text_ranking(mem, tokenizer, question, n_saved), question)
             pointed = [b for b, _ in ranking.fused][:heads.blocks]
             found = placed(mem, found, tokenizer)
         else:

@@ -92,11 +92,11 @@ def fuse(heads: list[tuple[int, float]], text: list[tuple[int, float]], *, k: in
 
 @torch.no_grad()
 def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int,
-          text: list[tuple[int, float]] = ()) -> tuple[Ranking, Quote | None]:
+          text: list[tuple[int, float]] = (), question: str = "") -> tuple[Ranking, Quote | None]:
     """How the retrieval ``heads`` and the ``text`` index's ranking (of the memory's first ``n``
     blocks, those it held before the prompt) rank its blocks, the fusion's first ``k`` the
-    passages, and the quote among those, for a prompt read into ``mem`` (``got``:
-    ``question.search_states``; ``own``: the question's positions in it)."""
+    passages, and the quote of ``question`` among those, for a prompt read into ``mem``
+    (``got``: ``question.search_states``; ``own``: the question's positions in it)."""
     heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
     text = list(text)
     if not own or n == 0:
@@ -108,7 +108,7 @@ def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: 
     ranked = rank_blocks(mass, blocks, len(blocks))
     fused = fuse(ranked, text) if text else ranked
     best = fused[:k]
-    return Ranking(ranked, text, fused), quote(mem, tokenizer, mass, blocks, [b for b, _ in best], n)
+    return Ranking(ranked, text, fused), quote(mem, tokenizer, mass, blocks, [b for b, _ in best], n, question)
 
 
 @torch.no_grad()
@@ -170,16 +170,14 @@ def rank_blocks(mass: torch.Tensor, blocks: torch.Tensor, k: int) -> list[tuple[
 SENTENCE_END = re.compile(r"(?<!\b[A-Z])(?<!\bM[rs])(?<!\bMrs)(?<!\b[DS][rt])[.!?][\"'\u201d\u2019_)\]]*(?=\s)|\n\s*\n")
 
 
-def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int) -> Quote | None:
-    """The sentence the heads attend to most (the calibrated mass of its tokens summed) that
-    starts or ends in one of the ``best`` blocks (of ``blocks``, the memory's first ``n``, whose
-    token attention ``mass`` (2, K, len(blocks), bs) is); None where there is none."""
-    if not best:
-        return None
+def sentences(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int) -> list[Quote]:
+    """Every sentence that starts or ends in one of the ``best`` blocks (of ``blocks``, the
+    memory's first ``n``, whose token attention ``mass`` (2, K, len(blocks), bs) is), in the
+    order of ``best`` then of the text, each scored by the calibrated mass of its tokens summed."""
     bs = mem.shape.block_size
     at = {int(b): i for i, b in enumerate(blocks)}
     score = (mass[0] - mass[1]).sum(0)  # (n, bs)
-    found = None
+    out = []
     for b in best:
         lo, hi = max(b - 1, 0), min(b + 2, n)  # a sentence may cross into a neighbour
         ids = [int(t) for t in mem.tokens(0, lo, hi)]
@@ -192,13 +190,26 @@ def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[i
             first, last = np.searchsorted(ends, a, "right"), np.searchsorted(ends, z, "left")
             if not text[a:z].strip() or last < first:
                 continue
-            inside = [t for t in range(first, last + 1) if (b - lo) * bs <= t < (b - lo + 1) * bs]
-            if not inside:  # a sentence of a neighbour only
-                continue
-            s = float(w[first:last + 1].sum())
-            if found is None or s > found.score:
-                found = Quote(" ".join(text[a:z].split()), int(lo + first // bs), int(lo * bs + first), s)
-    return found
+            if not any((b - lo) * bs <= t < (b - lo + 1) * bs for t in range(first, last + 1)):
+                continue  # a sentence of a neighbour only
+            out.append(Quote(" ".join(text[a:z].split()), int(lo + first // bs), int(lo * bs + first),
+                             float(w[first:last + 1].sum())))
+    return out
+
+
+# the quote: the sentence of best heads' score times (support + QUOTE_FLOOR) ** QUOTE_POWER, the share of the
+# question's own words it holds (chosen on development questions: experiments/results/quotes.md)
+QUOTE_FLOOR, QUOTE_POWER = 0.1, 4.0
+
+
+def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int,
+          question: str = "") -> Quote | None:
+    """The sentence among the ``best`` blocks (``sentences``) the heads attend to most, weighed by
+    how much of ``question`` it speaks of (its score times 1e-4 where it holds none of the
+    question's own words, 1.46 where it holds them all); of equal ones the first; None where
+    there is none."""
+    return max(sentences(mem, tokenizer, mass, blocks, best, n), default=None,
+               key=lambda q: q.score * (support(question, q.text) + QUOTE_FLOOR) ** QUOTE_POWER)
 
 
 def around(mem, tokenizer, found: Quote, n: int, sentences: int = 1) -> str:
