@@ -176,6 +176,27 @@ def test_a_signal_while_ray_starts_is_held_until_ray_is_shut_down_again(document
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".landmark-memory-probe*"))
 
 
+def test_a_start_stopped_by_a_signal_the_build_only_notes_reads_nothing_and_starts_no_other_ray(tmp_path, monkeypatch):
+    from landmark_memory.jobs import distributed
+
+    original = distributed.RayReader._start_workers
+
+    def signalled(self, ray_module):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, ray_module)
+
+    monkeypatch.setattr(distributed.RayReader, "_start_workers", signalled)
+    noted = []  # what the build's handler does: note the signal, commit what was read, then exit
+    before = signal.signal(signal.SIGTERM, lambda s, frame: noted.append(s))
+    try:
+        with distributed.RayReader(1, None, None, memory=tmp_path / "m") as reader:
+            got = list(reader.run([object()], lambda: bool(noted), None))  # (a job it must not touch)
+            assert not ray.is_initialized()  # (a Ray call here would have started another: auto-init)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert noted == [signal.SIGTERM] and got == [] and not ray.is_initialized()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("after", [0.5, 2.0, 3.5, 5.0])
 def test_a_signal_at_any_instant_of_a_builds_start_is_one_line_and_its_exit_status(documents, tmp_path, signum, after):

@@ -272,6 +272,8 @@ class RayReader:
                              "on every machine)")
 
     def run(self, jobs, stop, bar):
+        if not self.actors:  # a signal stopped the start and Ray is down: any call would start another (auto-init)
+            return
         import ray
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
