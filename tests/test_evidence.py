@@ -19,7 +19,7 @@ from landmark_memory.uses.evidence import (
     own_words,
     point,
     prompt_weights,
-    quote,
+    quotes,
     sentences,
     shared_words,
     support,
@@ -105,7 +105,7 @@ def test_the_quote_is_the_sentence_whose_tokens_hold_the_most_attention(corpus):
             inside = start <= at + len(piece) // 2 < end
             mass[0, 0, 8 + i // bs, i % bs] = 1.0 if inside else 0.01
             at += len(piece)
-        got = quote(mem, tok, mass, blocks, [9], n)
+        got, *_ = quotes(mem, tok, mass, blocks, [9], n)
     assert got.text == " ".join(text[start:end].split())
     assert got.block in (8, 9) and 8 * bs <= got.token < 10 * bs
 
@@ -124,8 +124,10 @@ def test_the_quote_weighs_the_heads_attention_by_the_share_of_the_questions_word
 
         other = next(q for q in found if stems(q.text) - stems(most.text))
         question = "What of " + " ".join(sorted(stems(other.text) - stems(most.text))[:3]) + "?"
-        assert quote(mem, tok, mass, blocks, [9], n) == most
-        assert quote(mem, tok, mass, blocks, [9], n, question) == other != most
+        assert quotes(mem, tok, mass, blocks, [9], n) == [most]
+        assert quotes(mem, tok, mass, blocks, [9], n, question) == [other] != [most]
+        ranked = quotes(mem, tok, mass, blocks, [8, 9], n, question, count=len(found) + 10)
+        assert ranked[0] == other and len({q.token for q in ranked}) == len(ranked)  # one crossing two blocks once
         assert support(question, other.text) == 1.0 and support(question, most.text) == 0.0
 
 
@@ -180,8 +182,8 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
             assert prompt.startswith("user:" if chat else "Q: Who found")
             enc = tok.encode(prompt)
             own = question_tokens(enc.offsets[:-1], prompt, question)
-            ranking, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2,
-                                   text_ranking(mem, tok, question, n), question)
+            ranking, (found, *_) = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2,
+                                         text_ranking(mem, tok, question, n), question)
             best = ranking.fused[:2]
             seen = []
             with mem.reading([b for b, _ in best]):
@@ -211,11 +213,14 @@ def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_a
             mem.rewind()
             wide = ask(mem, tok, question, max_new_tokens=5, evidence="around", refuse=False)
             mem.rewind()
+            two = ask(mem, tok, question, max_new_tokens=5, evidence="quotes", refuse=False)
+            mem.rewind()
             closed = tok.chat_text([{"role": "user", "content": question}], first=True, answer=False)
             enc = tok.encode(closed)  # the question's turn, closed: what the heads score
-            ranking, found = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
-                                   question_tokens(enc.offsets, closed, question), n, 2,
-                                   text_ranking(mem, tok, question, n), question)
+            ranking, best_two = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
+                                      question_tokens(enc.offsets, closed, question), n, 2,
+                                      text_ranking(mem, tok, question, n), question, 2)
+            found = best_two[0]
             best = ranking.fused[:2]
             turn = EVIDENCE_PROMPT.format(evidence=found.text, question=question)
             rest = tok.encode(tok.chat_text([{"role": "user", "content": turn}], first=False, answer=True)).ids
@@ -228,6 +233,8 @@ def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_a
     assert got.prompt_tokens == len(enc.ids) + len(rest) and [p.block for p in got.passages[:2]] == [b for b, _ in best]
     assert got.grounded == shared_words(got.text, found.text, question)
     assert found.text in wide.evidence and len(wide.evidence) > len(found.text)  # with its neighbours
+    assert len(best_two) == 2 and best_two[1].token != found.token and two.quote.text == found.text
+    assert two.evidence == " ".join(q.text for q in sorted(best_two, key=lambda q: q.token))  # in the memory's order
 
 
 def test_ask_says_the_memory_holds_no_answer_where_its_quote_speaks_of_nothing_asked_and_names_the_closest_text(
@@ -251,7 +258,7 @@ def test_ask_says_the_memory_holds_no_answer_where_its_quote_speaks_of_nothing_a
 
 def test_ask_refuses_an_evidence_policy_it_does_not_know(corpus):
     with LandmarkMemory.open(corpus, LandmarkGPT.from_pretrained(), readonly=True) as mem:
-        with pytest.raises(ValueError, match="evidence must be one of quote, around, none"):
+        with pytest.raises(ValueError, match="evidence must be one of quote, quotes, around, none"):
             ask(mem, load_tokenizer(), "Who?", evidence="all")
 
 

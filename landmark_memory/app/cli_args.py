@@ -84,8 +84,8 @@ def add_evidence(p):
     """``--evidence`` and ``--always-answer``: how ``ask`` answers from what its retrieval heads found."""
     p.add_argument("--evidence", choices=EVIDENCE, default=EVIDENCE[0],
                    help="what a chat model with retrieval heads reads before the question once they found the quote: "
-                        "the quote (default), the quote with the sentence before and after it (around), or nothing "
-                        "(none: the answer reads the memory alone)")
+                        "the quote (default), the two best sentences (quotes), the quote with the sentence before and "
+                        "after it (around), or nothing (none: the answer reads the memory alone)")
     p.add_argument("--always-answer", dest="refuse", action="store_false",
                    help="answer even where the retrieval heads find too little evidence (by default the answer says "
                         "the memory does not seem to hold one, and names the closest text)")

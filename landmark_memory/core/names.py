@@ -38,8 +38,9 @@ FREE_READS = (8, 1, 2)
 # 32K; recall@5 1/10 and 0/10 against 2/10 and 0/10 (experiments/results/training_free.md)
 FREE_RETRIEVAL = "per_head"
 # uses/answer.py: what a chat model with retrieval heads reads before the question once they found the quote: the
-# quote, the quote with the sentence before and after it, or nothing (the first the default: exp_answers.py)
-EVIDENCE = ("quote", "around", "none")
+# quote, the two best sentences, the quote with the sentence before and after it, or nothing (the first the
+# default: exp_answers.py)
+EVIDENCE = ("quote", "quotes", "around", "none")
 MAX_NEW_TOKENS = 8192  # app/cli_args.py: the most tokens of one answer (ask, chat, the server's --max-tokens)
 MAX_TURN_CHARS = 1 << 20  # uses/answer.py: characters of one message (as the server's default body limit bounds it)
 SESSION_NAME = re.compile(r"\w[\w.-]{0,99}")  # uses/session.py: a name, never a path (no separator, no leading

@@ -31,6 +31,7 @@ from .session import Session
 
 # the turn the evidence and the question are read in (chosen on development questions: experiments/exp_answers.py)
 EVIDENCE_PROMPT = "{evidence}\n\n{question}"
+QUOTES = 2  # the sentences the "quotes" evidence reads
 NOT_FOUND = "The memory does not seem to hold the answer to this question."  # said where the quote is off the point
 
 
@@ -146,8 +147,10 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         (``MemoryOptions.centre``), whatever the memory reads other text with; False: as it
         reads; None: as the model's ``AskPolicy`` says.
     evidence : what a chat model with retrieval heads reads before the question once its heads
-        have found the quote (``EVIDENCE``): ``"quote"``, the quote; ``"around"``, the quote with
-        the sentence before and after it; ``"none"``, nothing (the answer reads the memory alone).
+        have found the quote (``EVIDENCE``): ``"quote"``, the quote; ``"quotes"``, the ``QUOTES``
+        best sentences (the quote first, ``evidence.quotes``), in the memory's order; ``"around"``,
+        the quote with the sentence before and after it; ``"none"``, nothing (the answer reads the
+        memory alone).
         The messages are first read as a closed turn, which the heads score; then the evidence
         and the question are read as the next user turn (``EVIDENCE_PROMPT``), and the answer
         follows it. ``Answer.evidence`` says what was read.
@@ -206,21 +209,22 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     encoded = encode_prompt(tokenizer, prompt, [m.content for m in messages])  # (their text never a special token)
     ids, rest = encoded.ids, encoded.ids
     reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
-    pointed, found, scored, said = [], None, [], None
+    pointed, found, best, scored, said = [], None, [], [], None
     if (heads or reader) and n_saved and len(ids) > 1:  # the prompt is read first (by the memory's own options),
         scored = ids if reads_evidence else ids[:-1]  # then the answer reads the blocks it points at
         own = question_tokens(encoded.offsets[:len(scored)], prompt, question)
         if heads is not None:
-            ranking, found = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
-                                         max(min(heads.blocks, mem.options.top_k), 1),
-                                         text_ranking(mem, tokenizer, question, n_saved), question)
+            ranking, best = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
+                                        max(min(heads.blocks, mem.options.top_k), 1),
+                                        text_ranking(mem, tokenizer, question, n_saved), question,
+                                        QUOTES if evidence == "quotes" else 1)
             pointed = [b for b, _ in ranking.fused][:heads.blocks]
-            found = placed(mem, found, tokenizer)
+            found = placed(mem, best[0] if best else None, tokenizer)
         else:
             pointed = [b for b, _ in point(mem, *reader, scored, own, min(policy.reader_blocks, mem.options.top_k))]
         rest = ids[len(scored):]
     if reads_evidence:  # the next turn: the evidence and the question (or, with no quote, the answer's opening)
-        said = found and (found.text if evidence == "quote" else around(mem, tokenizer, found, n_saved))
+        said = _evidence(mem, tokenizer, evidence, best, n_saved) if best else None
         turn = [{"role": "user", "content": EVIDENCE_PROMPT.format(evidence=said, question=question)}] if said else []
         rest = encode_prompt(tokenizer, tokenizer.chat_text(turn, first=False, answer=True),
                              [t["content"] for t in turn]).ids
@@ -249,6 +253,14 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
                   prompt_tokens=len(scored) + len(rest), end_of_turn=new[-1] if new and new[-1] in stops else None,
                   quote=found, evidence=said, support=backing, refused=refused,
                   grounded=None if found is None or refused else shared_words(text, said or found.text, question))
+
+
+def _evidence(mem, tokenizer, policy: str, best: list[Quote], n: int) -> str:
+    """What the evidence ``policy`` reads before the question, of the quotes ``best`` (the quote
+    first; as many as the policy asks for) of the memory's first ``n`` blocks."""
+    if policy == "around":
+        return around(mem, tokenizer, best[0], n)
+    return " ".join(q.text for q in sorted(best, key=lambda q: q.token))  # in the memory's order
 
 
 def _generated(mem, rest, pointed, centre, max_new_tokens, temperature, seed, stops, until, told, read) -> list[int]:

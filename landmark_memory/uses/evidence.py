@@ -92,15 +92,15 @@ def fuse(heads: list[tuple[int, float]], text: list[tuple[int, float]], *, k: in
 
 @torch.no_grad()
 def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int,
-          text: list[tuple[int, float]] = (), question: str = "") -> tuple[Ranking, Quote | None]:
+          text: list[tuple[int, float]] = (), question: str = "", count: int = 1) -> tuple[Ranking, list[Quote]]:
     """How the retrieval ``heads`` and the ``text`` index's ranking (of the memory's first ``n``
     blocks, those it held before the prompt) rank its blocks, the fusion's first ``k`` the
-    passages, and the quote of ``question`` among those, for a prompt read into ``mem``
-    (``got``: ``question.search_states``; ``own``: the question's positions in it)."""
+    passages, and the ``count`` best quotes of ``question`` among those (``quotes``), for a prompt
+    read into ``mem`` (``got``: ``question.search_states``; ``own``: the question's positions in it)."""
     heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
     text = list(text)
     if not own or n == 0:
-        return Ranking([], text, text[:k]), None
+        return Ranking([], text, text[:k]), []
     w = prompt_weights(own, got[0][0].shape[-2])
     blocks = candidates(mem, got, w, heads.heads, heads.candidates, n)
     blocks = torch.cat([blocks, torch.tensor(sorted({b for b, _ in text} - set(blocks.tolist())), dtype=torch.long)])
@@ -108,7 +108,7 @@ def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: 
     ranked = rank_blocks(mass, blocks, len(blocks))
     fused = fuse(ranked, text) if text else ranked
     best = fused[:k]
-    return Ranking(ranked, text, fused), quote(mem, tokenizer, mass, blocks, [b for b, _ in best], n, question)
+    return Ranking(ranked, text, fused), quotes(mem, tokenizer, mass, blocks, [b for b, _ in best], n, question, count)
 
 
 @torch.no_grad()
@@ -202,14 +202,17 @@ def sentences(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: li
 QUOTE_FLOOR, QUOTE_POWER = 0.1, 4.0
 
 
-def quote(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int,
-          question: str = "") -> Quote | None:
-    """The sentence among the ``best`` blocks (``sentences``) the heads attend to most, weighed by
-    how much of ``question`` it speaks of (its score times 1e-4 where it holds none of the
-    question's own words, 1.46 where it holds them all); of equal ones the first; None where
-    there is none."""
-    return max(sentences(mem, tokenizer, mass, blocks, best, n), default=None,
-               key=lambda q: q.score * (support(question, q.text) + QUOTE_FLOOR) ** QUOTE_POWER)
+def quotes(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int,
+           question: str = "", count: int = 1) -> list[Quote]:
+    """The ``count`` sentences among the ``best`` blocks (``sentences``; one crossing two of them
+    once) the heads attend to most, weighed by how much of ``question`` they speak of (a score
+    times 1e-4 where it holds none of the question's own words, 1.46 where it holds them all),
+    best first, of equal ones the first; the first is the quote (none where there is no sentence)."""
+    found: dict[int, Quote] = {}
+    for q in sentences(mem, tokenizer, mass, blocks, best, n):
+        found.setdefault(q.token, q)
+    weighed = sorted(found.values(), key=lambda q: -q.score * (support(question, q.text) + QUOTE_FLOOR) ** QUOTE_POWER)
+    return weighed[:count]
 
 
 def around(mem, tokenizer, found: Quote, n: int, sentences: int = 1) -> str:

@@ -175,7 +175,8 @@ def search(mem: LandmarkMemory, tokenizer, question: str, *, k: int = 5) -> Foun
         ids = encoded.ids if chat is not None else encoded.ids[:-1]  # (a frame's last token is the answer's first)
         own = question_tokens(encoded.offsets[:len(ids)], prompt, question)
         try:
-            ranking, found = point_heads(mem, tokenizer, heads, search_states(mem, ids), own, n, k, text, question)
+            ranking, best = point_heads(mem, tokenizer, heads, search_states(mem, ids), own, n, k, text, question)
+            found = best[0] if best else None
         finally:
             if mem.readonly and mem.attachment is None:
                 mem.rewind()
