@@ -96,7 +96,7 @@ def test_a_memory_keeps_its_keys_once_and_one_from_before_key_files_converts_on_
     doc = json.loads((path / "manifest.json").read_text())
     names = [f"keys/s0_l{layer}_h{h}.f32" for layer in range(2) for h in range(2)]
     (state,) = path.glob("state.*")  # the keys' sums alone: the flat index is the key files
-    assert doc["format_version"] == 7 and doc["files"]["state"]["name"] == state.name
+    assert doc["format_version"] == 8 and doc["files"]["state"]["name"] == state.name
     assert sorted(load_file(state)) == ["landmark_sum.0", "landmark_sum.1"]
     assert sorted(doc["files"]["rows_crc32"]) == sorted(["tokens.bin",
                                                          *names]) and not (path / "landmarks.bin").exists()
@@ -128,7 +128,7 @@ def test_a_memory_keeps_its_keys_once_and_one_from_before_key_files_converts_on_
         m.commit()  # converted: a commit like any other
     doc = json.loads((path / "manifest.json").read_text())
     (state,) = path.glob("state.*")  # the keys' sums alone: the flat index is the key files
-    assert doc["format_version"] == 7 and doc["files"]["state"]["name"] == state.name
+    assert doc["format_version"] == 8 and doc["files"]["state"]["name"] == state.name
     assert sorted(load_file(state)) == ["landmark_sum.0", "landmark_sum.1"]
     assert not (path / "landmarks.bin").exists() and all((path / n).read_bytes() == keys[n].tobytes() for n in names)
     assert torch.equal(fresh(path, model, probe), expected)

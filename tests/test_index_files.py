@@ -34,16 +34,16 @@ class NormsIndex(RowsIndex):
         if not self.seen.n:
             self.seen.append(np.ones((1, 1), np.float32))
 
-    def follow(self, n):
+    def follow(self, n, runs=True):
         self.norms.follow(n)
         self.seen.follow(min(n, 1))
 
     def files(self):
-        return [IndexFile(self.norms, per_block=True)] + ([IndexFile(self.seen, per_block=False)] if self.seen.n
-                                                          else [])
+        return [IndexFile(self.norms, rows_at=lambda n: n)] + ([IndexFile(self.seen, rows_at=None)] if self.seen.n
+                                                                else [])
 
     @classmethod
-    def saved_files(cls, key_file, n, train_size, dim):
+    def saved_files(cls, key_file, n, train_size, dim, runs=True):
         stem = Path(key_file)
         return {str(stem.with_suffix(".norms")): n * 4, **({str(stem.with_suffix(".seen")): 4} if n else {})}
 

@@ -1,6 +1,7 @@
 """The ``ivf-rows`` index: exact until trained, then lists of block ids over the key rows where
-they lie; lists that depend on the keys alone; files a commit appends to (a new level's written
-once per training, an older level's removed once a commit holds the new one); damage named."""
+they lie, and runs that copy the keys list by list; lists that depend on the keys alone; files a
+commit appends to (a new level's written once per training, an older level's removed once a
+commit holds the new one); a memory from before runs searched the same; damage named."""
 
 import json
 
@@ -10,7 +11,7 @@ from helpers import feed
 
 from landmark_memory.format import MemoryFileError
 from landmark_memory.index import new_index, recall_at_k
-from landmark_memory.index.lists import list_count
+from landmark_memory.index.lists import list_count, run_end
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.uses.inspect import describe, verify
 
@@ -65,6 +66,52 @@ def test_lists_depend_on_the_keys_alone_not_on_how_they_were_added():
 
 
 
+def test_runs_copy_each_runs_keys_list_by_list_and_leave_under_half_a_training_after_them():
+    xb = clustered(3000, 16, 4)
+    index = new_index("ivf-rows", 16, train_size=256)
+    for part in np.array_split(xb, 13):
+        index.add(part)
+    li = index.lists  # trained again at 1,024 keys: runs end at 1,024, 1,536, 2,048 and 2,560
+    assert li.level == 2 and run_end(3000, 2, 256) == li.runs.n == 2560 and run_end(1023, 2, 256) == 0
+    lists, runs = li.lists.array()[:, 0], li.runs.array()
+    for a, b in [(0, 1024), (1024, 1536), (1536, 2048), (2048, 2560)]:
+        np.testing.assert_array_equal(runs[a:b], xb[a + np.argsort(lists[a:b], kind="stable")])
+
+
+def search_all(mem, xq):
+    return [ix.search(xq, 3, lo, hi) for ix in mem.inspection.indexes() for lo, hi in [(0, 70), (5, 67)]]
+
+
+def test_a_memory_from_before_runs_is_searched_the_same_and_its_writer_writes_them(model, tmp_path):
+    path, xq = tmp_path / "m", clustered(6, 16, 5)
+    with LandmarkMemory(model, store="lmdb", path=path, index="ivf-rows", index_options={"train_size": 16},
+                        chunk_size=10, top_k=2) as mem:
+        feed(mem, 70, 1)  # trained at 16, again at 64 blocks: one run of 64, 6 blocks after it
+    with LandmarkMemory.open(path, model, readonly=True) as reader:
+        assert {ix.lists.runs.n for ix in reader.inspection.indexes()} == {64}
+        with_runs = search_all(reader, xq)
+    doc = json.loads((path / "manifest.json").read_text())  # the same memory as format 7 wrote it: no runs
+    doc["format_version"] = 7
+    doc["files"]["rows_crc32"] = {k: v for k, v in doc["files"]["rows_crc32"].items() if not k.endswith(".runs")}
+    (path / "manifest.json").write_text(json.dumps(doc))
+    for f in (path / "keys").glob("*.runs"):
+        f.unlink()
+    with LandmarkMemory.open(path, model, readonly=True) as old:
+        assert {ix.lists.runs for ix in old.inspection.indexes()} == {None}
+        for (D, I), (D_old, I_old) in zip(with_runs, search_all(old, xq)):  # bit for bit
+            np.testing.assert_array_equal(I_old, I)
+            np.testing.assert_array_equal(D_old, D)
+    assert verify(path).ok
+    with LandmarkMemory.open(path, model) as writer:  # writes the runs as it opens; its commit is format 8
+        feed(writer, 1, 2)
+    assert json.loads((path / "manifest.json").read_text())["format_version"] == 8 and verify(path).ok
+    with LandmarkMemory.open(path, model, readonly=True) as reader:
+        assert {ix.lists.runs.n for ix in reader.inspection.indexes()} == {64}
+        for (D, I), (D_new, I_new) in zip(with_runs, search_all(reader, xq)):
+            np.testing.assert_array_equal(I_new, I)
+            np.testing.assert_array_equal(D_new, D)
+
+
 def key_files(path):
     return {f.name: f.read_bytes() for f in sorted((path / "keys").iterdir())}
 
@@ -115,5 +162,13 @@ def test_damaged_lists_are_named_never_a_crash(model, tmp_path):
     with pytest.raises(MemoryFileError, match=r"s0_l1_h1\.ivf1\.lists is truncated"):
         LandmarkMemory.open(path, model, readonly=True)
     lists.write_bytes(good)
+    runs = path / "keys" / "s0_l1_h1.ivf1.runs"
+    copies = runs.read_bytes()
+    runs.write_bytes(copies[:-4])
+    with pytest.raises(MemoryFileError, match=r"s0_l1_h1\.ivf1\.runs is truncated"):
+        LandmarkMemory.open(path, model, readonly=True)
+    runs.write_bytes(copies[:-4] + b"\xff" * 4)
+    assert any("s0_l1_h1.ivf1.runs" in p and "CRC-32" in p for p in verify(path).problems)
+    runs.write_bytes(copies)
     with LandmarkMemory.open(path, model, readonly=True) as mem:
         assert mem.n_blocks == 12

@@ -92,7 +92,7 @@ def test_a_corpus_opens_without_reading_its_list_and_a_passage_reads_one_page(mo
     path = tmp_path / "m"
     build_into(model, path, sorted(texts.glob("*.txt")))
     doc = json.loads((path / "manifest.json").read_text())
-    assert doc["format_version"] == 7 and doc["inputs"] == [] and [p[0] for p in doc["pages"]] == [2, 2, 1]
+    assert doc["format_version"] == 8 and doc["inputs"] == [] and [p[0] for p in doc["pages"]] == [2, 2, 1]
     assert doc["shards"] == []  # every document packed
     with LandmarkMemory.open(path, model, readonly=True) as mem:
         assert mem.inputs._read == {}
@@ -149,7 +149,7 @@ def test_a_corpus_of_format_6_opens_and_pages_its_list_at_its_next_commit(model,
     before = json.loads(capsys.readouterr().out)
     build_into(model, path, files)  # two more documents, packed; the three old ones keep their stores
     doc = json.loads((path / "manifest.json").read_text())
-    assert doc["format_version"] == 7 and doc["inputs"] == [] and len(doc["shards"]) == 3
+    assert doc["format_version"] == 8 and doc["inputs"] == [] and len(doc["shards"]) == 3
     assert doc["digests_crc32"] == zlib.crc32((path / DIGESTS).read_bytes())  # (every record's, old ones too)
     with LandmarkMemory.open(path, model, readonly=True) as mem:
         assert [e.name for e in mem.inputs] == [f.name for f in files] and [e.packed for e in mem.inputs] == [

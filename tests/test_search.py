@@ -175,9 +175,12 @@ def test_build_writes_the_text_index_and_the_index_command_brings_an_older_memor
     assert main(["info", str(path)]) == 0
     assert "not sealed" in capsys.readouterr().out
     (path / TEXT_INDEX).unlink()
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 7}))  # as format 7 wrote it
     assert main(["index", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["added"] == doc["blocks"] > 0
+    assert doc["added"] == doc["blocks"] > 0 and doc["format_was"] == 7
+    assert json.loads((path / "manifest.json").read_text())["format_version"] == 8  # committed in this format
     tok = load_tokenizer()
     with LandmarkMemory.open(path, LandmarkGPT.from_pretrained()) as mem:
         with pytest.raises(ValueError, match="writer"):

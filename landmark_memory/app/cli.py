@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.printing import printable
 from ..format import MemoryDir
+from ..format.manifest import FORMAT_VERSION
 from ..format.options import MemoryOptions
 from ..format.session_files import delete_session, list_sessions
 from ..jobs.build import build, read_inputs
@@ -181,11 +182,14 @@ def cmd_index(args):
     mem, t0 = LandmarkMemory.open(args.memory, model), time.perf_counter()
     try:
         added = keep_text_index(mem, tok, quiet=args.quiet)
+        if saved.version < FORMAT_VERSION:  # an older memory's commit in this format (its ivf-rows runs written)
+            mem.commit()
     finally:
-        mem.close(commit=False)  # (nothing to commit: the index is written and sealed)
-    emit(args, {"memory": args.memory, "blocks": mem.n_blocks, "added": added},
+        mem.close(commit=False)  # (nothing else to commit: the text index is written and sealed)
+    emit(args, {"memory": args.memory, "blocks": mem.n_blocks, "added": added, "format_was": saved.version},
          f"{args.memory}: text index of {mem.n_blocks:,} blocks ({added:,} added) in "
-         f"{time.perf_counter() - t0:,.1f} s")
+         f"{time.perf_counter() - t0:,.1f} s" + (f"; format {saved.version} brought to {FORMAT_VERSION}"
+                                                 if saved.version < FORMAT_VERSION else ""))
     return 0
 
 

@@ -229,7 +229,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true",
                    help="print each passage's whole text, not the part around the question's words")
 
-    p = sub.add_parser("index", parents=[common], help="write (or bring up to date) a saved memory's text index")
+    p = sub.add_parser("index", parents=[common], help="write (or bring up to date) a saved memory's text index, and "
+                       "commit an older memory in this version's format")
     p.add_argument("memory")
     add_model_args(p)
 

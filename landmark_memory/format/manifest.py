@@ -22,12 +22,12 @@ from .options import MemoryOptions
 from .shape import ModelShape
 
 FORMAT = "landmark-memory/memory"
-# 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents;
-# 5: landmark keys in keys/ (a file per stream, layer and key/value head, mapped), no exact flat index in the
-# state file (it searches those files), and no state file when there is nothing else to keep; 6: blocks without
-# landmarks (options.block_keys "mean", model.shape.landmarks false), which a reader of format 5 would misread;
-# 7: a corpus's small documents packed into its own store (``InputRecord.packed``), their folders removed
-FORMAT_VERSION = 7
+# 2: the manifest's model has a shape (grouped-query attention); 3: checksums; 4: corpora of documents; 5: landmark keys
+# in keys/ (a file per stream, layer and key/value head, mapped), no exact flat index in the state file (it searches
+# those files), and no state file when there is nothing else to keep; 6: blocks without landmarks (options.block_keys
+# "mean", model.shape.landmarks false), which a reader of format 5 would misread; 7: a corpus's small documents packed
+# into its own store (``InputRecord.packed``), their folders removed; 8: an ivf-rows level's runs (``index.lists``)
+FORMAT_VERSION = 8
 TOKENS, LANDMARKS, KEYS = "tokens.bin", "landmarks.bin", "keys"
 DOCUMENT_FOLDER = re.compile(r"docs/[0-9a-f]{16}")  # a corpus's documents, named by their content's sha256
 SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: text no UTF-8 file holds (a name not UTF-8)
@@ -113,6 +113,7 @@ class Manifest:
     rows_merged: bool = False
     version: int = FORMAT_VERSION  # as read (a commit writes FORMAT_VERSION)
     session: SessionRecord | None = None  # a session's memory: its blocks follow those of the memory it is over
+    keeps_runs = property(lambda self: self.version >= 8, doc="An ivf-rows level keeps its runs (format 8 on).")
 
     def __post_init__(self):
         if not isinstance(self.inputs, DocumentList):
@@ -129,12 +130,11 @@ class Manifest:
                 for h in range(s.n_kv_head)] if self.version >= 5 else []
 
     def index_files(self) -> dict[str, int]:
-        """``{file: committed bytes}``: what the index kind keeps beside each key file at this
-        commit (``LandmarkIndex.saved_files``: an ``ivf-rows`` index's centroids and the list of
-        every block, once trained; nothing for most kinds)."""
-        o, saved_files = self.options, KINDS[self.options.index].make.saved_files
+        """``{file: committed bytes}``: what the index kind keeps beside each key file at this commit
+        (``LandmarkIndex.saved_files``: an ivf-rows index's centroids, lists and runs; most kinds none)."""
+        o, saved_files, D = self.options, KINDS[self.options.index].make.saved_files, self.model.shape.head_dim
         return {name: nbytes for key in self.key_files()
-                for name, nbytes in saved_files(key, self.blocks, o.train_size, self.model.shape.head_dim).items()}
+                for name, nbytes in saved_files(key, self.blocks, o.train_size, D, self.keeps_runs).items()}
 
     def key_file_bytes(self) -> dict[str, int]:
         """``{file: committed bytes}`` of every key file and of every file its index keeps beside them."""

@@ -11,6 +11,7 @@ lets them go), ``saved_files`` (those a commit of n blocks holds: what opening c
 of them, whatever the commit) and ``search_words`` (``info``'s words for its search)."""
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +23,12 @@ from .rows import KeyRows
 
 @dataclass(frozen=True)
 class IndexFile:
-    """A file an index keeps beside its key file: its rows, and whether it gains a row per block
-    (appended as blocks come, its CRC-32 carried on by a commit) or is written whole once."""
+    """A file an index keeps beside its key file: its rows, and, where it grows with the blocks
+    (appended as they come, its CRC-32 carried on by a commit), the rows it held at a commit of
+    n blocks (``rows_at``; None: written whole once)."""
 
     rows: KeyRows
-    per_block: bool
+    rows_at: Callable[[int], int] | None
 
 
 class LandmarkIndex:
@@ -74,9 +76,10 @@ class LandmarkIndex:
         """Take the contents of ``index``, a FAISS index read from ``to_bytes()`` output."""
         raise NotImplementedError
 
-    def follow(self, n: int) -> None:
+    def follow(self, n: int, runs: bool = True) -> None:
         """Count the first ``n`` keys of its rows, which a saved memory's commit counts (kinds
-        over the key rows; nothing to do for the others)."""
+        over the key rows; nothing to do for the others); ``runs``: the commit is of a format
+        that keeps an ``ivf-rows`` level's runs (8 on)."""
 
     def files(self) -> list[IndexFile]:
         """The files it keeps beside its key file now (none: it keeps nothing on disk, or only
@@ -84,9 +87,10 @@ class LandmarkIndex:
         return []
 
     @classmethod
-    def saved_files(cls, key_file: str, n: int, train_size: int, dim: int) -> dict[str, int]:
+    def saved_files(cls, key_file: str, n: int, train_size: int, dim: int, runs: bool = True) -> dict[str, int]:
         """``{file: committed bytes}`` that an index of this kind over ``key_file`` (a name
-        relative to the memory) keeps beside it at a commit of ``n`` blocks."""
+        relative to the memory) keeps beside it at a commit of ``n`` blocks (``runs``: of a
+        format that keeps an ``ivf-rows`` level's runs)."""
         return {}
 
     @classmethod

@@ -88,7 +88,7 @@ class TorchRowsIndex(RowsIndex):
         self._copy = torch.empty(0, dim, device=self.device)  # (capacity, dim): rows [0, _copied) as they are
         self._copied = 0
 
-    def follow(self, n: int) -> None:
+    def follow(self, n: int, runs: bool = True) -> None:
         super().follow(n)
         self._copied = min(self._copied, n)  # rows past n may be written again
 
@@ -129,9 +129,9 @@ class ListsIndex(RowsIndex):
     def nbytes(self) -> int:
         return self.rows.nbytes + self.lists.nbytes
 
-    def follow(self, n: int) -> None:
-        """Map the lists of the level the first ``n`` rows reach."""
-        self.lists.follow(n)
+    def follow(self, n: int, runs: bool = True) -> None:
+        """Map the lists (and ``runs``, where the commit keeps them) of the level the first ``n`` rows reach."""
+        self.lists.follow(n, runs)
 
     def add(self, xb: np.ndarray) -> None:
         n_before = self.rows.n
@@ -144,12 +144,13 @@ class ListsIndex(RowsIndex):
         return super()._search(xq, k, lo, hi)
 
     def files(self) -> list[IndexFile]:
-        """Its level's centroids (written once) and lists (a row per block); none untrained."""
-        return [IndexFile(f, per_block=f is self.lists.lists) for f in self.lists.files()]
+        """Its level's centroids (written once), lists (a row per block) and runs (rows as runs
+        fill); none untrained."""
+        return self.lists.files()
 
     @classmethod
-    def saved_files(cls, key_file, n, train_size, dim):
-        return level_files(key_file, n, train_size, dim)
+    def saved_files(cls, key_file, n, train_size, dim, runs=True):
+        return level_files(key_file, n, train_size, dim, runs)
 
     @classmethod
     def stale_files(cls, folder: Path, indexes) -> list[Path]:

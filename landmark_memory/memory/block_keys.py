@@ -103,7 +103,7 @@ class BlockKeys:
             for f in self.index_files():  # a file new since the last commit is read whole
                 f.rows.sync()
                 name = f"{KEYS}/{f.rows.path.name}"
-                out[name] = (f.rows.crc32(first, crcs[name]) if name in crcs and f.per_block else
+                out[name] = (f.rows.crc32(f.rows_at(first), crcs[name]) if name in crcs and f.rows_at else
                              crcs[name] if name in crcs else f.rows.crc32(0))
         return out
 
@@ -121,12 +121,13 @@ class BlockKeys:
             for f in KINDS[self.options.index].make.stale_files(self.key_path / KEYS, indexes):
                 f.unlink(missing_ok=True)
 
-    def follow(self, n_blocks: int) -> None:
-        """Count ``n_blocks`` rows in every key file, and in an index over them its lists."""
+    def follow(self, n_blocks: int, runs: bool = True) -> None:
+        """Count ``n_blocks`` rows in every key file, and in an index over them its lists (and
+        ``runs``, where the commit's format keeps them)."""
         with self.errors():
             for b, layer, h, rows in self.each():
                 rows.follow(n_blocks)
-                self.indexes[b][layer][h].follow(n_blocks)  # (an ivf-rows index maps its lists as far)
+                self.indexes[b][layer][h].follow(n_blocks, runs)  # (an ivf-rows index maps its lists as far)
 
     def load(self, state: dict[str, torch.Tensor], streams: int, where: Path) -> None:
         """Read every index from a commit's ``state`` (a kind the rows do not rebuild)."""

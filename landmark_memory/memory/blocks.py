@@ -377,13 +377,13 @@ class BlockMemory:
         return self.keys.state()
 
     def extend(self, layout: RowLayout, n_blocks: int, rows: dict[str, bytes], state: dict[str, torch.Tensor],
-               where: Path) -> None:
+               where: Path, runs: bool = True) -> None:
         """Add the committed blocks ``[self.n_blocks, n_blocks)`` from their rows (``rows``,
         theirs only) and the commit's index ``state``, checked against the store (``where``
         names the memory in errors): all of them when a memory opens, those a writer committed
         since when a read-only one follows it. An index over the key rows searches the key files
-        as far as they count now, other kinds are read from the state. A read-only memory must be
-        rewound first."""
+        as far as they count now (and ``runs``, where kept), other kinds are read from the state.
+        A read-only memory must be rewound first."""
         if self.upper is not None:
             raise RuntimeError("rewind a read-only memory before it takes new saved blocks")
         B, cfg = layout.streams, self.shape
@@ -399,7 +399,7 @@ class BlockMemory:
                 self.add_blocks(layout.decode_landmarks(rows[LANDMARKS], self.device), ids, indexed=derived)
                 self.base = base
             else:  # the key files hold them: mapped as far as they count now
-                self.keys.follow(n_blocks)
+                self.keys.follow(n_blocks, runs)
                 self.n_blocks += self.ids.add(ids)
         if not derived:
             self.keys.load(state, B, where)

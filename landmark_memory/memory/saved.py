@@ -96,7 +96,7 @@ def load_blocks(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, state: di
     if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
         raise MemoryFileError(f"{d.path / TOKENS} holds token ids outside the model's vocabulary; the "
                               "memory is damaged: restore it from a backup or rebuild it")
-    blocks.extend(manifest.rows, manifest.blocks, rows, state, d.path)
+    blocks.extend(manifest.rows, manifest.blocks, rows, state, d.path, runs=manifest.keeps_runs)
     return {**(manifest.rows_crc or {}), **crcs}
 
 
