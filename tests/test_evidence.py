@@ -9,7 +9,7 @@ from helpers import BS, ChatTokenizer
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length
-from landmark_memory.core.tokenizer import load_tokenizer
+from landmark_memory.core.tokenizer import encode_prompt, load_tokenizer
 from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
 from landmark_memory.uses.answer import EVIDENCE_PROMPT, NOT_FOUND
 from landmark_memory.uses.choose_heads import DevQuestion, choose, choose_heads, head_ranks
@@ -254,6 +254,22 @@ def test_ask_says_the_memory_holds_no_answer_where_its_quote_speaks_of_nothing_a
     assert read == got.prompt_tokens + len(got.tokens)  # the memory read the refusal as the answer it gave
     assert got.quote == anyway.quote and [p.block for p in got.passages] == [p.block for p in anyway.passages[:2]]
     assert not anyway.refused and anyway.support == got.support == 0 and anyway.evidence == anyway.quote.text
+
+
+def test_a_model_without_heads_or_reader_reads_first_the_block_its_text_index_ranks_first(corpus):
+    model, tok, question = LandmarkGPT.from_pretrained(), load_tokenizer(), "Who found the treasure map?"
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        (best, _), *_ = text_ranking(mem, tok, question, mem.n_blocks, 1)
+        got = ask(mem, tok, question, max_new_tokens=4, passages=3)
+        mem.rewind()
+        seen = []
+        with mem.reading([best]):
+            new = mem.generate(torch.tensor([encode_prompt(tok, question, [question]).ids]), 4,
+                               on_read=seen.append)[0].tolist()
+    assert got.passages[0].block == best and got.tokens == new and got.quote is None
+    for retrieved in seen:  # every token, every layer and head: the text index's block first
+        for r in retrieved:
+            assert (r[..., 0] == best).all()
 
 
 def test_ask_refuses_an_evidence_policy_it_does_not_know(corpus):

@@ -32,6 +32,7 @@ from .session import Session
 # the turn the evidence and the question are read in (chosen on development questions: experiments/exp_answers.py)
 EVIDENCE_PROMPT = "{evidence}\n\n{question}"
 QUOTES = 2  # the sentences the "quotes" evidence reads
+TEXT_BLOCKS = 1  # the blocks of the text index a model without retrieval heads or a question reader reads first
 NOT_FOUND = "The memory does not seem to hold the answer to this question."  # said where the quote is off the point
 
 
@@ -165,7 +166,9 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     policy asks for ``reader_blocks`` (SmolLM2's: its question reader blended with its retrieval heads) reads
     a chat prompt first, ranks the memory's blocks by the reader (``point``), and every token of
     the answer reads the best of them as the first of its top-k (``LandmarkMemory.reading``):
-    those are the first passages.
+    those are the first passages. A model with neither (the bundled one; any model asked
+    ``raw``) reads first the ``TEXT_BLOCKS`` the memory's text index ranks first for the
+    question's words (``search.text_ranking``), the first passages too.
     """
     check_messages(messages, seed=seed, stop=stop)
     # (a model's policy was measured on its landmark keys: a memory without landmarks asks as a new model does)
@@ -223,6 +226,8 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         else:
             pointed = [b for b, _ in point(mem, *reader, scored, own, min(policy.reader_blocks, mem.options.top_k))]
         rest = ids[len(scored):]
+    elif n_saved:  # neither heads nor a reader: the blocks of the question's words read first
+        pointed = [b for b, _ in text_ranking(mem, tokenizer, question, n_saved, min(TEXT_BLOCKS, mem.options.top_k))]
     if reads_evidence:  # the next turn: the evidence and the question (or, with no quote, the answer's opening)
         said = _evidence(mem, tokenizer, evidence, best, n_saved) if best else None
         turn = [{"role": "user", "content": EVIDENCE_PROMPT.format(evidence=said, question=question)}] if said else []
