@@ -10,6 +10,7 @@ from helpers import ChatTokenizer
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app.cli import main
 from landmark_memory.models.config import AskPolicy
+from landmark_memory.uses.search import text_ranking
 
 QUESTION = "What did the captain say?"
 
@@ -92,9 +93,12 @@ def test_passages_are_ranked_by_the_layers_the_models_policy_names(corpus, deep)
             for layer, r in enumerate(retrieved):
                 (rest if layer >= half else first).update(b for b in r[0].flatten().tolist() if 0 <= b < n)
 
-        mem.generate(torch.tensor([tok.encode(QUESTION).ids]), 6, on_read=read)
+        pinned = [b for b, _ in text_ranking(mem, tok, QUESTION, n, 1)]  # (no heads: the text index's block first)
+        with mem.reading(pinned):
+            mem.generate(torch.tensor([tok.encode(QUESTION).ids]), 6, on_read=read)
     total = sum(rest.values())
-    assert [(p.block, p.share) for p in got.passages] == [(b, c / total) for b, c in rest.most_common(50)]
+    ranked = pinned + [b for b, _ in rest.most_common() if b not in pinned]
+    assert [(p.block, p.share) for p in got.passages] == [(b, rest[b] / total) for b in ranked[:50]]
     assert not deep or first.most_common(3) != rest.most_common(3)  # the first layers chose otherwise
 
 
