@@ -54,7 +54,8 @@ def main(argv=None):
     body = ["The bundled model has no retrieval heads and no question reader: `ask` now reads first the block the "
             "memory's text index ranks first for the question's words, and names it first. The demo's question "
             f"({demo.QUESTION.strip()!r}), its book and pass key as `landmark-memory demo --seed S` makes them.", "",
-            "| seed | key at | text index blocks read first | answer | right | the key's passage, ranked | passages read |",
+            "| seed | key at | text index blocks read first | answer | right | the key's passage, ranked "
+            "| passages read |",
             "|---:|---:|---:|---|---|---:|---:|"]
     body += [f"| {s} | {d:.0%} | {b} | `{t.strip()}` | {'yes' if ok else 'no'} | {r or '-'} | {n} |"
              for s, d, b, t, ok, r, n in rows]
