@@ -181,11 +181,14 @@ def test_the_readmes_layout_names_every_folder_of_the_package_and_nothing_else()
 
 
 def test_ci_runs_the_readmes_test_command_as_written():
-    """CI's first step is the README's second set-up command, word for word: lint, then the tests."""
+    """CI's first step is the README's second set-up command, word for word: lint, then the tests;
+    its failure ends CI (set -e spares a failure inside an && list)."""
     readme = (ROOT / "README.md").read_text()
     commands = re.findall(r"^python3 -m venv .*$", readme, re.M)
     assert len(commands) == 2, commands
-    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands[1] in lines
+    assert lines[lines.index(commands[1]) + 1].startswith('status=$?; if [ "$status" -ne 0 ]; then exit "$status"; fi')
     assert "ruff check" in commands[1] and commands[1].endswith('pytest -m "not slow"')
 
 
