@@ -352,6 +352,16 @@ def test_damaged_manifest_entries_are_exit_0_or_one_line(corpus, sharded_corpus,
     _outcomes(mem, text)
 
 
+@pytest.mark.parametrize("name", [[], "a folder\nwith a line break"])
+def test_a_manifests_model_name_that_is_no_string_or_no_line_is_one_line_of_error(corpus, text, tmp_path, name):
+    mem = tmp_path / "m"  # (both found by the fuzzing above: a crash on an unhashable name, an error of two lines)
+    shutil.copytree(corpus, mem)
+    doc = json.loads((mem / "manifest.json").read_text())
+    doc["model"]["name"] = name
+    (mem / "manifest.json").write_text(json.dumps(doc))
+    _outcomes(mem, text)
+
+
 @contextlib.contextmanager
 def _stdin(text):
     stdin, sys.stdin = sys.stdin, io.StringIO(text)

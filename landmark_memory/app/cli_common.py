@@ -8,7 +8,7 @@ from pathlib import Path
 from ..core.names import NAMED_MODELS
 from ..core.printing import printable
 from ..format import MemoryDir
-from ..format.errors import wrong_model
+from ..format.errors import shown, wrong_model
 from ..format.options import MemoryOptions
 from ..jobs.build import read_inputs
 from ..models.kinds import model_name
@@ -61,8 +61,8 @@ def saved_model(args, required=True):
     saved = MemoryDir(args.memory, writable=False).read_manifest()
     if args.model is None and saved.model.name not in ("", "bundled"):
         if saved.model.name not in NAMED_MODELS:
-            raise UsageError(f"{args.memory} was built with the model in {saved.model.name}; a memory never chooses "
-                             f"which folder's model is loaded: if you trust that folder, name it with --model")
+            raise UsageError(f"{args.memory} was built with the model in {shown(saved.model.name)}; a memory never "
+                             "chooses which folder's model is loaded: if you trust that folder, name it with --model")
         args.model = saved.model.name
     if saved.model.name and saved.model.name != model_name(args.model):
         raise UsageError(wrong_model(args.memory, saved.model, model_name(args.model)))

@@ -250,9 +250,9 @@ class Manifest:
         if s.windows and len(s.memory_layers) != s.n_layer:
             raise bad(f"model.shape.windows = {list(s.windows)}", f"(it must name n_layer = {s.n_layer} layers with a "
                       "memory, 0 each)")
-        if not all(isinstance(x, str) for x in (self.model.fingerprint, self.model.tokenizer)) or \
+        if not all(isinstance(x, str) for x in (self.model.fingerprint, self.model.tokenizer, self.model.name)) or \
                 not isinstance(self.model.config, dict):
-            raise bad("model", "with a fingerprint or tokenizer that is no string or a config that is no object")
+            raise bad("model", "with a fingerprint, name or tokenizer that is no string or a config that is no object")
         if not isinstance(self.model.dtype, str) or self.model.dtype not in DTYPES:  # (a list is no key)
             raise bad(f"model.dtype = {self.model.dtype!r}", f"(not one of {', '.join(DTYPES)})")
         if self.streams is not None:
