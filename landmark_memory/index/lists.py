@@ -70,8 +70,13 @@ def run_end(n: int, level: int, train_size: int) -> int:
     t = threshold(level, train_size) if level else n + 1
     if n < t:
         return 0
-    step = max(1, t // 2)
+    step = run_step(t)
     return t + (n - t) // step * step
+
+
+def run_step(t: int) -> int:
+    """The keys of each run after the first, of a level trained on ``t``."""
+    return max(1, t // 2)
 
 
 def list_count(n: int) -> int:
@@ -232,8 +237,8 @@ class ListIndex:
         they are; a writer appends their keys to the runs file first."""
         if upto <= self._sorted:
             return
-        t, step = threshold(self.level, self.train_size), max(1, threshold(self.level, self.train_size) // 2)
-        ends = [e for e in [t] + list(range(t + step, upto + 1, step)) if self._sorted < e <= upto]
+        t = threshold(self.level, self.train_size)
+        ends = [e for e in range(t, upto + 1, run_step(t)) if e > self._sorted]
         seg = np.empty((len(ends), self.nlist + 1), np.int64)
         ids = np.empty(upto - self._sorted, np.int32)
         a = self._sorted
