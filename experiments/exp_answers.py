@@ -44,7 +44,7 @@ from landmark_memory.models.kinds import load_model
 from landmark_memory.uses import answer as answering
 from landmark_memory.uses import evidence
 from landmark_memory.uses.evidence import support
-from landmark_memory.uses.search import search
+from landmark_memory.uses.search import search, word_rarity
 
 NAMES = {"base": "smollm2", "landmark": "smollm2-landmark"}  # the command line's names of the models
 WORDINGS = {  # the evidence turn (``answer.EVIDENCE_PROMPT``), chosen on the development half
@@ -92,19 +92,19 @@ def ask_step(args):
 
 def quotes_step(args):
     """Every sentence ``ask`` chooses its quote among (``evidence.sentences``: those of the fusion's
-    first blocks), per answerable question of ``args.split`` at each size: its heads' score, its
-    tokens, the share of the question's words it holds, the rank of its block, and whether it holds
-    the answer's words; in ``DIR/MODEL/quotes.json``."""
+    first blocks), per answerable question of ``args.split`` at each size: its text, its heads'
+    score and whether it holds the answer's words, with the question's words' rarity in the memory
+    (``search.word_rarity``); in ``DIR/MODEL/quotes.json``."""
     model, tok = load_model(NAMES[args.model], "cpu")
     work = Path(args.work) / args.model
     state = Trials(work / "quotes.json", args.command)
     seen = []
 
-    def every(mem, tokenizer, mass, blocks, best, n, question):  # (in place of evidence.quote: each with its rank)
-        seen[:] = [(r, q) for r, b in enumerate(best) for q in evidence.sentences(mem, tokenizer, mass, blocks, [b], n)]
-        return None
+    def every(mem, tokenizer, mass, blocks, best, n, question, count=1, rarity=None):  # (for evidence.quotes)
+        seen[:] = evidence.sentences(mem, tokenizer, mass, blocks, best, n)
+        return []
 
-    evidence.quote = every
+    evidence.quotes = every
     for key, ids, asked in cases(args, tok):
         asked = [q for q, span in asked if span is not None and q["split"] == args.split]
         cell = f"{args.split}|{key}"
@@ -114,10 +114,9 @@ def quotes_step(args):
                 if i < len(state.cell(cell)):
                     continue
                 search(m, tok, q["question"], k=k)
-                state.add(cell, {"question": q["question"], "sentences": [
-                    {"text": s.text, "score": s.score, "tokens": len(tok.encode(s.text).ids), "rank": r,
-                     "support": support(q["question"], s.text), "holds": is_right(s.text, q["words"])}
-                    for r, s in seen]}, at=i)
+                state.add(cell, {"question": q["question"], "rarity": word_rarity(m, tok, q["question"], m.n_blocks),
+                                 "sentences": [{"text": s.text, "score": s.score, "holds": is_right(s.text, q["words"])}
+                                               for s in seen]}, at=i)
         print(f"{cell}: {len(state.cell(cell))} questions", flush=True)
 
 
@@ -264,52 +263,67 @@ def signals(args):
                  commands=list(dict.fromkeys(commands)) + [args.command])
 
 
-QUOTE_GRID = {"alpha": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0), "eps": (0.1, 0.5), "beta": (0.0, 0.5, 1.0),
-              "ranks": (1, 2, 4)}
+# how the quote may be chosen: the heads' score ** heads times (support + floor) ** power, support weighing the
+# question's words by their rarity in the memory or alike
+QUOTE_GRID = {"heads": (0.25, 0.5, 1.0), "floor": (0.05, 0.1, 0.3), "power": (0.0, 2.0, 4.0, 8.0),
+              "rarity": (False, True)}
+BEFORE = {"heads": 1.0, "floor": 0.1, "power": 4.0, "rarity": False}  # the rule of the round before
 
 
-def chosen_sentence(sentences, alpha, eps, beta, ranks):
-    """The sentence a rule quotes: of those in the first ``ranks`` blocks, the best heads' score
-    per ``tokens ** beta``, times ``(support + eps) ** alpha`` (of equal ones the first)."""
-    kept = [s for s in sentences if s["rank"] < ranks]
-    return max(kept, key=lambda s: s["score"] / s["tokens"] ** beta * (s["support"] + eps) ** alpha, default=None)
+def chosen_sentence(row, heads, floor, power, rarity):
+    """The sentence of a recorded question (``row``) a rule quotes (of equal ones the first)."""
+    weights = row["rarity"] if rarity else None
+    return max(row["sentences"], default=None, key=lambda s: max(s["score"], evidence.LEAST_SCORE) ** heads
+               * (support(row["question"], s["text"], weights) + floor) ** power)
 
 
 def quote_report(args):
     """``results/quotes.md``: how often the quote holds the answer's words under each way of
-    choosing it (``QUOTE_GRID``; the first, today's: the heads' score alone, every block), the
-    way chosen on the development questions of both models, and the evaluation half under both."""
+    choosing it (``QUOTE_GRID``), the way chosen on the development questions of both models, and
+    the evaluation half under it, the rule before it and the heads' score alone."""
     found = {m: Trials(p).cells for m in NAMES if (p := Path(args.work) / m / "quotes.json").is_file()}
     if not found:
         return
     grid = [dict(zip(QUOTE_GRID, v)) for v in product(*QUOTE_GRID.values())]
-    today = {"alpha": 0.0, "eps": 0.1, "beta": 0.0, "ranks": max(QUOTE_GRID["ranks"])}
+    alone = {**BEFORE, "power": 0.0}
+    memo = {}
 
     def holds(split, rule, model=None, size=None):
-        rows = [r for m, cells in found.items() if model in (None, m) for c, rs in cells.items()
-                if c.startswith(split + "|") and size in (None, c.rsplit("-", 1)[1]) for r in rs]
-        return sum(bool((s := chosen_sentence(r["sentences"], **rule)) and s["holds"]) for r in rows), len(rows)
+        key = (split, tuple(rule.values()), model, size)
+        if key not in memo:
+            rows = [r for m, cells in found.items() if model in (None, m) for c, rs in cells.items()
+                    if c.startswith(split + "|") and size in (None, c.rsplit("-", 1)[1]) for r in rs]
+            memo[key] = sum(bool((s := chosen_sentence(r, **rule)) and s["holds"]) for r in rows), len(rows)
+        return memo[key]
 
-    best = max(grid, key=lambda rule: (holds("dev", rule)[0], rule == today))
+    best = max(grid, key=lambda rule: (holds("dev", rule)[0], rule == BEFORE))  # (of equal ones the first)
     sizes = sorted({c.rsplit("-", 1)[1] for cells in found.values() for c in cells}, key=int)
     cols = [(m, z) for m in found for z in sizes]
+    ceiling = {split: sum(any(s["holds"] for s in r["sentences"]) for cells in found.values()
+                          for c, rs in cells.items() if c.startswith(split + "|") for r in rs)
+               for split in ("dev", "eval")}
     body = ["How `ask` chooses its quote among the sentences of the fusion's first blocks (`evidence.sentences`): "
-            "by the heads' score (their calibrated attention summed over the sentence's tokens) per "
-            "`tokens ** beta`, times `(support + eps) ** alpha` (support: the share of the question's own words it "
-            "holds), among the first `ranks` blocks. The rule is chosen on the development questions of both "
-            f"models ({holds('dev', today)[1]} asked); figures: the quote holds the answer's words.", "",
-            f"Chosen: alpha {best['alpha']}, eps {best['eps']}, beta {best['beta']}, ranks {best['ranks']}.", "",
+            "by the heads' score (their calibrated attention summed over the sentence's tokens) `** heads`, times "
+            "`(support + floor) ** power`, support the share of the question's own words it holds (a word held "
+            "where one of the sentence's words begins with its stem, `evidence.stem`), each word weighing its "
+            "rarity in the memory (BM25's inverse document frequency over its blocks, `search.word_rarity`) or "
+            "all alike. The rule is chosen on the development questions of both models "
+            f"({holds('dev', BEFORE)[1]} asked; of equal ones the first of the grid); figures: the quote holds the "
+            f"answer's words. Some sentence among those it is chosen from holds them for {ceiling['dev']} "
+            f"development and {ceiling['eval']} evaluation questions.", "",
+            "Chosen: " + ", ".join(f"{k} {v}" for k, v in best.items()) + ".", "",
             "| split | rule | " + " | ".join(f"{NAMES[m]} {int(z):,}" for m, z in cols) + " | all |",
             "|---|---|" + "---|" * (len(cols) + 1)]
     for split in ("dev", "eval"):
-        for name, rule in (("the heads' score alone (before)", today), ("chosen", best)):
+        for name, rule in (("the heads' score alone", alone), ("the round before's (heads 1, floor 0.1, power 4, "
+                                                               "words alike), by stems", BEFORE), ("chosen", best)):
             got = [holds(split, rule, m, z) for m, z in cols] + [holds(split, rule)]
             body.append(f"| {split} | {name} | " + " | ".join(f"{h}/{n} ({h / max(n, 1):.0%})" for h, n in got) + " |")
     body += ["", "The development questions' best rules:", ""] + [
-        f"- alpha {r['alpha']}, eps {r['eps']}, beta {r['beta']}, ranks {r['ranks']}: {holds('dev', r)[0]}"
-        for r in sorted(grid, key=lambda r: -holds("dev", r)[0])[:6]]
+        "- " + ", ".join(f"{k} {v}" for k, v in r.items()) + f": {holds('dev', r)[0]}"
+        for r in sorted(grid, key=lambda r: -holds("dev", r)[0])[:8]]
     commands = list(dict.fromkeys(c for m in found for c in Trials(Path(args.work) / m / "quotes.json").commands))
-    write_result("quotes", "Choosing the quote", body, results=args.results, commands=commands)
+    write_result("quotes", "Choosing the quote", body, results=args.results, commands=commands + [args.command])
     return best
 
 

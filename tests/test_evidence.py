@@ -22,6 +22,7 @@ from landmark_memory.uses.evidence import (
     quotes,
     sentences,
     shared_words,
+    stem,
     support,
     token_attention,
 )
@@ -129,6 +130,17 @@ def test_the_quote_weighs_the_heads_attention_by_the_share_of_the_questions_word
         ranked = quotes(mem, tok, mass, blocks, [8, 9], n, question, count=len(found) + 10)
         assert ranked[0] == other and len({q.token for q in ranked}) == len(ranked)  # one crossing two blocks once
         assert support(question, other.text) == 1.0 and support(question, most.text) == 0.0
+
+
+def test_support_finds_a_words_other_forms_and_weighs_each_word_by_its_rarity():
+    question = "Which shoes did the girl marry in Toto?"
+    assert own_words(question) == ["shoes", "girl", "marry", "toto"]
+    assert support(question, "A shoe, a girl's married sister.") == 0.75  # (shoe, girl, marr-ied; not Toto)
+    assert support(question, "Nothing of it.") == 0.0 and support("What of it?", "Anything.") == 1.0
+    rarity = {"shoes": 1.0, "girl": 1.0, "marry": 1.0, "toto": 7.0}
+    assert support(question, "Toto ran.", rarity) == pytest.approx(0.7)
+    assert support(question, "Toto ran.") == 0.25
+    assert [stem(w) for w in ("shoes", "married", "cats", "dog")] == ["shoe", "marri", "cat", "dog"]
 
 
 def test_choose_pools_the_heads_that_rank_the_evidence_first_as_many_as_dev_recall_wants():

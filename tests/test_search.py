@@ -16,7 +16,7 @@ from landmark_memory.core.tokenizer import EOS_TOKEN, load_tokenizer
 from landmark_memory.format.text_index import EDGE, TEXT_INDEX, TEXT_SEAL, TextIndex, block_texts, match_words
 from landmark_memory.models.heads import EvidenceHeads
 from landmark_memory.uses.evidence import fuse
-from landmark_memory.uses.search import keep_text_index, text_ranking
+from landmark_memory.uses.search import keep_text_index, text_ranking, word_rarity
 
 BS = 6
 
@@ -57,6 +57,19 @@ def test_search_ranks_the_blocks_that_hold_the_words_and_never_past_the_blocks_a
     assert got[1][1] > got[2][1] > 0
     assert {b for b, _ in index.search(["w999"], 5, 30)} == {17, 18}
     assert index.search(["nothing"], 5, 40) == []
+
+
+def test_a_words_frequency_is_the_blocks_that_hold_it_of_those_asked():
+    rows = rows_of(30, seed=1) % 100 + 1  # (words w1 to w100)
+    rows[3, 0] = rows[20, 1] = 999
+    index = TextIndex.in_memory("d")
+    index.sync(rows, set(), decode_words)
+    texts = block_texts(rows, 0, 30, set(), decode_words)
+    for w in ("w999", "w7", "w50"):
+        for n in (10, 30):
+            assert index.frequencies([w], n)[w] == sum(w in t.split() for t in texts[:n])
+    assert index.frequencies(["w999"], 30) == {"w999": 4}  # (blocks 3 and 20, and each next one through its edge)
+    assert index.frequencies(["nothing"], 30) == {"nothing": 0}
 
 
 def test_a_writers_index_is_written_whole_sealed_and_read_as_it_lies_by_a_reader(tmp_path):
@@ -155,6 +168,19 @@ def test_search_fuses_the_heads_and_the_text_index_and_leaves_a_read_only_memory
         assert json.loads(json.dumps(found.to_json()))["ranking"]["fused"] == [p.block for p in found.passages]
         with pytest.raises(ValueError, match="question"):
             search(mem, tok, "   ")
+
+
+def test_a_words_rarity_is_bm25s_inverse_frequency_over_the_memorys_blocks(corpus):
+    model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        n = mem.n_blocks
+        texts = [tok.decode(mem.tokens(0, b, b + 1).tolist()).lower() for b in range(n)]
+        common = max(("the", "and", "of"), key=lambda w: sum(w in t.split() for t in texts))
+        rarity = word_rarity(mem, tok, f"Which treasure map {common} zanzibar?", n)
+        assert set(rarity) == {"treasure", "map", "zanzibar"}  # (its own words: "the", "which" are not)
+        assert rarity["zanzibar"] == pytest.approx(np.log(1 + (n + 0.5) / 0.5))  # in no block
+        assert 0 < rarity["treasure"] < rarity["zanzibar"]
+        assert word_rarity(mem, tok, "What of it?", n) == {}
 
 
 def test_a_model_without_heads_searches_by_the_text_index_alone(corpus):

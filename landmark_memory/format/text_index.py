@@ -155,6 +155,11 @@ class TextIndex:
                               "ORDER BY bm25(text) LIMIT ?", (query, n_blocks, k)).fetchall()
         return [(int(b), -float(s)) for b, s in got]
 
+    def frequencies(self, words: Iterable[str], n_blocks: int) -> dict[str, int]:
+        """{word: how many of the first ``n_blocks`` blocks hold it} for each of ``words``."""
+        return {w: self.db.execute("SELECT count(*) FROM text WHERE text MATCH ? AND rowid < ?",
+                                   (match_words([w]), n_blocks)).fetchone()[0] for w in words}
+
     def close(self) -> None:
         """Let the index go; a writer's file is put in place (a new one renamed over the old)
         and sealed."""

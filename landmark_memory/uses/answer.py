@@ -26,7 +26,7 @@ from ..models.config import AskPolicy
 from .evidence import Quote, around, shared_words, support
 from .evidence import point as point_heads
 from .question import point, question_tokens, search_states
-from .search import Passage, passage, placed, text_ranking
+from .search import Passage, passage, placed, text_ranking, word_rarity
 from .session import Session
 
 # the turn the evidence and the question are read in (chosen on development questions: experiments/exp_answers.py)
@@ -64,7 +64,7 @@ class Answer:
     quote: Quote | None = None  # the sentence of the memory the question's retrieval heads attend to most
     evidence: str | None = None  # what was read into the prompt before the question (None: the memory alone)
     grounded: list[str] | None = None  # the answer's words its quote holds (``shared_words``; None: no quote)
-    support: float | None = None  # the share of the question's own words the quote holds (None: no quote)
+    support: float | None = None  # the share of the question's own words the quote holds, by rarity (None: no quote)
     refused: bool = False  # ``NOT_FOUND`` said: the quote holds none of the question's own words
 
     def to_json(self) -> dict:
@@ -212,15 +212,16 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
     encoded = encode_prompt(tokenizer, prompt, [m.content for m in messages])  # (their text never a special token)
     ids, rest = encoded.ids, encoded.ids
     reader = getattr(mem.model, "question_reader", None) if chat is not None and policy.reader_blocks else None
-    pointed, found, best, scored, said = [], None, [], [], None
+    pointed, found, best, scored, said, rarity = [], None, [], [], None, None
     if (heads or reader) and n_saved and len(ids) > 1:  # the prompt is read first (by the memory's own options),
         scored = ids if reads_evidence else ids[:-1]  # then the answer reads the blocks it points at
         own = question_tokens(encoded.offsets[:len(scored)], prompt, question)
         if heads is not None:
+            rarity = word_rarity(mem, tokenizer, question, n_saved)
             ranking, best = point_heads(mem, tokenizer, heads, search_states(mem, scored), own, n_saved,
                                         max(min(heads.blocks, mem.options.top_k), 1),
                                         text_ranking(mem, tokenizer, question, n_saved), question,
-                                        QUOTES if evidence == "quotes" else 1)
+                                        QUOTES if evidence == "quotes" else 1, rarity)
             pointed = [b for b, _ in ranking.fused][:heads.blocks]
             found = placed(mem, best[0] if best else None, tokenizer)
         else:
@@ -233,7 +234,7 @@ def converse(mem: LandmarkMemory, tokenizer, messages: Sequence[Message], *, max
         turn = [{"role": "user", "content": EVIDENCE_PROMPT.format(evidence=said, question=question)}] if said else []
         rest = encode_prompt(tokenizer, tokenizer.chat_text(turn, first=False, answer=True),
                              [t["content"] for t in turn]).ids
-    backing = None if found is None else support(question, found.text)
+    backing = None if found is None else support(question, found.text, rarity)
     refused = refuse and backing == 0
     if refused:  # the memory reads the refusal as the answer it gave: a session goes on after it
         said, rest = None, encode_prompt(tokenizer, tokenizer.chat_text([], first=False, answer=True), []).ids \

@@ -19,6 +19,7 @@ passages are the fusion of the heads' ranking and the text index's (``fuse``).
 """
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,11 +93,13 @@ def fuse(heads: list[tuple[int, float]], text: list[tuple[int, float]], *, k: in
 
 @torch.no_grad()
 def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int,
-          text: list[tuple[int, float]] = (), question: str = "", count: int = 1) -> tuple[Ranking, list[Quote]]:
+          text: list[tuple[int, float]] = (), question: str = "", count: int = 1,
+          rarity: Mapping[str, float] | None = None) -> tuple[Ranking, list[Quote]]:
     """How the retrieval ``heads`` and the ``text`` index's ranking (of the memory's first ``n``
     blocks, those it held before the prompt) rank its blocks, the fusion's first ``k`` the
-    passages, and the ``count`` best quotes of ``question`` among those (``quotes``), for a prompt
-    read into ``mem`` (``got``: ``question.search_states``; ``own``: the question's positions in it)."""
+    passages, and the ``count`` best quotes of ``question`` among those (``quotes``, its words
+    weighed by ``rarity``), for a prompt read into ``mem`` (``got``: ``question.search_states``;
+    ``own``: the question's positions in it)."""
     heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
     text = list(text)
     if not own or n == 0:
@@ -108,7 +111,8 @@ def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: 
     ranked = rank_blocks(mass, blocks, len(blocks))
     fused = fuse(ranked, text) if text else ranked
     best = fused[:k]
-    return Ranking(ranked, text, fused), quotes(mem, tokenizer, mass, blocks, [b for b, _ in best], n, question, count)
+    return Ranking(ranked, text, fused), quotes(mem, tokenizer, mass, blocks, [b for b, _ in best], n, question, count,
+                                                 rarity)
 
 
 @torch.no_grad()
@@ -197,22 +201,29 @@ def sentences(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: li
     return out
 
 
-# the quote: the sentence of best heads' score times (support + QUOTE_FLOOR) ** QUOTE_POWER, the share of the
-# question's own words it holds (chosen on development questions: experiments/results/quotes.md)
-QUOTE_FLOOR, QUOTE_POWER = 0.1, 4.0
+# the quote: the sentence of best heads' score ** QUOTE_HEADS times (support + QUOTE_FLOOR) ** QUOTE_POWER, the
+# share of the question's own words it holds, each weighed by its rarity in the memory (chosen on development
+# questions: experiments/results/quotes.md)
+QUOTE_HEADS, QUOTE_FLOOR, QUOTE_POWER = 0.25, 0.05, 8.0
+LEAST_SCORE = 1e-9  # a sentence the heads score at or below zero counts as scored this
 
 
 def quotes(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[int], n: int,
-           question: str = "", count: int = 1) -> list[Quote]:
+           question: str = "", count: int = 1, rarity: Mapping[str, float] | None = None) -> list[Quote]:
     """The ``count`` sentences among the ``best`` blocks (``sentences``; one crossing two of them
-    once) the heads attend to most, weighed by how much of ``question`` they speak of (a score
-    times 1e-4 where it holds none of the question's own words, 1.46 where it holds them all),
-    best first, of equal ones the first; the first is the quote (none where there is no sentence)."""
+    once) the heads attend to most, weighed by how much of ``question`` they speak of
+    (``support`` with ``rarity``: at equal heads' scores, a sentence holding all its words
+    outweighs one holding none 21 ** 8 times), best first, of equal ones the first; the first is the quote (none
+    where there is no sentence)."""
     found: dict[int, Quote] = {}
     for q in sentences(mem, tokenizer, mass, blocks, best, n):
         found.setdefault(q.token, q)
-    weighed = sorted(found.values(), key=lambda q: -q.score * (support(question, q.text) + QUOTE_FLOOR) ** QUOTE_POWER)
-    return weighed[:count]
+
+    def weight(q: Quote) -> float:
+        held = support(question, q.text, rarity)
+        return max(q.score, LEAST_SCORE) ** QUOTE_HEADS * (held + QUOTE_FLOOR) ** QUOTE_POWER
+
+    return sorted(found.values(), key=lambda q: -weight(q))[:count]
 
 
 def around(mem, tokenizer, found: Quote, n: int, sentences: int = 1) -> str:
@@ -251,11 +262,22 @@ def own_words(text: str) -> list[str]:
     return list(dict.fromkeys(w for w in _words(text) if w not in COMMON and w not in ASKING and len(w) > 2))
 
 
-def support(question: str, evidence: str) -> float:
-    """The share of ``question``'s own words (``own_words``, a plural's ``s`` dropped) that
-    ``evidence`` holds: 0 where the evidence speaks of nothing asked."""
-    asked, held = ({w.removesuffix("s") for w in own_words(t)} for t in (question, evidence))
-    return len(asked & held) / len(asked) if asked else 1.0
+def stem(word: str) -> str:
+    """The first letters of ``word`` that its other forms share: all but its last two past four
+    letters ("shoes", "married": "shoe", "marri"), else the word without a plural ``s``."""
+    return word[:max(4, len(word) - 2)] if len(word) > 4 else word.removesuffix("s")
+
+
+def support(question: str, evidence: str, rarity: Mapping[str, float] | None = None) -> float:
+    """The share of ``question``'s own words (``own_words``) that ``evidence`` holds, a word held
+    where one of the evidence's own words begins with its ``stem``; each word weighs its
+    ``rarity`` (1 where it has none): 0 where the evidence speaks of nothing asked."""
+    held = own_words(evidence)
+    weights = {w: (rarity or {}).get(w, 1.0) for w in own_words(question)}
+    total = sum(weights.values())
+    if not total:
+        return 1.0
+    return sum(v for w, v in weights.items() if any(h.startswith(stem(w)) for h in held)) / total
 
 
 def shared_words(answer: str, evidence: str, question: str) -> list[str]:

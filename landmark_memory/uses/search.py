@@ -9,6 +9,7 @@ indexed in memory as they come, after its memory's. Each process keeps the index
 for as long as it holds the memory.
 """
 
+import math
 import re
 import time
 import weakref
@@ -21,7 +22,7 @@ from ..format.manifest import MemoryFileError
 from ..format.text_index import TextIndex
 from ..memory.engine import LandmarkMemory
 from ..models.kinds import tokenizer_digest
-from .evidence import Quote, Ranking, own_words
+from .evidence import Quote, Ranking, own_words, stem
 from .evidence import point as point_heads
 from .question import question_tokens, search_states
 
@@ -68,8 +69,7 @@ def snippet(text: str, question: str, width: int = 100) -> str:
     one of ``question``'s own words (a word's first letters, so that "shoes" finds "shoe"), else
     its opening."""
     text = " ".join(text.split())
-    stems = [w[:max(4, len(w) - 2)] for w in own_words(question)]
-    hits = [m.start() for w in stems if (m := re.search(rf"\b{re.escape(w)}", text, re.I))]
+    hits = [m.start() for w in own_words(question) if (m := re.search(rf"\b{re.escape(stem(w))}", text, re.I))]
     at = max(min(hits, default=0) - width // 3, 0)
     cut = text[at:at + width]
     return ("..." if at else "") + cut + ("..." if at + width < len(text) else "")
@@ -122,13 +122,9 @@ def keep_text_index(mem: LandmarkMemory, tokenizer, quiet: bool = False) -> int:
         return index.sync(_rows(mem, 0, n), set(special_ids(tokenizer)), _decoder(tokenizer), quiet=quiet)
 
 
-def text_ranking(mem: LandmarkMemory, tokenizer, question: str, n: int, k: int = TEXT_CANDIDATES
-                 ) -> list[tuple[int, float]]:
-    """The ``k`` of the memory's first ``n`` blocks the text index ranks first for
-    ``question``'s own words (BM25), as (block, score), best first."""
-    words = own_words(question)
-    if not words or n == 0:
-        return []
+def _memory_index(mem: LandmarkMemory, tokenizer, n: int) -> tuple[TextIndex, int]:
+    """(the text index of the memory's own blocks, kept while the memory lives and brought up
+    to its committed blocks, the blocks of the first ``n`` it holds: those before a session's)."""
     kept = _OPEN.setdefault(mem, {})
     a = mem.attachment
     base = min(n, a.base_blocks) if a is not None else n
@@ -140,11 +136,34 @@ def text_ranking(mem: LandmarkMemory, tokenizer, question: str, n: int, k: int =
             else TextIndex.in_memory(digest)
     if own.blocks != base:  # (blocks committed since it was written, or none indexed yet)
         own.sync(_rows(mem, 0, base), set(special_ids(tokenizer)), _decoder(tokenizer), quiet=False)
+    return own, base
+
+
+def word_rarity(mem: LandmarkMemory, tokenizer, question: str, n: int) -> dict[str, float]:
+    """{word: its rarity} for ``question``'s own words: BM25's inverse document frequency,
+    ``log(1 + (N - df + 0.5) / (df + 0.5))`` of the ``df`` of the memory's first ``n`` blocks
+    (``N``, a session's turns aside) that hold it; what the quote weighs its words by."""
+    words = own_words(question)
+    if not words or n == 0:
+        return {}
+    index, base = _memory_index(mem, tokenizer, n)
+    return {w: math.log(1 + (base - df + 0.5) / (df + 0.5)) for w, df in index.frequencies(words, base).items()}
+
+
+def text_ranking(mem: LandmarkMemory, tokenizer, question: str, n: int, k: int = TEXT_CANDIDATES
+                 ) -> list[tuple[int, float]]:
+    """The ``k`` of the memory's first ``n`` blocks the text index ranks first for
+    ``question``'s own words (BM25), as (block, score), best first."""
+    words = own_words(question)
+    if not words or n == 0:
+        return []
+    own, base = _memory_index(mem, tokenizer, n)
+    kept, a = _OPEN[mem], mem.attachment
     found = own.search(words, k, base)
     if n > base:  # a session's turns, after the memory's blocks
         turns = kept.get("session")
         if turns is None or turns[0]() is not a.owner:  # (held weakly: a session holds its memory)
-            turns = kept["session"] = (weakref.ref(a.owner), TextIndex.in_memory(digest))
+            turns = kept["session"] = (weakref.ref(a.owner), TextIndex.in_memory(kept["digest"]))
         turns[1].sync(_rows(mem, base, n), set(special_ids(tokenizer)), _decoder(tokenizer))
         found = sorted(found + [(base + b, s) for b, s in turns[1].search(words, k, n - base)],
                        key=lambda bs: -bs[1])[:k]
@@ -175,7 +194,8 @@ def search(mem: LandmarkMemory, tokenizer, question: str, *, k: int = 5) -> Foun
         ids = encoded.ids if chat is not None else encoded.ids[:-1]  # (a frame's last token is the answer's first)
         own = question_tokens(encoded.offsets[:len(ids)], prompt, question)
         try:
-            ranking, best = point_heads(mem, tokenizer, heads, search_states(mem, ids), own, n, k, text, question)
+            ranking, best = point_heads(mem, tokenizer, heads, search_states(mem, ids), own, n, k, text, question,
+                                        rarity=word_rarity(mem, tokenizer, question, n))
             found = best[0] if best else None
         finally:
             if mem.readonly and mem.attachment is None:
