@@ -47,6 +47,7 @@ from landmark_memory.uses.evidence import prompt_weights, token_attention
 from landmark_memory.uses.question import question_tokens, search_states
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions_2.json"
+FUSION = Path(__file__).resolve().parent / "fixtures" / "fusion_questions.json"  # (exp_search.py chooses on them)
 SIZES = (8064, 32256)  # 128 and 512 blocks of 63
 
 
@@ -66,10 +67,13 @@ def load_model(name):
 
 def questions(split=None):
     """The set's questions (each marked with its ``split``): the development half the package ships,
-    then the evaluation half; ``split``: one half only."""
+    then the evaluation half, then the development books' questions the fusion is chosen on
+    (``FUSION``, split "fusion"); ``split``: one part only."""
     dev = json.loads((ROOT / "landmark_memory" / "samples" / "questions.json").read_text())["questions"]
     ev = json.loads(FIXTURE.read_text())["questions"]
-    qs = [{**q, "split": "dev"} for q in dev] + [{**q, "split": "eval"} for q in ev]
+    fusion = json.loads(FUSION.read_text())["questions"]
+    qs = [{**q, "split": "dev"} for q in dev] + [{**q, "split": "eval"} for q in ev] + \
+        [{**q, "split": "fusion"} for q in fusion]
     return [q for q in qs if split is None or q["split"] == split]
 
 

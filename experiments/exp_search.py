@@ -1,8 +1,10 @@
 """Evidence past 8K: the retrieval heads alone, the memory's text index alone (BM25) and their
-fusion, ranking the blocks of the natural questions' memories (``fixtures/natural_questions_2.json``
-and the development half the package ships).
+fusion, ranking the blocks of the natural questions' memories (``fixtures/natural_questions_2.json``,
+the development half the package ships, and the development books' fusion questions,
+``fixtures/fusion_questions.json``).
 
-    python experiments/exp_search.py record --books BOOKS --work DIR [--model base|landmark] [--split dev|eval]
+    python experiments/exp_search.py record --books BOOKS --work DIR [--model base|landmark] [--split dev eval fusion]
+    python experiments/exp_search.py six|library --books BOOKS --work DIR [--model base|landmark] [--split ...]
     python experiments/exp_search.py report --work DIR
 
 ``record``: each question is read as ``search`` reads it (``uses/search.py``) into the read-only
@@ -13,8 +15,9 @@ ranking of those and the text index's blocks together, in ``DIR/MODEL/search.jso
 generated.
 
 ``report``: the fusion (``evidence.fuse``: its ``k``, the text index's weight, and how many of its
-blocks join the candidates) is chosen by recall@5 on the development questions only, then every
-table gives the heads alone, the text index alone and the fusion side by side, with trial counts:
+blocks join the candidates) is chosen by recall@5 on the fusion questions only (the retrieval heads
+were chosen on the development half, so its questions flatter them), then every table gives the
+heads alone, the text index alone and the fusion side by side, with trial counts:
 ``results/search.md`` and ``results/search.json``.
 """
 
@@ -196,7 +199,7 @@ def reciprocal_rank(rows, *fusion):
     return total / max(len(rows), 1)
 
 
-CHOSEN_ON = (8064, 32256, SIX)  # the memories whose development questions choose the fusion
+CHOSEN_ON = "fusion"  # the questions that choose the fusion (``fixtures/fusion_questions.json``)
 
 
 def kind_of(cell):
@@ -222,29 +225,26 @@ def described(kind):
 def report(args):
     paths = {m: p for m in args.models if (p := Path(args.work) / m / "search.json").exists()}
     cells = {m: Trials(p).cells for m, p in paths.items()}
-    # (the choice reads the development questions of the books and the six-book corpus; the library and the
-    # 128K memories were recorded after it was made, and test it)
-    dev = {m: [r for c, rs in cs.items() if c.startswith("dev|") and kind_of(c) in CHOSEN_ON for r in rs]
-           for m, cs in cells.items()}
+    # (the choice reads the fusion questions only: about the development books, never read by the heads' choice)
+    dev = {m: [r for c, rs in cs.items() if c.startswith(f"{CHOSEN_ON}|") for r in rs] for m, cs in cells.items()}
 
-    def score(f):  # every model's development questions: one default ships for all; ties to the text index
-        return (-sum(hits(rows, "fused", *f) for rows in dev.values()), -f[1],
+    def score(f):  # every model's fusion questions: one default ships for all
+        return (-sum(hits(rows, "fused", *f) for rows in dev.values()),
                 -sum(reciprocal_rank(rows, *f) for rows in dev.values()), f)
 
     grid = sorted(product(KS, WEIGHTS, TEXT_DEPTHS), key=score)
     chosen, n_dev = grid[0], sum(map(len, dev.values()))
+    kinds_seen = ", ".join(described(k) for k in kinds({c for cs in cells.values() for c in cs
+                                                          if c.startswith(f"{CHOSEN_ON}|")}))
     out = {"chosen": {"k": chosen[0], "weight": chosen[1], "text_depth": chosen[2]}, "models": {}}
-    body = [f"The fusion, chosen on the development questions of both models ({n_dev} recorded, at 8K, 32K and in the "
-            f"six-book memory): k = {chosen[0]}, "
-            f"text weight {chosen[1]}, the text index's first {chosen[2]} blocks among the candidates and in the "
-            f"fusion (recall@5 {-score(chosen)[0]}/{n_dev}; among the settings tied on it, the text index's largest "
-            "weight, since the retrieval heads were chosen on these same development questions and they flatter "
-            "them, then the evidence's mean reciprocal rank; the next: "
-            + ", ".join(f"k {f[0]}, weight {f[1]}, depth {f[2]}: {-score(f)[0]}"
-                                           for f in grid[1:4]) + ").", ""]
+    body = [f"The fusion, chosen on the fusion questions of both models ({n_dev} recorded: {kinds_seen}): "
+            f"k = {chosen[0]}, text weight {chosen[1]}, the text index's first {chosen[2]} blocks among the "
+            f"candidates and in the fusion (recall@5 {-score(chosen)[0]}/{n_dev}; of the settings tied on it, the "
+            "evidence's best mean reciprocal rank; the next: "
+            + ", ".join(f"k {f[0]}, weight {f[1]}, depth {f[2]}: {-score(f)[0]}" for f in grid[1:4]) + ").", ""]
     # memories of more blocks than the heads read: does dropping the block keys' candidates, or another fusion, do
-    # better on their development questions?
-    large = {m: [r for c, rs in cs.items() if c.startswith("dev|") for r in rs if chosen_by_keys(r)]
+    # better on their fusion questions?
+    large = {m: [r for c, rs in cs.items() if c.startswith(f"{CHOSEN_ON}|") for r in rs if chosen_by_keys(r)]
              for m, cs in cells.items()}
     n_large = sum(map(len, large.values()))
     if n_large:
@@ -256,7 +256,7 @@ def report(args):
                                  "hits": sum(hits(rows, "fused", *big[0]) for rows in large.values())},
                         "text": text_alone}
         body += [f"Memories of more than {EvidenceHeads.candidates} blocks, where the block keys choose the heads' "
-                 f"candidates ({n_large} development questions of both models: the six-book memory and the library): "
+                 f"candidates ({n_large} fusion questions of both models: the six-book memory and the library): "
                  f"the fusion above finds {out['large']['chosen']}, the text index alone {text_alone}; the best of "
                  f"the same grid, with and without the block keys' candidates, k = {big[0][0]}, weight {big[0][1]}, "
                  f"depth {big[0][2]}, {'with' if big[0][3] else 'without'} them: {out['large']['best']['hits']} "
@@ -266,7 +266,7 @@ def report(args):
         body += [f"## {model}: {MODELS[model]}", "",
                  "| split | memory | questions | heads alone | text index alone | fusion | median s |",
                  "|---|---|---|---|---|---|---|"]
-        for split in ("dev", "eval"):
+        for split in ("dev", CHOSEN_ON, "eval"):
             for kind in kinds(cs):
                 rows = [r for c, rs in cs.items() if c.startswith(f"{split}|") and kind_of(c) == kind for r in rs]
                 if not rows:
@@ -289,8 +289,9 @@ INTRO = ["recall@5: one of the five blocks a ranking puts first holds the words 
          "the question's `evidence` span). Heads alone: the retrieval heads' calibrated token attention over "
          "their candidates (every block up to 512, past that the 512 their block keys rank first, and the text "
          "index's blocks); text index alone: SQLite FTS5's BM25 over each block's text for the question's own "
-         "words; fusion: reciprocal rank fusion of the two, what `search` and `ask` report. Development "
-         "questions chose the fusion; the evaluation questions saw no choice.", ""]
+         "words; fusion: reciprocal rank fusion of the two, what `search` and `ask` report. The fusion "
+         "questions (`fixtures/fusion_questions.json`: 51 about the development books' text past its opening, which "
+         "the heads' choice never read) chose the fusion; the evaluation questions saw no choice.", ""]
 
 
 def main(argv=None):
@@ -301,7 +302,7 @@ def main(argv=None):
     ap.add_argument("--work", required=True)
     ap.add_argument("--model", default="base", choices=sorted(NAMES))
     ap.add_argument("--models", nargs="+", default=["base", "landmark"])
-    ap.add_argument("--split", nargs="+", default=["dev", "eval"])
+    ap.add_argument("--split", nargs="+", default=["dev", "eval", CHOSEN_ON])
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES))
     ap.add_argument("--only", nargs="+", help="only these books")
     args = ap.parse_args(argv)

@@ -74,9 +74,9 @@ class Ranking:
 
 
 # the fusion of the two rankings: a block's score is the sum over rankings of weight / (FUSION_K + its rank)
-# (reciprocal rank fusion), chosen on development questions (experiments/exp_search.py)
-FUSION_K = 30
-TEXT_WEIGHT = 1.0
+# (reciprocal rank fusion), chosen on questions the heads' choice never read (experiments/exp_search.py)
+FUSION_K = 60
+TEXT_WEIGHT = 2.0
 
 
 def fuse(heads: list[tuple[int, float]], text: list[tuple[int, float]], *, k: int = FUSION_K,

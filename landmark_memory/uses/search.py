@@ -27,7 +27,7 @@ from .evidence import point as point_heads
 from .question import question_tokens, search_states
 
 # the text index's top blocks that join a question's candidates and its fusion (experiments/exp_search.py)
-TEXT_CANDIDATES = 50
+TEXT_CANDIDATES = 20
 
 
 @dataclass(frozen=True)
