@@ -252,8 +252,9 @@ def search_set(results):
             "recall@5 of the second set's questions: the answer's block among the first five of the retrieval heads' "
             "ranking alone, of the memory's text index (BM25 over each block's words) alone, and of their fusion, "
             f"what `search` and `ask` report (reciprocal rank fusion, k = {c['k']}, text weight {c['weight']}, the "
-            f"text index's first {c['text_depth']} blocks: chosen on the development half). Each figure with its "
-            "trials; the development half beside it: `search.md`.", "",
+            f"text index's first {c['text_depth']} blocks: chosen on the fusion questions, which the heads' choice "
+            "never read). Each figure with its trials; the development half and the fusion questions beside it: "
+            "`search.md`.", "",
             "| model | memory | questions | heads alone | text index alone | fusion |", "|---|---|---|---|---|---|"]
     for model, cells in summary["models"].items():
         for cell, got in cells.items():
