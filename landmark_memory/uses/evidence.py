@@ -213,8 +213,8 @@ def quotes(mem, tokenizer, mass: torch.Tensor, blocks: torch.Tensor, best: list[
     """The ``count`` sentences among the ``best`` blocks (``sentences``; one crossing two of them
     once) the heads attend to most, weighed by how much of ``question`` they speak of
     (``support`` with ``rarity``: at equal heads' scores, a sentence holding all its words
-    outweighs one holding none 21 ** 8 times), best first, of equal ones the first; the first is the quote (none
-    where there is no sentence)."""
+    outweighs one holding none 21 ** 8 times), best first, of equal ones the first; the first is
+    the quote (none where there is no sentence)."""
     found: dict[int, Quote] = {}
     for q in sentences(mem, tokenizer, mass, blocks, best, n):
         found.setdefault(q.token, q)
