@@ -166,19 +166,23 @@ class Trials:
             if self.add(key, row, at=i):
                 yield i, row
 
-    def add(self, key, row, at):
+    def add(self, key, row, at, replace=False):
         """Add ``row`` as trial ``at`` of cell ``key`` (``at``: the rows the cell held when this
         run drew the trial) and write the file. The file is read again first, under a lock, so
         that rows other runs added since are kept; a trial another run added first is not added
-        twice. Returns whether the row was added."""
+        twice. With ``replace``, the row takes the place of trial ``at`` (one recorded before a
+        field of it was). Returns whether the row was added."""
         fd = os.open(self.path.parent, os.O_RDONLY)  # the folder's lock: the file itself is replaced
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._load()
             cell = self.cells.setdefault(key, [])
-            if len(cell) != at:
+            if (len(cell) <= at) if replace else (len(cell) != at):
                 return False
-            cell.append(row)
+            if replace:
+                cell[at] = row
+            else:
+                cell.append(row)
             if self.command and self.command not in self.commands:
                 self.commands.append(self.command)
             atomic_write(self.path, json.dumps({"commands": self.commands, "cells": self.cells}, indent=1).encode())

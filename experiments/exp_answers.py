@@ -2,13 +2,14 @@
 read into its prompt before the question, and how often without it?
 
     python experiments/exp_answers.py ask --books BOOKS --work DIR [--model base|landmark] [--split dev|eval]
-    python experiments/exp_answers.py quotes --books BOOKS --work DIR [--model base|landmark] [--split dev|eval]
+    python experiments/exp_answers.py quotes --books BOOKS --work DIR [--model base|landmark] [--split dev|eval|fusion]
     python experiments/exp_answers.py choose --work DIR
     python experiments/exp_answers.py signals --work DIR
     python experiments/exp_answers.py report --work DIR [--split dev|eval]
 
-``quotes`` keeps, per answerable question, every sentence the quote is chosen among, so that
-``choose`` can choose how to choose it on the development half (``results/quotes.md``).
+``quotes`` keeps, per answerable question, every sentence the quote is chosen among (with the
+model's likelihood of the question after it), so that ``choose`` can choose how to choose it on
+the development questions, the package's and the fusion's (``results/quotes.md``).
 
 The questions and memories are ``exp_evidence.py``'s (``fixtures/natural_questions_2.json``; its
 development half ships with the package, ``samples/questions.json``): each book's first 8,064 and
@@ -28,6 +29,7 @@ chosen on the development half; ``--split eval`` reports the evaluation half, wh
 
 import argparse
 import json
+import math
 import time
 from itertools import product
 from pathlib import Path
@@ -40,7 +42,7 @@ from exp_evidence import SIZES, cases, memory_of
 from exp_natural import ASK_NEW, answers_in_context
 
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.models.kinds import load_model
+from landmark_memory.models.kinds import in_sequence_logits, load_model
 from landmark_memory.uses import answer as answering
 from landmark_memory.uses import evidence
 from landmark_memory.uses.evidence import support
@@ -90,10 +92,36 @@ def ask_step(args):
         baselines(args, state)
 
 
+# what the likelihood reads: a sentence, then the question; of a longer sentence its last LIKELIHOOD_TOKENS tokens
+LIKELIHOOD_PROMPT = ("Text: {text}", " Question: {question}")
+LIKELIHOOD_TOKENS, LIKELIHOOD_BATCH = 120, 4  # (a batch's logits: its sentences by their tokens by the vocabulary)
+
+
+@torch.no_grad()
+def likelihood(model, tokenizer, question, texts):
+    """How likely ``model`` finds ``question`` after each of ``texts``: log P(question | text),
+    summed over the question's tokens, the model reading ``LIKELIHOOD_PROMPT`` in sequence with no
+    memory (query likelihood: the model as its own reranker of the quote's candidates)."""
+    asked = tokenizer.encode(LIKELIHOOD_PROMPT[1].format(question=question)).ids
+    read = [tokenizer.encode(LIKELIHOOD_PROMPT[0].format(text=t)).ids[-LIKELIHOOD_TOKENS:] for t in texts]
+    out = []
+    for at in range(0, len(read), LIKELIHOOD_BATCH):
+        batch = read[at:at + LIKELIHOOD_BATCH]
+        width = max(len(c) for c in batch) + len(asked)
+        # right-padded: a causal model reads a row's own tokens as it would alone
+        idx = torch.tensor([c + asked + [asked[-1]] * (width - len(c) - len(asked)) for c in batch])  # (B, T)
+        logits = in_sequence_logits(model, idx).float()  # (B, T, V)
+        for row, c in zip(logits, batch):
+            lp = row[len(c) - 1:len(c) + len(asked) - 1].log_softmax(-1)  # (len(asked), V)
+            out.append(float(lp[torch.arange(len(asked)), torch.tensor(asked)].sum()))
+    return out
+
+
 def quotes_step(args):
     """Every sentence ``ask`` chooses its quote among (``evidence.sentences``: those of the fusion's
     first blocks), per answerable question of ``args.split`` at each size: its text, its heads'
-    score and whether it holds the answer's words, with the question's words' rarity in the memory
+    score, the model's likelihood of the question after it (``likelihood``) and whether it
+    holds the answer's words, with the question's words' rarity in the memory
     (``search.word_rarity``); in ``DIR/MODEL/quotes.json``."""
     model, tok = load_model(NAMES[args.model], "cpu")
     work = Path(args.work) / args.model
@@ -111,12 +139,21 @@ def quotes_step(args):
         with LandmarkMemory.open(memory_of(model, work, key, ids), model, readonly=True) as m:
             k = max(min(model.evidence_heads.blocks, m.options.top_k), 1)  # as ``ask`` pins and quotes
             for i, q in enumerate(asked):
-                if i < len(state.cell(cell)):
+                done = state.cell(cell)[i] if i < len(state.cell(cell)) else None
+                if done and all("likelihood" in s for s in done["sentences"]):
+                    continue
+                if done:  # recorded before the likelihood was: the same sentences, their likelihood added
+                    likely = likelihood(model, tok, q["question"], [s["text"] for s in done["sentences"]])
+                    state.add(cell, {**done, "sentences": [{**s, "likelihood": p} for s, p in zip(done["sentences"],
+                                                                                                likely)]},
+                              at=i, replace=True)
                     continue
                 search(m, tok, q["question"], k=k)
+                likely = likelihood(model, tok, q["question"], [s.text for s in seen])
                 state.add(cell, {"question": q["question"], "rarity": word_rarity(m, tok, q["question"], m.n_blocks),
-                                 "sentences": [{"text": s.text, "score": s.score, "holds": is_right(s.text, q["words"])}
-                                               for s in seen]}, at=i)
+                                 "sentences": [{"text": s.text, "score": s.score, "likelihood": p,
+                                                "holds": is_right(s.text, q["words"])} for s, p in zip(seen, likely)]},
+                          at=i)
         print(f"{cell}: {len(state.cell(cell))} questions", flush=True)
 
 
@@ -264,64 +301,94 @@ def signals(args):
 
 
 # how the quote may be chosen: the heads' score ** heads times (support + floor) ** power, support weighing the
-# question's words by their rarity in the memory or alike
+# question's words by their rarity in the memory or alike; the best candidates so then weighed by the model's
+# likelihood of the question after each ** likelihood
 QUOTE_GRID = {"heads": (0.25, 0.5, 1.0), "floor": (0.05, 0.1, 0.3), "power": (0.0, 2.0, 4.0, 8.0),
-              "rarity": (False, True)}
-BEFORE = {"heads": 1.0, "floor": 0.1, "power": 4.0, "rarity": False}  # the rule of the round before
+              "rarity": (False, True), "likelihood": (0.0, 0.05, 0.1, 0.2, 0.5), "candidates": (4, 8, 16, 64)}
+BEFORE = {"heads": 0.25, "floor": 0.05, "power": 8.0, "rarity": True, "likelihood": 0.0, "candidates": 4}  # (of
+# the round before: no likelihood, so the candidates do not count)
+DEVELOPMENT = ("dev", "fusion")  # the splits the quote's rule is chosen on
+MARGIN = 0.01  # the share of the development questions a rule must gain over the round before's to replace it
 
 
-def chosen_sentence(row, heads, floor, power, rarity):
-    """The sentence of a recorded question (``row``) a rule quotes (of equal ones the first)."""
-    weights = row["rarity"] if rarity else None
-    return max(row["sentences"], default=None, key=lambda s: max(s["score"], evidence.LEAST_SCORE) ** heads
-               * (support(row["question"], s["text"], weights) + floor) ** power)
+def chosen_sentence(row, heads, floor, power, rarity, likelihood, candidates):
+    """The sentence of a recorded question (``row``, each sentence's ``support`` by rarity or not
+    added) a rule quotes (of equal ones the first), as ``evidence.quotes`` chooses it."""
+    def weight(s, by_likelihood=0.0):
+        return heads * math.log(max(s["score"], evidence.LEAST_SCORE)) + power * math.log(
+            s["support"][rarity] + floor) + by_likelihood * s["likelihood"]
+
+    ahead = sorted(row["sentences"], key=lambda s: -weight(s))[:candidates]
+    return max(ahead, default=None, key=lambda s: weight(s, likelihood))
 
 
 def quote_report(args):
     """``results/quotes.md``: how often the quote holds the answer's words under each way of
-    choosing it (``QUOTE_GRID``), the way chosen on the development questions of both models, and
-    the evaluation half under it, the rule before it and the heads' score alone."""
+    choosing it (``QUOTE_GRID``), the way chosen on the development questions of both models
+    (``DEVELOPMENT``: the package's and the fusion's), and the evaluation half under it, the rule
+    before it and the heads' score alone."""
     found = {m: Trials(p).cells for m in NAMES if (p := Path(args.work) / m / "quotes.json").is_file()}
     if not found:
         return
+    for cells in found.values():
+        for r in (r for rs in cells.values() for r in rs):
+            for s in r["sentences"]:
+                s["support"] = {False: support(r["question"], s["text"]),
+                                True: support(r["question"], s["text"], r["rarity"])}
     grid = [dict(zip(QUOTE_GRID, v)) for v in product(*QUOTE_GRID.values())]
     alone = {**BEFORE, "power": 0.0}
     memo = {}
 
-    def holds(split, rule, model=None, size=None):
-        key = (split, tuple(rule.values()), model, size)
+    def holds(splits, rule, model=None, size=None):
+        key = (splits, tuple(rule.values()), model, size)
         if key not in memo:
             rows = [r for m, cells in found.items() if model in (None, m) for c, rs in cells.items()
-                    if c.startswith(split + "|") and size in (None, c.rsplit("-", 1)[1]) for r in rs]
+                    if c.split("|")[0] in splits and size in (None, c.rsplit("-", 1)[1]) for r in rs]
             memo[key] = sum(bool((s := chosen_sentence(r, **rule)) and s["holds"]) for r in rows), len(rows)
         return memo[key]
 
-    best = max(grid, key=lambda rule: (holds("dev", rule)[0], rule == BEFORE))  # (of equal ones the first)
+    # of equal ones the fewest candidates (the likelihood's cost), else the first; the round before's unless beaten
+    top = max(grid, key=lambda rule: (holds(DEVELOPMENT, rule)[0], -rule["candidates"]))
+    gain = holds(DEVELOPMENT, top)[0] - holds(DEVELOPMENT, BEFORE)[0]
+    best = top if gain > MARGIN * holds(DEVELOPMENT, BEFORE)[1] else BEFORE
     sizes = sorted({c.rsplit("-", 1)[1] for cells in found.values() for c in cells}, key=int)
     cols = [(m, z) for m in found for z in sizes]
     ceiling = {split: sum(any(s["holds"] for s in r["sentences"]) for cells in found.values()
-                          for c, rs in cells.items() if c.startswith(split + "|") for r in rs)
-               for split in ("dev", "eval")}
+                          for c, rs in cells.items() if c.split("|")[0] in split for r in rs)
+               for split in (DEVELOPMENT, ("eval",))}
     body = ["How `ask` chooses its quote among the sentences of the fusion's first blocks (`evidence.sentences`): "
             "by the heads' score (their calibrated attention summed over the sentence's tokens) `** heads`, times "
             "`(support + floor) ** power`, support the share of the question's own words it holds (a word held "
             "where one of the sentence's words begins with its stem, `evidence.stem`), each word weighing its "
             "rarity in the memory (BM25's inverse document frequency over its blocks, `search.word_rarity`) or "
-            "all alike. The rule is chosen on the development questions of both models "
-            f"({holds('dev', BEFORE)[1]} asked; of equal ones the first of the grid); figures: the quote holds the "
-            f"answer's words. Some sentence among those it is chosen from holds them for {ceiling['dev']} "
-            f"development and {ceiling['eval']} evaluation questions.", "",
-            "Chosen: " + ", ".join(f"{k} {v}" for k, v in best.items()) + ".", "",
+            "all alike; of the `candidates` best so, times the model's likelihood of the question after the sentence "
+            "`** likelihood` (`likelihood`: the memory's own model as a reranker, reading \"Text: {sentence} "
+            "Question: {question}\" with no memory, some 0.15 s a sentence on 2 CPU cores). The rule is chosen on "
+            "the development questions of both models, the package's and the fusion's "
+            f"({holds(DEVELOPMENT, BEFORE)[1]} asked; of equal ones the fewest candidates), and replaces the round "
+            f"before's only where it holds the answer for more than {MARGIN:.0%} of them more; figures: the quote "
+            "holds the answer's words. Some sentence among those it is chosen from holds them for "
+            f"{ceiling[DEVELOPMENT]} development and {ceiling[('eval',)]} evaluation questions.", "",
+            "Best on the development questions: " + ", ".join(f"{k} {v}" for k, v in top.items())
+            + f" ({gain:+d} on the round before's). Chosen: " + ", ".join(f"{k} {v}" for k, v in best.items())
+            + ".", "",
             "| split | rule | " + " | ".join(f"{NAMES[m]} {int(z):,}" for m, z in cols) + " | all |",
             "|---|---|" + "---|" * (len(cols) + 1)]
-    for split in ("dev", "eval"):
-        for name, rule in (("the heads' score alone", alone), ("the round before's (heads 1, floor 0.1, power 4, "
-                                                               "words alike), by stems", BEFORE), ("chosen", best)):
-            got = [holds(split, rule, m, z) for m, z in cols] + [holds(split, rule)]
-            body.append(f"| {split} | {name} | " + " | ".join(f"{h}/{n} ({h / max(n, 1):.0%})" for h, n in got) + " |")
+    for splits in (("dev",), ("fusion",), DEVELOPMENT, ("eval",)):
+        for name, rule in (("the heads' score alone", alone), ("the round before's (heads 0.25, floor 0.05, power 8, "
+                                                               "by rarity, no likelihood)", BEFORE),
+                           ("the development questions' best", top), ("chosen", best)):
+            got = [holds(splits, rule, m, z) for m, z in cols] + [holds(splits, rule)]
+            body.append(f"| {' + '.join(splits)} | {name} | " + " | ".join(
+                f"{h}/{n} ({h / max(n, 1):.0%})" if n else "-" for h, n in got) + " |")
+    weighed = [{**BEFORE, "likelihood": w, "candidates": max(QUOTE_GRID["candidates"])}
+               for w in QUOTE_GRID["likelihood"]]
+    body += ["", "The round before's rule with the likelihood weighed in (every candidate): "
+             + "; ".join(f"likelihood {r['likelihood']}: development {holds(DEVELOPMENT, r)[0]}, evaluation "
+                         f"{holds(('eval',), r)[0]}" for r in weighed) + "."]
     body += ["", "The development questions' best rules:", ""] + [
-        "- " + ", ".join(f"{k} {v}" for k, v in r.items()) + f": {holds('dev', r)[0]}"
-        for r in sorted(grid, key=lambda r: -holds("dev", r)[0])[:8]]
+        "- " + ", ".join(f"{k} {v}" for k, v in r.items()) + f": {holds(DEVELOPMENT, r)[0]}"
+        for r in sorted(grid, key=lambda r: -holds(DEVELOPMENT, r)[0])[:8]]
     commands = list(dict.fromkeys(c for m in found for c in Trials(Path(args.work) / m / "quotes.json").commands))
     write_result("quotes", "Choosing the quote", body, results=args.results, commands=commands + [args.command])
     return best
@@ -346,12 +413,15 @@ def main(argv=None):
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES),
                     help="memory sizes in tokens (default 8064,32256)")
     ap.add_argument("--only", nargs="*", help="these books only")
-    ap.add_argument("--split", default="dev", choices=["dev", "eval"])
+    ap.add_argument("--split", default="dev", choices=["dev", "eval", "fusion"],
+                    help="fusion: the development books' questions past their opening (the quotes step only)")
     ap.add_argument("--policies", nargs="+", default=list(answering.EVIDENCE), choices=answering.EVIDENCE)
     ap.add_argument("--wordings", nargs="+", default=["from"], choices=sorted(WORDINGS))
     ap.add_argument("--baselines", action="store_true", help="and SmolLM2 as published without a memory")
     args = ap.parse_args(argv)
     args.command, args.planted = command_line(argv), False
+    if args.split == "fusion" and args.step != "quotes":
+        ap.error("--split fusion: only the quotes step records the fusion questions (they have no unanswerable twins)")
     {"ask": ask_step, "quotes": quotes_step, "report": report, "choose": quote_report, "signals": signals}[args.step](
         args)
 

@@ -137,6 +137,15 @@ def test_runs_at_the_same_time_keep_each_others_trials_and_never_add_one_twice(t
     assert again.commands == ["python one", "python two"] and [p.name for p in tmp_path.iterdir()] == ["s.json"]
 
 
+def test_a_trial_recorded_before_a_field_was_is_replaced_in_its_place_and_only_where_it_exists(tmp_path):
+    common = script("_common")
+    one = common.Trials(tmp_path / "s.json", "python one")
+    assert one.add("a|x|1", {"score": 1.0}, at=0) and one.add("a|x|1", {"score": 0.5}, at=1)
+    assert one.add("a|x|1", {"score": 0.5, "likelihood": -3.0}, at=1, replace=True)
+    assert not one.add("a|x|1", {"score": 0.0}, at=2, replace=True)  # no trial 2 to replace
+    assert common.Trials(tmp_path / "s.json").cells == {"a|x|1": [{"score": 1.0}, {"score": 0.5, "likelihood": -3.0}]}
+
+
 def test_a_trial_state_without_commands_is_refused_not_overwritten(tmp_path):
     common = script("_common")
     (tmp_path / "old.json").write_text(json.dumps({"a|x|1": [{"score": 1.0}]}))
@@ -572,6 +581,46 @@ def test_unanswerable_questions_ask_of_each_books_of_both_halves_and_are_not_its
         none = answers.unanswerable(split)
         assert len(none) >= 20 and {q["book"] for q in none} == {q["book"] for q in evidence.questions(split)}
         assert not asked & {q["question"] for q in none} and len({q["question"] for q in none}) == len(none)
+
+
+@pytest.mark.parametrize("case", ["bundled", "converted", "published"])
+def test_a_questions_likelihood_after_each_text_is_its_tokens_log_probabilities_read_after_that_text_alone(
+        case, tokenizer_object, monkeypatch):
+    from hf_tiny import tiny
+
+    from landmark_memory import LandmarkGPT, load_tokenizer
+    from landmark_memory.models.kinds import in_sequence_logits
+
+    answers = script("exp_answers")
+    if case == "bundled":
+        model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
+    else:
+        model, _ = tiny(tokenizer_object, landmarks=case == "converted")
+        tok = tokenizer_object
+    monkeypatch.setattr(answers, "LIKELIHOOD_TOKENS", 12)
+    question = "Who kept the inn by the sea?"
+    texts = ["The captain.", "Jim's father kept the Admiral Benbow, an inn by the sea, for many long years.", "",
+             "It rained.", "A short one", "The old sea dog came to the inn one cold morning with his chest."]
+    got = answers.likelihood(model, tok, question, texts)  # two forwards, of four and two texts, right-padded
+    asked = tok.encode(answers.LIKELIHOOD_PROMPT[1].format(question=question)).ids
+    for text, lp in zip(texts, got):
+        read = tok.encode(answers.LIKELIHOOD_PROMPT[0].format(text=text)).ids[-12:]
+        logits = in_sequence_logits(model, torch.tensor([read + asked]))[0].detach().double()  # (T, V): alone
+        want = sum(float(logits[len(read) - 1 + j].log_softmax(-1)[t]) for j, t in enumerate(asked))
+        assert want < 0 and lp == pytest.approx(want, rel=1e-4, abs=1e-4)
+    assert answers.likelihood(model, tok, question, []) == []
+
+
+def test_a_quote_rule_weighs_the_likelihood_only_among_its_best_candidates_by_heads_and_words():
+    answers = script("exp_answers")
+    row = {"sentences": [{"text": t, "score": sc, "likelihood": lk, "holds": t == "c", "support": {True: sp, False: sp}}
+                         for t, sc, sp, lk in (("a", 0.9, 1.0, -50.0), ("b", 0.5, 1.0, -40.0), ("c", 0.1, 1.0, -10.0),
+                                               ("d", 0.9, 0.0, 0.0))]}
+    rule = dict(heads=1.0, floor=0.05, power=8.0, rarity=True, likelihood=0.0, candidates=4)
+    assert answers.chosen_sentence(row, **rule)["text"] == "a"  # the heads' best of those holding the words
+    assert answers.chosen_sentence(row, **{**rule, "likelihood": 1.0})["text"] == "c"  # far likelier, third
+    assert answers.chosen_sentence(row, **{**rule, "likelihood": 1.0, "candidates": 2})["text"] == "b"
+    assert answers.chosen_sentence({"sentences": []}, **rule) is None
 
 
 def test_answers_report_applies_asks_refusal_to_each_trial_and_tables_every_policy(tmp_path):
