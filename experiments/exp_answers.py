@@ -313,7 +313,8 @@ MARGIN = 0.01  # the share of the development questions a rule must gain over th
 
 def chosen_sentence(row, heads, floor, power, rarity, likelihood, candidates):
     """The sentence of a recorded question (``row``, each sentence's ``support`` by rarity or not
-    added) a rule quotes (of equal ones the first), as ``evidence.quotes`` chooses it."""
+    added) a rule quotes (of equal ones the first); with no likelihood, as ``evidence.quotes``
+    chooses it (which reads no likelihood: none was chosen)."""
     def weight(s, by_likelihood=0.0):
         return heads * math.log(max(s["score"], evidence.LEAST_SCORE)) + power * math.log(
             s["support"][rarity] + floor) + by_likelihood * s["likelihood"]
