@@ -1,12 +1,14 @@
 """Helpers several test modules share (fixtures are conftest.py's)."""
 
 import importlib.util
+import sqlite3
 import sys
 from pathlib import Path
 
 import torch
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer
+from landmark_memory.format.text_file import TEXT_INDEX, seal_index
 from landmark_memory.uses.session import Session
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
@@ -78,3 +80,27 @@ def turns_read_as_one_forward(model, text, full, tmp_path, chunk_size, turns, rt
                 s.commit([])
                 torch.testing.assert_close(out, full[:, a:b], rtol=rtol, atol=1e-5)
         return s
+
+
+def rewrite_index(path, statements, *, reseal=False):
+    """Run SQL ``statements`` on the text index of the memory ``path`` as anyone could (and,
+    with ``reseal``, seal it again as its writer would)."""
+    db = sqlite3.connect(path / TEXT_INDEX)
+    with db:
+        for s in statements:
+            db.execute(s)
+    db.close()
+    if reseal:
+        seal_index(path / TEXT_INDEX)
+
+
+def damage_segments(path, how):
+    """Every FTS5 segment blob of the text index of the memory ``path`` ``"flipped"`` (an error
+    as it is read) or ``"zeroed"`` (it finds nothing), and sealed again."""
+    db = sqlite3.connect(path / TEXT_INDEX)
+    with db:
+        for i, blob in db.execute("SELECT id, block FROM text_data WHERE id > 10").fetchall():
+            db.execute("UPDATE text_data SET block = ? WHERE id = ?",
+                       (bytes(len(blob)) if how == "zeroed" else bytes(b ^ 0x5A for b in blob), i))
+    db.close()
+    seal_index(path / TEXT_INDEX)

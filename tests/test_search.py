@@ -112,8 +112,8 @@ def test_an_index_its_seal_does_not_vouch_for_is_never_read_and_a_writer_builds_
     else:
         with sqlite3.connect(path) as db:
             db.execute("CREATE TABLE planted(x)")
-        from landmark_memory.format.text_index import _seal
-        _seal(path)  # (even sealed: not an index of ours)
+        from landmark_memory.format.text_file import seal_index
+        seal_index(path)  # (even sealed: not an index of ours)
     reader = TextIndex.open(tmp_path, digest, writable=False)
     assert reader.path is None and reader.blocks == 0  # built in memory, the file untouched
     reader.close()

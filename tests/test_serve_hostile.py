@@ -8,6 +8,7 @@ import http.client
 import json
 import math
 import os
+import shutil
 import socket
 import threading
 import time
@@ -15,13 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote, urlparse
 
 import pytest
+from helpers import damage_segments, rewrite_index
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from landmark_memory import LandmarkGPT, load_tokenizer
+from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer, search
 from landmark_memory.app import serve as served
 from landmark_memory.app import serve_routes
 from landmark_memory.app.cli import API_KEY_VARIABLE, main
+from landmark_memory.format.text_file import TEXT_INDEX
 
 pytestmark = pytest.mark.slow  # servers in processes of their own
 
@@ -217,6 +220,27 @@ def test_values_that_were_tracebacks_are_400_streamed_or_not(server, route, chan
     status, data = call(server, route, raw=json.dumps(body).encode())  # NaN as Python's json writes it
     assert status == 400
     refusal(status, data, code)
+
+
+def test_a_search_question_that_is_no_text_is_400_as_a_chats_is(server):
+    status, data = call(server, "/v1/search", {"question": "zebra crossings \ud800"})
+    assert status == 400 and "not valid text" in refusal(status, data, "invalid_question")["message"]
+
+
+def test_a_damaged_or_hostile_text_index_never_makes_search_or_memory_a_500(corpus, tmp_path):
+    memory = tmp_path / "m"
+    shutil.copytree(corpus, memory)
+    damage_segments(memory, "flipped")  # sealed: the server reads it as it lies, and meets the damage
+    with LandmarkMemory.open(corpus, LandmarkGPT.from_pretrained(), readonly=True) as mem:
+        want = search(mem, load_tokenizer(), "the treasure map", k=3).to_json()["passages"]
+    with in_process(memory) as url:
+        status, data = call(url, "/v1/search", {"question": "the treasure map", "passages": 3}, key=None)
+        assert status == 200 and json.loads(data)["passages"] == want
+        os.utime(memory / TEXT_INDEX)  # now a received one: a recursive view named meta
+        rewrite_index(memory, ["DROP TABLE meta", "CREATE VIEW meta(key, value) AS WITH RECURSIVE r(i) AS "
+                                                  "(SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT 'blocks', i FROM r"])
+        status, data = call(url, "/v1/memory", key=None)
+        assert status == 200 and "other tables" in json.loads(data)["text_index"]["problem"]
 
 
 def test_a_tiny_temperature_over_http_answers_as_greedy_decoding_does(server):

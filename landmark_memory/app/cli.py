@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def _layers(info: dict) -> str:
 def _text_index(state: dict | None, blocks: int) -> str:
     if state is None:
         return "none (`landmark-memory index` writes one; readers build it in memory meanwhile)"
-    held = "unreadable" if state["blocks"] is None else f"{state['blocks']:,} of {blocks:,} blocks"
+    held = f"unreadable: {state['problem']}" if state["blocks"] is None else \
+        f"{state['blocks']:,} of {blocks:,} blocks"
     trust = "sealed" if state["sealed"] else "not sealed: built again by the next writer, in memory by readers"
     return f"{held}, {state['bytes'] / 2**20:,.1f} MiB, {trust}"
 
@@ -181,7 +183,7 @@ def cmd_index(args):
     model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
     mem, t0 = LandmarkMemory.open(args.memory, model), time.perf_counter()
     try:
-        added = keep_text_index(mem, tok, quiet=args.quiet)
+        added = keep_text_index(mem, tok, quiet=args.quiet, check=True)  # (a damaged index is built again)
         if saved.version < FORMAT_VERSION:  # an older memory's commit in this format (its ivf-rows runs written)
             mem.commit()
     finally:
@@ -304,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_train(argv[1:])
     args = parser().parse_args(argv)
     # (serve: uvicorn answers SIGTERM itself, shutting down gracefully and ending by the signal)
-    with sigterm_interrupts(args.command != "serve"):
+    with sigterm_interrupts(args.command != "serve"), warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_, **__: print(
+            f"landmark-memory {args.command}: warning: {printable(str(message))}", file=sys.stderr)
         try:
             return COMMANDS[args.command](args)
         except BrokenPipeError:  # whoever read the output stopped (`info | head`): end quietly, as Unix tools do

@@ -20,8 +20,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..core.names import EVIDENCE, MAX_TURN_CHARS
-from ..uses.answer import Answer, Message, QuestionError, check_messages, converse, say
+from ..core.names import EVIDENCE
+from ..uses.answer import Answer, Message, check_messages, converse, say
+from ..uses.question import QuestionError, check_question
 from ..uses.search import search
 from ..uses.session import Session
 from .serve_guard import APIError, client_gone
@@ -170,8 +171,10 @@ class SearchRequest(BaseModel):
 async def search_memory(req: SearchRequest, s: Served = Depends(served)):
     """The passages a question points at and the quote among them (``uses/search.py``), without
     generating."""
-    if not req.question.strip() or len(req.question) > MAX_TURN_CHARS:
-        raise APIError(400, f"question must hold words, at most {MAX_TURN_CHARS:,} characters", "invalid_question")
+    try:
+        check_question(req.question)
+    except QuestionError as e:
+        raise APIError(400, str(e), "invalid_question") from None
     if not 1 <= req.passages <= MAX_PASSAGES:
         raise APIError(400, f"passages must be from 1 to {MAX_PASSAGES}, got {req.passages}", "invalid_passages")
 

@@ -9,6 +9,7 @@ it back, with no model and no engine (docs/DESIGN.md, "On-disk format"). One job
     directory.py  the files of a saved memory and the commit protocol
     seals.py      a writer's seals: the key files as it let them go; the next reads only those changed
     text_index.py the blocks' text in SQLite FTS5, ranked by BM25; checked, appended, sealed
+    text_file.py  the text index's file read as hostile: its seal, bounded checks, damage, info and verify
     token_rows.py the blocks' token ids, as they were added
     session_files.py  a memory's sessions as files: names, turn logs checked, list, delete
     corpus_files.py   a corpus's document folders: their states, their keys, what a merge drops

@@ -15,41 +15,43 @@ rows in ``tokens.bin`` and the tokenizer's digest; an index whose rows are not t
 (rows rewritten, another tokenizer) is built again. A writer builds a missing index in a
 temporary file renamed into place, and adds a commit's new blocks in one SQLite transaction,
 so a crash leaves the index before or after them, never between. When it lets the index go it
-writes ``text.seal.json``: the file's status then (size, device, inode, modification and
-change times, as ``format/seals.py``). Only an index whose status is still its seal's is read
-as it lies: one copied in from elsewhere, changed since, or left by a crash is built again by
-the next writer, and a reader (``ask``, ``search``, the server) builds its own copy in memory
-meanwhile. A reader never writes the file; blocks committed after the index are added to a
-copy in memory.
+seals it (``text_file.py``): only an index its seal still vouches for is read as it lies; one
+copied in from elsewhere, changed since, or left by a crash is built again by the next writer,
+and a reader (``ask``, ``search``, the server) builds its own copy in memory meanwhile. A reader
+never writes the file; blocks committed after the index are added to a copy in memory. A file is
+read only once ``text_file.py`` finds it to be an index of ours; one whose pages prove damaged as
+they are read raises ``TextIndexError``: a reader searches a copy built in memory instead
+(``uses/search.py``), a writer starts a new file.
 """
 
 import os
 import sqlite3
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from ..core.fileio import TMP_MARK, file_status
-from .seals import read_seal, write_seal
+from ..core.fileio import TMP_MARK
+from .text_file import (
+    TEXT_INDEX,
+    TEXT_SEAL,
+    TextIndexError,
+    check_place,
+    connect,
+    counts,
+    create,
+    damage,
+    read_meta,
+    rows_crc,
+    seal_index,
+    sealed,
+)
 
-TEXT_INDEX = "text.sqlite"
-TEXT_SEAL = "text.seal.json"
-VERSION = 1
+__all__ = ["TEXT_INDEX", "TEXT_SEAL", "TextIndex", "TextIndexError", "block_texts", "match_words"]
+
 EDGE = 8  # tokens of the block before that a block's row holds
 BATCH = 4096  # blocks decoded and inserted at a time
-MAX_SEAL_BYTES = 1 << 12
-SCHEMA = ("CREATE VIRTUAL TABLE text USING fts5(body, content='', "
-          "tokenize='porter unicode61 remove_diacritics 2')",
-          "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-TABLES = {"text", "text_data", "text_idx", "text_docsize", "text_config", "meta", "sqlite_autoindex_meta_1"}
-
-
-def rows_crc(rows: np.ndarray) -> int:
-    """The CRC-32 of ``rows`` (int32 (n, block_size) token ids) as ``tokens.bin`` holds them."""
-    return zlib.crc32(np.ascontiguousarray(rows, "<i4"))
 
 
 def block_texts(rows: np.ndarray, first: int, last: int, borders: set[int],
@@ -75,42 +77,56 @@ class TextIndex:
     """The text index of a memory folder (or of an unsaved memory, in memory only).
 
     ``blocks``: the blocks it holds (the memory's first ``blocks`` of stream 0). Open with
-    ``TextIndex.open`` (or ``in_memory``); ``sync`` adds the blocks it lacks; ``search`` ranks."""
+    ``TextIndex.open`` (or ``in_memory``); ``sync`` adds the blocks it lacks; ``search`` ranks.
+    A file's pages found damaged as they are read raise ``TextIndexError``."""
 
     def __init__(self, db: sqlite3.Connection, digest: str, path: Path | None = None, readonly: bool = False):
         self.db, self.digest, self.path, self.readonly = db, digest, path, readonly
-        self.blocks, self.crc = _meta(db)
+        self.blocks, self.crc = counts(read_meta(db))
 
     @classmethod
     def in_memory(cls, digest: str, source: sqlite3.Connection | None = None) -> "TextIndex":
         """A new index held in memory (``source``: a copy of that index's database)."""
         db = sqlite3.connect(":memory:", check_same_thread=False)
         if source is None:
-            _create(db, digest)
+            create(db, digest)
         else:
             source.backup(db)
         return cls(db, digest)
 
     @classmethod
-    def open(cls, folder: str | Path, digest: str, writable: bool) -> "TextIndex":
+    def open(cls, folder: str | Path, digest: str, writable: bool, check: bool = False) -> "TextIndex":
         """The index in ``folder`` made with the tokenizer of ``digest``, as its seal vouches
-        for it; otherwise a new one: for a ``writable`` caller (the memory's writer) a
-        temporary file that ``close`` puts in place, for a reader one in memory."""
+        for it (and, with ``check``, as ``damage`` finds it sound: a writer's repair); otherwise
+        a new one: for a ``writable`` caller (the memory's writer) a temporary file that
+        ``close`` puts in place, for a reader one in memory.
+
+        Raises ``TextIndexError`` for a writer where the index cannot be put in place
+        (``check_place``)."""
         folder = Path(folder)
-        db = _sealed(folder, digest)
+        final = folder / TEXT_INDEX
+        if writable:
+            check_place(folder)
+        db = sealed(folder, digest)
         if db is not None and not writable:
-            return cls(db, digest, folder / TEXT_INDEX, readonly=True)
+            return cls(db, digest, final, readonly=True)
         if db is not None:  # (a writer appends to its own sealed file: opened again to write)
             db.close()
-            return cls(_connect(folder / TEXT_INDEX, "rw"), digest, folder / TEXT_INDEX)
+            index = cls(connect(final, "rw"), digest, final)
+            if check and damage(index.db, index.blocks) is not None:
+                index._start_again()
+            return index
         if not writable:
             return cls.in_memory(digest)
-        tmp = folder / f".{TEXT_INDEX}{TMP_MARK}{os.getpid()}"
-        for p in (tmp, Path(f"{tmp}-journal")):
-            p.unlink(missing_ok=True)
-        db = _connect(tmp, "rwc")
-        _create(db, digest)
+        db, tmp = _new_file(folder, digest)
         return cls(db, digest, tmp)
+
+    def _start_again(self) -> None:
+        """A writer's index found damaged: its file let go (left as it is until ``close`` puts
+        a new one in its place), the index started again, empty, in a new temporary file."""
+        self.db.close()
+        self.db, self.path = _new_file(self.path.parent, self.digest)
+        self.blocks, self.crc = 0, 0
 
     def sync(self, rows: np.ndarray, borders: set[int], decode_batch: Callable[[list[list[int]]], list[str]],
              quiet: bool = True) -> int:
@@ -118,7 +134,17 @@ class TextIndex:
         stream 0) it does not hold yet, after emptying it where the rows it holds are not
         ``rows``' first ones; a reader's file is copied into memory first. ``decode_batch``
         turns token ids into text, leaving out special tokens; ``borders``: the special tokens'
-        ids. Returns the blocks added."""
+        ids. A writer whose file proves damaged starts it again in a new file. Returns the
+        blocks added."""
+        try:
+            return self._add(rows, borders, decode_batch, quiet)
+        except sqlite3.DatabaseError as e:
+            if self.readonly or self.path is None or self.path.name != TEXT_INDEX:
+                raise self._damaged(e) from None
+        self._start_again()
+        return self._add(rows, borders, decode_batch, quiet)
+
+    def _add(self, rows: np.ndarray, borders: set[int], decode_batch, quiet: bool) -> int:
         n = len(rows)
         stale = self.blocks > n or rows_crc(rows[:self.blocks]) != self.crc
         if self.blocks == n and not stale:
@@ -151,14 +177,24 @@ class TextIndex:
         query = match_words(words)
         if not query or k <= 0:
             return []
-        got = self.db.execute("SELECT rowid, bm25(text) FROM text WHERE text MATCH ? AND rowid < ? "
-                              "ORDER BY bm25(text) LIMIT ?", (query, n_blocks, k)).fetchall()
+        got = self._read("SELECT rowid, bm25(text) FROM text WHERE text MATCH ? AND rowid < ? "
+                         "ORDER BY bm25(text) LIMIT ?", (query, n_blocks, k))
         return [(int(b), -float(s)) for b, s in got]
 
     def frequencies(self, words: Iterable[str], n_blocks: int) -> dict[str, int]:
         """{word: how many of the first ``n_blocks`` blocks hold it} for each of ``words``."""
-        return {w: self.db.execute("SELECT count(*) FROM text WHERE text MATCH ? AND rowid < ?",
-                                   (match_words([w]), n_blocks)).fetchone()[0] for w in words}
+        return {w: self._read("SELECT count(*) FROM text WHERE text MATCH ? AND rowid < ?",
+                              (match_words([w]), n_blocks))[0][0] for w in words}
+
+    def _read(self, sql: str, args: tuple) -> list[tuple]:
+        try:
+            return self.db.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise self._damaged(e) from None
+
+    def _damaged(self, e: sqlite3.DatabaseError) -> TextIndexError:
+        where = self.path if self.path is not None else "(in memory)"
+        return TextIndexError(f"the text index {where} is damaged ({e}): `landmark-memory index` builds it again")
 
     def close(self) -> None:
         """Let the index go; a writer's file is put in place (a new one renamed over the old)
@@ -172,8 +208,12 @@ class TextIndex:
         final = self.path.with_name(TEXT_INDEX)
         if self.path != final:  # (a journal left beside the old file would be played into the new one)
             Path(f"{final}-journal").unlink(missing_ok=True)
-            os.replace(self.path, final)
-        _seal(final)
+            try:
+                os.replace(self.path, final)
+            except OSError:
+                self.path.unlink(missing_ok=True)
+                raise
+        seal_index(final)
 
     def __enter__(self) -> "TextIndex":
         return self
@@ -182,82 +222,16 @@ class TextIndex:
         self.close()
 
 
-def _connect(path: Path, mode: str) -> sqlite3.Connection:
-    db = sqlite3.connect(f"file:{path}?mode={mode}", uri=True, check_same_thread=False)
-    db.execute("PRAGMA trusted_schema = OFF")  # (an index's schema runs no function of ours)
-    return db
-
-
-def _create(db: sqlite3.Connection, digest: str) -> None:
-    with db:
-        for statement in SCHEMA:
-            db.execute(statement)
-        db.executemany("INSERT INTO meta VALUES (?, ?)",
-                       [("version", str(VERSION)), ("digest", digest), ("blocks", "0"), ("crc", "0")])
-
-
-def _meta(db: sqlite3.Connection) -> tuple[int, int]:
-    meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
-    return int(meta["blocks"]), int(meta["crc"])
-
-
-def index_state(folder: str | Path) -> dict | None:
-    """What ``info`` says of the text index in ``folder``: its ``bytes``, whether its seal still
-    vouches for it (``sealed``) and the ``blocks`` it says it holds (None where it cannot be read
-    as an index); None where there is none."""
-    path = Path(folder) / TEXT_INDEX
-    status = file_status(path)
-    if status is None:
-        return None
-    blocks = None
+def _new_file(folder: Path, digest: str) -> tuple[sqlite3.Connection, Path]:
+    """A new, empty index in a temporary file of ``folder``: (its connection, its path)."""
+    tmp = folder / f".{TEXT_INDEX}{TMP_MARK}{os.getpid()}"
+    for p in (tmp, Path(f"{tmp}-journal")):
+        p.unlink(missing_ok=True)
+    db = connect(tmp, "rwc")
     try:
-        db = _connect(path, "ro")
-        try:
-            blocks = _meta(db)[0]
-        finally:
-            db.close()
-    except (sqlite3.Error, KeyError, ValueError):
-        pass
-    return {"bytes": status[0], "sealed": _seal_holds(Path(folder)), "blocks": blocks}
-
-
-def _seal_holds(folder: Path) -> bool:
-    """Whether ``text.seal.json`` vouches for the index file as it is now: its status the seal's,
-    changed before the seal was written, and no journal beside it."""
-    path = folder / TEXT_INDEX
-    status = file_status(path)
-    if status is None or os.path.lexists(f"{path}-journal"):
-        return False
-    seal, sealed_at = read_seal(folder / TEXT_SEAL, MAX_SEAL_BYTES)
-    return isinstance(seal, dict) and seal.get("version") == VERSION and seal.get("status") == status \
-        and status[4] < sealed_at
-
-
-def _sealed(folder: Path, digest: str) -> sqlite3.Connection | None:
-    """The index file of ``folder``, open to read, where its seal vouches for it, it is ours
-    (its tables, version and tokenizer ``digest``) and no crash left a journal beside it."""
-    path = folder / TEXT_INDEX
-    if not _seal_holds(folder):
-        return None
-    try:
-        db = _connect(path, "ro")
-    except sqlite3.Error:
-        return None
-    try:
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
-        meta = dict(db.execute("SELECT key, value FROM meta").fetchall()) if tables == TABLES else {}
-        if meta.get("version") == str(VERSION) and meta.get("digest") == digest:
-            _meta(db)
-            return db
-    except (sqlite3.Error, KeyError, ValueError):
-        pass
-    db.close()
-    return None
-
-
-def _seal(path: Path) -> None:
-    """Write the seal of the index file ``path`` as it is now, once the file system's clock has
-    passed its change time (a later change then shows)."""
-    status = file_status(path)
-    if status is not None:
-        write_seal(path.with_name(TEXT_SEAL), {"version": VERSION, "status": status}, status[4])
+        create(db, digest)
+    except BaseException:
+        db.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return db, tmp

@@ -1,7 +1,8 @@
 """What a user does with a memory, over the engine's one door (``memory.LandmarkMemory``):
 
     answer.py     asking a memory: the answer and the passages it read; a session's turns
-    question.py   a question read into a memory: what it searches with, its own tokens, a reader's blocks
+    question.py   a question read into a memory: whether it can be asked, what it searches with, its own
+                  tokens, a reader's blocks
     evidence.py   a question's evidence read by retrieval heads token by token: blocks, a quote
     search.py     the passages a question points at, without generating: text index and heads fused
     choose_heads.py  choosing a model's retrieval heads on development questions

@@ -18,14 +18,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..core.names import EVIDENCE, MAX_TURN_CHARS
+from ..core.names import EVIDENCE
 from ..core.tokenizer import encode_prompt
 from ..format.session_files import ROLES, Turn
 from ..memory.engine import LandmarkMemory
 from ..models.config import AskPolicy
 from .evidence import Quote, around, shared_words, support
 from .evidence import point as point_heads
-from .question import point, question_tokens, search_states
+from .question import QuestionError, check_question, point, question_tokens, search_states
 from .search import Passage, passage, placed, text_ranking, word_rarity
 from .session import Session
 
@@ -87,35 +87,6 @@ class Answer:
             return [f"Closest text: {self.quote.cited()}"]
         return [f"Quote: {self.quote.cited()}", "From the quote: " + ", ".join(self.grounded) if self.grounded
                 else "Check this answer: none of its words comes from the quote"]
-
-
-class QuestionError(ValueError):
-    """A question ``ask`` refuses; ``field`` says what is wrong: "empty", "text" (not Unicode),
-    "seed", "stop" or "role"."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) -> None:
-    """Raise ``QuestionError`` for what ``ask`` cannot answer: an empty question, one longer
-    than a turn (``MAX_TURN_CHARS``), one that is no Unicode text, a seed outside
-    0..2**64 - 1, an empty stop string (a server checks a request here before it answers)."""
-    if not question.strip():
-        raise QuestionError("empty", "the question is empty")
-    if len(question) > MAX_TURN_CHARS:
-        raise QuestionError("text", f"the message is {len(question):,} characters long, over the {MAX_TURN_CHARS:,} of "
-                            "one turn: send it in parts, or build the text into a memory (`landmark-memory build`)")
-    try:
-        question.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")
-        raise QuestionError("text", f"the question is not valid text: {question[e.start:e.end]!r} at character "
-                            f"{e.start} is no Unicode character (text must be UTF-8)") from None
-    if not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise QuestionError("seed", f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise QuestionError("stop", f"stop strings must be non-empty strings, got {list(stop)!r}")
 
 
 def ask(mem: LandmarkMemory, tokenizer, question: str, **options) -> Answer:

@@ -19,6 +19,7 @@ passages are the fusion of the heads' ranking and the text index's (``fuse``).
 """
 
 import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -253,7 +254,9 @@ ASKING = frozenset("name named called many much kind sort old age year long far"
 
 
 def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
+    """The words of ``text``, lower case, its composed form first (NFC: a letter and the accent
+    typed after it, "o\u0308", are one letter, "\u00f6", not a word cut in two)."""
+    return re.findall(r"\w+", unicodedata.normalize("NFC", text).lower())
 
 
 def own_words(text: str) -> list[str]:

@@ -14,7 +14,8 @@ from ..format.directory import MemoryDir
 from ..format.errors import NoMemoryError
 from ..format.manifest import TOKENS, Manifest, MemoryFileError
 from ..format.session_files import committed_starts, committed_turns, list_sessions, sessions_folder
-from ..format.text_index import index_state
+from ..format.text_file import index_state
+from ..format.text_file import problems as text_index_problems
 from ..index import KINDS, derived_from_rows, index_from_bytes
 from ..storage import StoreDamagedError, open_store
 
@@ -96,8 +97,9 @@ class VerifyReport:
 
 def verify(path: str | Path) -> VerifyReport:
     """Check the memory at ``path``: manifest, state file (size, checksum, contents), row
-    files (length, CRC-32), every landmark index (readable, one key per block) and every
-    block of the store (present, CRC-32 where the memory keeps them)."""
+    files (length, CRC-32), every landmark index (readable, one key per block), every
+    block of the store (present, CRC-32 where the memory keeps them) and the text index its
+    seal vouches for (``text_index.problems``: FTS5's integrity-check, its rows the blocks')."""
     report, d = VerifyReport(), MemoryDir(path, writable=False)
     try:
         manifest, state = d.read_commit()
@@ -126,6 +128,9 @@ def verify(path: str | Path) -> VerifyReport:
             _check_store(d, manifest, report, packed)
     elif manifest.streams is not None:
         _check_store(d, manifest, report)
+    if manifest.session is None:  # (a session's turns are indexed in memory, never in a file)
+        tokens = None if rows is None else manifest.rows.decode_tokens(rows[TOKENS][0])[:, 0]  # (blocks, bs)
+        report.problems += text_index_problems(path, tokens)
     if manifest.session is not None:
         try:
             committed_turns(d, manifest)

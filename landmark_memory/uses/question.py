@@ -1,5 +1,6 @@
-"""A question read into a memory: what its tokens search the memory with, which of them are
-the question's own, and the blocks a question reader ranks first (``answer.converse`` reads a
+"""A question read into a memory: whether it can be asked (``check_question``, for ``ask``,
+``search`` and the server alike), what its tokens search the memory with, which of them are the
+question's own, and the blocks a question reader ranks first (``answer.converse`` reads a
 question through these; ``evidence.py`` scores it with retrieval heads; experiments and
 ``choose_heads.py`` record what a question reads).
 """
@@ -8,7 +9,37 @@ from collections.abc import Sequence
 
 import torch
 
+from ..core.names import MAX_TURN_CHARS
 from ..models.reader import QuestionReader, head_attention, standardised
+
+
+class QuestionError(ValueError):
+    """A question ``ask`` refuses; ``field`` says what is wrong: "empty", "text" (not Unicode),
+    "seed", "stop" or "role"."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) -> None:
+    """Raise ``QuestionError`` for what ``ask`` cannot answer: an empty question, one longer
+    than a turn (``MAX_TURN_CHARS``), one that is no Unicode text, a seed outside
+    0..2**64 - 1, an empty stop string (a server checks a request here before it answers)."""
+    if not question.strip():
+        raise QuestionError("empty", "the question is empty")
+    if len(question) > MAX_TURN_CHARS:
+        raise QuestionError("text", f"the message is {len(question):,} characters long, over the {MAX_TURN_CHARS:,} of "
+                            "one turn: send it in parts, or build the text into a memory (`landmark-memory build`)")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (a command line's undecodable bytes, JSON's "\ud800")
+        raise QuestionError("text", f"the question is not valid text: {question[e.start:e.end]!r} at character "
+                            f"{e.start} is no Unicode character (text must be UTF-8)") from None
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise QuestionError("seed", f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise QuestionError("stop", f"stop strings must be non-empty strings, got {list(stop)!r}")
 
 
 @torch.no_grad()

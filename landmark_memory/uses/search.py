@@ -12,22 +12,29 @@ for as long as it holds the memory.
 import math
 import re
 import time
+import unicodedata
+import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
 from ..core.tokenizer import encode_prompt, special_ids
 from ..format.manifest import MemoryFileError
-from ..format.text_index import TextIndex
+from ..format.text_index import TextIndex, TextIndexError
 from ..memory.engine import LandmarkMemory
 from ..models.kinds import tokenizer_digest
 from .evidence import Quote, Ranking, own_words, stem
 from .evidence import point as point_heads
-from .question import question_tokens, search_states
+from .question import check_question, question_tokens, search_states
 
 # the text index's top blocks that join a question's candidates and its fusion (experiments/exp_search.py)
 TEXT_CANDIDATES = 20
+# the question's own words the text index is asked for, its first ones: a query grows faster than its words
+ASKED_WORDS = 64
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,10 @@ def passage(mem: LandmarkMemory, block: int, tokenizer, share: float) -> Passage
 
 def snippet(text: str, question: str, width: int = 100) -> str:
     """About ``width`` characters of ``text`` (white space folded) around the first place it holds
-    one of ``question``'s own words (a word's first letters, so that "shoes" finds "shoe"), else
-    its opening."""
-    text = " ".join(text.split())
-    hits = [m.start() for w in own_words(question) if (m := re.search(rf"\b{re.escape(stem(w))}", text, re.I))]
+    one of ``question``'s asked words (``asked_words``; a word's first letters, so that "shoes"
+    finds "shoe"), else its opening."""
+    text = " ".join(unicodedata.normalize("NFC", text).split())  # (as ``own_words`` reads the question)
+    hits = [m.start() for w in asked_words(question) if (m := re.search(rf"\b{re.escape(stem(w))}", text, re.I))]
     at = max(min(hits, default=0) - width // 3, 0)
     cut = text[at:at + width]
     return ("..." if at else "") + cut + ("..." if at + width < len(text) else "")
@@ -111,14 +118,15 @@ def _rows(mem: LandmarkMemory, first: int, last: int) -> np.ndarray:
     return mem.tokens(0, first, last).reshape(-1, mem.shape.block_size)  # (last - first, bs)
 
 
-def keep_text_index(mem: LandmarkMemory, tokenizer, quiet: bool = False) -> int:
+def keep_text_index(mem: LandmarkMemory, tokenizer, quiet: bool = False, check: bool = False) -> int:
     """Bring the text index in a saved memory's folder up to its committed blocks and seal it
     (its writer's call, after a commit: ``build``, a corpus's additions, ``landmark-memory
-    index``). Returns the blocks it added."""
+    index``, which ``check``s it first and builds it again where it is damaged). Returns the
+    blocks it added."""
     if mem.dir is None or mem.readonly:
         raise ValueError("only a saved memory's writer keeps its text index; open it without readonly=True")
     n = mem.manifest.blocks
-    with TextIndex.open(mem.dir.path, tokenizer_digest(tokenizer), writable=True) as index:
+    with TextIndex.open(mem.dir.path, tokenizer_digest(tokenizer), writable=True, check=check) as index:
         return index.sync(_rows(mem, 0, n), set(special_ids(tokenizer)), _decoder(tokenizer), quiet=quiet)
 
 
@@ -139,27 +147,49 @@ def _memory_index(mem: LandmarkMemory, tokenizer, n: int) -> tuple[TextIndex, in
     return own, base
 
 
+def _asked(mem: LandmarkMemory, tokenizer, n: int, query: Callable[[TextIndex, int], T]) -> tuple[T, int]:
+    """(``query(index, base)``, ``base``): the memory's text index and the blocks of its first
+    ``n`` that it holds, as ``_memory_index`` gives them, asked; where the index's file proves
+    damaged as it is read, the index is built again in memory (a warning says so) and asked again."""
+    try:
+        own, base = _memory_index(mem, tokenizer, n)
+        return query(own, base), base
+    except TextIndexError as e:
+        kept = _OPEN[mem]
+        warnings.warn(f"{e}; searching a copy built in memory meanwhile", RuntimeWarning, stacklevel=3)
+        kept.pop("memory").close()
+        kept["memory"] = TextIndex.in_memory(kept["digest"])
+        own, base = _memory_index(mem, tokenizer, n)
+        return query(own, base), base
+
+
+def asked_words(question: str) -> list[str]:
+    """The words of ``question`` the text index is asked for: its own (``own_words``), the
+    first ``ASKED_WORDS`` of them."""
+    return own_words(question)[:ASKED_WORDS]
+
+
 def word_rarity(mem: LandmarkMemory, tokenizer, question: str, n: int) -> dict[str, float]:
-    """{word: its rarity} for ``question``'s own words: BM25's inverse document frequency,
-    ``log(1 + (N - df + 0.5) / (df + 0.5))`` of the ``df`` of the memory's first ``n`` blocks
-    (``N``, a session's turns aside) that hold it; what the quote weighs its words by."""
-    words = own_words(question)
+    """{word: its rarity} for ``question``'s asked words (``asked_words``): BM25's inverse
+    document frequency, ``log(1 + (N - df + 0.5) / (df + 0.5))`` of the ``df`` of the memory's
+    first ``n`` blocks (``N``, a session's turns aside) that hold it; what the quote weighs its
+    words by (a word past them weighs 1)."""
+    words = asked_words(question)
     if not words or n == 0:
         return {}
-    index, base = _memory_index(mem, tokenizer, n)
-    return {w: math.log(1 + (base - df + 0.5) / (df + 0.5)) for w, df in index.frequencies(words, base).items()}
+    counts, base = _asked(mem, tokenizer, n, lambda index, base: index.frequencies(words, base))
+    return {w: math.log(1 + (base - df + 0.5) / (df + 0.5)) for w, df in counts.items()}
 
 
 def text_ranking(mem: LandmarkMemory, tokenizer, question: str, n: int, k: int = TEXT_CANDIDATES
                  ) -> list[tuple[int, float]]:
     """The ``k`` of the memory's first ``n`` blocks the text index ranks first for
-    ``question``'s own words (BM25), as (block, score), best first."""
-    words = own_words(question)
+    ``question``'s asked words (``asked_words``; BM25), as (block, score), best first."""
+    words = asked_words(question)
     if not words or n == 0:
         return []
-    own, base = _memory_index(mem, tokenizer, n)
+    found, base = _asked(mem, tokenizer, n, lambda index, base: index.search(words, k, base))
     kept, a = _OPEN[mem], mem.attachment
-    found = own.search(words, k, base)
     if n > base:  # a session's turns, after the memory's blocks
         turns = kept.get("session")
         if turns is None or turns[0]() is not a.owner:  # (held weakly: a session holds its memory)
@@ -178,9 +208,11 @@ def search(mem: LandmarkMemory, tokenizer, question: str, *, k: int = 5) -> Foun
     alone. The question is read into the memory as ``ask`` reads it; a read-only memory is
     rewound after it.
 
-    Raises ``ValueError`` for an empty question or ``k`` < 1."""
-    if not question.strip() or k < 1:
-        raise ValueError(f"search needs a question with words in it and k >= 1, got {question!r} and k={k}")
+    Raises ``QuestionError`` (a ``ValueError``) for a question ``ask`` would refuse
+    (``check_question``: empty, too long, no Unicode text), ``ValueError`` for ``k`` < 1."""
+    check_question(question)
+    if k < 1:
+        raise ValueError(f"search needs k >= 1, got k={k}")
     t0, n = time.perf_counter(), mem.n_blocks
     text = text_ranking(mem, tokenizer, question, n)
     heads = getattr(mem.model, "evidence_heads", None)
