@@ -4,6 +4,8 @@ written beside; damaged pages are searched around, found by ``verify`` and built
 ``landmark-memory index``; search checks its question as ``ask`` does; NFC and NFD spellings
 find the same passages; a folder in the index's place stops a build before it reads."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -15,6 +17,8 @@ import warnings
 import numpy as np
 import pytest
 from helpers import damage_segments, rewrite_index
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer, search
 from landmark_memory.app.cli import main
@@ -51,6 +55,7 @@ RECURSIVE = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r)"
 HOSTILE = {
     "a NULL in meta": NULL_META,
     "a count that is no number": ["UPDATE meta SET value = '1e9' WHERE key = 'blocks'"],
+    "text that is no UTF-8": ["UPDATE meta SET value = CAST(x'ff8b' AS TEXT) WHERE key = 'digest'"],  # (fuzzing)
     "a recursive view named meta": ["DROP TABLE meta", f"CREATE VIEW meta(key, value) AS {RECURSIVE} "
                                                        "SELECT 'blocks', i FROM r WHERE i < 0"],
     "a view whose rows never end": ["DROP TABLE meta", f"CREATE VIEW meta(key, value) AS {RECURSIVE} "
@@ -195,3 +200,47 @@ def test_a_writer_whose_rename_fails_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError):
         index.close()
     assert [p.name for p in tmp_path.iterdir()] == [TEXT_INDEX]
+
+
+PAGE = 4096  # SQLite's page
+
+
+def _run(argv):
+    """(exit status, stdout, stderr) of the command ``argv`` run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), how=st.sampled_from(["flip", "truncate", "zero a page"]))
+@pytest.mark.slow
+def test_a_sealed_index_damaged_anywhere_is_answered_around_and_built_again_by_index(corpus, tmp_path_factory, data,
+                                                                                     how):
+    path = copy_of(corpus, tmp_path_factory.mktemp("fuzz"), sealed=False)
+    f = path / TEXT_INDEX
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        if how == "truncate":
+            fh.truncate(data.draw(st.integers(0, size - 1)))
+        elif how == "flip":
+            fh.seek(at := data.draw(st.integers(0, size - 1)))
+            old = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([old[0] ^ 0xFF]))
+        else:
+            fh.seek(PAGE * data.draw(st.integers(0, (size - 1) // PAGE)))
+            fh.write(bytes(PAGE))
+    seal_index(f)  # (damage beneath the seal: the index is read as it lies)
+    for argv in (["info", path], ["info", path, "--verify"], ["search", path, "the treasure map"],
+                 ["ask", path, "The captain said", "--max-new-tokens", "1", "--raw"]):
+        rc, out, err = _run(argv)
+        assert rc in (0, 2) and "Traceback" not in err, (argv, rc, err)
+        if argv[0] in ("search", "ask"):  # answered (around damage it met: one line of warning)
+            assert rc == 0 and len(err.strip().splitlines()) <= 1, (argv, err)
+        elif rc == 2:
+            assert "--verify" in argv and "text index" in out, (argv, out, err)
+    assert _run(["index", path])[0] == 0
+    assert _run(["info", path, "--verify"])[0] == 0
+    assert found(path, "the treasure map") == found(corpus, "the treasure map")

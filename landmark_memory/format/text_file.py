@@ -131,7 +131,7 @@ def _checked(path: Path) -> tuple[sqlite3.Connection, dict[str, str]]:
     db.set_progress_handler(lambda: next(steps) >= READ_STEPS, STEPS)  # (a true value ends the statement)
     try:
         meta = read_meta(db) if _schema_rows(db) == _schema() else None
-    except (sqlite3.Error, TextIndexError) as e:
+    except (sqlite3.Error, TextIndexError, UnicodeDecodeError) as e:  # (text the file holds is not UTF-8)
         db.close()
         raise TextIndexError(f"{path} cannot be read as a text index ({e})") from None
     if meta is None:
