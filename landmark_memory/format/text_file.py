@@ -79,7 +79,7 @@ def create(db: sqlite3.Connection, digest: str) -> None:
 
 def _schema_rows(db: sqlite3.Connection) -> set[tuple]:
     return set(db.execute(f"SELECT type, name, tbl_name, substr(sql, 1, {MAX_SQL_CHARS}) FROM sqlite_master "
-                          f"LIMIT {MAX_SCHEMA_ROWS + 1}"))
+                          f"LIMIT {MAX_SCHEMA_ROWS}"))
 
 
 @functools.cache
