@@ -3,9 +3,8 @@ the checks before anything reads it, its damage, and what ``info`` and ``verify`
 (``text_index.py`` holds the index itself).
 
 A writer seals the file when it lets it go: ``text.seal.json`` holds the file's status then
-(size, device, inode, modification and change times, as ``format/seals.py``). Only an index
-whose status is still its seal's is read as it lies; one copied in from elsewhere, changed
-since, or left by a crash is built again.
+(size, device, inode, modification and change times, as ``format/seals.py``), which a copied or
+changed file no longer has (what follows from that is ``text_index.py``'s).
 
 A file is read as an index only once it is found to be one: an SQLite file in rollback-journal
 mode (one in write-ahead-log mode would make a mere reader create files beside it), its tables

@@ -99,7 +99,7 @@ def verify(path: str | Path) -> VerifyReport:
     """Check the memory at ``path``: manifest, state file (size, checksum, contents), row
     files (length, CRC-32), every landmark index (readable, one key per block), every
     block of the store (present, CRC-32 where the memory keeps them) and the text index its
-    seal vouches for (``text_index.problems``: FTS5's integrity-check, its rows the blocks')."""
+    seal vouches for (``text_file.problems``: FTS5's integrity-check, its rows the blocks')."""
     report, d = VerifyReport(), MemoryDir(path, writable=False)
     try:
         manifest, state = d.read_commit()
