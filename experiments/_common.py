@@ -237,13 +237,19 @@ def top_k_label(name, top_k):
 
 
 def load_smollm2(adapter=None):
-    """``(model, tokenizer)``: SmolLM2 with the LoRA landmark adapter in the folder ``adapter``,
-    or the base model (None), in eval mode, its tokenizer a ``hf.TextTokenizer``."""
+    """A ``LoadedModel``: SmolLM2 with the LoRA landmark adapter in the folder ``adapter`` (its
+    ``AskPolicy`` and question reader; no retrieval heads, which an experiment sets where it
+    measures them), or the base model (None), in eval mode, its tokenizer a ``hf.TextTokenizer``."""
+    from landmark_memory.models.hf.lora import adapter_asking
     from landmark_memory.models.hf.smollm2 import load_base, load_landmark
     from landmark_memory.models.hf.tokenizer import TextTokenizer
+    from landmark_memory.models.loaded import LoadedModel
 
     model, hf_tok = load_base() if adapter is None else load_landmark(adapter)
-    return model.eval(), TextTokenizer(hf_tok)
+    if adapter is None:
+        return LoadedModel(model.eval(), TextTokenizer(hf_tok))
+    policy, reader = adapter_asking(model, adapter)
+    return LoadedModel(model.eval(), TextTokenizer(hf_tok), reader=reader, policy=policy)
 
 
 def suite_main(doc, name, lengths, run, report, argv=None, extra=None):

@@ -124,12 +124,13 @@ def is_right(answer, words):
 
 
 @torch.no_grad()
-def ask_in_memory(model, tok, case, passages=3, memory=None):
+def ask_in_memory(loaded, case, passages=3, memory=None):
     """``case``'s question asked of a fresh memory of its text (``memory``: its ``MemoryOptions``,
     None for the defaults): (the ``Answer`` with its ``passages`` most read, every block
     it read for None; the blocks the memory held before the question)."""
+    model = loaded.model
     with LandmarkMemory(model, memory) as mem:
         mem.forward(torch.tensor([case.ids]), logits="none")
         n_blocks = mem.n_blocks
-        return ask(mem, tok, case.question, max_new_tokens=ASK_NEW,
+        return ask(mem, loaded, case.question, max_new_tokens=ASK_NEW,
                    passages=n_blocks if passages is None else passages), n_blocks

@@ -69,7 +69,8 @@ def finish(proc: subprocess.Popen, t0: float) -> dict:
 
 def ingest(model_name: str, n_docs: int, n_tokens: int, work: Path) -> list[dict]:
     """tokens/s of each build configuration over the same documents, in this order."""
-    _, tok = load_model(MODELS[model_name])
+    loaded = load_model(MODELS[model_name])
+    _, tok = loaded.model, loaded.tokenizer
     docs = write_documents(tok, work / f"docs-{model_name}", n_docs, n_tokens)
     model = MODELS[model_name]
     configs = [("plain build, 2 cores, spinning OpenMP waits (before)", [], None, SPINNING),
@@ -94,7 +95,8 @@ def ingest(model_name: str, n_docs: int, n_tokens: int, work: Path) -> list[dict
 
 def documents(counts: list[int], n_tokens: int, work: Path) -> list[dict]:
     """Per number of documents: building, opening, a decoding step and an ask."""
-    model, tok = load_model(None)
+    loaded = load_model(None)
+    model, tok = loaded.model, loaded.tokenizer
     prompt = torch.tensor([tok.encode("The pass key is the school that the author founded in Alabama, and").ids])
     built = {}
     for n in counts:

@@ -43,13 +43,14 @@ def models(args):
         torch.manual_seed(0)  # decoding costs the same with untrained weights
         model = LandmarkGPT(LandmarkConfig.for_tokenizer(**SHAPES[args.shape])).eval()
         return model, load_tokenizer(), gpt_kv_cache(model)
-    model, tok = load_model(args.model, "cpu")
+    loaded = load_model(args.model, "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     if isinstance(model, LandmarkGPT):
         return model, tok, gpt_kv_cache(model)
     baseline = args.baseline or BASELINES.get(args.model)
     if baseline is None:
         raise SystemExit(f"--baseline: the plain Hugging Face model {args.model} was converted from")
-    return model, tok, hf_dynamic_cache(load_model(baseline, "cpu")[0])
+    return model, tok, hf_dynamic_cache(load_model(baseline, "cpu").model)
 
 
 def gpt_kv_cache(model):

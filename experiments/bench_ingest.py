@@ -138,7 +138,8 @@ def main(argv=None):
     ap.add_argument("--growth", help="memory sizes in tokens, e.g. 8192,131072,1048576 (instead of the table)")
     ap.add_argument("--span", type=int, default=8192, help="tokens timed at each growth point (default 8192)")
     args = ap.parse_args(argv)
-    model, tok = load_model(args.model, "cpu")
+    loaded = load_model(args.model, "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     n = max(map(int, args.growth.split(","))) + args.span if args.growth else args.tokens
     ids = book_tokens(tok, n, Path(args.data))
     params = sum(p.numel() for p in model.parameters())

@@ -131,7 +131,8 @@ def served(memory: Path, shares: int) -> dict:
     from landmark_memory.models.kinds import load_model
     from landmark_memory.uses.answer import ask
 
-    model, tok = load_model(None)
+    loaded = load_model(None)
+    model = loaded.model
     torch.set_num_threads(1)  # as each share: the front and the shares share 2 cores
     out, answers = {}, {}
     group = Shares(memory, None, shares, threads=1)
@@ -143,7 +144,7 @@ def served(memory: Path, shares: int) -> dict:
             times = []
             for i, q in enumerate([QUESTIONS[0]] + QUESTIONS):
                 t0 = time.perf_counter()
-                answers.setdefault(name, []).append(ask(mem, tok, q, max_new_tokens=8, raw=True))
+                answers.setdefault(name, []).append(ask(mem, loaded, q, max_new_tokens=8, raw=True))
                 times.append(time.perf_counter() - t0)
                 mem.rewind()
                 if i == 0:
@@ -186,7 +187,8 @@ def reading_ceiling(memory: Path, inputs: Path, n: int = 48, batch: int = 16) ->
     from landmark_memory.models.kinds import load_model
 
     set_threads(1)
-    model, tok = load_model(None)
+    loaded = load_model(None)
+    model, tok = loaded.model, loaded.tokenizer
     cfg = model.config
     with LandmarkMemory.open(memory, model, readonly=True) as corpus:
         options = corpus.options

@@ -26,7 +26,7 @@ from landmark_memory.uses.answer import ask
 KEEPS_RUNS = Manifest.keeps_runs
 
 
-def asked(path: str, model, tok, runs: bool) -> tuple[float, float, list[str]]:
+def asked(path: str, model, loaded, runs: bool) -> tuple[float, float, list[str]]:
     """(median seconds an ask, ivf search seconds an ask, the answers) of the memory read with
     its runs or through its lists alone."""
     Manifest.keeps_runs = KEEPS_RUNS if runs else property(lambda self: False)
@@ -41,7 +41,7 @@ def asked(path: str, model, tok, runs: bool) -> tuple[float, float, list[str]]:
         for i, q in enumerate([QUESTIONS[0]] + QUESTIONS):  # the first warms up
             before = sum(ix.search_seconds for ix in indexes)
             t0 = time.perf_counter()
-            a = ask(mem, tok, q, max_new_tokens=8, raw=True)
+            a = ask(mem, loaded, q, max_new_tokens=8, raw=True)
             if i:
                 times.append(time.perf_counter() - t0)
                 searched += sum(ix.search_seconds for ix in indexes) - before
@@ -56,11 +56,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    model, tok = load_model(None)
+    loaded = load_model(None)
+    model = loaded.model
     got = {True: [], False: []}
     for r in range(args.rounds):
         for runs in (False, True):
-            got[runs].append(asked(args.memory, model, tok, runs))
+            got[runs].append(asked(args.memory, model, loaded, runs))
             ask_s, search_s, _ = got[runs][-1]
             print(f"round {r + 1}, {'runs' if runs else 'lists alone'}: ask {1e3 * ask_s:.1f} ms, "
                   f"ivf search {1e3 * search_s:.1f} ms an ask", flush=True)

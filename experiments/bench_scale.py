@@ -29,6 +29,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -122,7 +123,10 @@ def probe(args) -> None:
 
     torch.set_num_threads(args.threads)
     proc = psutil.Process()
-    model, tok = load_model(MODELS[args.models])
+    loaded = load_model(MODELS[args.models])
+    if not hasattr(loaded, "model"):  # (a version before ``LoadedModel``: model and tokenizer)
+        loaded = SimpleNamespace(model=loaded[0], tokenizer=loaded[1], asked=loaded[1])
+    model, tok, asked = loaded.model, loaded.tokenizer, getattr(loaded, "asked", loaded)
     rss0 = proc.memory_info().rss
     t0 = time.perf_counter()
     mem = LandmarkMemory.open(args.probe, model, readonly=True)
@@ -132,13 +136,13 @@ def probe(args) -> None:
         times = []
         for i, q in enumerate([QUESTIONS[0]] + QUESTIONS):  # the first warms up
             t0 = time.perf_counter()
-            ask(mem, tok, q, max_new_tokens=8, raw=True)
+            ask(mem, asked, q, max_new_tokens=8, raw=True)
             if i:
                 times.append(time.perf_counter() - t0)
             if hasattr(mem, "rewind"):  # a kept memory forgets each question (earlier versions cannot)
                 mem.rewind()
         out.update(ask_s=statistics.median(times), rss_ask_mb=proc.memory_info().rss / 2**20)
-        out.update(searched(mem, tok))
+        out.update(searched(mem, asked))
     mem.close()
     if args.append:
         doc, seals = Path(args.append), Path(args.probe) / "keys" / "seals.json"
@@ -159,7 +163,7 @@ def probe(args) -> None:
     print(json.dumps(out))
 
 
-def searched(mem, tok) -> dict:
+def searched(mem, asked) -> dict:
     """The median seconds of ``search`` (5 passages, nothing generated) and of the text index's
     query alone over the questions, after one to warm up; {} for a version without them."""
     try:
@@ -168,7 +172,8 @@ def searched(mem, tok) -> dict:
         return {}
     times = {"search_s": [], "text_query_s": []}
     for i, q in enumerate([QUESTIONS[0]] + QUESTIONS):
-        for key, run in (("search_s", lambda: search(mem, tok, q)),
+        tok = getattr(asked, "tokenizer", asked)
+        for key, run in (("search_s", lambda: search(mem, asked, q)),
                          ("text_query_s", lambda: text_ranking(mem, tok, q, mem.n_blocks))):
             t0 = time.perf_counter()
             run()
@@ -188,7 +193,8 @@ def read_speed(args) -> None:
     from landmark_memory.models.kinds import backbone_for, load_model
 
     torch.set_num_threads(args.threads)
-    model, tok = load_model(MODELS[args.models])
+    loaded = load_model(MODELS[args.models])
+    model, tok = loaded.model, loaded.tokenizer
     books = sorted(book_files(Path(args.books)), key=lambda f: -f.stat().st_size)
     ids, n = [], 0
     for f in books:
@@ -313,7 +319,7 @@ def main():
 
     rows, memories = [], []
     for model in models:  # every memory built first: nothing else runs while they are measured
-        _, tok = load_model(MODELS[model])
+        tok = load_model(MODELS[model]).tokenizer
         for size in args.sizes:
             inputs = work / f"{model}-{size}" / "inputs"
             write_inputs(books, inputs, SIZES[size], tok)

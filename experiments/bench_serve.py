@@ -41,7 +41,8 @@ def percentile(xs, q):
 
 
 def measure(name: str, n_tokens: int, args, work: Path) -> dict:
-    model, tok = load_model(MODELS[name])
+    loaded = load_model(MODELS[name])
+    model, tok = loaded.model, loaded.tokenizer
     docs = work / f"docs-{name}"
     docs.mkdir()
     (docs / "book.txt").write_text(tok.decode(tok.encode(strip_gutenberg(read_text(BOOK))).ids[:n_tokens]))
@@ -53,7 +54,7 @@ def measure(name: str, n_tokens: int, args, work: Path) -> dict:
     def library(q):
         t0 = time.perf_counter()
         with LandmarkMemory.open(path, model, readonly=True, cache_bytes=64 << 20) as mem:
-            a = ask(mem, tok, q, max_new_tokens=args.max_tokens)
+            a = ask(mem, loaded, q, max_new_tokens=args.max_tokens)
         return time.perf_counter() - t0, len(a.tokens)
 
     library(QUESTIONS[0])  # warm: compiled kernels, caches

@@ -35,6 +35,7 @@ from _common import PLANTED_FACTS, command_line, held_out_books, load_smollm2, m
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, load_tokenizer  # noqa: E402
 from landmark_memory.models.hf.smollm2 import ADAPTER_DIR, LANDMARK  # noqa: E402
+from landmark_memory.models.loaded import LoadedModel  # noqa: E402
 from landmark_memory.uses.answer import say  # noqa: E402
 from landmark_memory.uses.session import Session  # noqa: E402
 
@@ -68,18 +69,18 @@ def fillers(tok, ids, n_tokens=80):
         yield text[text.find(" ") + 1:text.rfind(" ")].replace("\n", " ")
 
 
-def timed_turn(session, tok, text, options):
+def timed_turn(session, loaded, text, options):
     t0 = time.perf_counter()
-    a = say(session, tok, text, **options)
+    a = say(session, loaded, text, **options)
     return time.perf_counter() - t0, a
 
 
-def ask_facts(session, tok, chat, options, rounds):
+def ask_facts(session, loaded, chat, options, rounds):
     """The five questions (clozes for a model without a chat template), a turn each, ``rounds``
     times: ``[(seconds, answer has the fact, a passage holds it, answer tokens)]``."""
     rows = []
     for (_, question, words), cloze in list(zip(FACTS, CLOZES)) * rounds:
-        seconds, a = timed_turn(session, tok, question if chat else cloze, options)
+        seconds, a = timed_turn(session, loaded, question if chat else cloze, options)
         rows.append((seconds, any(w.lower() in a.text.lower() for w in words),
                      any(any(w in p.text for w in words) for p in a.passages), len(a.tokens)))
     return rows
@@ -105,14 +106,15 @@ def full_attention_turn(base, tok, session, question, n_new):
 
 def run_model(args, name):
     smol = name == "smollm2"
-    model, tok = load_smollm2(ADAPTER_DIR) if smol else (LandmarkGPT.from_pretrained(), load_tokenizer())
+    loaded = load_smollm2(ADAPTER_DIR) if smol else LoadedModel(LandmarkGPT.from_pretrained(), load_tokenizer())
+    model, tok = loaded.model, loaded.tokenizer
     books = held_out_books(args.books)  # (bundled tokenizer ids: the text is decoded again below)
     btok = load_tokenizer()
     book_a, book_b = list(books[0][1]), list(books[1][1])
     path = corpus(args, name, LANDMARK if smol else None, book_a, btok)
     filler_ids = tok.encode(btok.decode(book_b[:200_000])).ids
     options = dict(raw=not smol, max_new_tokens=args.answer_tokens, passages=5)
-    base = load_smollm2(None)[0] if smol else None
+    base = load_smollm2(None).model if smol else None
     folder = path / "sessions" / "bench"
     if folder.exists():
         shutil.rmtree(folder)
@@ -120,15 +122,15 @@ def run_model(args, name):
     with LandmarkMemory.open(path, model, readonly=True) as mem:
         session = Session.open(mem, "bench")
         for fact, _, _ in FACTS:
-            say(session, tok, f"Remember this: {fact}" if smol else fact, **options)
+            say(session, loaded, f"Remember this: {fact}" if smol else fact, **options)
             turns += 1
         for checkpoint in args.checkpoints:
             while turns < checkpoint:
-                say(session, tok, next(filler), **options)
+                say(session, loaded, next(filler), **options)
                 turns += 1
                 if turns % 50 == 0:
                     print(f"{name}: {turns} turns, {session.n_tokens:,} session tokens", flush=True)
-            facts = ask_facts(session, tok, smol, options, args.rounds)
+            facts = ask_facts(session, loaded, smol, options, args.rounds)
             full = full_attention_turn(base, tok, session, FACTS[0][1], args.answer_tokens) if smol else (None, 0)
             rows.append({"turns": checkpoint, "tokens": session.n_tokens, "facts": facts, "full": full})
             turns += len(facts)
@@ -138,7 +140,7 @@ def run_model(args, name):
             session.close()
             t0 = time.perf_counter()
             session = Session.open(mem, "bench")
-            timed_turn(session, tok, FACTS[0][1] if smol else CLOZES[0], options)
+            timed_turn(session, loaded, FACTS[0][1] if smol else CLOZES[0], options)
             resumed.append(time.perf_counter() - t0)
         session.close()
     return rows, statistics.median(resumed)

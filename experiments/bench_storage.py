@@ -110,7 +110,8 @@ def main(argv=None):
     dtypes = args.dtypes.split(",")
     started, body = time.time(), []
     for name in args.models.split(","):
-        model, tok = load_model(MODELS[name], "cpu")
+        loaded = load_model(MODELS[name], "cpu")
+        model, tok = loaded.model, loaded.tokenizer
         ids = book_tokens(tok, max(args.lengths + [args.build_tokens + args.steps + 1]) + 1, HELD_OUT)
         fast = speeds(model, ids, dtypes, args)
         good = quality(model, tok, ids, dtypes, args)

@@ -41,15 +41,18 @@ from _texts import is_right
 from exp_evidence import SIZES, cases, memory_of
 from exp_natural import ASK_NEW, answers_in_context
 
+from landmark_memory.core.names import EVIDENCE
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.kinds import in_sequence_logits, load_model
 from landmark_memory.uses import answer as answering
-from landmark_memory.uses import evidence
+from landmark_memory.uses import evidence, retrievers
+from landmark_memory.uses.answering import heads as heads_policy
 from landmark_memory.uses.evidence import support
-from landmark_memory.uses.search import search, word_rarity
+from landmark_memory.uses.question import asked_words, word_rarity
+from landmark_memory.uses.search import search
 
 NAMES = {"base": "smollm2", "landmark": "smollm2-landmark"}  # the command line's names of the models
-WORDINGS = {  # the evidence turn (``answer.EVIDENCE_PROMPT``), chosen on the development half
+WORDINGS = {  # the evidence turn (``answering.heads.EVIDENCE_PROMPT``), chosen on the development half
     "from": 'From the text: "{evidence}"\n\n{question}',
     "plain": "{evidence}\n\n{question}",
     "passage": "Read this passage and answer the question from it.\n\nPassage: {evidence}\n\nQuestion: {question}",
@@ -57,7 +60,8 @@ WORDINGS = {  # the evidence turn (``answer.EVIDENCE_PROMPT``), chosen on the de
 
 
 def ask_step(args):
-    model, tok = load_model(NAMES[args.model], "cpu")
+    loaded = load_model(NAMES[args.model], "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     work = Path(args.work) / args.model
     state = Trials(work / "answers.json", args.command)
     none = unanswerable(args.split)
@@ -69,12 +73,12 @@ def ask_step(args):
         with LandmarkMemory.open(memory_of(model, work, key, ids), model, readonly=True) as m:
             bs = m.shape.block_size
             for policy, wording in [(p, w) for p in args.policies for w in (args.wordings if p != "none" else ["-"])]:
-                answering.EVIDENCE_PROMPT = WORDINGS.get(wording, answering.EVIDENCE_PROMPT)
+                heads_policy.EVIDENCE_PROMPT = WORDINGS.get(wording, heads_policy.EVIDENCE_PROMPT)
                 cell = f"{args.split}|{policy}|{wording}|{key}"
                 for i, (q, (a, b)) in enumerate(asked):
                     if i < len(state.cell(cell)):
                         continue
-                    got, took = asked_of(m, tok, q["question"], policy)
+                    got, took = asked_of(m, loaded, q["question"], policy)
                     blocks = list(range(a // bs, (b - 1) // bs + 1))
                     state.add(cell, {**got, "seconds": took, "recall5": any(p in blocks for p in got["passages"]),
                                      "right": is_right(got["answer"], q["words"]),
@@ -82,7 +86,7 @@ def ask_step(args):
                 for i, q in enumerate(unasked):  # the memory holds no answer: what does it say?
                     if i < len(state.cell("none-" + cell)):
                         continue
-                    got, took = asked_of(m, tok, q["question"], policy)
+                    got, took = asked_of(m, loaded, q["question"], policy)
                     state.add("none-" + cell, {**got, "seconds": took}, at=i)
                 rows = state.cell(cell)
                 print(f"{cell}: right {sum(r['right'] for r in rows)}/{len(rows)}, quoted "
@@ -122,8 +126,9 @@ def quotes_step(args):
     first blocks), per answerable question of ``args.split`` at each size: its text, its heads'
     score, the model's likelihood of the question after it (``likelihood``) and whether it
     holds the answer's words, with the question's words' rarity in the memory
-    (``search.word_rarity``); in ``DIR/MODEL/quotes.json``."""
-    model, tok = load_model(NAMES[args.model], "cpu")
+    (``question.word_rarity``); in ``DIR/MODEL/quotes.json``."""
+    loaded = load_model(NAMES[args.model], "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     work = Path(args.work) / args.model
     state = Trials(work / "quotes.json", args.command)
     seen = []
@@ -132,12 +137,12 @@ def quotes_step(args):
         seen[:] = evidence.sentences(mem, tokenizer, mass, blocks, best, n)
         return []
 
-    evidence.quotes = every
+    retrievers.quotes = every  # (as the heads retriever quotes)
     for key, ids, asked in cases(args, tok):
         asked = [q for q, span in asked if span is not None and q["split"] == args.split]
         cell = f"{args.split}|{key}"
         with LandmarkMemory.open(memory_of(model, work, key, ids), model, readonly=True) as m:
-            k = max(min(model.evidence_heads.blocks, m.options.top_k), 1)  # as ``ask`` pins and quotes
+            k = max(min(loaded.heads.blocks, m.options.top_k), 1)  # as ``ask`` pins and quotes
             for i, q in enumerate(asked):
                 done = state.cell(cell)[i] if i < len(state.cell(cell)) else None
                 if done and all("likelihood" in s for s in done["sentences"]):
@@ -148,9 +153,10 @@ def quotes_step(args):
                                                                                                 likely)]},
                               at=i, replace=True)
                     continue
-                search(m, tok, q["question"], k=k)
+                search(m, loaded, q["question"], k=k)
                 likely = likelihood(model, tok, q["question"], [s.text for s in seen])
-                state.add(cell, {"question": q["question"], "rarity": word_rarity(m, tok, q["question"], m.n_blocks),
+                rarity = word_rarity(m, tok, asked_words(q["question"]), m.n_blocks)
+                state.add(cell, {"question": q["question"], "rarity": rarity,
                                  "sentences": [{"text": s.text, "score": s.score, "likelihood": p,
                                                 "holds": is_right(s.text, q["words"])} for s, p in zip(seen, likely)]},
                           at=i)
@@ -164,12 +170,12 @@ def unanswerable(split):
     return json.loads(path.read_text())["unanswerable"]
 
 
-def asked_of(m, tok, question, policy):
+def asked_of(m, loaded, question, policy):
     """(what ``ask`` answered ``question`` from the read-only memory ``m`` with the evidence
     ``policy``, as a trial keeps it; seconds)."""
     m.rewind()
     t0 = time.perf_counter()
-    got = answering.ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5, evidence=policy, refuse=False)
+    got = answering.ask(m, loaded, question, max_new_tokens=ASK_NEW, passages=5, evidence=policy, refuse=False)
     took = time.perf_counter() - t0
     return {"question": question, "answer": got.text.strip(), "passages": [p.block for p in got.passages],
             "quote": got.quote and got.quote.text, "score": got.quote and got.quote.score, "support": got.support,
@@ -180,7 +186,8 @@ def asked_of(m, tok, question, policy):
 def baselines(args, state):
     """SmolLM2 as published without a memory: the 8K text whole in its context, then the
     question; and the sentence that answers, worded as each evidence turn, then the question."""
-    base, tok = load_model(NAMES["base"], "cpu")
+    loaded = load_model(NAMES["base"], "cpu")
+    base, tok = loaded.model, loaded.tokenizer
     for key, ids, asked in cases(argparse.Namespace(**{**vars(args), "sizes": [SIZES[0]]}), tok):
         asked = [q for q, span in asked if span is not None and q["split"] == args.split]
         if asked and len(state.cell(f"{args.split}|context|-|{key}")) < len(asked):
@@ -256,7 +263,8 @@ def signals(args):
     question's own words it holds: today's rule refuses at 0); and how much the quote raises the
     answer's likelihood (the mean over its tokens of log p(answer | quote and question) - log
     p(answer | question), SmolLM2 as published reading each as a chat turn, no memory)."""
-    base, tok = load_model(NAMES["base"], "cpu")
+    loaded = load_model(NAMES["base"], "cpu")
+    base, tok = loaded.model, loaded.tokenizer
 
     def logp(turn, answer):  # (n,): each answer token's log-probability after the turn
         ids = tok.encode(tok.chat_prompt(turn)).ids
@@ -361,7 +369,7 @@ def quote_report(args):
             "by the heads' score (their calibrated attention summed over the sentence's tokens) `** heads`, times "
             "`(support + floor) ** power`, support the share of the question's own words it holds (a word held "
             "where one of the sentence's words begins with its stem, `evidence.stem`), each word weighing its "
-            "rarity in the memory (BM25's inverse document frequency over its blocks, `search.word_rarity`) or "
+            "rarity in the memory (BM25's inverse document frequency over its blocks, `question.word_rarity`) or "
             "all alike; of the `candidates` best so, times the model's likelihood of the question after the sentence "
             "`** likelihood` (`likelihood`: the memory's own model as a reranker, reading \"Text: {sentence} "
             "Question: {question}\" with no memory, some 0.15 s a sentence on 2 CPU cores). The rule is chosen on "
@@ -416,7 +424,7 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", help="these books only")
     ap.add_argument("--split", default="dev", choices=["dev", "eval", "fusion"],
                     help="fusion: the development books' questions past their opening (the quotes step only)")
-    ap.add_argument("--policies", nargs="+", default=list(answering.EVIDENCE), choices=answering.EVIDENCE)
+    ap.add_argument("--policies", nargs="+", default=list(EVIDENCE), choices=EVIDENCE)
     ap.add_argument("--wordings", nargs="+", default=["from"], choices=sorted(WORDINGS))
     ap.add_argument("--baselines", action="store_true", help="and SmolLM2 as published without a memory")
     args = ap.parse_args(argv)

@@ -77,7 +77,8 @@ def block_keys(m, states):
     return out
 
 
-def rows_of(model, tok, folder, n_blocks, facts, keys, bs):
+def rows_of(loaded, folder, n_blocks, facts, keys, bs):
+    model = loaded.model
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True) as m:
         G, scale = m.backbone.n_head // m.shape.n_kv_head, m.shape.head_dim ** -0.5
@@ -86,7 +87,7 @@ def rows_of(model, tok, folder, n_blocks, facts, keys, bs):
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
             with m.inspection.choosing(qs.wrap):
-                ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0)
+                ask(m, loaded, question, max_new_tokens=ASK_NEW, passages=0)
             hits, counts = {}, {}
             for layer, q in enumerate(qs.layers):
                 q = torch.stack(q)  # (N, H, D) rotated where the queries sit; every block at slot 0
@@ -109,7 +110,8 @@ def rows_of(model, tok, folder, n_blocks, facts, keys, bs):
 
 def run(args):
     state = Trials(args.state, args.command)
-    model, tok = load_smollm2(None)
+    loaded = load_smollm2(None)
+    model, tok = loaded.model, loaded.tokenizer
     books = held_out(args.books, tok)
     for n in parse_lengths(args.lengths):
         for h in range(args.haystacks):
@@ -122,7 +124,7 @@ def run(args):
                     states = search_states(m, ids)  # the raw queries of every token, read into the memory
                     keys, n_blocks, bs = block_keys(m, states), m.n_blocks, m.shape.block_size
                     del states
-                rows = rows_of(model, tok, Path(tmp) / "m", n_blocks, facts, keys, bs)
+                rows = rows_of(loaded, Path(tmp) / "m", n_blocks, facts, keys, bs)
             state.add(key, {"haystack": h, "book": name, "rows": rows}, at=h)
             print(f"haystack {h} @{n}: " + ", ".join(
                 f"{s} hits {np.mean([r[s + ' hits'] for r in rows]):.1%} recall@5 "

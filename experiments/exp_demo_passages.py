@@ -1,5 +1,5 @@
 """The demo's question asked of the bundled model with the text index's first block read first
-(``answer.TEXT_BLOCKS`` = 1, the default) and without (0, as before): is the pass key's passage
+(``answering.plan.TEXT_BLOCKS`` = 1, the default) and without (0, as before): is the pass key's passage
 the first `ask` names, and is the answer still right?
 
     python experiments/exp_demo_passages.py --work DIR [--seeds 1,2,3,4,5,7]
@@ -22,6 +22,7 @@ from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.kinds import load_model
 from landmark_memory.training.data import read_text, strip_gutenberg
 from landmark_memory.uses import answer
+from landmark_memory.uses.answering import plan
 
 
 def main(argv=None):
@@ -30,9 +31,10 @@ def main(argv=None):
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4, 5, 7])
     ap.add_argument("--results", default=None, help="where demo_passages.md goes (default experiments/results)")
     args = ap.parse_args(argv)
-    model, tok = load_model(None)
+    loaded = load_model(None)
+    model, tok = loaded.model, loaded.tokenizer
     book = strip_gutenberg(read_text(demo.SAMPLE_BOOK))
-    rows, shipped = [], answer.TEXT_BLOCKS
+    rows, shipped = [], plan.TEXT_BLOCKS
     for seed in args.seeds:
         rng = random.Random(seed)  # as the demo draws them: the key, then where it goes
         key = rng.randint(1, demo.MAX_KEY)
@@ -44,13 +46,13 @@ def main(argv=None):
             with LandmarkMemory(model, path=work / "memory", store="lmdb", documents=True) as mem:
                 build(mem, read_inputs([work / "book.txt"]), tok, progress=False)
         for blocks in (0, shipped):
-            answer.TEXT_BLOCKS = blocks
+            plan.TEXT_BLOCKS = blocks
             with LandmarkMemory.open(work / "memory", model, readonly=True) as mem:
-                a = answer.ask(mem, tok, demo.QUESTION, raw=True, max_new_tokens=8, passages=mem.n_blocks)
+                a = answer.ask(mem, loaded, demo.QUESTION, raw=True, max_new_tokens=8, passages=mem.n_blocks)
             rank = next((i + 1 for i, p in enumerate(a.passages) if str(key) in p.text), None)
             rows.append((seed, depth, blocks, a.text, str(key) in a.text, rank, len(a.passages)))
             print(rows[-1], flush=True)
-    answer.TEXT_BLOCKS = shipped
+    plan.TEXT_BLOCKS = shipped
     body = ["The bundled model has no retrieval heads and no question reader: `ask` now reads first the block the "
             "memory's text index ranks first for the question's words, and names it first. The demo's question "
             f"({demo.QUESTION.strip()!r}), its book and pass key as `landmark-memory demo --seed S` makes them.", "",

@@ -126,10 +126,11 @@ def part_ruler(args, model, tok, books):
                         "text.")
 
 
-def ask_row(model, tok, case):
+def ask_row(loaded, case):
     """``exp_realtext``'s ``ask`` trial ``case`` with every block the answer read, ranked."""
+    model = loaded.model
     blocks = spanned_blocks(*case.fact, model.config.landmark_block_size)
-    got, n_blocks = ask_in_memory(model, tok, case, passages=None)
+    got, n_blocks = ask_in_memory(loaded, case, passages=None)
     read = [p.block for p in got.passages]
     rank = "local" if blocks[0] >= n_blocks else next((i + 1 for i, b in enumerate(read) if b in blocks), None)
     return {"book": case.book, "depth": case.depth, "question": case.question, "answer": got.text.strip(),
@@ -138,10 +139,11 @@ def ask_row(model, tok, case):
             "edge": sum(p.share for p in got.passages if p.block == 0 or p.block >= n_blocks - 3)}
 
 
-def part_ask(args, model, tok, books):
+def part_ask(args, loaded, books):
+    model, tok = loaded.model, loaded.tokenizer
     rows = []
     for t in range(args.trials):
-        rows.append(ask_row(model, tok, ask_case(tok, books, args.length, trial_rng(args.seed, "ask", args.length, t))))
+        rows.append(ask_row(loaded, ask_case(tok, books, args.length, trial_rng(args.seed, "ask", args.length, t))))
         r = rows[-1]
         print(f"trial {t}: {r['question']} {r['answer'][:50]!r} right {r['right']}, fact's block rank {r['rank']} "
               f"({r['share']:.1%} of the lookups), first and last blocks {r['edge']:.0%}", flush=True)
@@ -198,7 +200,8 @@ def plant(text, tok, n_tokens):
 
 
 @torch.no_grad()
-def part_questions(args, model, tok, books):
+def part_questions(args, loaded, books):
+    model, tok = loaded.model, loaded.tokenizer
     name, path, _ = books[0]
     ids, offsets = plant(read_text(path)[3000:], tok, args.question_tokens)  # past the Gutenberg front matter
     body = [f"## Natural questions over the first {len(ids):,} tokens of {name}", "",
@@ -217,7 +220,7 @@ def part_questions(args, model, tok, books):
         for (sentence, question, expect), at in zip(FACTS, offsets):
             fact_blocks = list(range(at // bs, (at + len(tok.encode(sentence).ids)) // bs + 1))
             with LandmarkMemory.open(Path(tmp) / "m", model, readonly=True) as m:
-                got = ask(m, tok, question, max_new_tokens=24, passages=20)
+                got = ask(m, loaded, question, max_new_tokens=24, passages=20)
             with LandmarkMemory.open(Path(tmp) / "m", model, readonly=True) as m:
                 out = m.forward(torch.tensor([tok.encode(tok.chat_prompt(question)).ids]), logits="last")
             _, layers = key_hits(out.retrieved, [-1], fact_blocks)
@@ -258,17 +261,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     started, specs, body = time.time(), adapter_specs(args.adapters), []
     for name, folder in specs:
-        model, tok = load_smollm2(folder)
+        loaded = load_smollm2(folder)
+        model, tok = loaded.model, loaded.tokenizer
         books = held_out(args.books, tok)
         part = []
         if "questions" in args.parts:
-            part += part_questions(args, model, tok, [b for b in books if "bovary" in b[0]] or books)
+            part += part_questions(args, loaded, [b for b in books if "bovary" in b[0]] or books)
         if "passkey" in args.parts:
             part += part_passkey(args, model, tok, books)
         if "ruler" in args.parts:
             part += part_ruler(args, model, tok, books)
         if "ask" in args.parts:
-            part += part_ask(args, model, tok, books)
+            part += part_ask(args, loaded, books)
         if len(specs) > 1:  # each adapter's sections under its name
             part = [f"## Adapter {name}", ""] + [("#" + line if line.startswith("## ") else line) for line in part]
         body += part

@@ -28,6 +28,7 @@ import argparse
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +42,12 @@ from safetensors.torch import save_file
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.heads import question_prompt
+from landmark_memory.models.loaded import LoadedModel
 from landmark_memory.models.reader import head_attention
 from landmark_memory.training.data import read_text
 from landmark_memory.uses.evidence import prompt_weights, token_attention
-from landmark_memory.uses.question import question_tokens, search_states
+from landmark_memory.uses.question import Question, question_tokens, search_states
+from landmark_memory.uses.retrievers import HeadsRetriever, ReaderRetriever
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "natural_questions_2.json"
 FUSION = Path(__file__).resolve().parent / "fixtures" / "fusion_questions.json"  # (exp_search.py chooses on them)
@@ -52,7 +55,7 @@ SIZES = (8064, 32256)  # 128 and 512 blocks of 63
 
 
 def load_model(name):
-    """(model, tokenizer) for ``--model``."""
+    """The ``LoadedModel`` of ``--model``."""
     if name == "landmark":
         return load_smollm2(str(ROOT / "landmark_memory/assets/smollm2-landmark"))
     if name == "base":
@@ -62,7 +65,7 @@ def load_model(name):
     from landmark_memory.models.hf.tokenizer import TextTokenizer
 
     model, tok = load()
-    return model, TextTokenizer(tok)
+    return LoadedModel(model, TextTokenizer(tok))
 
 
 def questions(split=None):
@@ -85,6 +88,11 @@ def prompt_of(tok, question):
     return enc.ids[:-1], question_tokens(enc.offsets[:-1], prompt, question)
 
 
+def read_as(m, ids, own):
+    """The question of the prompt ``ids`` (its own tokens at ``own``) read into the memory ``m``."""
+    return Question("", m.n_blocks, own=tuple(own), read_ids=len(ids), states=search_states(m, ids))
+
+
 @torch.no_grad()
 def record_question(m, tok, q, reader):
     """The tensors ``record`` keeps of one question asked of the read-only memory ``m``."""
@@ -103,9 +111,8 @@ def record_question(m, tok, q, reader):
                              for layer, (qq, _, cos, sin) in enumerate(got)], 1).flatten(1, 2)  # (2, L*H_kv, n)
     out = {"tokens": tokens.half(), "landmarks": landmarks}
     if reader is not None:
-        from landmark_memory.uses.question import point
         m.rewind()
-        out["reader"] = torch.tensor([v for _, v in sorted(point(m, *reader, ids, own, n))])
+        out["reader"] = torch.tensor([v for _, v in sorted(ReaderRetriever(m, reader).rank(read_as(m, ids, own), n))])
     return out, took
 
 
@@ -150,8 +157,8 @@ def memory_of(model, work, key, ids):
 
 
 def record(args):
-    model, tok = load_model(args.model)
-    reader = getattr(model, "question_reader", None)
+    loaded = load_model(args.model)
+    model, tok, reader = loaded.model, loaded.tokenizer, loaded.reader
     work = Path(args.work) / args.model
     (work / "rec").mkdir(parents=True, exist_ok=True)
     for key, ids, asked in cases(args, tok):
@@ -204,11 +211,11 @@ def choose_step(args):
 VARIANTS = {"landmark": ("stage9", "shipped", "heads"), "base": ("plain", "heads"), "gemma": ("plain", "heads")}
 
 
-def use_variant(model, variant, heads, reader):
-    """Set ``model`` to ask as ``variant`` does: ``stage9`` (no reader, no heads), ``shipped`` (the
+def variant_of(loaded, variant, heads):
+    """``loaded`` asking as ``variant`` does: ``stage9`` (no reader, no heads), ``shipped`` (the
     question reader), ``plain`` (a model as published), ``heads`` (the retrieval heads)."""
-    model.question_reader = reader if variant == "shipped" else None
-    model.evidence_heads = heads if variant == "heads" else None
+    return replace(loaded, reader=loaded.reader if variant == "shipped" else None,
+                   heads=heads if variant == "heads" else None)
 
 
 def ask_step(args):
@@ -220,8 +227,8 @@ def ask_step(args):
     from landmark_memory.models.heads import load_heads
     from landmark_memory.uses.answer import ask
 
-    model, tok = load_model(args.model)
-    reader = getattr(model, "question_reader", None)
+    loaded = load_model(args.model)
+    model, tok = loaded.model, loaded.tokenizer
     heads = load_heads(args.heads or Path(args.work) / args.model / "heads.json")
     state = Trials(Path(args.work) / args.model / "ask.json", args.command)
     work = Path(args.work) / args.model
@@ -232,14 +239,14 @@ def ask_step(args):
         with LandmarkMemory.open(memory_of(model, work, key, ids), model, readonly=True) as m:
             bs = m.shape.block_size
             for variant in VARIANTS[args.model][1:] if args.planted else VARIANTS[args.model]:  # (stage 9's: reader.md)
-                use_variant(model, variant, heads, reader)
+                asking = variant_of(loaded, variant, heads)
                 cell = f"{variant}|{key}"
                 for i, (q, (a, b)) in enumerate(asked):
                     if i < len(state.cell(cell)):
                         continue
                     m.rewind()
                     t0 = time.perf_counter()
-                    got = ask(m, tok, q["question"], max_new_tokens=32, passages=5)
+                    got = ask(m, asking, q["question"], max_new_tokens=32, passages=5)
                     blocks = list(range(a // bs, (b - 1) // bs + 1))
                     state.add(cell, {"question": q["question"], "blocks": blocks, "seconds": time.perf_counter() - t0,
                                      "passages": [p.block for p in got.passages],
@@ -258,7 +265,8 @@ def heads_step(args):
     from landmark_memory.models.heads import save_heads
     from landmark_memory.uses.choose_heads import choose_heads, shipped_questions
 
-    model, tok = load_model(args.model)
+    loaded = load_model(args.model)
+    model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter()
     heads, how = choose_heads(model, tok, *shipped_questions(), tokens=args.tokens)
     save_heads(heads, Path(args.work) / args.model / "heads.json", chosen_by=how,
@@ -272,15 +280,14 @@ COST_BOOK = "345_dracula"
 def cost_step(args):
     """What pointing costs per question, by memory size (``--sizes`` tokens of ``COST_BOOK``, e.g.
     ``8064,32256,129024``):
-    the prompt read alone, then with the retrieval heads' token-level reading (``evidence.point``)
-    and with the shipped question reader (``question.point``), the median over the book's evaluation
+    the prompt read alone, then with the retrieval heads' token-level reading and quote
+    (``retrievers.HeadsRetriever``) and with the shipped question reader (``ReaderRetriever``), the
+    median over the book's evaluation
     questions, each after a warm-up; written to ``WORK/MODEL/cost.json``."""
     from landmark_memory.models.heads import load_heads
-    from landmark_memory.uses.evidence import point as point_heads
-    from landmark_memory.uses.question import point
 
-    model, tok = load_model(args.model)
-    reader = getattr(model, "question_reader", None)
+    loaded = load_model(args.model)
+    model, tok, reader = loaded.model, loaded.tokenizer, loaded.reader
     heads = load_heads(args.heads or Path(args.work) / args.model / "heads.json")
     text = encode(tok, read_text(Path(args.books) / f"{COST_BOOK}.txt"))
     asked = [q for q in questions("eval") if q["book"] == COST_BOOK]
@@ -299,9 +306,11 @@ def cost_step(args):
                     if what == "prompt":
                         search_states(m, ids)
                     elif what == "heads":
-                        point_heads(m, tok, heads, search_states(m, ids), own, nb, heads.blocks)
+                        by_heads, asked_now = HeadsRetriever(m, tok, heads), read_as(m, ids, own)
+                        best = by_heads.rank(asked_now, nb)[:heads.blocks]
+                        by_heads.quotes(asked_now, [b for b, _ in best])
                     else:
-                        point(m, *reader, ids, own, 4)
+                        ReaderRetriever(m, reader).rank(read_as(m, ids, own), 4)
                     if i:
                         times[what].append(time.perf_counter() - t0)
         out[n] = {k: float(np.median(v)) for k, v in times.items() if v}

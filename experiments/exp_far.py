@@ -37,14 +37,15 @@ from landmark_memory.uses.answer import ask
 WAYS = {"ivf-rows": {}, "flat": {"nprobe": 1 << 20}}  # nprobe is cut to the lists there are
 
 
-def question_rows(model, tok, folder, facts, options, bs):
+def question_rows(loaded, folder, facts, options, bs):
     """One row per fact of a haystack asked from its memory opened with ``options``."""
+    model = loaded.model
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True, **options) as m:
         for _, question, words, (a, b) in facts:
             m.rewind()
             blocks = list(range(a // bs, (b - 1) // bs + 1))
-            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5)
+            got = ask(m, loaded, question, max_new_tokens=ASK_NEW, passages=5)
             passages = [p.block for p in got.passages]
             rows.append({"question": question, "blocks": blocks, "passages": passages,
                          "recall5": any(p in blocks for p in passages), "answer": got.text.strip(),
@@ -54,7 +55,8 @@ def question_rows(model, tok, folder, facts, options, bs):
 
 def run(args):
     state = Trials(args.state, args.command)
-    model, tok = load_smollm2(args.adapter)
+    loaded = load_smollm2(args.adapter)
+    model, tok = loaded.model, loaded.tokenizer
     bs = model.config.landmark_block_size
     for n in parse_lengths(args.lengths):
         books = [b for b in held_out(args.books, tok) if len(b[2]) > n]
@@ -69,7 +71,7 @@ def run(args):
                 for w, options in WAYS.items():
                     if len(state.cell(f"questions|{n}|{w}")) == h:
                         t0 = time.perf_counter()
-                        rows = question_rows(model, tok, Path(tmp) / "m", facts, options, bs)
+                        rows = question_rows(loaded, Path(tmp) / "m", facts, options, bs)
                         state.add(f"questions|{n}|{w}", {"haystack": h, "book": name, "rows": rows}, at=h)
                         print(f"  {w}: recall@5 {np.mean([r['recall5'] for r in rows]):.0%}, right "
                               f"{np.mean([r['right'] for r in rows]):.0%} ({time.perf_counter() - t0:.0f} s)",

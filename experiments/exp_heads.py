@@ -67,11 +67,12 @@ def trained_books(books, tok):
     return [(f.stem, f, encode(tok, read_text(f))) for f in train]
 
 
-def haystack_rows(model, tok, ids, facts, folder, order=None):
+def haystack_rows(loaded, ids, facts, folder, order=None):
     """One row per fact in memory and the calibrated attention (n_layer, H_kv, n_blocks) of
     each: the rank of the fact's block per head; given the development ``order`` of the heads,
     its rank by the best ``COUNTS`` of them pooled and by every head pooled, and today's ``ask``
     (its five passages, its answer)."""
+    model, tok = loaded.model, loaded.tokenizer
     bs = model.config.landmark_block_size
     n_blocks = build(model, ids, folder)
     rows, attention = [], []
@@ -86,7 +87,7 @@ def haystack_rows(model, tok, ids, facts, folder, order=None):
                    "head_ranks": [[rank_of(a_h, blocks) for a_h in a_l] for a_l in att]}
             if order is not None:
                 m.rewind()
-                got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5)
+                got = ask(m, loaded, question, max_new_tokens=ASK_NEW, passages=5)
                 row |= {"ranks": {str(c): pooled_rank(att, order[:c], blocks) for c in COUNTS},
                         "every_rank": rank_of(att.sum((0, 1)), blocks),
                         "ask_recall5": any(p.block in blocks for p in got.passages), "ask_answer": got.text.strip(),
@@ -111,14 +112,15 @@ def best_heads(rows):
 
 def run(args):
     state = Trials(args.state, args.command)
-    model, tok = load_smollm2(args.adapter)
+    loaded = load_smollm2(args.adapter)
+    tok = loaded.tokenizer
     if not state.cell("heads"):  # the development questions, then the heads they choose
         books, rows, attention = trained_books(args.books, tok), [], []
         for h in range(args.dev_haystacks):
             name, ids, planted = haystack(tok, books, 8192, h, DEV_SEED, DEV_FACTS)
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
-                got, att = haystack_rows(model, tok, ids, planted, Path(tmp) / "m")
+                got, att = haystack_rows(loaded, ids, planted, Path(tmp) / "m")
             rows += [{"haystack": h, "book": name, **r} for r in got]
             attention += att
             print(f"dev haystack {h}: {name}, {len(got)} questions in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -139,7 +141,7 @@ def run(args):
             name, ids, planted = haystack(tok, books, n, h, args.seed)
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
-                rows, _ = haystack_rows(model, tok, ids, planted, Path(tmp) / "m", order)
+                rows, _ = haystack_rows(loaded, ids, planted, Path(tmp) / "m", order)
             for i, row in enumerate(rows):
                 state.add(key, {"haystack": h, "book": name, **row}, at=i)
             print(f"{key}: {name}, {len(rows)} questions in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -91,7 +91,8 @@ def run(args):
     heads = json.loads(Path(args.heads).read_text())["cells"]["heads"][0]
     chosen = [tuple(lh) for lh in heads["order"][:heads["count"]]]
     books = sorted({q["book"] for q in fixture["questions"]})
-    model, tok = load_smollm2(args.adapter)
+    loaded = load_smollm2(args.adapter)
+    model, tok = loaded.model, loaded.tokenizer
     bs = model.config.landmark_block_size
     texts = {}
     for book in books:
@@ -110,14 +111,15 @@ def run(args):
                     blocks = list(range(a // bs, (b - 1) // bs + 1))
                     att = block_attention(m, tok, q["question"], n_blocks) - null
                     m.rewind()
-                    got = ask(m, tok, q["question"], max_new_tokens=ASK_NEW, passages=5)
+                    got = ask(m, loaded, q["question"], max_new_tokens=ASK_NEW, passages=5)
                     state.add(f"memory|{book}", {
                         "question": q["question"], "blocks": blocks, "in_memory": max(blocks) < n_blocks,
                         "ask_recall5": any(p.block in blocks for p in got.passages),
                         "ask_answer": got.text.strip(), "ask_right": is_right(got.text, q["words"]),
                         "heads_rank": pooled_rank(att, chosen, blocks)}, at=i)
         print(f"{book}: {len(asked)} questions through memory in {time.perf_counter() - t0:.0f} s", flush=True)
-    base, tok = load_smollm2(None)
+    base_model = load_smollm2(None)
+    base, tok = base_model.model, base_model.tokenizer
     for book, (ids, asked) in texts.items():
         if len(state.cell(f"base|{book}")) == len(asked):
             continue

@@ -40,8 +40,9 @@ from landmark_memory.models.model import LandmarkGPT
 WAYS = ("every layer", "deeper half", "centred, every layer", "centred, deeper half")
 
 
-def ranks(model, tok, seed):
+def ranks(loaded, seed):
     """(key, depth, {way: rank of the key's passage or None}, {centred: answer right})."""
+    model, tok = loaded.model, loaded.tokenizer
     rng = random.Random(seed)
     key = rng.randint(1, MAX_KEY)
     text = strip_gutenberg(read_text(SAMPLE_BOOK))
@@ -70,7 +71,7 @@ def ranks(model, tok, seed):
                     return generate(*a, on_read=read, **kw)
 
                 mem.generate = counting
-                got = ask(mem, tok, QUESTION, raw=True, max_new_tokens=8, centre=centre)
+                got = ask(mem, loaded, QUESTION, raw=True, max_new_tokens=8, centre=centre)
                 del mem.generate
                 right[centre] = str(key) in got.text
                 for label, counted in (("every layer", layers), ("deeper half", layers[half:])):
@@ -92,10 +93,11 @@ def main(argv=None):
     ap.add_argument("--results", default=None, help="folder of the results (default experiments/results)")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
-    model, tok = load_model(args.model, "cpu")
+    loaded = load_model(args.model, "cpu")
+    model = loaded.model
     t0, rows = time.time(), []
     for seed in range(first, last + 1):
-        key, depth, got, right = ranks(model, tok, seed)
+        key, depth, got, right = ranks(loaded, seed)
         rows.append((seed, key, depth, got, right))
         print(seed, key, f"{depth:.2f}", got, flush=True)
     def show(r):

@@ -48,7 +48,14 @@ from safetensors.torch import load_file, save_file
 
 from landmark_memory.jobs.build import encode
 from landmark_memory.memory import LandmarkMemory
-from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, head_attention, save_reader
+from landmark_memory.models.reader import (
+    QuestionReader,
+    Reader,
+    ReaderConfig,
+    blended,
+    head_attention,
+    save_reader,
+)
 from landmark_memory.training.data import read_text
 from landmark_memory.uses.answer import ask
 
@@ -95,7 +102,8 @@ def record_memory(model, tok, ids, asked, path, kept):
 def record(args):
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model, tok = load_smollm2(args.adapter)
+    loaded = load_smollm2(args.adapter)
+    model, tok = loaded.model, loaded.tokenizer
     trained, held = trained_books(args.books, tok), held_out(args.books, tok)
     jobs = []
     for h in range(args.dev_haystacks):
@@ -391,10 +399,11 @@ def answer(args):
     blocks read by every token of the answer), on memories read again as ``record`` read them;
     rows kept in ``--state`` as they are done."""
     state = Trials(args.state, args.command)
-    model, tok = load_smollm2(args.adapter)
+    loaded = load_smollm2(args.adapter)
     reader, _, _, calibration = saved_reader(Path(args.work) / f"{args.name}.safetensors")
-    model.ask_policy = replace(model.ask_policy, reader_blocks=args.pin)
-    model.question_reader = reader.eval(), calibration
+    loaded = replace(loaded, reader=Reader(reader.eval(), calibration),
+                     policy=replace(loaded.policy, reader_blocks=args.pin))
+    model, tok = loaded.model, loaded.tokenizer
     held, fixture = held_out(args.books, tok), json.loads(FIXTURE.read_text())
     # answers as long as the baselines' (exp_retrieval.py's and exp_natural.py's)
     tag = f"{args.name}-pin{args.pin}"
@@ -416,7 +425,7 @@ def answer(args):
                 if max(blocks) >= n_blocks:
                     continue
                 m.rewind()
-                got = ask(m, tok, question, max_new_tokens=new_tokens, passages=5)
+                got = ask(m, loaded, question, max_new_tokens=new_tokens, passages=5)
                 rows.append({"question": question, "blocks": blocks,
                              "passages": [p.block for p in got.passages],
                              "recall5": any(p.block in blocks for p in got.passages),

@@ -58,7 +58,8 @@ PARTS = ("passkey", "ask", "ppl")
 PPL_LENGTH = 2048  # the in-sequence perplexity's segments
 
 
-def passkey_trial(model, tok, books, n, rng, memory):
+def passkey_trial(loaded, books, n, rng, memory):
+    model, tok = loaded.model, loaded.tokenizer
     name, _, ids = books[rng.randrange(len(books))]
     prompts = PasskeyPrompts(tok)
     key, depth = rng.randint(1, MAX_KEY), rng.random()
@@ -80,11 +81,12 @@ def ask_in_context(model, tok, case) -> str:
     return tok.decode(new[:next((i for i, t in enumerate(new) if t in stops), len(new))])
 
 
-def ask_trial(model, tok, books, n, rng, memory):
+def ask_trial(loaded, books, n, rng, memory):
     """``memory``: a memory's ``MemoryOptions``, or None for the model's own context."""
+    model, tok = loaded.model, loaded.tokenizer
     case = ask_case(tok, books, n, rng)
     got = (ask_in_context(model, tok, case) if memory is None
-           else ask_in_memory(model, tok, case, memory=memory)[0].text).strip()
+           else ask_in_memory(loaded, case, memory=memory)[0].text).strip()
     return {"book": case.book, "depth": case.depth, "want": " / ".join(case.words), "answer": got,
             "right": is_right(got, case.words)}
 
@@ -105,14 +107,15 @@ def run(args):
         ppl = "ppl" in args.parts and not state.cell(f"{label}|ppl|{PPL_LENGTH}")
         if not ppl and all(len(state.cell(f"{shown}|{part}|{n}")) >= args.trials for part, n in cells):
             continue
-        model, tok = load_smollm2(folder)
+        loaded = load_smollm2(folder)
+        model, tok = loaded.model, loaded.tokenizer
         books = held_out(args.books, tok)
         if ppl:
             state.add(f"{label}|ppl|{PPL_LENGTH}", ppl_cell(model, books, args.ppl_tokens), at=0)
         for part, n in cells:
             def timed(i):
                 t0 = time.perf_counter()
-                row = trial[part](model, tok, books, n, trial_rng(args.seed, part, n, i), memory)
+                row = trial[part](loaded, books, n, trial_rng(args.seed, part, n, i), memory)
                 return {**row, "seconds": round(time.perf_counter() - t0, 1)}
 
             for i, row in state.fill(f"{shown}|{part}|{n}", args.trials, timed):

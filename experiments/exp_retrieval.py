@@ -122,15 +122,16 @@ class Lookups:
         return sum(self.layers[first:], Counter())
 
 
-def question_rows(model, tok, folder, n_blocks, facts, variant, bs):
+def question_rows(loaded, folder, n_blocks, facts, variant, bs):
     """One row per fact of a haystack asked from its memory in ``variant``."""
+    model = loaded.model
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True, **variant_options(variant)) as m:
         for _, question, words, (a, b) in facts:
             m.rewind()
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             looks = Lookups(m, n_blocks)
-            got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=5, centre=False)
+            got = ask(m, loaded, question, max_new_tokens=ASK_NEW, passages=5, centre=False)
             del m.forward  # the class's again
             total = looks.total()
             deep = "deep" in variant.split()  # the passages ranked by the deeper half of the layers
@@ -147,7 +148,8 @@ def question_rows(model, tok, folder, n_blocks, facts, variant, bs):
     return rows
 
 
-def part_questions(args, state, model, tok, books):
+def part_questions(args, state, loaded, books):
+    model, tok = loaded.model, loaded.tokenizer
     bs = model.config.landmark_block_size
     for n in parse_lengths(args.lengths):
         for h in range(args.haystacks):
@@ -162,7 +164,7 @@ def part_questions(args, state, model, tok, books):
                     if len(state.cell(key)) != h * len(FACTS):  # another run is filling it
                         continue
                     t0 = time.perf_counter()
-                    for i, row in enumerate(question_rows(model, tok, Path(tmp) / "m", n_blocks, facts, v, bs)):
+                    for i, row in enumerate(question_rows(loaded, Path(tmp) / "m", n_blocks, facts, v, bs)):
                         state.add(key, {"haystack": h, "book": name, **row}, at=h * len(FACTS) + i)
                     rows = state.cell(key)[-len(FACTS):]
                     print(f"  {v}: recall@5 {np.mean([r['recall5'] for r in rows]):.0%}, right "
@@ -188,7 +190,7 @@ class Queries:
         return recording
 
 
-def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
+def oracle_rows(loaded, folder, n_blocks, facts, bs, k=4):
     """Per fact, how three scores of every memory block, all at stingy's slot 0 (the same
     distance for every block), rank the fact's block for the queries ``ask`` reads with (the
     question's last token, each answer token; every layer and head): the landmark's score
@@ -196,6 +198,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
     keys tell), and their mean. For each: the share of (layer, head, query) whose top ``k``
     holds the fact's block, and its rank by how many of them chose it. The same for the
     question's own tokens ("question" scores: a question pooled to choose the answer's blocks)."""
+    model, tok = loaded.model, loaded.tokenizer
     rows = []
     with LandmarkMemory.open(folder, model, readonly=True) as m:
         G, scale, every = m.backbone.n_head // m.shape.n_kv_head, m.shape.head_dim ** -0.5, torch.arange(n_blocks)
@@ -207,7 +210,7 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
             blocks = set(range(a // bs, (b - 1) // bs + 1))
             qs = Queries(m)
             with m.inspection.choosing(qs.wrap):
-                got = ask(m, tok, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
+                got = ask(m, loaded, question, max_new_tokens=ASK_NEW, passages=0, centre=False)
             prompt, asked = tok.encode(tok.chat_prompt(question)).ids, tok.encode(question).ids
             at = next(i for i in range(len(prompt)) if prompt[i:i + len(asked)] == asked)  # the question's tokens
             assert got.prompt_tokens == len(prompt)
@@ -230,7 +233,8 @@ def oracle_rows(model, tok, folder, n_blocks, facts, bs, k=4):
     return rows
 
 
-def part_oracle(args, state, model, tok, books):
+def part_oracle(args, state, loaded, books):
+    model, tok = loaded.model, loaded.tokenizer
     bs = model.config.landmark_block_size
     for n in parse_lengths(args.lengths):
         for h in range(args.oracle_haystacks):
@@ -240,7 +244,7 @@ def part_oracle(args, state, model, tok, books):
             name, ids, facts = haystack(tok, books, n, h, args.seed)
             with tempfile.TemporaryDirectory() as tmp:
                 n_blocks = build(model, ids, Path(tmp) / "m", store_dtype="float32")  # every key as the model made it
-                for i, row in enumerate(oracle_rows(model, tok, Path(tmp) / "m", n_blocks, facts, bs)):
+                for i, row in enumerate(oracle_rows(loaded, Path(tmp) / "m", n_blocks, facts, bs)):
                     state.add(key, {"haystack": h, "book": name, **row}, at=h * len(FACTS) + i)
             rows = state.cell(key)[-len(FACTS):]
             print(f"oracle haystack {h} @{n}: " + ", ".join(
@@ -285,12 +289,13 @@ def part_ppl(args, state, model, tok, books):
 
 def run(args):
     state = Trials(args.state, args.command)
-    model, tok = load_smollm2(args.adapter)
+    loaded = load_smollm2(args.adapter)
+    model, tok = loaded.model, loaded.tokenizer
     books = held_out(args.books, tok)
     if "questions" in args.parts:
-        part_questions(args, state, model, tok, books)
+        part_questions(args, state, loaded, books)
     if "oracle" in args.parts:
-        part_oracle(args, state, model, tok, books)
+        part_oracle(args, state, loaded, books)
     for part in ("passkey", "ruler"):
         if part in args.parts:
             part_needles(args, state, model, tok, books, part)

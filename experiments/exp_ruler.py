@@ -70,7 +70,8 @@ def run(args):
         todo = [(n, t) for n in lengths for t in args.tasks if label != BASE or n <= BASE_WINDOW]
         if all(len(state.cell(f"{label}|{t}|{n}")) >= args.trials for n, t in todo):
             continue
-        model, tok = load_smollm2(folder)
+        loaded = load_smollm2(folder)
+        model, tok = loaded.model, loaded.tokenizer
         books = held_out(args.books, tok)
         memory = None if label == BASE else top_k_memory(args.top_k)
         def trial(n, t, i):

@@ -14,7 +14,7 @@ heads' block keys choose (every block up to ``EvidenceHeads.candidates``) and th
 ranking of those and the text index's blocks together, in ``DIR/MODEL/search.json``. Nothing is
 generated.
 
-``report``: the fusion (``evidence.fuse``: its ``k``, the text index's weight, and how many of its
+``report``: the fusion (``retrievers.fuse``: its ``k``, the text index's weight, and how many of its
 blocks join the candidates) is chosen by recall@5 on the fusion questions only (the retrieval heads
 were chosen on the development half, so its questions flatter them), then every table gives the
 heads alone, the text index alone and the fusion side by side, with trial counts:
@@ -41,8 +41,9 @@ from landmark_memory.memory import LandmarkMemory
 from landmark_memory.models.heads import EvidenceHeads
 from landmark_memory.models.kinds import load_model
 from landmark_memory.training.data import read_text
-from landmark_memory.uses.evidence import candidates, fuse, prompt_weights, rank_blocks, token_attention
+from landmark_memory.uses.evidence import candidates, prompt_weights, rank_blocks, token_attention
 from landmark_memory.uses.question import question_tokens, search_states
+from landmark_memory.uses.retrievers import fuse
 from landmark_memory.uses.search import text_ranking
 
 DEPTH = 200  # the text index's blocks kept per question
@@ -52,10 +53,10 @@ TEXT_DEPTHS = (10, 20, 50, 100)
 
 
 @torch.no_grad()
-def ranked(m, tok, question):
+def ranked(m, loaded, question):
     """(the heads' ranking of their candidates with the text index's, the block keys' candidates,
     the text index's ranking, seconds) for ``question`` read as ``search`` reads it."""
-    heads, n = m.model.evidence_heads, m.n_blocks
+    heads, tok, n = loaded.heads, loaded.tokenizer, m.n_blocks
     t0 = time.perf_counter()
     text = text_ranking(m, tok, question, n, DEPTH)
     prompt = tok.chat_text([{"role": "user", "content": question}], first=True, answer=False)
@@ -72,7 +73,8 @@ def ranked(m, tok, question):
 
 
 def record(args):
-    model, tok = load_model(NAMES[args.model], "cpu")
+    loaded = load_model(NAMES[args.model], "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     work = Path(args.work) / args.model
     state = Trials(work / "search.json", command_line())
     for key, ids, asked in cases(args, tok):
@@ -85,7 +87,7 @@ def record(args):
                 cell = f"{q['split']}|{key}"
                 if any(r["question"] == q["question"] for r in state.cell(cell)):
                     continue
-                heads, keyed, text, took = ranked(m, tok, q["question"])
+                heads, keyed, text, took = ranked(m, loaded, q["question"])
                 state.add(cell, {"question": q["question"], "blocks": list(range(a // bs, (b - 1) // bs + 1)),
                                  "heads": [[b, round(s, 6)] for b, s in heads], "keyed": keyed,
                                  "text": [[b, round(s, 4)] for b, s in text], "seconds": round(took, 3)},
@@ -150,7 +152,8 @@ def excerpt_questions(path, model, tok):
 
 def record_corpus(args):
     """``six`` and ``library``: the questions asked of a corpus memory of the books' excerpts."""
-    model, tok = load_model(NAMES[args.model], "cpu")
+    loaded = load_model(NAMES[args.model], "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     work = Path(args.work) / args.model
     state = Trials(work / "search.json", command_line())
     key, path, asked = (six_books if args.step == "six" else library)(args, model, tok, work)
@@ -159,7 +162,7 @@ def record_corpus(args):
             cell = f"{q['split']}|{key}"
             if q["split"] not in args.split or any(r["question"] == q["question"] for r in state.cell(cell)):
                 continue
-            heads, keyed, text, took = ranked(m, tok, q["question"])
+            heads, keyed, text, took = ranked(m, loaded, q["question"])
             state.add(cell, {"question": q["question"], "blocks": blocks, "heads": [[b, round(s, 6)] for b, s in heads],
                              "keyed": keyed, "text": [[b, round(s, 4)] for b, s in text], "seconds": round(took, 3)},
                       at=len(state.cell(cell)))
@@ -174,7 +177,7 @@ def rankings(row, k, weight, depth, keyed=True):
     allowed = (set(row["keyed"]) if keyed or not chosen_by_keys(row) else set()) | {b for b, _ in text[:depth]}
     heads = [tuple(x) for x in row["heads"] if x[0] in allowed]
     return {"heads": [b for b, _ in heads[:5]], "text": [b for b, _ in text[:5]],
-            "fused": [b for b, _ in fuse(heads, text[:depth], k=k, weight=weight)[:5]]}
+            "fused": [b for b, _ in fuse((heads, 1.0), (text[:depth], weight), k=k)[:5]]}
 
 
 def chosen_by_keys(row) -> bool:
@@ -192,8 +195,8 @@ def reciprocal_rank(rows, *fusion):
     for r in rows:
         text = [tuple(x) for x in r["text"]]
         allowed = set(r["keyed"]) | {b for b, _ in text[:fusion[2]]}
-        fused = [b for b, _ in fuse([tuple(x) for x in r["heads"] if x[0] in allowed], text[:fusion[2]],
-                                    k=fusion[0], weight=fusion[1])]
+        heads = [tuple(x) for x in r["heads"] if x[0] in allowed]
+        fused = [b for b, _ in fuse((heads, 1.0), (text[:fusion[2]], fusion[1]), k=fusion[0])]
         at = [i for i, b in enumerate(fused) if b in r["blocks"]]
         total += 1 / (at[0] + 1) if at else 0.0
     return total / max(len(rows), 1)

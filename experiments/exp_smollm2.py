@@ -145,7 +145,7 @@ def part_passkey(args, tok, books):
 
         def model():  # loaded once, and only if a length still has to run
             if not loaded:
-                loaded.append(load_model(name)[0])
+                loaded.append(load_model(name).model)
             return loaded[0]
 
         passkey_rows(model, tok, parse_lengths(lengths), trials, args.seed, args.quiet, rows.get(label, []),
@@ -162,7 +162,7 @@ def part_ppl(args, tok, books):
         raise SystemExit(f"{name} has {len(ids)} tokens, fewer than --ppl-tokens {n}")
     ids = ids[:n + 1]
     rows = []
-    landmark = load_model(smollm2.LANDMARK)[0]
+    landmark = load_model(smollm2.LANDMARK).model
     for length in parse_lengths(args.memory_lengths):
         for k in args.memory_top_ks:
             r = perplexity(landmark, ids, length, memory=MemoryOptions.of(**{**MEMORY, "top_k": k}),
@@ -177,7 +177,7 @@ def part_ppl(args, tok, books):
         rows.append({"model": "landmark in sequence", "eval_length": length, "perplexity": r["perplexity"],
                      "tokens": r["tokens"], "seconds": r["seconds"]})
     del landmark
-    base = load_model(smollm2.BASE)[0]
+    base = load_model(smollm2.BASE).model
     for length in parse_lengths(args.base_eval_lengths):
         r = perplexity(base, ids, length, progress=not args.quiet, desc=f"base @{length}")
         rows.append({"model": "base in context", "eval_length": length, "perplexity": r["perplexity"],
@@ -193,7 +193,8 @@ def top_ks(text):
 def part_ask(args, tok, books):
     name, path, ids = books[0]
     mem_path = Path(args.out) / f"memory-{name}"
-    model, tok = load_model(smollm2.LANDMARK)
+    loaded = load_model(smollm2.LANDMARK)
+    model, tok = loaded.model, loaded.tokenizer
     t0 = time.time()
     mem = (LandmarkMemory.open(mem_path, model) if (mem_path / "manifest.json").exists() else
            LandmarkMemory(model, path=mem_path, store="lmdb", documents=True))
@@ -201,7 +202,7 @@ def part_ask(args, tok, books):
         build(mem, read_inputs([path]), tok, progress=not args.quiet)
     built = time.time() - t0
     with LandmarkMemory.open(mem_path, model, readonly=True) as mem:
-        answer = ask(mem, tok, args.question, max_new_tokens=64, passages=3)
+        answer = ask(mem, loaded, args.question, max_new_tokens=64, passages=3)
     asked = {"prompt": args.question, "chat": answer.chat, "text": answer.text, "memory_tokens": answer.memory_tokens,
              "retrieved": [{**asdict(p), "source": Path(p.source).name if p.source else None} for p in answer.passages]}
     return {"book": name, "book_tokens": len(ids), "build_seconds": built, "ask_seconds": time.time() - t0 - built,

@@ -70,11 +70,11 @@ DECODE = 64
 
 
 def models(args):
-    """{name: (model, tokenizer)} of the SmolLM2 variants, loaded once (``PER_HEAD`` the base
+    """{name: its ``LoadedModel``} of the SmolLM2 variants, loaded once (``PER_HEAD`` the base
     model, read with its options)."""
-    base, tok = load_smollm2(None)
-    return {"base, no landmarks": (base, tok), "stage 9, landmarks": load_smollm2(args.adapter),
-            "base in context": (base, tok), PER_HEAD: (base, tok)}
+    base = load_smollm2(None)
+    return {"base, no landmarks": base, "stage 9, landmarks": load_smollm2(args.adapter), "base in context": base,
+            PER_HEAD: base}
 
 
 def reading(name):
@@ -95,10 +95,10 @@ def nll_through_memory(model, ids, **options):
 
 
 def part_ppl(args, state, smol):
-    tok = smol["base in context"][1]
+    tok = smol["base in context"].tokenizer
     ids = encode(tok, read_text(Path(args.books) / BOOK))
     for n in parse_lengths(args.lengths):
-        for name, (model, _) in smol.items():
+        for name, model in ((name, loaded.model) for name, loaded in smol.items()):
             key = f"ppl|{n}|{name}"
             if state.cell(key) or (name == "base in context" and n > CONTEXT):
                 continue
@@ -114,7 +114,7 @@ def part_ppl(args, state, smol):
 
 
 def part_reads(args, state, smol, n=8192):
-    model, tok = smol["base, no landmarks"]
+    model, tok = smol["base, no landmarks"].model, smol["base, no landmarks"].tokenizer
     ids = encode(tok, read_text(Path(args.books) / BOOK))
     for reads in READS:
         key = reads_key(n, reads)
@@ -159,19 +159,19 @@ def passkeys(args, state, named, lengths, in_context):
 
 
 def part_recall(args, state, smol):
-    tok = smol["base in context"][1]
+    tok = smol["base in context"].tokenizer
     books = held_out(args.books, tok)
     for n in parse_lengths(args.lengths):
         name_, ids, facts = haystack(tok, books, n, 0, args.seed)
         for name in MEMORIES:
             if state.cell(f"recall|{n}|{name}"):
                 continue
-            model = smol[name][0]
+            model = smol[name].model
             with tempfile.TemporaryDirectory() as tmp:
                 build(model, ids, Path(tmp) / "m", **reading(name))
                 with LandmarkMemory.open(Path(tmp) / "m", model, readonly=True) as m:
                     bs = m.shape.block_size
-                rows = question_rows(model, tok, Path(tmp) / "m", facts, reading(name), bs)
+                rows = question_rows(smol[name], Path(tmp) / "m", facts, reading(name), bs)
             state.add(f"recall|{n}|{name}", {"book": name_, "rows": rows}, at=0)
             print(f"recall @{n} {name}: recall@5 {np.mean([r['recall5'] for r in rows]):.0%}, right "
                   f"{np.mean([r['right'] for r in rows]):.0%}", flush=True)
@@ -182,14 +182,14 @@ def part_speed(args, state, smol, n=8192, rounds=2):
     head (``PER_HEAD``) and reading what the landmark memory reads (``EQUAL_READS``), read the
     same haystack into a saved memory and decode after it, in turn, ``rounds`` times (the best
     of each kept: the machine is shared)."""
-    tok = smol["base in context"][1]
+    tok = smol["base in context"].tokenizer
     _, ids, _ = haystack(tok, held_out(args.books, tok), n, 0, args.seed)
     if all(state.cell(f"speed|{n}|{name}") for name in SPEEDS):
         return
     best = {}
     for _ in range(rounds):
         for name, (model_name, options) in SPEEDS.items():
-            model = smol[model_name][0]
+            model = smol[model_name].model
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
                 build(model, ids, Path(tmp) / "m", **options)
@@ -244,7 +244,8 @@ def run(args):
     if "speed" in args.parts:
         part_speed(args, state, smol)
     if "passkey" in args.parts:
-        passkeys(args, state, {k: smol[k] for k in MEMORIES}, parse_lengths(args.passkey_lengths),
+        named = {k: (smol[k].model, smol[k].tokenizer) for k in MEMORIES}
+        passkeys(args, state, named, parse_lengths(args.passkey_lengths),
                  {"base, no landmarks": "base in context"})
     if "gemma" in args.parts:
         part_gemma(args, state)

@@ -10,6 +10,7 @@ from helpers import ChatTokenizer
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app.cli import main
 from landmark_memory.models.config import AskPolicy
+from landmark_memory.models.loaded import LoadedModel
 from landmark_memory.uses.search import text_ranking
 
 QUESTION = "What did the captain say?"
@@ -72,9 +73,8 @@ def test_ask_centres_the_question_and_answer_and_leaves_the_memorys_options_as_t
         assert mem.options.centre is False
         mem.rewind()
         plain = ask(mem, load_tokenizer(), QUESTION, max_new_tokens=6)  # the bundled model's policy: no centring
-        model.ask_policy = AskPolicy(centre=True)
         mem.rewind()
-        told = ask(mem, load_tokenizer(), QUESTION, max_new_tokens=6)
+        told = ask(mem, LoadedModel(model, load_tokenizer(), policy=AskPolicy(centre=True)), QUESTION, max_new_tokens=6)
     assert got == want == told
     assert got.passages != plain.passages  # centring changed what was read
 
@@ -82,10 +82,10 @@ def test_ask_centres_the_question_and_answer_and_leaves_the_memorys_options_as_t
 @pytest.mark.parametrize("deep", [False, True])
 def test_passages_are_ranked_by_the_layers_the_models_policy_names(corpus, deep):
     model = LandmarkGPT.from_pretrained()
-    model.ask_policy = AskPolicy(deep_passages=deep)
     tok = load_tokenizer()
     with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-        got = ask(mem, tok, QUESTION, max_new_tokens=6, passages=50)
+        got = ask(mem, LoadedModel(model, tok, policy=AskPolicy(deep_passages=deep)), QUESTION, max_new_tokens=6,
+                  passages=50)
         mem.rewind()
         n, half, first, rest = mem.n_blocks, mem.shape.n_layer // 2 if deep else 0, Counter(), Counter()
 
@@ -106,3 +106,9 @@ def test_a_bad_ask_policy_in_an_adapter_is_explained():
     with pytest.raises(ValueError, match="landmark.json: 'ask' must map"):
         AskPolicy.from_dict({"centre": "yes"}, "landmark.json")
     assert AskPolicy.from_dict({"deep_passages": True}, "x") == AskPolicy(False, True)
+
+
+def test_a_memory_asked_through_another_models_loaded_model_is_refused(corpus):
+    with LandmarkMemory.open(corpus, LandmarkGPT.from_pretrained(), readonly=True) as mem, \
+            pytest.raises(ValueError, match="not the one this memory reads with"):
+        ask(mem, LoadedModel(LandmarkGPT.from_pretrained(), load_tokenizer()), QUESTION)

@@ -11,13 +11,14 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, ask
 from landmark_memory.core.layout import landmarked_length
 from landmark_memory.core.tokenizer import encode_prompt, load_tokenizer
 from landmark_memory.models.heads import PLAIN_FRAME, EvidenceHeads, load_heads, question_prompt, save_heads
-from landmark_memory.uses.answer import EVIDENCE_PROMPT, NOT_FOUND
+from landmark_memory.models.loaded import LoadedModel
+from landmark_memory.uses.answer import NOT_FOUND
+from landmark_memory.uses.answering.heads import EVIDENCE_PROMPT
 from landmark_memory.uses.choose_heads import DevQuestion, choose, choose_heads, head_ranks
 from landmark_memory.uses.evidence import (
     around,
     candidates,
     own_words,
-    point,
     prompt_weights,
     quotes,
     sentences,
@@ -26,7 +27,8 @@ from landmark_memory.uses.evidence import (
     support,
     token_attention,
 )
-from landmark_memory.uses.question import question_tokens, search_states
+from landmark_memory.uses.question import Question, search_states
+from landmark_memory.uses.retrievers import HeadsRetriever, find_evidence
 from landmark_memory.uses.search import text_ranking
 
 
@@ -179,31 +181,33 @@ def test_a_heads_file_round_trips_and_a_bad_one_is_refused_in_one_line(tmp_path)
         assert "\n" not in str(e.value)
 
 
+def read_question(mem, tok, question, prompt, count):
+    """``question`` posed in ``prompt`` and its first ``count`` ids read into the memory."""
+    asked = Question.pose(mem, tok, question, prompt, [question])
+    return asked.read(mem, count if count > 0 else len(asked.ids) + count)
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat template", "plain frame"])
 def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_quotes_among_them(corpus, documents,
                                                                                                chat):
     model, question = LandmarkGPT.from_pretrained(), "Who found the treasure map?"
     tok = ChatTokenizer([]) if chat else load_tokenizer()  # (a model without a template reads the heads' frame)
-    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2, frame=None if chat else "Q: {question}\nA:")
-    try:
-        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-            n = mem.n_blocks
-            got = ask(mem, tok, question, max_new_tokens=5, passages=4, evidence="none", refuse=False)
-            mem.rewind()
-            prompt, _ = question_prompt(tok, question, model.evidence_heads.frame)
-            assert prompt.startswith("user:" if chat else "Q: Who found")
-            enc = tok.encode(prompt)
-            own = question_tokens(enc.offsets[:-1], prompt, question)
-            ranking, (found, *_) = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids[:-1]), own, n, 2,
-                                         text_ranking(mem, tok, question, n), question)
-            best = ranking.fused[:2]
-            seen = []
-            with mem.reading([b for b, _ in best]):
-                mem.generate(torch.tensor([enc.ids[-1:]]), 5, on_read=seen.append)
-    finally:
-        del model.evidence_heads
+    heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2, frame=None if chat else "Q: {question}\nA:")
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        n = mem.n_blocks
+        got = ask(mem, LoadedModel(model, tok, heads), question, max_new_tokens=5, passages=4, evidence="none",
+                  refuse=False)
+        mem.rewind()
+        prompt, _ = question_prompt(tok, question, heads.frame)
+        assert prompt.startswith("user:" if chat else "Q: Who found")
+        enc = tok.encode(prompt)
+        ranking, (found, *_) = find_evidence(mem, tok, heads, read_question(mem, tok, question, prompt, -1), 2)
+        best = ranking.fused[:2]
+        seen = []
+        with mem.reading([b for b, _ in best]):
+            mem.generate(torch.tensor([enc.ids[-1:]]), 5, on_read=seen.append)
     chosen = [b for b, _ in best]
-    assert [p.block for p in got.passages[:2]] == chosen and len(got.passages) == 4
+    assert n and [p.block for p in got.passages[:2]] == chosen and len(got.passages) == 4
     for retrieved in seen:
         for r in retrieved:
             assert (r[..., :2] == torch.tensor(chosen)).all()
@@ -217,30 +221,27 @@ def test_ask_with_retrieval_heads_reads_their_blocks_at_every_answer_token_and_q
 
 def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_answers_after_it(corpus):
     model, question, tok = LandmarkGPT.from_pretrained(), "Who found the treasure map?", ChatTokenizer([])
-    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
-    try:
-        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-            n = mem.n_blocks
-            got = ask(mem, tok, question, max_new_tokens=5, refuse=False)
-            mem.rewind()
-            wide = ask(mem, tok, question, max_new_tokens=5, evidence="around", refuse=False)
-            mem.rewind()
-            two = ask(mem, tok, question, max_new_tokens=5, evidence="quotes", refuse=False)
-            mem.rewind()
-            closed = tok.chat_text([{"role": "user", "content": question}], first=True, answer=False)
-            enc = tok.encode(closed)  # the question's turn, closed: what the heads score
-            ranking, best_two = point(mem, tok, model.evidence_heads, search_states(mem, enc.ids),
-                                      question_tokens(enc.offsets, closed, question), n, 2,
-                                      text_ranking(mem, tok, question, n), question, 2)
-            found = best_two[0]
-            best = ranking.fused[:2]
-            turn = EVIDENCE_PROMPT.format(evidence=found.text, question=question)
-            rest = tok.encode(tok.chat_text([{"role": "user", "content": turn}], first=False, answer=True)).ids
-            with mem.reading([b for b, _ in best]):
-                new = mem.generate(torch.tensor([rest]), 5)[0].tolist()
-            assert around(mem, tok, found, n, sentences=0) == found.text
-    finally:
-        del model.evidence_heads
+    heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
+    loaded = LoadedModel(model, tok, heads)
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        n = mem.n_blocks
+        got = ask(mem, loaded, question, max_new_tokens=5, refuse=False)
+        mem.rewind()
+        wide = ask(mem, loaded, question, max_new_tokens=5, evidence="around", refuse=False)
+        mem.rewind()
+        two = ask(mem, loaded, question, max_new_tokens=5, evidence="quotes", refuse=False)
+        mem.rewind()
+        closed = tok.chat_text([{"role": "user", "content": question}], first=True, answer=False)
+        enc = tok.encode(closed)  # the question's turn, closed: what the heads score
+        ranking, best_two = find_evidence(mem, tok, heads, read_question(mem, tok, question, closed, len(enc.ids)),
+                                          2, 2)
+        found = best_two[0]
+        best = ranking.fused[:2]
+        turn = EVIDENCE_PROMPT.format(evidence=found.text, question=question)
+        rest = tok.encode(tok.chat_text([{"role": "user", "content": turn}], first=False, answer=True)).ids
+        with mem.reading([b for b, _ in best]):
+            new = mem.generate(torch.tensor([rest]), 5)[0].tolist()
+        assert around(mem, tok, found, n, sentences=0) == found.text
     assert got.evidence == found.text == got.quote.text and got.tokens == new
     assert got.prompt_tokens == len(enc.ids) + len(rest) and [p.block for p in got.passages[:2]] == [b for b, _ in best]
     assert got.grounded == shared_words(got.text, found.text, question)
@@ -252,16 +253,13 @@ def test_ask_reads_the_quote_its_heads_found_in_a_turn_before_the_question_and_a
 def test_ask_says_the_memory_holds_no_answer_where_its_quote_speaks_of_nothing_asked_and_names_the_closest_text(
         corpus):
     model, question, tok = LandmarkGPT.from_pretrained(), "Which xylophone did the quokka borrow?", ChatTokenizer([])
-    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2)
-    try:
-        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-            before = mem.n_tokens
-            got = ask(mem, tok, question, max_new_tokens=5)
-            read = mem.n_tokens - before
-            mem.rewind()
-            anyway = ask(mem, tok, question, max_new_tokens=5, refuse=False)
-    finally:
-        del model.evidence_heads
+    loaded = LoadedModel(model, tok, EvidenceHeads(((0, 1), (3, 2)), blocks=2))
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        before = mem.n_tokens
+        got = ask(mem, loaded, question, max_new_tokens=5)
+        read = mem.n_tokens - before
+        mem.rewind()
+        anyway = ask(mem, loaded, question, max_new_tokens=5, refuse=False)
     assert got.refused and got.text == NOT_FOUND and got.tokens == tok.encode(NOT_FOUND).ids and got.evidence is None
     assert read == got.prompt_tokens + len(got.tokens)  # the memory read the refusal as the answer it gave
     assert got.quote == anyway.quote and [p.block for p in got.passages] == [p.block for p in anyway.passages[:2]]
@@ -300,12 +298,9 @@ def test_an_answers_grounded_words_are_those_its_evidence_holds_beyond_the_quest
 
 def test_a_framed_answer_ends_where_the_model_writes_the_frames_words_again(corpus):
     model, tok = LandmarkGPT.from_pretrained(), load_tokenizer()
-    model.evidence_heads = EvidenceHeads(((0, 1),), frame="the {question}\n")  # the bundled model writes "the"
-    try:
-        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-            got = ask(mem, tok, "Who found the treasure map?", max_new_tokens=60, refuse=False)
-    finally:
-        del model.evidence_heads
+    heads = EvidenceHeads(((0, 1),), frame="the {question}\n")  # the bundled model writes "the"
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        got = ask(mem, LoadedModel(model, tok, heads), "Who found the treasure map?", max_new_tokens=60, refuse=False)
     assert got.stop == "the" and "the" not in got.text and len(got.tokens) < 60
     assert "the" in tok.decode(got.tokens)  # cut from the text, as a stop string is
 
@@ -314,23 +309,17 @@ def test_heads_without_a_frame_leave_a_model_without_a_chat_template_asking_as_i
     model, tok, question = LandmarkGPT.from_pretrained(), load_tokenizer(), "Who found the treasure map?"
     with LandmarkMemory.open(corpus, model, readonly=True) as mem:
         want = ask(mem, tok, question, max_new_tokens=4)
-    model.evidence_heads = EvidenceHeads(((0, 1),))  # chosen through a chat template: nothing to read with here
-    try:
-        with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-            got = ask(mem, tok, question, max_new_tokens=4)
-    finally:
-        del model.evidence_heads
+    heads = EvidenceHeads(((0, 1),))  # chosen through a chat template: nothing to read with here
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
+        got = ask(mem, LoadedModel(model, tok, heads), question, max_new_tokens=4)
     assert got.quote is None and got.tokens == want.tokens and got.prompt_tokens == want.prompt_tokens
 
 
 def test_heads_of_another_model_are_refused_at_ask_in_one_line(corpus):
     model, tok = LandmarkGPT.from_pretrained(), ChatTokenizer([])
-    model.evidence_heads = EvidenceHeads(((0, 0), (30, 2)), source="heads.json")
-    try:
-        with LandmarkMemory.open(corpus, model, readonly=True) as mem, pytest.raises(ValueError, match="another") as e:
-            ask(mem, tok, "Who found the treasure map?", max_new_tokens=2)
-    finally:
-        del model.evidence_heads
+    heads = EvidenceHeads(((0, 0), (30, 2)), source="heads.json")
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem, pytest.raises(ValueError, match="another") as e:
+        ask(mem, LoadedModel(model, tok, heads), "Who found the treasure map?", max_new_tokens=2)
     assert "heads.json" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -378,9 +367,9 @@ def test_past_the_candidate_limit_the_heads_read_the_blocks_their_block_keys_ran
         got_blocks = candidates(mem, got, w, heads, 4, 12)
         assert candidates(mem, got, w, heads, 12, 12).tolist() == list(range(12))
     assert got_blocks.tolist() == sorted(want.topk(4).indices.tolist())
-    ranking, _ = point(mem, ChatTokenizer([]), EvidenceHeads(tuple(heads), candidates=4), got, [2, 3, 4, 5], 12, 3)
-    best = ranking.fused
-    assert {b for b, _ in best} <= set(got_blocks.tolist())
+    asked = Question("", 12, own=(2, 3, 4, 5), read_ids=len(prompt), states=got)
+    best = HeadsRetriever(mem, ChatTokenizer([]), EvidenceHeads(tuple(heads), candidates=4)).rank(asked, 12)
+    assert {b for b, _ in best} == set(got_blocks.tolist())
 
 
 def test_a_terminal_shows_the_quote_with_what_the_answer_took_from_it_or_a_warning_or_the_closest_text():

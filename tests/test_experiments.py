@@ -208,10 +208,10 @@ def test_realtext_top_k_reaches_every_trials_memory_and_the_base_model_reads_the
                                                                                                 monkeypatch):
     realtext = script("exp_realtext")
     seen = []
-    monkeypatch.setattr(realtext, "load_smollm2", lambda folder: (None, None))
+    monkeypatch.setattr(realtext, "load_smollm2", lambda folder: SimpleNamespace(model=None, tokenizer=None))
     monkeypatch.setattr(realtext, "held_out", lambda books, tok: [])
     for part in ("passkey", "ask"):
-        monkeypatch.setattr(realtext, f"{part}_trial", lambda model, tok, books, n, rng, memory, part=part: seen.append(
+        monkeypatch.setattr(realtext, f"{part}_trial", lambda loaded, books, n, rng, memory, part=part: seen.append(
             (part, n, memory)) or {"right": True, "want": "1", "answer": "1"})
     state = tmp_path / "state.json"
     for top_k in ([], ["--top-k", "16"]):
@@ -253,7 +253,7 @@ def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_pa
     ruler = script("exp_ruler")
     seen = []
     tok = type("Tok", (), {"decode": staticmethod(lambda ids: "1234567")})()
-    monkeypatch.setattr(ruler, "load_smollm2", lambda folder: (folder, tok))
+    monkeypatch.setattr(ruler, "load_smollm2", lambda folder: SimpleNamespace(model=folder, tokenizer=tok))
     monkeypatch.setattr(ruler, "held_out", lambda books, tok: [])
     monkeypatch.setattr(ruler, "trial_prompt", lambda tok, books, n, t, i, seed: (
         "b", script("_ruler_tasks").Prompt([0] * n, ["1234567"], [], n)))
@@ -277,7 +277,7 @@ def test_ruler_runs_the_tasks_asked_at_top_k_and_files_their_trials_apart(tmp_pa
 def test_diagnose_runs_only_the_parts_named_whole_and_refuses_unknown_ones(tmp_path, monkeypatch):
     diagnose = script("exp_diagnose")
     ran = []
-    monkeypatch.setattr(diagnose, "load_smollm2", lambda folder: (None, None))
+    monkeypatch.setattr(diagnose, "load_smollm2", lambda folder: SimpleNamespace(model=None, tokenizer=None))
     monkeypatch.setattr(diagnose, "held_out", lambda books, tok: [])
     monkeypatch.setattr(diagnose, "write_result", lambda *a, **kw: None)
     for part in diagnose.PARTS:
@@ -362,7 +362,7 @@ def test_smollm2_passkey_resumes_from_the_lengths_an_interrupted_run_saved(tmp_p
     (out / "passkey.partial.json").write_text(json.dumps(
         {"seed": 0, "memory": exp.MEMORY, "adapter": exp.adapter_id(), "rows": {"landmark + memory": [kept]}}))
     ran = []
-    monkeypatch.setattr(exp, "load_model", lambda name: (name,))
+    monkeypatch.setattr(exp, "load_model", lambda name: SimpleNamespace(model=name))
     monkeypatch.setattr(exp, "passkey_accuracy", lambda model, tok, lengths, trials, seed, **kw: ran.append(
         (lengths, trials, "memory" in kw)) or [{"length": lengths[0], "accuracy": 0.0, "trials": trials, "correct": 0}])
     exp.main(["--books", str(books), "--parts", "passkey", "--lengths", "300,600", "--trials", "1",
@@ -381,7 +381,7 @@ def test_smollm2_passkey_after_a_new_adapter_keeps_only_the_base_models_rows(tmp
         {"seed": 0, "memory": exp.MEMORY, "adapter": "an-older-one", "rows": {"landmark + memory": [old],
                                                                                "base in context": [old]}}))
     ran = []
-    monkeypatch.setattr(exp, "load_model", lambda name: (name,))
+    monkeypatch.setattr(exp, "load_model", lambda name: SimpleNamespace(model=name))
     monkeypatch.setattr(exp, "passkey_accuracy", lambda model, tok, lengths, trials, seed, **kw: ran.append(
         (lengths, "memory" in kw)) or [{"length": lengths[0], "accuracy": 0.0, "trials": trials, "correct": 0}])
     exp.main(["--books", str(books), "--parts", "passkey", "--lengths", "300", "--trials", "1",

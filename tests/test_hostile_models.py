@@ -96,7 +96,7 @@ def test_a_known_model_type_is_read_with_transformers_classes_never_the_folders_
         "AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}))
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
     try:
-        model, _ = load_model(folder, "cpu")
+        model = load_model(folder, "cpu").model
         assert type(model).__name__ == "LlamaForCausalLM"
     except ValueError as e:  # (or refused in one line: either way nothing of the folder ran)
         assert "without running its code" in str(e) and "\n" not in str(e)

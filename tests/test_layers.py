@@ -122,13 +122,24 @@ def _named_files_missing(text: str, folder: Path) -> list[str]:
 
 
 def test_every_module_a_map_or_a_docstring_names_exists():
-    """Docstring maps, module docstrings and DESIGN.md name only files that exist: a map that
-    drifted from the code sends the next reader to nothing."""
-    missing = [f"docs/DESIGN.md: {n}" for n in _named_files_missing((ROOT / "docs" / "DESIGN.md").read_text(), PACKAGE)]
+    """Docstring maps, module docstrings, DESIGN.md and its reference pages name only files that
+    exist: a map that drifted from the code sends the next reader to nothing."""
+    pages = [ROOT / "docs" / "DESIGN.md", *sorted((ROOT / "docs" / "design").glob("*.md"))]
+    missing = [f"{page.relative_to(ROOT)}: {n}" for page in pages
+               for n in _named_files_missing(page.read_text(), PACKAGE)]
     for path in modules().values():
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         missing += [f"{path.relative_to(ROOT)}: {n}" for n in _named_files_missing(doc, path.parent)]
     assert not missing, "files named that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_design_page_reads_in_fifteen_minutes_and_links_every_reference_page():
+    """DESIGN.md stays the picture a newcomer reads whole (at most 400 lines); the detail lives in
+    its reference pages, each linked from it."""
+    design = (ROOT / "docs" / "DESIGN.md").read_text()
+    assert len(design.splitlines()) <= 400
+    pages = sorted(p.name for p in (ROOT / "docs" / "design").glob("*.md"))
+    assert pages and all(f"(design/{name})" in design for name in pages)
 
 
 def test_each_packages_map_lists_every_module_of_its_folder():
@@ -218,7 +229,7 @@ ENGINE_NAMES = {
     "methods": {"forward", "tokens", "keys", "querying", "reading", "end_document", "attach", "add_document",
                 "commit", "open", "refresh", "open_chunk", "rewind", "close"},
     "attributes": {"model", "backbone", "shape", "device", "retrieval_stats", "inputs", "attachment"},
-    "properties": {"inspection", "transfer", "options", "generate", "streams", "n_blocks", "n_tokens",
+    "properties": {"inspection", "transfer", "text_index", "options", "generate", "streams", "n_blocks", "n_tokens",
                    "pending_count", "observer", "dir", "readonly", "documents", "manifest"},
 }
 

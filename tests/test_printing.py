@@ -7,7 +7,9 @@ import json
 import pytest
 
 from landmark_memory.app import chat
+from landmark_memory.core.ask_options import AskOptions
 from landmark_memory.core.printing import json_text, printable
+from landmark_memory.models.loaded import LoadedModel
 from landmark_memory.uses.answer import Answer
 from landmark_memory.uses.evidence import Quote
 from landmark_memory.uses.search import Passage
@@ -50,7 +52,7 @@ def _answer(text):
 def test_chat_on_a_terminal_streams_and_shows_passages_as_text(tmp_path, monkeypatch):
     said = f"the title {TITLE} and {BIDI}"
 
-    def say(session, tokenizer, line, on_token=None, **options):
+    def say(session, model, line, options, on_token=None):
         for c in said:
             on_token(ord(c))
         return _answer(said)
@@ -67,7 +69,7 @@ def test_chat_on_a_terminal_streams_and_shows_passages_as_text(tmp_path, monkeyp
 
     monkeypatch.setattr("builtins.input", read)
     out = io.StringIO()
-    assert chat._terminal(_Session(tmp_path), _Tokens(), chat.ChatOptions(), out) == 0
+    assert chat._terminal(_Session(tmp_path), LoadedModel(None, _Tokens()), AskOptions(), out) == 0
     shown = out.getvalue()
     assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
     assert "\\x1b]0;owned\\x07" in shown and "report\\u202eexe.txt" in shown and "before " in shown
@@ -78,7 +80,8 @@ def test_chat_from_a_pipe_prints_answers_as_text(monkeypatch, as_json):
     said = f"{TITLE}{BIDI}"
     monkeypatch.setattr(chat, "say", lambda *a, **k: _answer(said))
     out = io.StringIO()
-    assert chat.chat(None, _Tokens(), chat.ChatOptions(), as_json=as_json, stdin=io.StringIO("q\n"), stdout=out) == 0
+    assert chat.chat(None, LoadedModel(None, _Tokens()), AskOptions(), as_json=as_json, stdin=io.StringIO("q\n"),
+                     stdout=out) == 0
     shown = out.getvalue()
     assert "\x1b" not in shown and "\u202e" not in shown
     if as_json:

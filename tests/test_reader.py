@@ -11,8 +11,10 @@ from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.core.layout import landmarked_length
 from landmark_memory.models.config import AskPolicy
 from landmark_memory.models.hf.lora import question_reader
-from landmark_memory.models.reader import QuestionReader, ReaderConfig, blended, load_reader, save_reader
-from landmark_memory.uses.question import point
+from landmark_memory.models.loaded import LoadedModel
+from landmark_memory.models.reader import QuestionReader, Reader, ReaderConfig, blended, load_reader, save_reader
+from landmark_memory.uses.question import Question, search_states
+from landmark_memory.uses.retrievers import ReaderRetriever
 
 
 def random_reader(layers, heads, dim, width, seed=0):
@@ -92,7 +94,7 @@ def loop_scores(mem, reader, states, n, own, calibration):
 
 @pytest.mark.parametrize("calibration", ["template", "none"])
 @pytest.mark.parametrize("blend", [0.0, 0.4])
-def test_point_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model, calibration, blend):
+def test_the_reader_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model, calibration, blend):
     text = torch.randint(4, 64, (1, 62), generator=torch.Generator().manual_seed(1))  # 12 blocks, 2 pending
     prompt = torch.randint(4, 64, (14,), generator=torch.Generator().manual_seed(2)).tolist()
     reader = random_reader(2, 2, 16, 32)
@@ -105,7 +107,8 @@ def test_point_ranks_blocks_as_a_loop_over_layers_heads_tokens_and_blocks(model,
         want, conditioning = loop_scores(ref_mem, reader, recorded(ref_mem, prompt), 12, own, calibration)
         mem = LandmarkMemory(model, top_k=2, chunk_size=10)
         mem.forward(text)
-        got = point(mem, reader, calibration, prompt, own, 5)
+        asked = Question("", mem.n_blocks, own=tuple(own), read_ids=len(prompt), states=search_states(mem, prompt))
+        got = ReaderRetriever(mem, Reader(reader, calibration)).rank(asked, 5)
     top = want.topk(5)
     assert [b for b, _ in got] == top.indices.tolist()
     # blended scores are z-scores (order 1) of float32 scores whose spread may be far smaller than they are (without
@@ -158,15 +161,14 @@ def test_a_reader_with_non_finite_weights_is_refused_at_load_in_one_line(tmp_pat
 
 def test_an_adapter_whose_reader_is_missing_or_reads_another_model_is_refused(tmp_path):
     class Model:
-        ask_policy, config = AskPolicy(reader_blocks=2), Settings()
+        config = Settings()
 
     with pytest.raises(ValueError, match="asks for 2 blocks of a question reader, but .* is missing"):
-        question_reader(Model(), tmp_path)
+        question_reader(Model(), tmp_path, AskPolicy(reader_blocks=2))
     save_reader(random_reader(3, 2, 16, 32), tmp_path / "reader.safetensors", "none")
     with pytest.raises(ValueError, match=r"reads a model of .* \(3, 2, 2, 32\), this one has \(2, 2, 2, 32\)"):
-        question_reader(Model(), tmp_path)
-    Model.ask_policy = AskPolicy()
-    assert question_reader(Model(), tmp_path) is None
+        question_reader(Model(), tmp_path, AskPolicy(reader_blocks=2))
+    assert question_reader(Model(), tmp_path, AskPolicy()) is None
     with pytest.raises(ValueError, match="reader_blocks to a count from 0 to 64"):
         AskPolicy.from_dict({"reader_blocks": True}, "landmark.json")
     assert AskPolicy.from_dict({"reader_blocks": 3}, "x").reader_blocks == 3
@@ -189,15 +191,17 @@ def test_ask_through_a_reader_reads_its_blocks_at_every_answer_token_and_names_t
     model, tok, question = LandmarkGPT.from_pretrained(), ChatTokenizer(), "Who found the treasure map?"
     c = model.config
     reader = random_reader(c.n_layer, c.n_head, c.head_dim, c.n_embd, seed=3)
-    model.ask_policy, model.question_reader = AskPolicy(reader_blocks=2), (reader, "template")
+    loaded = LoadedModel(model, tok, reader=Reader(reader, "template"), policy=AskPolicy(reader_blocks=2))
     with LandmarkMemory.open(corpus, model, readonly=True) as mem:
-        got = ask(mem, tok, question, max_new_tokens=5, passages=4)
+        got = ask(mem, loaded, question, max_new_tokens=5, passages=4)
         mem.rewind()
         prompt = tok.chat_text([{"role": "user", "content": question}], first=True, answer=True)
         enc = tok.encode(prompt)
         start, end = prompt.index(question), prompt.index("\nassistant")
         own = [i for i, (a, b) in enumerate(enc.offsets) if start <= a < b <= end]
-        chosen = [b for b, _ in point(mem, reader, "template", enc.ids[:-1], own, 2)]
+        asked = Question("", mem.n_blocks, own=tuple(own), read_ids=len(enc.ids) - 1,
+                         states=search_states(mem, enc.ids[:-1]))
+        chosen = [b for b, _ in ReaderRetriever(mem, Reader(reader, "template")).rank(asked, 2)]
         seen = []
         with mem.reading(chosen):
             mem.generate(torch.tensor([enc.ids[-1:]]), 5, on_read=seen.append)

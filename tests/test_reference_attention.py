@@ -11,7 +11,7 @@ from landmark_memory.kernels.reference import landmark_groups, landmark_position
 
 
 def oracle_weights(scores, block_size):
-    """Attention weights of one query row set, by loops over the definitions in docs/DESIGN.md.
+    """Attention weights of one query row set, by loops over the definitions in docs/design/inference.md.
 
     scores: list of lists (T x T) of floats. Returns a T x T list of weights."""
     T, L = len(scores), block_size + 1

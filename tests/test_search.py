@@ -15,8 +15,10 @@ from landmark_memory.app.cli import main
 from landmark_memory.core.tokenizer import EOS_TOKEN, load_tokenizer
 from landmark_memory.format.text_index import EDGE, TEXT_INDEX, TEXT_SEAL, TextIndex, block_texts, match_words
 from landmark_memory.models.heads import EvidenceHeads
-from landmark_memory.uses.evidence import fuse
-from landmark_memory.uses.search import keep_text_index, text_ranking, word_rarity
+from landmark_memory.models.loaded import LoadedModel
+from landmark_memory.uses.question import asked_words, word_rarity
+from landmark_memory.uses.retrievers import TEXT_WEIGHT, fuse
+from landmark_memory.uses.search import text_ranking
 
 BS = 6
 
@@ -136,29 +138,25 @@ def test_an_index_whose_rows_are_not_the_memorys_starts_again():
 
 def test_fusion_sums_each_rankings_weight_over_k_plus_the_rank():
     heads, text = [(4, 9.0), (2, 5.0), (7, 1.0)], [(2, 3.0), (9, 2.0)]
-    got = dict(fuse(heads, text, k=10, weight=2.0))
+    got = dict(fuse((heads, 1.0), (text, 2.0), k=10))
     assert got == pytest.approx({4: 1 / 11, 2: 1 / 12 + 2 / 11, 7: 1 / 13, 9: 2 / 12})
-    assert [b for b, _ in fuse(heads, text, k=10, weight=2.0)] == [2, 9, 4, 7]
-    assert fuse(heads, [], k=10) == [(4, 1 / 11), (2, 1 / 12), (7, 1 / 13)]
+    assert [b for b, _ in fuse((heads, 1.0), (text, 2.0), k=10)] == [2, 9, 4, 7]
+    three = dict(fuse((heads, 1.0), (text, 2.0), ([(7, 0.5)], 3.0), k=10))  # any number of rankings
+    assert three == pytest.approx({**got, 7: 1 / 13 + 3 / 11})
+    assert fuse((heads, 1.0), ([], 2.0), k=10) == heads  # one ranking alone is its own fusion
 
 
-@pytest.fixture(scope="module")
-def heads_model():
-    model = LandmarkGPT.from_pretrained()
-    model.evidence_heads = EvidenceHeads(((0, 1), (3, 2)), blocks=2, candidates=8)
-    return model
-
-
-def test_search_fuses_the_heads_and_the_text_index_and_leaves_a_read_only_memory_as_it_was(corpus, heads_model):
-    tok = ChatTokenizer([])
-    with LandmarkMemory.open(corpus, heads_model, readonly=True) as mem:
+def test_search_fuses_the_heads_and_the_text_index_and_leaves_a_read_only_memory_as_it_was(corpus):
+    tok, model = ChatTokenizer([]), LandmarkGPT.from_pretrained()
+    loaded = LoadedModel(model, tok, EvidenceHeads(((0, 1), (3, 2)), blocks=2, candidates=8))
+    with LandmarkMemory.open(corpus, model, readonly=True) as mem:
         n, tokens = mem.n_blocks, mem.n_tokens
         assert n > 8  # past the candidates: the text index's blocks join the block keys'
-        found = search(mem, tok, "Who found the treasure map?", k=4)
+        found = search(mem, loaded, "Who found the treasure map?", k=4)
         assert mem.n_tokens == tokens and mem.n_blocks == n
         r = found.ranking
         assert r.text and {b for b, _ in r.text} <= {b for b, _ in r.heads}
-        assert r.fused == fuse(r.heads, r.text)
+        assert r.fused == fuse((r.heads, 1.0), (r.text, TEXT_WEIGHT))
         assert [p.block for p in found.passages] == [b for b, _ in r.fused[:4]]
         assert r.text == text_ranking(mem, tok, "Who found the treasure map?", n)
         holds = [b for b, _ in r.text]
@@ -167,7 +165,7 @@ def test_search_fuses_the_heads_and_the_text_index_and_leaves_a_read_only_memory
         assert found.quote is not None and found.quote.source is not None
         assert json.loads(json.dumps(found.to_json()))["ranking"]["fused"] == [p.block for p in found.passages]
         with pytest.raises(ValueError, match="question"):
-            search(mem, tok, "   ")
+            search(mem, loaded, "   ")
 
 
 def test_a_words_rarity_is_bm25s_inverse_frequency_over_the_memorys_blocks(corpus):
@@ -176,11 +174,11 @@ def test_a_words_rarity_is_bm25s_inverse_frequency_over_the_memorys_blocks(corpu
         n = mem.n_blocks
         texts = [tok.decode(mem.tokens(0, b, b + 1).tolist()).lower() for b in range(n)]
         common = max(("the", "and", "of"), key=lambda w: sum(w in t.split() for t in texts))
-        rarity = word_rarity(mem, tok, f"Which treasure map {common} zanzibar?", n)
+        rarity = word_rarity(mem, tok, asked_words(f"Which treasure map {common} zanzibar?"), n)
         assert set(rarity) == {"treasure", "map", "zanzibar"}  # (its own words: "the", "which" are not)
         assert rarity["zanzibar"] == pytest.approx(np.log(1 + (n + 0.5) / 0.5))  # in no block
         assert 0 < rarity["treasure"] < rarity["zanzibar"]
-        assert word_rarity(mem, tok, "What of it?", n) == {}
+        assert word_rarity(mem, tok, asked_words("What of it?"), n) == {}
 
 
 def test_a_model_without_heads_searches_by_the_text_index_alone(corpus):
@@ -210,8 +208,8 @@ def test_build_writes_the_text_index_and_the_index_command_brings_an_older_memor
     tok = load_tokenizer()
     with LandmarkMemory.open(path, LandmarkGPT.from_pretrained()) as mem:
         with pytest.raises(ValueError, match="writer"):
-            keep_text_index(LandmarkMemory.open(path, mem.model, readonly=True), tok)
-        assert keep_text_index(mem, tok) == 0
+            LandmarkMemory.open(path, mem.model, readonly=True).text_index.keep(tok)
+        assert mem.text_index.keep(tok) == 0
 
 
 def test_the_search_command_prints_the_passages_and_their_places_or_json(corpus, capsys):

@@ -25,6 +25,7 @@ from landmark_memory.app import serve as served
 from landmark_memory.app import serve_routes
 from landmark_memory.app.cli import API_KEY_VARIABLE, main
 from landmark_memory.format.text_file import TEXT_INDEX
+from landmark_memory.models.loaded import LoadedModel
 
 pytestmark = pytest.mark.slow  # servers in processes of their own
 
@@ -288,7 +289,7 @@ def in_process(corpus, **options):
     import uvicorn
 
     cfg = served.ServeConfig(corpus, MODEL, **options)
-    app = served.create_app(cfg, LandmarkGPT.from_pretrained(), load_tokenizer())
+    app = served.create_app(cfg, LoadedModel(LandmarkGPT.from_pretrained(), load_tokenizer()))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -31,7 +31,7 @@ def landmark():
 
 @pytest.fixture(scope="module")
 def passage(landmark):
-    _, tok = landmark
+    tok = landmark.tokenizer
     return tok.encode(BOOK.read_text()[40_000:43_000]).ids[:400]
 
 
@@ -52,7 +52,7 @@ def test_a_missing_weights_package_says_how_to_install_it(monkeypatch):
 def test_the_shipped_adapter_is_small_and_changes_the_converted_model(landmark, passage):
     size = sum(f.stat().st_size for f in smollm2.ADAPTER_DIR.iterdir())
     assert size <= 25 * 2**20
-    model, tok = landmark
+    model = landmark.model
     base, base_tok = smollm2.load_base()
     plain = convert(base, base_tok, block_size=adapter_settings(smollm2.ADAPTER_DIR)["block_size"]).eval()
     idx = torch.tensor([passage[:130]])
@@ -64,14 +64,15 @@ def test_the_shipped_adapter_is_small_and_changes_the_converted_model(landmark, 
     emb, plain_emb = model.get_input_embeddings().weight, plain.get_input_embeddings().weight
     assert not torch.equal(emb[lm], plain_emb[lm]) and torch.equal(emb[:lm], plain_emb[:lm])  # one row trained
     assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()  # still tied
-    assert model.ask_policy == AskPolicy(centre=True, deep_passages=True, reader_blocks=4)  # as measured for it
-    reader, calibration = model.question_reader  # stage 11 blended with the 8 retrieval heads (results/reader.md)
-    assert calibration == "template" and reader.config.rank == 8 and reader.config.blend == 0.2
+    assert landmark.policy == AskPolicy(centre=True, deep_passages=True, reader_blocks=4)  # as measured for it
+    reader = landmark.reader.reader  # stage 11 blended with the 8 retrieval heads (results/reader.md)
+    assert landmark.reader.calibration == "template" and landmark.heads is not None
+    assert reader.config.rank == 8 and reader.config.blend == 0.2
     assert (reader.heads > 0).sum() == 8 and abs(float(reader.heads.sum()) - 1) < 1e-6
 
 
 def test_the_landmark_model_reads_a_book_through_memory_and_generates(landmark, passage):
-    model, tok = landmark
+    model, tok = landmark.model, landmark.tokenizer
     with torch.no_grad(), LandmarkMemory(model, chunk_size=126, top_k=2) as mem:
         mem.forward(torch.tensor([passage[:252]]))
         out = mem.forward(torch.tensor([passage[252:]]))
@@ -102,7 +103,7 @@ def test_ask_answers_in_words_through_the_chat_template(tmp_path):
 def test_smollm2s_tokenizer_reads_a_text_in_pieces_as_whole(landmark, monkeypatch):
     from landmark_memory.jobs import build
 
-    _, tok = landmark
+    tok = landmark.tokenizer
     text = BOOK.read_text()[:30_000] + " 1,234  numbers\u00a0and  spaces 42nd "
     monkeypatch.setattr(build, "PIECE_CHARS", 500)
     whole = tok.encode(build.strip_gutenberg(text)).ids + [tok.token_to_id(build.EOS_TOKEN)]
@@ -110,7 +111,7 @@ def test_smollm2s_tokenizer_reads_a_text_in_pieces_as_whole(landmark, monkeypatc
 
 
 def test_the_chat_prompt_is_a_user_turn_ready_for_the_answer(landmark):
-    _, tok = landmark
+    tok = landmark.tokenizer
     assert isinstance(tok, TextTokenizer)
     prompt = tok.chat_prompt("Hello?")
     assert prompt.count("<|im_start|>user\nHello?<|im_end|>") == 1 and prompt.endswith("<|im_start|>assistant\n")

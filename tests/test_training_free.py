@@ -278,7 +278,8 @@ def test_a_training_free_corpus_builds_on_ray_keeps_sessions_and_serves(plain_di
                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread, as each worker: the same sums
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stderr.count("no landmarks; each block of 16 tokens is searched by the mean of its own keys") == 1
-    model, tok = load_model(str(plain_dir), "cpu")
+    loaded = load_model(str(plain_dir), "cpu")
+    model, tok = loaded.model, loaded.tokenizer
     assert files_of(tmp_path / "two", model) == files_of(tmp_path / "here", model)
     for turn in range(2):  # a session made, then resumed by name
         with LandmarkMemory.open(tmp_path / "two", model, readonly=True) as mem, Session.open(mem, "talk") as s:

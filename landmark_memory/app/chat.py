@@ -8,13 +8,14 @@ read, so a chat stopped at any point resumes with ``--session NAME`` at its last
 """
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TextIO
 
-from ..core.names import EVIDENCE
+from ..core.ask_options import AskOptions
 from ..core.printing import json_text, printable
 from ..format.session_files import list_sessions
 from ..memory import LandmarkMemory
+from ..models.loaded import LoadedModel
 from ..uses.answer import Answer, say
 from ..uses.session import Session
 
@@ -22,17 +23,6 @@ HELP = """/passages  the passages the last answer read
 /sessions  the sessions of this memory
 /help      this list
 /quit      end the chat (so does Ctrl-D); Ctrl-C stops an answer, the session stays at its last turn"""
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """How each turn is answered (``answer.converse``'s options)."""
-
-    raw: bool = False
-    max_new_tokens: int = 128
-    passages: int = 3
-    evidence: str = EVIDENCE[0]
-    refuse: bool = True
 
 
 def answer_json(a: Answer) -> dict:
@@ -61,23 +51,24 @@ def sessions_text(memory) -> str:
     return "\n".join(f"{s.name:<24} {s.turns:>6,} turns {s.tokens:>10,} tokens  {s.updated or s.problem}" for s in rows)
 
 
-def chat(session: Session, tokenizer, options: ChatOptions, *, as_json: bool = False, stdin: TextIO | None = None,
-         stdout: TextIO | None = None) -> int:
-    """Hold the chat of ``session`` (over its memory, opened read-only) until the input ends
-    (``stdin``, ``stdout``: the process's as they are when called); the exit status."""
+def chat(session: Session, model: LoadedModel, options: AskOptions, *, as_json: bool = False,
+         stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    """Hold the chat of ``session`` (over its memory, opened read-only with ``model``'s module)
+    until the input ends, each turn answered by ``options`` (``stdin``, ``stdout``: the
+    process's as they are when called); the exit status."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if stdin.isatty():
-        return _terminal(session, tokenizer, options, stdout)
+        return _terminal(session, model, options, stdout)
     for line in stdin:
         line = line.rstrip("\n")
         if not line.strip():
             continue
-        a = say(session, tokenizer, line, **asdict(options))
+        a = say(session, model, line, options)
         print(json_text(answer_json(a)) if as_json else printable(a.text.strip()), file=stdout, flush=True)
     return 0
 
 
-def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) -> int:
+def _terminal(session: Session, model: LoadedModel, options: AskOptions, out: TextIO) -> int:
     import readline  # noqa: F401 - line editing and history for input()
 
     mem: LandmarkMemory = session.mem
@@ -101,10 +92,10 @@ def _terminal(session: Session, tokenizer, options: ChatOptions, out: TextIO) ->
         if command.startswith("/"):
             print(printable(_command_reply(command, last, mem)), file=out)
             continue
-        stream = _Stream(tokenizer, out)
+        stream = _Stream(model.tokenizer, out)
         print("memory> ", end="", file=out, flush=True)
         try:
-            last = say(session, tokenizer, line, **asdict(options), on_token=stream.show)
+            last = say(session, model, line, options, on_token=stream.show)
             print(printable(last.text[len(stream.shown):]), file=out)
         except KeyboardInterrupt:  # the turn is not committed: the session goes back to its last one
             print("\n(stopped: this turn is forgotten, the session stays at its last answer)", file=out)

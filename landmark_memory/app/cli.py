@@ -22,9 +22,9 @@ from ..memory import LandmarkMemory
 from ..models.kinds import load_model, model_name
 from ..uses.answer import ask
 from ..uses.inspect import describe, verify
-from ..uses.search import keep_text_index, search, snippet
+from ..uses.search import search, snippet
 from ..uses.session import Session
-from .cli_args import given, parser
+from .cli_args import ask_options, given, parser
 from .cli_common import UsageError, emit, saved_model, say_block_keys
 from .cli_measure import cmd_compare, cmd_eval, cmd_passkey
 from .stopping import exit_status, sigterm_interrupts
@@ -51,7 +51,8 @@ def cmd_build(args):
             raise UsageError(f"{path} was built with " + ", ".join(f"{k}={was[k]}" for k in changed)
                              + "; these cannot change: drop the flags or build a new memory")
     block_size = saved.model.shape.block_size if saved else args.block_size
-    model, tok = load_model(args.model, args.device, block_size)
+    loaded = load_model(args.model, args.device, block_size)
+    model, tok = loaded.model, loaded.tokenizer
     reader = (RayReader(args.workers, args.ray_address, args.model, args.device, block_size, args.worker_threads,
                         memory=path) if args.workers else contextlib.nullcontext())
     with reader:  # Ray is up and every worker sees the folder before anything is written
@@ -139,11 +140,11 @@ def cmd_verify(args):
 
 def cmd_ask(args):
     saved = saved_model(args)
-    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    loaded = load_model(args.model, args.device, saved.model.shape.block_size)
+    model = loaded.model
     with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k", "cmt_cutoff")) as mem:
         say_block_keys(model, mem.options)
-        answer = ask(mem, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     seed=args.seed, raw=args.raw, passages=args.passages, evidence=args.evidence, refuse=args.refuse)
+        answer = ask(mem, loaded, args.prompt, ask_options(args))
     doc = {"prompt": args.prompt, "chat": answer.chat, "text": answer.text,
            "retrieved": [asdict(p) for p in answer.passages], "memory_tokens": answer.memory_tokens,
            **answer.evidence_fields()}
@@ -159,9 +160,10 @@ def cmd_ask(args):
 
 def cmd_search(args):
     saved = saved_model(args)
-    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    loaded = load_model(args.model, args.device, saved.model.shape.block_size)
+    model = loaded.model
     with LandmarkMemory.open(args.memory, model, readonly=True) as mem:
-        found = search(mem, tok, args.question, k=args.passages)
+        found = search(mem, loaded, args.question, k=args.passages)
     r = found.ranking
     lines = [f"Q: {args.question}"]
     if found.quote is not None:
@@ -180,10 +182,11 @@ def cmd_search(args):
 
 def cmd_index(args):
     saved = saved_model(args)
-    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    loaded = load_model(args.model, args.device, saved.model.shape.block_size)
+    model, tok = loaded.model, loaded.tokenizer
     mem, t0 = LandmarkMemory.open(args.memory, model), time.perf_counter()
     try:
-        added = keep_text_index(mem, tok, quiet=args.quiet, check=True)  # (a damaged index is built again)
+        added = mem.text_index.keep(tok, quiet=args.quiet, check=True)  # (a damaged index is built again)
         if saved.version < FORMAT_VERSION:  # an older memory's commit in this format (its ivf-rows runs written)
             mem.commit()
     finally:
@@ -196,17 +199,17 @@ def cmd_index(args):
 
 
 def cmd_chat(args):
-    from .chat import ChatOptions, chat
+    from .chat import chat
 
     saved = saved_model(args)
-    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    loaded = load_model(args.model, args.device, saved.model.shape.block_size)
+    model = loaded.model
     with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k")) as mem:
         say_block_keys(model, mem.options)
         with Session.open(mem, args.session) as session:
             if args.session is None:
                 print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)
-            options = ChatOptions(args.raw, args.max_new_tokens, args.passages, args.evidence, args.refuse)
-            return chat(session, tok, options, as_json=args.json)
+            return chat(session, loaded, ask_options(args), as_json=args.json)
 
 
 def cmd_sessions(args):
@@ -234,11 +237,12 @@ def cmd_serve(args):
     if args.ray_address and not args.shares:
         raise UsageError("--ray-address runs a corpus's shares on that cluster: give --shares N too")
     saved = saved_model(args)
-    model, tok = load_model(args.model, args.device, saved.model.shape.block_size)
+    loaded = load_model(args.model, args.device, saved.model.shape.block_size)
+    model = loaded.model
     cfg = ServeConfig(Path(args.memory), str(args.model or "landmark-memory-tiny"), api_key=key, host=args.host,
                       allowed_hosts=tuple(args.allowed_host), parallel=args.parallel, max_tokens=args.max_tokens,
                       max_body=args.max_body, shares=args.shares or 0, ray_address=args.ray_address, model=args.model)
-    app = create_app(cfg, model, tok)  # opens the memory: the right model, a readable memory
+    app = create_app(cfg, loaded)  # opens the memory: the right model, a readable memory
     say_block_keys(model, saved.options)
     print(f"serving {printable(str(args.memory))} with {printable(cfg.model_name)} at http://{args.host}:{args.port}/ "
           "(Ctrl-C stops)", file=sys.stderr)
@@ -253,7 +257,8 @@ def cmd_heads(args):
     if args.model is None:
         raise UsageError("the bundled model was trained on books alone and answers no questions: pass --model (a "
                          "Hugging Face model's folder or smollm2, smollm2-landmark)")
-    model, tok = load_model(args.model, args.device)
+    loaded = load_model(args.model, args.device)
+    model, tok = loaded.model, loaded.tokenizer
     questions, texts = shipped_questions()
     heads, how = choose_heads(model, tok, questions, texts, tokens=args.tokens, progress=not args.json)
     heads = replace(heads, blocks=args.blocks)

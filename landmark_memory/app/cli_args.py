@@ -5,6 +5,7 @@ and a wrong option answer at once."""
 
 import argparse
 
+from ..core.ask_options import AskOptions
 from ..core.names import (
     BLOCK_KEYS,
     DEFAULT_INDEX,
@@ -80,15 +81,33 @@ RETRIEVAL_HELP = ("what chooses a set of blocks: each query of each head (per_to
                   "per_head without them")
 
 
-def add_evidence(p):
-    """``--evidence`` and ``--always-answer``: how ``ask`` answers from what its retrieval heads found."""
-    p.add_argument("--evidence", choices=EVIDENCE, default=EVIDENCE[0],
+def add_ask_options(p, what: str):
+    """How an answer is read and generated (``AskOptions``, whose defaults these are), declared
+    once for ``ask`` and ``chat``; ``what``: what the answer follows, as the help says it."""
+    o = AskOptions()
+    p.add_argument("--max-new-tokens", type=new_tokens, default=o.max_new_tokens,
+                   help=f"the most tokens of an answer (default {o.max_new_tokens}, at most {MAX_NEW_TOKENS:,})")
+    p.add_argument("--temperature", type=nonnegative, default=o.temperature, help="0 = greedy (default)")
+    p.add_argument("--seed", type=seed, default=o.seed, help="sampling seed when temperature > 0")
+    p.add_argument("--passages", type=positive, default=o.passages,
+                   help=f"passages to report per answer (default {o.passages})")
+    p.add_argument("--evidence", choices=EVIDENCE, default=o.evidence,
                    help="what a chat model with retrieval heads reads before the question once they found the quote: "
                         "the quote (default), the two best sentences (quotes), the quote with the sentence before and "
                         "after it (around), or nothing (none: the answer reads the memory alone)")
     p.add_argument("--always-answer", dest="refuse", action="store_false",
                    help="answer even where the retrieval heads find too little evidence (by default the answer says "
                         "the memory does not seem to hold one, and names the closest text)")
+    p.add_argument("--raw", action="store_true",
+                   help=f"continue {what} as written (a model without a chat template, such as the bundled one); by "
+                        "default a chat model gets it as a user turn of its chat template and its answer ends at its "
+                        "end-of-turn token")
+
+
+def ask_options(args) -> AskOptions:
+    """The ``AskOptions`` the command line gave (``add_ask_options``)."""
+    return AskOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                      raw=args.raw, passages=args.passages, evidence=args.evidence, refuse=args.refuse)
 
 
 def add_top_k(p, default=None, new=False):
@@ -207,18 +226,10 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("memory")
     p.add_argument("prompt")
     add_model_args(p)
-    p.add_argument("--max-new-tokens", type=new_tokens, default=32,
-                   help=f"tokens to generate (default 32, at most {MAX_NEW_TOKENS:,})")
-    p.add_argument("--temperature", type=nonnegative, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=seed, default=0, help="sampling seed when temperature > 0")
+    add_ask_options(p, "the prompt")
     add_top_k(p)
     p.add_argument("--cmt-cutoff", type=nonnegative, help=CMT_HELP)
     p.add_argument("--show-retrieved", action="store_true", help="print the passages the answer read")
-    p.add_argument("--passages", type=positive, default=3, help="passages to report (default 3)")
-    add_evidence(p)
-    p.add_argument("--raw", action="store_true",
-                   help="continue the prompt as written; by default a chat model gets it as a user turn of its chat "
-                        "template and its answer ends at its end-of-turn token")
 
     p = sub.add_parser("search", parents=[common], help="the passages of a memory a question points at, without "
                        "generating: its words (the text index) and its retrieval heads")
@@ -239,14 +250,8 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--session", type=session_name, metavar="NAME",
                    help="the session to resume or start (default: a new one with a generated name, printed first)")
-    p.add_argument("--max-new-tokens", type=new_tokens, default=128,
-                   help=f"the most tokens of an answer (default 128, at most {MAX_NEW_TOKENS:,})")
+    add_ask_options(p, "each turn")
     add_top_k(p)
-    p.add_argument("--passages", type=positive, default=3, help="passages to report per answer (default 3)")
-    add_evidence(p)
-    p.add_argument("--raw", action="store_true",
-                   help="turns are plain text continued as written (a model without a chat template, such as the "
-                        "bundled one); by default a chat model gets each as a user turn of its template")
     p.add_argument("--json", action="store_true",
                    help="from a pipe: one JSON object per answer on its own line (session, text, tokens, passages)")
 

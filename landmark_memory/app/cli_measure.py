@@ -11,7 +11,8 @@ from .cli_common import UsageError, emit, memory_options, read_one_text
 
 def cmd_eval(args):
     inp = read_one_text(args.input)
-    model, tok = load_model(args.model, args.device)
+    loaded = load_model(args.model, args.device)
+    model, tok = loaded.model, loaded.tokenizer
     ids = encode(tok, inp.text)
     mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     res = perplexity(model, ids, args.eval_length, memory=mem, max_segments=args.max_segments, progress=not args.quiet)
@@ -26,7 +27,8 @@ def cmd_eval(args):
 
 def cmd_compare(args):
     inp = read_one_text(args.input)
-    model, tok = load_model(args.model, args.device)
+    loaded = load_model(args.model, args.device)
+    model, tok = loaded.model, loaded.tokenizer
     if not reads_through_memory(model):
         raise UsageError("compare measures retrieval: give a model a memory reads (a landmark model, or a Hugging "
                          "Face model of a family we read)")
@@ -53,7 +55,8 @@ def cmd_compare(args):
 
 
 def cmd_passkey(args):
-    model, tok = load_model(args.model, args.device)
+    loaded = load_model(args.model, args.device)
+    model, tok = loaded.model, loaded.tokenizer
     lengths = parse_lengths(args.lengths)
     mem = memory_options(args, model) if uses_memory(model, args.full_attention) else None
     rows = passkey_accuracy(model, tok, lengths, args.trials, args.seed, memory=mem, progress=not args.quiet)

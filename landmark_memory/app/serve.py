@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..models.loaded import LoadedModel
 from ..uses.session import Session
 from .serve_guard import ANY_ADDRESS, LOCAL_HOSTS, APIError, Guard
 from .serve_readers import Readers, ServeConfig
@@ -40,12 +41,12 @@ from .serve_sessions import SessionLocks, sessions_router
 __all__ = ["ServeConfig", "create_app", "serve"]
 
 
-def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
+def create_app(cfg: ServeConfig, model: LoadedModel) -> FastAPI:
     """The server's application (``uvicorn.run(create_app(...))``), answering from the memory
-    at ``cfg.memory`` with ``model`` (loaded once) and its ``tokenizer``; the memory is opened
+    at ``cfg.memory`` with ``model`` (``kinds.load_model``'s, loaded once); the memory is opened
     here (a ``MemoryFileError`` if it cannot be read). The routes are ``serve_routes.router``'s
     and ``serve_sessions``'; their state is ``app.state.served``."""
-    readers = Readers(cfg, model)
+    readers = Readers(cfg, model.model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -55,7 +56,7 @@ def create_app(cfg: ServeConfig, model, tokenizer) -> FastAPI:
     app = FastAPI(title="landmark-memory", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     page = render_page(resources.files("landmark_memory").joinpath("assets/page.html").read_text(), cfg.model_name)
     locks = SessionLocks()
-    app.state.served = Served(cfg, readers, tokenizer, answering=anyio.CapacityLimiter(cfg.parallel),
+    app.state.served = Served(cfg, readers, model, answering=anyio.CapacityLimiter(cfg.parallel),
                               inspecting=anyio.CapacityLimiter(1), locks=locks, page=page)
     key = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 

@@ -20,8 +20,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ..core.ask_options import AskOptions
 from ..core.names import EVIDENCE
-from ..uses.answer import Answer, Message, check_messages, converse, say
+from ..models.loaded import LoadedModel
+from ..uses.answer import Answer, check_messages, converse, say
+from ..uses.asking import Message
 from ..uses.question import QuestionError, check_question
 from ..uses.search import search
 from ..uses.session import Session
@@ -65,13 +68,13 @@ def render_page(template: str, model_name: str) -> Page:
 
 @dataclass
 class Served:
-    """What the routes answer from: ``cfg``, the memory kept open (``readers``), the model's
-    ``tokenizer``, how many answers run at once (``answering``) and apart from them
-    (``inspecting``), the sessions' ``locks`` and the ``page``."""
+    """What the routes answer from: ``cfg``, the memory kept open (``readers``), the ``model``
+    (``LoadedModel``: its tokenizer, heads, reader and policy), how many answers run at once
+    (``answering``) and apart from them (``inspecting``), the sessions' ``locks`` and the ``page``."""
 
     cfg: ServeConfig
     readers: Readers
-    tokenizer: object
+    model: LoadedModel
     answering: anyio.CapacityLimiter
     inspecting: anyio.CapacityLimiter
     locks: SessionLocks
@@ -100,16 +103,19 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else " ".join(p["text"] for p in self.content or [])
 
 
+ASKED = AskOptions()  # what a request leaves out is answered as the command line's ``ask`` and ``chat`` answer
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use
     model: str
     max_tokens: int | None = None
-    temperature: float = 0.0
+    temperature: float = ASKED.temperature
     seed: int | None = None
     stream: bool = False
-    passages: int = 3
-    evidence: str = EVIDENCE[0]  # what a chat model with retrieval heads reads before the question (``converse``)
-    refuse: bool = True  # say the memory holds no answer where the heads find too little (``converse``)
+    passages: int = ASKED.passages
+    evidence: str = ASKED.evidence  # what a chat model with retrieval heads reads before the question (``converse``)
+    refuse: bool = ASKED.refuse  # say the memory holds no answer where the heads find too little (``converse``)
     stop: str | list[str] | None = None
     n: int | None = None
     logprobs: bool | int | None = None
@@ -180,7 +186,7 @@ async def search_memory(req: SearchRequest, s: Served = Depends(served)):
 
     def run():
         with s.readers.take() as mem:
-            return search(mem, s.tokenizer, req.question, k=req.passages).to_json()
+            return search(mem, s.model, req.question, k=req.passages).to_json()
 
     return await anyio.to_thread.run_sync(run, limiter=s.answering)
 
@@ -201,7 +207,7 @@ def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]
     if req.model != s.cfg.model_name:
         raise APIError(404, f"model {req.model!r} is not served here; GET /v1/models lists the one that is",
                        "model_not_found")
-    n = limit if limit is not None else 16
+    n = limit if limit is not None else min(ASKED.max_new_tokens, s.cfg.max_tokens)
     if not 0 <= n <= s.cfg.max_tokens:
         raise APIError(400, f"max_tokens must be between 0 and {s.cfg.max_tokens}, got {n}", "invalid_max_tokens")
     if not (math.isfinite(req.temperature) and 0 <= req.temperature <= 2):
@@ -224,16 +230,16 @@ def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]
 def answer(s: "Served", messages: list[Message], raw: bool, req: _Request, n: int, session: str | None,
            on_token=None) -> Answer:
     """The answer to ``messages``: read into the ``session`` named, or after the memory alone."""
-    options = dict(max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0, raw=raw,
-                   passages=max(0, req.passages), stop=req.stops(), on_token=on_token, evidence=req.evidence,
-                   refuse=req.refuse)
+    options = AskOptions(max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0, raw=raw,
+                         passages=max(0, req.passages), stop=tuple(req.stops()), evidence=req.evidence,
+                         refuse=req.refuse)
     with s.readers.take() as mem:
         if session is None:
-            return converse(mem, s.tokenizer, messages, **options)
+            return converse(mem, s.model, messages, options, on_token=on_token)
         with session_errors():
             kept = Session.open(mem, session, create=False)
         try:
-            return say(kept, s.tokenizer, messages, **options)
+            return say(kept, s.model, messages, options, on_token=on_token)
         finally:
             kept.close()
 
@@ -331,7 +337,7 @@ async def stream(s: "Served", kind, head, messages, raw, req, n, session):
             try:
                 while (t := await pieces.get()) is not done:
                     tokens.append(t)
-                    text = s.tokenizer.decode(tokens)
+                    text = s.model.tokenizer.decode(tokens)
                     ready = min([text.find(s) for s in stops if s in text] or [len(text) - hold])
                     if not text.endswith("\ufffd") and ready > len(shown):  # a split character waits for its last byte
                         yield event(text[len(shown):ready])

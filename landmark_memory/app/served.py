@@ -1,6 +1,6 @@
 """A corpus served by Ray actors: each holds a share of its blocks (its part of every layer's
 index, and their stores) and one front reads the text, fanning each chunk's queries of a layer
-out to the shares and merging their top-k (docs/DESIGN.md, "A corpus served on Ray").
+out to the shares and merging their top-k (docs/design/library.md, "A corpus served on Ray").
 
 ``Shares`` starts the actors (``_Share``: the corpus opened read-only at its last commit, a
 range of its blocks answered) and ``Shares.serve(mem)`` makes an open memory of the same corpus
@@ -29,7 +29,7 @@ class _Share:
         from ..models.kinds import load_model
 
         set_threads(threads)
-        self.mem = LandmarkMemory.open(path, load_model(model, "cpu", None)[0], readonly=True)
+        self.mem = LandmarkMemory.open(path, load_model(model, "cpu", None).model, readonly=True)
         self.first, self.end = first, end
 
     def blocks(self) -> int:

@@ -1,5 +1,5 @@
 """A memory's on-disk format: what its folder holds, how a commit writes it and opening reads
-it back, with no model and no engine (docs/DESIGN.md, "On-disk format"). One job per module:
+it back, with no model and no engine (docs/design/format.md, "On-disk format"). One job per module:
 
     options.py    MemoryOptions: what a memory searches, stores and reads; validated once
     shape.py      ModelShape: the sizes a memory's files depend on, a block's rows

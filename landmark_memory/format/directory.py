@@ -1,6 +1,6 @@
 """The files of a saved memory, and the commit protocol that keeps them consistent.
 
-A memory directory holds (docs/DESIGN.md, "On-disk format"):
+A memory directory holds (docs/design/format.md, "On-disk format"):
 
 - ``manifest.json``: format version, model fingerprint and config, options, counts, the
   commit counter, the inputs ingested, checksums of the other files; written last,

@@ -1,7 +1,7 @@
 """What a memory holds of its text files: one ``InputRecord`` each, in a ``DocumentList``.
 
 A memory read in one context lists its few inputs in its manifest. A corpus may hold 100,000
-documents, so from format 7 its list is paged (docs/DESIGN.md, "On-disk format"): the records
+documents, so from format 7 its list is paged (docs/design/format.md, "On-disk format"): the records
 lie in ``documents/<page>.jsonl``, ``PAGE_DOCUMENTS`` JSON lines a page, appended like a row
 file, and the manifest holds one ``PageRecord`` per page (its records, committed bytes, CRC-32
 and first token) and the ``Shard`` of each document that keeps its own store. Opening reads

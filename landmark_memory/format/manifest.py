@@ -1,6 +1,6 @@
 """The manifest of a saved memory as typed records, and the byte layout of its row files.
 
-``manifest.json`` (docs/DESIGN.md, "On-disk format") is written from a ``Manifest`` and read back into
+``manifest.json`` (docs/design/format.md, "On-disk format") is written from a ``Manifest`` and read back into
 one; nothing else reads its JSON. ``RowLayout`` owns the layout of ``tokens.bin`` (one row per block,
 token ids as int32 (streams, block_size)) and of the landmark keys: from format 5 one file per (stream,
 layer, key/value head) of float32 rows (``key_file``), before it the rows of ``landmarks.bin`` (every

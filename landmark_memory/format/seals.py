@@ -1,5 +1,5 @@
 """A writer's seals: what its key and index files were when it let them go, so that the next
-writer reads again only the files that changed since (docs/DESIGN.md, "Hostile conditions").
+writer reads again only the files that changed since (docs/design/hostile.md).
 
 A writer checks every key file and every file an index keeps beside them against the
 manifest's CRC-32 before it appends (``MemoryDir.key_file_rows``): damage within a file's bounds

@@ -38,7 +38,6 @@ from ..format.text_file import TextIndexError, check_place
 from ..memory import LandmarkMemory
 from ..training.data import list_text_files, read_text, strip_gutenberg
 from ..uses.corpus import ReadDocument, merge_document, merge_read
-from ..uses.search import keep_text_index
 from .reading import DocumentJob, DocumentReader, LocalReader
 
 
@@ -206,6 +205,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
         check_place(mem.dir.path)
     except TextIndexError as e:
         raise TextIndexError(f"{e} (nothing was read)") from None
+    mem.text_index.follow(tokenizer)
     summary, bs = BuildSummary(), mem.shape.block_size
     names = {s for inp in inputs for s in (inp.sha256, inp.bytes_sha256) if s}  # (the list's pages of these alone)
     merged = {e.sha256 for e in mem.inputs.by_folder(document_folder(s) for s in names).values()}
@@ -254,8 +254,7 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
             uncommitted.append(merge_document(mem, folder) if read is None else merge_read(mem, folder, read))
             summary.merged += 1
         if uncommitted and (force or time.monotonic() - last_commit >= commit_every):
-            mem.commit()
-            _keep_text_index(mem, tokenizer, summary, quiet=True)  # (the text index follows each commit, sealed)
+            mem.commit()  # (the text index follows it, sealed)
             last_commit = time.monotonic()
             while uncommitted:
                 e = uncommitted.pop(0)
@@ -276,21 +275,9 @@ def build(mem: LandmarkMemory, inputs: list[TextInput], tokenizer, reader: Docum
         merge_ready(force=True)
         if stop():
             summary.interrupted = signal.Signals(stop.signum).name
-    _keep_text_index(mem, tokenizer, summary, quiet=not progress)  # (up to date, unless nothing was merged now)
+    mem.text_index.catch_up(quiet=not progress)  # (up to date, unless nothing was merged now)
     summary.seconds = time.monotonic() - started
     return summary
-
-
-def _keep_text_index(mem: LandmarkMemory, tokenizer, summary: BuildSummary, quiet: bool) -> None:
-    """``keep_text_index`` after a commit; where the index cannot be written, a ``TextIndexError``
-    that says what the memory holds committed."""
-    try:
-        keep_text_index(mem, tokenizer, quiet=quiet)
-    except (TextIndexError, OSError) as e:
-        why = str(e) if isinstance(e, TextIndexError) else f"{e.filename or mem.dir.path}: {e.strerror or e}"
-        raise TextIndexError(f"{mem.dir.path} is committed (commit {mem.manifest.commit}: {len(mem.inputs):,} "
-                             f"documents, {summary.merged:,} of them merged by this build) but its text index was "
-                             f"not written: {why}") from None
 
 
 def _unmerged_documents(mem: LandmarkMemory, given: dict[str, TextInput], leave_unfinished: bool,

@@ -65,7 +65,8 @@ def run_demo(args: argparse.Namespace) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
         source = Path(args.book) if args.book else SAMPLE_BOOK
-        model, tok = load_model(args.model, args.device)
+        loaded = load_model(args.model, args.device)
+        model, tok = loaded.model, loaded.tokenizer
         text = strip_gutenberg(read_text(source))
         cap = args.book_tokens or (None if isinstance(model, LandmarkGPT) else LARGE_MODEL_TOKENS)
         if cap:
@@ -83,7 +84,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         say(f"2. Reopening it from disk and asking:{QUESTION}")
         with LandmarkMemory.open(mem_path, model, readonly=True) as mem:  # every block read, most read first
-            asked = ask(mem, tok, QUESTION, raw=True, max_new_tokens=8, passages=mem.n_blocks).to_json()
+            asked = ask(mem, loaded, QUESTION, raw=True, max_new_tokens=8, passages=mem.n_blocks).to_json()
         read = asked.pop("passages")
         asked["retrieved"] = read[:PASSAGES]
         answer = first_int(asked["text"])

@@ -144,7 +144,7 @@ class _Worker:
         from ..models.kinds import load_model
 
         set_threads(threads)
-        self.model, _ = load_model(model, device, block_size)
+        self.model = load_model(model, device, block_size).model
 
     def sees(self, probe: str, token: str) -> bool:
         try:

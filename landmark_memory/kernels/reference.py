@@ -13,7 +13,7 @@ Notation (per query ``i`` and key ``j`` of a landmarked sequence of length T):
 Equation 3 compares G_ij with G_ii to find the query's own group. For a landmark query
 G_ii = -1 (its own landmark is ignored), so we compare with p_i, the query's group id, which
 is the same thing for normal queries and places a landmark query's own block tokens and the
-earlier landmarks in one softmax group, as docs/DESIGN.md specifies.
+earlier landmarks in one softmax group, as docs/design/inference.md specifies.
 
 Context Miss Token (appendix D, equations 5-6): one more key at position -1, in every query's
 own group. Landmarks of the blocks flagged as CMT-controlled leave the query's group for a

@@ -1,7 +1,7 @@
 """Grouped-softmax landmark attention in Triton with one exponential per score: the forward and
 backward of ``triton_landmark.py`` (whose tiling, loads and wrapper contract it shares), with
 the softmax computed hierarchically instead of over effective scores. Backend
-``"triton-onepass"``; DESIGN.md ("One pass, one exponential") derives it.
+``"triton-onepass"``; docs/design/inference.md ("One pass, one exponential") derives it.
 
 For query i, the members of its softmax group are the landmarks of earlier blocks c (score
 g_c = s_ic) and the visible normal tokens of its own block (scores s_ij); an earlier block's

@@ -14,6 +14,7 @@ part:
     outputs.py    MemoryOutput, RetrievalStats: what the engine returns and counts
     attachment.py AttachedBlocks: a session's own blocks, read after a read-only memory's
     transfer.py   BlockTransfer: a memory's blocks between processes (served shares, documents)
+    text.py       MemoryText, TextSearch: the memory's text index, kept by its writer's commits, searched by words
     inspection.py MemoryInspection: what experiments and tests look at inside a memory
     engine.py     LandmarkMemory: its parts together and the one door to them: forward, commit,
                   open, refresh, and what sessions and corpora ask of a memory

@@ -1,6 +1,6 @@
 """The decoding state of a memory and the step that advances it (``LandmarkMemory.decoder``).
 
-Per chunk and layer (docs/DESIGN.md, "Inference with memory"): compute q, k, v of the new
+Per chunk and layer (docs/design/inference.md, "Inference with memory"): compute q, k, v of the new
 tokens; ask the lookup which blocks each query reads; fetch them through the hot cache into a
 block pool; attend over local + retrieved blocks with the grouped softmax (a memory without
 landmarks: one ordinary softmax). The open chunk's ids, keys and values are kept here until
@@ -73,7 +73,7 @@ class Decoder:
         self._window_angles = None  # the sliding-window layers' rope.angles at positions 0, 1, ... of their windows
 
     @property
-    def count(self) -> int:
+    def pending_count(self) -> int:
         """Tokens of the open chunk (fed since the last chunk boundary)."""
         return 0 if self.ids is None else self.ids.shape[1]
 
@@ -86,7 +86,7 @@ class Decoder:
 
     def flush(self) -> None:
         """Put the open chunk's blocks into memory (its tokens fill whole blocks)."""
-        if self.count:
+        if self.pending_count:
             self.blocks.add_chunk([(k, v) for k, _, v in self.kv], self.ids)
             self.ids, self.kv = None, [None] * self.shape.n_layer
 
@@ -124,7 +124,7 @@ class Decoder:
         logits (``logits`` as ``LandmarkMemory.forward`` takes it) and per memory layer the
         blocks each of them chose (B, H, n, top_k)."""
         bb, s, G, o = self.backbone, self.shape, self.group, self.options
-        bs, P = s.block_size, self.count
+        bs, P = s.block_size, self.pending_count
         ids = new if P == 0 else torch.cat([self.ids, new], 1)
         x = insert_landmarks(ids, bs, bb.landmark_id) if s.landmarks else ids  # (B, Tk) the chunk so far
         p0, Tk = s.rows_of(P), x.shape[1]
@@ -169,7 +169,7 @@ class Decoder:
             h = h[:, h.shape[1] - (logits == "last"):]
         logits = bb.head(h) if h.shape[1] else h.new_zeros((h.shape[0], 0, bb.vocab_size))  # (B, n, V)
         self.ids, self.kv, self.windows = ids, new_kv, windows
-        if self.count == o.chunk_size:  # the chunk is complete: its blocks go to memory
+        if self.pending_count == o.chunk_size:  # the chunk is complete: its blocks go to memory
             self.flush()
         return logits, retrieved
 

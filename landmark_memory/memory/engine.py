@@ -4,10 +4,12 @@ A memory is a few private parts, each handed what it works on (docs/DESIGN.md, "
 parts"): ``_blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block store, hot
 cache), ``_lookup`` (``BlockLookup``, lookup.py: which blocks each query reads, and the options),
 ``_decoder`` (``Decoder``, decoding.py: the open chunk and the step that reads tokens through the
-memory) and ``_files`` (``SavedFiles``, saved.py: the folder and its commits). This class holds
+memory), ``_files`` (``SavedFiles``, saved.py: the folder and its commits) and ``_text``
+(``MemoryText``, text.py: its text index, kept by its writer's commits). This class holds
 them together and is the one door to them: reading, querying, committing and opening, and what
 sessions and corpora ask of a memory (under "the library's own"); what goes between processes is
-``transfer`` (transfer.py), what experiments and tests look at ``inspection`` (inspection.py).
+``transfer`` (transfer.py), what experiments and tests look at ``inspection`` (inspection.py),
+the text index ``text_index`` (text.py).
 
 Chunk boundaries are absolute (every ``chunk_size`` normal tokens from the start; a document's
 end, ``end_document``, closes its chunk early), and the tokens since the last boundary stay local:
@@ -41,6 +43,7 @@ from .inspection import MemoryInspection
 from .lookup import BlockLookup
 from .outputs import MemoryOutput, RetrievalStats
 from .saved import Opened, SavedFiles, open_folder, saved_chunk
+from .text import MemoryText, TextSearch
 from .transfer import BlockTransfer
 
 LOGITS = ("all", "last", "none")  # what ``forward`` computes of the output head
@@ -98,6 +101,7 @@ class LandmarkMemory:
         self.retrieval_stats = RetrievalStats()
         self.inputs = DocumentList(paged=documents)
         self.attachment = None
+        self._text = MemoryText()
         self._fingerprint, self._closed = None if opened is None else opened.fingerprint, False
         if opened is not None:
             m = opened.manifest
@@ -142,6 +146,9 @@ class LandmarkMemory:
                               "(made when asked: one kept would hold ``forward``, a cycle through the memory).")
     transfer = property(lambda self: BlockTransfer(self._blocks, self.readonly),
                         doc="``BlockTransfer``: the memory's blocks handed between processes.")
+    text_index = property(lambda self: TextSearch(self, self._text),
+                          doc="``TextSearch``: the memory's text index (text.py), kept by its writer at every "
+                              "commit once asked to keep it, searched by a question's words.")
     options = property(lambda self: self._lookup.options,
                        doc="MemoryOptions, resolved for the model (defaults filled in); ``querying`` changes some.")
 
@@ -197,7 +204,7 @@ class LandmarkMemory:
     n_blocks = property(lambda self: self._blocks.n_blocks, doc="Blocks in memory per stream.")
     n_tokens = property(lambda self: self.n_blocks * self.shape.block_size + self.pending_count,
                         doc="Normal tokens fed per stream.")
-    pending_count = property(lambda self: self._decoder.count,
+    pending_count = property(lambda self: self._decoder.pending_count,
                              doc="Tokens of the open chunk (fed since the last chunk boundary).")
 
     def tokens(self, stream: int = 0, first: int = 0, last: int | None = None) -> np.ndarray:
@@ -289,12 +296,15 @@ class LandmarkMemory:
                             "before its first; its ``model`` is the model the memory was built with (None: not saved).")
 
     def commit(self) -> int:
-        """Make everything fed so far durable in the memory directory (docs/DESIGN.md, "Commit protocol");
-        returns the commit number. A process killed at any instant leaves the memory at its last commit."""
+        """Make everything fed so far durable in the memory directory (docs/design/format.md, "Commit protocol");
+        returns the commit number. A process killed at any instant leaves the memory at its last commit.
+        A text index its writer keeps (``text_index.follow``) follows the commit, sealed."""
         manifest = Manifest(model=self._model_record(), options=self.options, streams=self.streams,
                             blocks=self.n_blocks, tokens=self.n_tokens, pending_tokens=self.pending_count,
                             inputs=self.inputs, documents=self.documents)
-        return self._files.commit(self._blocks, manifest, self.open_chunk())
+        number = self._files.commit(self._blocks, manifest, self.open_chunk())
+        self.text_index.catch_up()
+        return number
 
     @classmethod
     def open(cls, path: str | Path, model: torch.nn.Module, *, readonly: bool = False, cache_bytes: int = 256 << 20,
@@ -378,6 +388,7 @@ class LandmarkMemory:
                 self.commit()
         finally:  # a commit that failed (a full disk) leaves the last one standing: the files are let go all the same
             self._closed = True
+            self._text.close()
             self._files.close(self._blocks.close())
 
     def __enter__(self) -> "LandmarkMemory":

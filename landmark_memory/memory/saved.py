@@ -1,4 +1,4 @@
-"""A memory saved in a directory: its folder and commits (docs/DESIGN.md, "Persistence").
+"""A memory saved in a directory: its folder and commits (docs/design/format.md).
 
 ``SavedFiles`` is a memory's part (``LandmarkMemory.files``) that knows its folder and the
 commits there: it writes a commit of the blocks and the open chunk it is given, takes the blocks
@@ -44,7 +44,7 @@ def write_commit(d: MemoryDir, blocks: BlockMemory, manifest: Manifest, first: i
     """Commit ``manifest`` (its counts filled in, ``commit`` the last one's) to ``d``: the rows of
     ``blocks`` past block ``first`` (their CRC-32s carried on from ``rows_crc``; the key files'
     from block ``keys_committed``), the indexes and the open ``chunk`` in a state file, then the
-    manifest (docs/DESIGN.md, "Commit protocol"). ``manifest`` ends as committed: its commit
+    manifest (docs/design/format.md, "Commit protocol"). ``manifest`` ends as committed: its commit
     number, state file and CRC-32s."""
     manifest.inputs.write(d)  # a corpus's new documents, into its pages
     if manifest.streams is not None:

@@ -10,14 +10,14 @@ ATTENTIONS = ("landmark", "full", "infini")
 
 @dataclass(frozen=True)
 class AskPolicy:
-    """How ``memory.answer.ask`` reads a question through a memory for one model, as measured
+    """How ``uses.answer.ask`` reads a question through a memory for one model, as measured
     for it (``experiments/results/retrieval.md``): ``centre``, the question and its answer
     choose blocks by centred landmark scores; ``deep_passages``, the passages are ranked by
     the lookups of the deeper half of the layers; ``reader_blocks``, how many of the blocks
     the model's question reader (``models/reader.py``, in the adapter's folder) ranks first
-    every token of the answer reads, and the passages name first (0: no reader). A model says
-    so as its ``ask_policy`` attribute (a landmark adapter in its ``landmark.json``); the
-    default changes nothing."""
+    every token of the answer reads, and the passages name first (0: no reader). A loaded
+    model carries it (``LoadedModel.policy``: a landmark adapter's, from its ``landmark.json``);
+    the default changes nothing."""
 
     centre: bool = False
     deep_passages: bool = False

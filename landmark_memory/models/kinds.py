@@ -22,7 +22,9 @@ from safetensors import SafetensorError, safe_open
 from ..core.names import is_named_model
 from ..core.tokenizer import load_tokenizer
 from .backbone import Backbone, GPTBackbone
+from .config import AskPolicy
 from .heads import find_heads
+from .loaded import LoadedModel
 from .model import BUNDLED_MODEL, LandmarkGPT
 
 
@@ -170,22 +172,24 @@ def check_device(device: str) -> str:
     return device
 
 
-def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None):
-    """``(model, tokenizer)`` from ``path``: a LandmarkGPT directory (default: the bundled
-    model) with the shipped tokenizer, a Hugging Face model directory (converted or plain)
-    with its own tokenizer (a ``hf.TextTokenizer``), or a name of ``NAMED_MODELS``
-    (``hf/smollm2.py``), in eval mode on ``device`` ("auto": cuda when available), tagged
-    with its ``model_name`` as ``landmark_name``. ``block_size`` must match a landmark model's
-    own, except that a LandmarkGPT may be read with another (its trained blocks may suit it less)."""
+def load_model(path: str | Path | None = None, device: str = "auto", block_size: int | None = None) -> LoadedModel:
+    """The ``LoadedModel`` at ``path``: a LandmarkGPT directory (default: the bundled model)
+    with the shipped tokenizer, a Hugging Face model directory (converted or plain) with its
+    own tokenizer (a ``hf.TextTokenizer``), or a name of ``NAMED_MODELS`` (``hf/smollm2.py``;
+    the landmark one with its adapter's policy and question reader), in eval mode on
+    ``device`` ("auto": cuda when available), with its retrieval heads (``heads.find_heads``),
+    the module tagged with its ``model_name`` as ``landmark_name``. ``block_size`` must match a
+    landmark model's own, except that a LandmarkGPT may be read with another (its trained
+    blocks may suit it less)."""
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else check_device(device)
     try:
-        model, tok = _load(path, dev, block_size)
+        model, tok, asking = _load(path, dev, block_size)
     except _DAMAGE as e:  # a cut weights file, a config field of the wrong type
         raise damaged_model(path, e) from None
     model.landmark_name = model_name(path)  # what a memory built with it records
     model.tokenizer_digest = tokenizer_digest(tok)  # and what turned its text into ids
-    model.evidence_heads = find_heads(path)  # (``models/heads.py``: None for a model without them)
-    return model, tok
+    policy, reader = asking or (AskPolicy(), None)
+    return LoadedModel(model, tok, find_heads(path), reader, policy)
 
 
 def tokenizer_digest(tok) -> str:
@@ -225,18 +229,22 @@ def check_no_code(path: str | Path, config: dict) -> None:
 
 
 def _load(path, dev: str, block_size: int | None):
+    """(model, tokenizer, (its ``AskPolicy``, its question reader) or None where it has neither)."""
     config = hf_config(path) if path else None
+    asking = None
     named = is_named_model(path)
     if config is not None or named:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         from .hf.convert import from_pretrained
-        from .hf.smollm2 import LANDMARK, load_base, load_landmark
+        from .hf.lora import adapter_asking
+        from .hf.smollm2 import ADAPTER_DIR, LANDMARK, load_base, load_landmark
 
         hf_logging.disable_progress_bar()  # our own bars report the work
         if named:
             model, tok = load_landmark() if path == LANDMARK else load_base()
+            asking = adapter_asking(model, ADAPTER_DIR) if path == LANDMARK else None
         else:
             check_no_code(path, config)
             load = from_pretrained if config.get("landmark_block_size") else AutoModelForCausalLM.from_pretrained
@@ -252,7 +260,7 @@ def _load(path, dev: str, block_size: int | None):
             if model.config.attention != "landmark":
                 raise ValueError("--block-size applies to landmark models only")
             model.config.block_size = block_size  # shared by every layer
-    return model, tok
+    return model, tok, asking
 
 
 _DAMAGE = (SafetensorError, StrictDataclassError, TypeError, KeyError, RuntimeError)

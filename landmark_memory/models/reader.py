@@ -149,6 +149,15 @@ def save_reader(reader: QuestionReader, path: str | Path, calibration: str, **no
     atomic_write(path, save(tensors, metadata=meta))
 
 
+@dataclass(frozen=True)
+class Reader:
+    """A model's question reader and the calibration its ranking subtracts (``CALIBRATIONS``:
+    "template", the chat template's own tokens' attention; "none", nothing)."""
+
+    reader: QuestionReader
+    calibration: str
+
+
 def load_reader(path: str | Path) -> tuple[QuestionReader, str]:
     """(the reader, its calibration) from ``save_reader``'s file; ``ValueError`` saying what is
     wrong with a file that is not one."""

@@ -14,8 +14,9 @@ landmark memory.
 
 Candidates: every block up to ``EvidenceHeads.candidates``; past that, the blocks the same heads
 rank first by their block keys (landmarks, or a training-free memory's mean keys), and with them
-the blocks the memory's text index ranks first for the question's words (``uses/search.py``). The
-passages are the fusion of the heads' ranking and the text index's (``fuse``).
+the blocks the memory's text index ranks first for the question's words. ``retrievers.py``
+ranks and quotes with these (``HeadsRetriever``), and fuses the heads' ranking with the text
+index's.
 """
 
 import re
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..models.heads import EvidenceHeads
 from ..models.reader import head_attention
 
 
@@ -61,59 +61,6 @@ def prompt_weights(own: list[int], n: int) -> torch.Tensor:
     mine[own] = True
     w[0, mine], w[1, ~mine] = 1 / max(int(mine.sum()), 1), 1 / max(int((~mine).sum()), 1)
     return w
-
-
-@dataclass(frozen=True)
-class Ranking:
-    """How a question's candidate blocks ranked, each as (block, score), best first: by its
-    retrieval heads' calibrated token attention (``heads``, every candidate), by the text index's
-    BM25 (``text``, its top blocks) and by their fusion (``fused``, what ``ask`` reads and reports)."""
-
-    heads: list[tuple[int, float]]
-    text: list[tuple[int, float]]
-    fused: list[tuple[int, float]]
-
-
-# the fusion of the two rankings: a block's score is the sum over rankings of weight / (FUSION_K + its rank)
-# (reciprocal rank fusion), chosen on questions the heads' choice never read (experiments/exp_search.py)
-FUSION_K = 60
-TEXT_WEIGHT = 2.0
-
-
-def fuse(heads: list[tuple[int, float]], text: list[tuple[int, float]], *, k: int = FUSION_K,
-         weight: float = TEXT_WEIGHT) -> list[tuple[int, float]]:
-    """The blocks of ``heads`` and ``text`` (each (block, score), best first) by reciprocal rank
-    fusion, best first: ``1 / (k + rank)`` from the heads and ``weight / (k + rank)`` from the
-    text index (ranks from 1; a ranking that lacks a block adds nothing)."""
-    score: dict[int, float] = {}
-    for ranked, w in ((heads, 1.0), (text, weight)):
-        for r, (b, _) in enumerate(ranked, 1):
-            score[b] = score.get(b, 0.0) + w / (k + r)
-    return sorted(score.items(), key=lambda bs: (-bs[1], bs[0]))
-
-
-@torch.no_grad()
-def point(mem, tokenizer, heads: EvidenceHeads, got, own: list[int], n: int, k: int,
-          text: list[tuple[int, float]] = (), question: str = "", count: int = 1,
-          rarity: Mapping[str, float] | None = None) -> tuple[Ranking, list[Quote]]:
-    """How the retrieval ``heads`` and the ``text`` index's ranking (of the memory's first ``n``
-    blocks, those it held before the prompt) rank its blocks, the fusion's first ``k`` the
-    passages, and the ``count`` best quotes of ``question`` among those (``quotes``, its words
-    weighed by ``rarity``), for a prompt read into ``mem`` (``got``: ``question.search_states``;
-    ``own``: the question's positions in it)."""
-    heads.check(mem.shape.n_layer, mem.shape.n_kv_head)
-    text = list(text)
-    if not own or n == 0:
-        return Ranking([], text, text[:k]), []
-    w = prompt_weights(own, got[0][0].shape[-2])
-    blocks = candidates(mem, got, w, heads.heads, heads.candidates, n)
-    blocks = torch.cat([blocks, torch.tensor(sorted({b for b, _ in text} - set(blocks.tolist())), dtype=torch.long)])
-    mass = token_attention(mem, got, w, heads.heads, blocks)  # (2, K, n, bs)
-    ranked = rank_blocks(mass, blocks, len(blocks))
-    fused = fuse(ranked, text) if text else ranked
-    best = fused[:k]
-    return Ranking(ranked, text, fused), quotes(mem, tokenizer, mass, blocks, [b for b, _ in best], n, question, count,
-                                                 rarity)
 
 
 @torch.no_grad()

@@ -1,16 +1,23 @@
-"""A question read into a memory: whether it can be asked (``check_question``, for ``ask``,
-``search`` and the server alike), what its tokens search the memory with, which of them are the
-question's own, and the blocks a question reader ranks first (``answer.converse`` reads a
-question through these; ``evidence.py`` scores it with retrieval heads; experiments and
-``choose_heads.py`` record what a question reads).
+"""A question as its retrievers read it: whether it can be asked (``check_question``, for
+``ask``, ``search`` and the server alike), and the ``Question`` value computed once (its words
+and their rarity in the memory, the prompt it is read in, which of its tokens are the
+question's own, and, once read into the memory, what they search it with: ``search_states``).
+``retrievers.py`` ranks blocks for it; experiments and ``choose_heads.py`` record what a
+question reads.
 """
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..core.names import MAX_TURN_CHARS
-from ..models.reader import QuestionReader, head_attention, standardised
+from ..core.tokenizer import encode_prompt
+from .evidence import own_words
+
+# the question's own words the text index is asked for, its first ones: a query grows faster than its words
+ASKED_WORDS = 64
 
 
 class QuestionError(ValueError):
@@ -43,45 +50,6 @@ def check_question(question: str, *, seed: int = 0, stop: Sequence[str] = ()) ->
 
 
 @torch.no_grad()
-def point(mem, reader: QuestionReader, calibration: str, prompt: list[int], own: list[int],
-          k: int) -> list[tuple[int, float]]:
-    """Read ``prompt`` (token ids: a question at the positions ``own``, the chat template's
-    tokens around it) into the memory ``mem`` and rank the blocks the memory held before it by
-    ``reader``: the best ``k`` as (block, score), best first.
-
-    Every block's landmark key is scored in each memory layer the reader weighs (a layer at a
-    time): the cost grows with the memory's blocks (SmolLM2's shipped reader weighs all 30 layers;
-    over 520 blocks a warm ``point`` took 0.25 s with the prompt's reading, which alone took 0.2 s)."""
-    n, c = mem.n_blocks, reader.config
-    got = search_states(mem, prompt)
-    if n == 0 or not own:
-        return []
-    mine = torch.zeros(1, 1, len(prompt))
-    mine[..., own] = 1.0
-    theirs = (1 - mine) / max(len(prompt) - len(own), 1)  # the template's tokens (the calibration)
-    mine /= len(own)
-    mix = reader.weights()  # (L, H_kv)
-    heads = reader.heads.view_as(mix) if c.blend else torch.zeros_like(mix)  # by the model's own queries
-    total, base = torch.zeros(n), torch.zeros(n)
-    for layer, (q, h, cos, sin) in enumerate(got):
-        if not (mix[layer].any() or heads[layer].any()):  # a layer the reader does not weigh
-            continue
-        keys = mem.keys(layer, torch.arange(n)).cpu()[None]  # (1, H_kv, n, D)
-        a = reader.attention(q[None, None], h[None, None], cos[None], sin[None], mine, keys, mem.backbone.scale,
-                             layers=[layer])[0, 0]  # (H_kv, n)
-        own_a, null = head_attention(q[None, None], cos[None], sin[None], torch.cat([mine, theirs]), keys,
-                                     mem.backbone.scale)[:, 0]  # (H_kv, n) each: the model's own queries
-        if calibration != "template":
-            null = torch.zeros_like(null)
-        total += (mix[layer, :, None] * (a - null)).sum(0)
-        base += (heads[layer, :, None] * (own_a - null)).sum(0)
-    if c.blend:
-        total = (1 - c.blend) * standardised(total) + c.blend * standardised(base)
-    top = total.topk(min(k, n))
-    return list(zip(top.indices.tolist(), top.values.tolist()))
-
-
-@torch.no_grad()
 def search_states(mem, prompt: list[int]) -> list[tuple[torch.Tensor, ...]]:
     """Read ``prompt`` (token ids) into the memory ``mem`` and return, per memory layer, what its
     tokens search the memory with (stream 0, float32 on the CPU): the raw queries (H, T, D), the
@@ -107,3 +75,59 @@ def question_tokens(offsets: Sequence[tuple[int, int]], prompt: str, question: s
     start = prompt.rfind(question)
     end = start + len(question)
     return [i for i, (a, b) in enumerate(offsets) if start >= 0 and start <= a < b <= end]
+
+
+def asked_words(question: str) -> list[str]:
+    """The words of ``question`` the text index is asked for: its own (``own_words``), the
+    first ``ASKED_WORDS`` of them."""
+    return own_words(question)[:ASKED_WORDS]
+
+
+def word_rarity(mem, tokenizer, words: Sequence[str], n: int) -> dict[str, float]:
+    """{word: its rarity} for ``words``: BM25's inverse document frequency,
+    ``log(1 + (N - df + 0.5) / (df + 0.5))`` of the ``df`` of the memory's first ``n`` blocks
+    (``N``, a session's turns aside) that hold it; what the quote weighs its words by (a word
+    past them weighs 1)."""
+    if not words or n == 0:
+        return {}
+    counts, base = mem.text_index.frequencies(tokenizer, words, n)
+    return {w: math.log(1 + (base - df + 0.5) / (df + 0.5)) for w, df in counts.items()}
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question as its retrievers read it.
+
+    ``text``: the question; ``n_blocks``: the memory's blocks before it (those it is asked of);
+    ``words``: its asked words (``asked_words``); ``rarity``: theirs in those blocks
+    (``word_rarity``); ``prompt``: the text it is read in (a chat template's turn, a frame),
+    ``ids`` its token ids and ``own`` the positions of the question's own tokens among them;
+    ``states``: once its first ``read`` ids are read into the memory (``Question.read``), what
+    they search it with (``search_states``), else None."""
+
+    text: str
+    n_blocks: int
+    words: tuple[str, ...] = ()
+    rarity: Mapping[str, float] = field(default_factory=dict)
+    prompt: str = ""
+    ids: tuple[int, ...] = ()
+    own: tuple[int, ...] = ()
+    read_ids: int = 0
+    states: list[tuple[torch.Tensor, ...]] | None = None
+
+    @classmethod
+    def pose(cls, mem, tokenizer, text: str, prompt: str = "", texts: Sequence[str] = ()) -> "Question":
+        """``text`` asked of everything the memory ``mem`` holds, read in ``prompt`` (built
+        around the messages' own ``texts``; ``encode_prompt``), its words' rarity counted."""
+        words = tuple(asked_words(text))
+        n_blocks = mem.n_blocks
+        encoded = encode_prompt(tokenizer, prompt, list(texts)) if prompt else None
+        ids = tuple(encoded.ids) if encoded else ()
+        own = tuple(question_tokens(encoded.offsets, prompt, text)) if encoded else ()
+        return cls(text, n_blocks, words, word_rarity(mem, tokenizer, words, n_blocks), prompt, ids, own)
+
+    def read(self, mem, count: int) -> "Question":
+        """This question with its prompt's first ``count`` ids read into the memory ``mem``
+        (``states``; ``own`` then its positions among them)."""
+        return replace(self, own=tuple(i for i in self.own if i < count), read_ids=count,
+                       states=search_states(mem, list(self.ids[:count])))

@@ -180,7 +180,7 @@ class Session:
 
     def commit(self, turns: list[Turn]) -> None:
         """Make what the memory read since the last commit durable in the session, with ``turns``
-        (docs/DESIGN.md, "Commit protocol"; ``turns.jsonl`` is written with the token rows)."""
+        (docs/design/format.md, "Commit protocol"; ``turns.jsonl`` is written with the token rows)."""
         mem, r = self.mem, self.manifest.session
         if not self.attached:
             raise RuntimeError(f"the session {self.name} is not attached to its memory: attach it first")

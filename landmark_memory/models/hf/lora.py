@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 
 from ..config import AskPolicy
-from ..reader import READER_FILE, load_reader
+from ..reader import READER_FILE, Reader, load_reader
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's
 LANDMARK_FILE = "landmark.json"
@@ -51,17 +51,21 @@ def apply_adapter(model, adapter: str | Path, trainable: bool = False):
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
     if trainable:
         return model
-    model = model.merge_and_unload()
-    model.ask_policy = AskPolicy.from_dict(adapter_settings(adapter).get("ask", {}), str(Path(adapter) / LANDMARK_FILE))
-    model.question_reader = question_reader(model, adapter)
-    return model
+    return model.merge_and_unload()
 
 
-def question_reader(model, adapter: str | Path):
+def adapter_asking(model, adapter: str | Path) -> tuple[AskPolicy, Reader | None]:
+    """(how to ask through ``model`` with the adapter applied, its question reader): the
+    adapter's ``AskPolicy`` (its ``landmark.json``'s ``"ask"``) and ``question_reader``."""
+    policy = AskPolicy.from_dict(adapter_settings(adapter).get("ask", {}), str(Path(adapter) / LANDMARK_FILE))
+    return policy, question_reader(model, adapter, policy)
+
+
+def question_reader(model, adapter: str | Path, policy: AskPolicy) -> Reader | None:
     """The adapter's question reader and its calibration (``models/reader.py``), or None where
-    its ``landmark.json`` asks for none; ``ValueError`` for one that is missing or is another
-    model's."""
-    n, path = model.ask_policy.reader_blocks, Path(adapter) / READER_FILE
+    ``policy`` (its ``landmark.json``'s) asks for none; ``ValueError`` for one that is missing or
+    is another model's."""
+    n, path = policy.reader_blocks, Path(adapter) / READER_FILE
     if not n:
         return None
     if not path.is_file():
@@ -73,7 +77,7 @@ def question_reader(model, adapter: str | Path):
     if (c.n_layer, c.n_head, c.n_kv_head, c.n_embd) != want:
         raise ValueError(f"{path} reads a model of (layers, heads, key/value heads, width) "
                          f"{(c.n_layer, c.n_head, c.n_kv_head, c.n_embd)}, this one has {want}")
-    return reader, calibration
+    return Reader(reader, calibration)
 
 
 def write_settings(folder: str | Path, block_size: int) -> None:
