@@ -50,7 +50,7 @@ def finished(m: Manifest) -> bool:
 
 def drop_merged_rows(corpus: MemoryDir, folder: str, packed: bool) -> None:
     """Keep one copy of a merged document: once its corpus has committed it, a ``packed``
-    document's folder is removed, and another's own token rows, landmark keys and index state
+    document's folder is removed, and another's own token rows, block keys and index state
     (its store stays, the corpus's blocks being read from it). The next call removes what a
     stop midway left (the other's manifest says ``rows_merged`` first)."""
     d = corpus.document(folder)  # (refused when it is a link; rmtree follows none inside it)
@@ -77,7 +77,7 @@ def drop_merged_rows(corpus: MemoryDir, folder: str, packed: bool) -> None:
 
 
 def saved_block_keys(d: MemoryDir, m: Manifest, rows: dict[str, bytes], device: torch.device) -> list[torch.Tensor]:
-    """Per layer the landmark keys (streams, H_kv, n, D) of the committed blocks of the memory in
+    """Per layer the block keys (streams, H_kv, n, D) of the committed blocks of the memory in
     ``d`` (its manifest ``m``): from its key files, or from ``rows`` (its ``landmarks.bin``, read
     whole) before format 5."""
     if LANDMARKS in rows:

@@ -10,7 +10,7 @@ A memory directory holds (docs/design/format.md, "On-disk format"):
   keys and values);
 - ``tokens.bin``: append-only raw rows, one per block (token ids as int32); only the first
   ``blocks`` rows count, a writer cuts any tail a crash left;
-- ``keys/``: the landmark keys, a float32 file per (stream, layer, key/value head), mapped and
+- ``keys/``: the block keys, a float32 file per (stream, layer, key/value head), mapped and
   appended in place (``index.rows.KeyRows``); rows past ``blocks`` are scratch;
 - ``store/lmdb`` or ``store/mmap``: block keys and values (each with a CRC-32), written when
   a chunk completes, one transaction per chunk; blocks past the committed count are ignored
@@ -310,7 +310,7 @@ class MemoryDir:
         """Every key file of the commit ``manifest`` (and every file its index keeps beside them)
         holds its committed rows (sizes only: the CRC-32s are ``verify``'s); a missing or short
         one is named."""
-        with disk_errors(f"the landmark keys of {self.path}"):
+        with disk_errors(f"the block keys of {self.path}"):
             for name in manifest.key_files():  # mapped as a reader maps them, and let go
                 KeyRows(manifest.model.shape.head_dim, self.path / name, writable=False, n=manifest.blocks)
             for name, nbytes in manifest.index_files().items():  # an ivf-rows index's centroids and lists

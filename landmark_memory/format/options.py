@@ -75,7 +75,7 @@ class MemoryOptions:
         without them: a model as published leans on its first tokens).
     local_blocks : int, the memory's last blocks, read by every query besides its ``top_k``, as
         if the local window were that much longer (default 0 through landmarks, 2 without).
-    centre : bool, choose blocks by landmark scores against the landmark keys less their mean
+    centre : bool, choose blocks by scores against the block keys less their mean
         over the memory (per layer and head), so that what every landmark shares, which RoPE
         favours near the query, does not decide; the attention reads the blocks as they are.
     block_checksums : bool, every stored block carries a CRC-32 that reads verify.

@@ -32,7 +32,7 @@ class IndexFile:
 
 
 class LandmarkIndex:
-    """Inner-product search over the landmark keys of one (stream, layer, key/value head).
+    """Inner-product search over the block keys of one (stream, layer, key/value head).
 
     Made by ``index.new_index`` (or ``index.index_from_bytes``), which picks the class of its
     kind.

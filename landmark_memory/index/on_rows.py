@@ -1,4 +1,4 @@
-"""Kinds that search the landmark key rows where they lie (``rows.KeyRows``: a memory-mapped
+"""Kinds that search the block key rows where they lie (``rows.KeyRows``: a memory-mapped
 file in a saved memory), so a memory's state file keeps nothing of them and opening one reads
 no key:
 

@@ -3,7 +3,7 @@ block order, in memory or in a file of their own that is appended in place and m
 (and, with another dtype, any per-block rows kept the same way: an ``ivf-rows`` index's list of
 each block, its centroids).
 
-A saved memory's rows are its one copy of the landmark keys: an exact flat index searches them
+A saved memory's rows are its one copy of the block keys: an exact flat index searches them
 where they lie (``LandmarkIndex`` over ``rows``), so opening a memory maps its key files and
 reads nothing. A writer maps its files read-write and grows them by doubling with the space
 reserved first (a full disk is ``ENOSPC`` at the growth, never a SIGBUS later); rows past the

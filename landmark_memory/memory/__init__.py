@@ -3,9 +3,9 @@ retrieving its top-k blocks (docs/DESIGN.md), over the files ``format/`` defines
 part:
 
     retrieval.py  the retrieval policy as pure functions: top-k selection, block positions
-    key_sums.py   running sums of the landmark keys (the mean key that centring subtracts)
+    key_sums.py   running sums of the block keys (the mean key that centring subtracts)
     block_keys.py the block key rows (landmark or mean keys) and their indexes per (stream, layer, kv head)
-    blocks.py     BlockMemory: landmark keys, FAISS indexes, block store and hot cache, and
+    blocks.py     BlockMemory: block keys, FAISS indexes, block store and hot cache, and
                   what a commit writes of them and opening reads back
     lookup.py     BlockLookup, which blocks each query reads: landmark scores, policy, positions
     decoding.py   Decoder, the open chunk and the step that reads tokens through the memory

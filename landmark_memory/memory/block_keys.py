@@ -48,7 +48,7 @@ class BlockKeys:
 
     def errors(self):
         """A context in which a full disk or a damaged key file is a ``MemoryFileError``."""
-        return disk_errors(f"the landmark keys of {self.where}")
+        return disk_errors(f"the block keys of {self.where}")
 
     def each(self) -> Iterator[tuple[int, int, int, KeyRows]]:
         """``(stream, layer, head, KeyRows)`` of every key file or buffer."""
@@ -68,7 +68,7 @@ class BlockKeys:
 
     # ---- adding and reading ---------------------------------------------------------------
     def add(self, xb: np.ndarray, layer: int, indexed: bool) -> None:
-        """Append the landmark keys ``xb`` float32 (B, H_kv, n, D) of ``layer`` to its rows and,
+        """Append the block keys ``xb`` float32 (B, H_kv, n, D) of ``layer`` to its rows and,
         where ``indexed`` (or the index searches the rows), to its indexes."""
         for b in range(xb.shape[0]):
             for h in range(xb.shape[1]):

@@ -44,7 +44,7 @@ class BlockMemory:
     shape : ModelShape, the model's layer count, key/value heads, head dim and block size.
     options : MemoryOptions, resolved (index kind and options, store kind and dtype, chunk size).
     store_path : Path, optional, the folder of an on-disk store (a saved memory's ``store/``).
-    key_path : Path, optional, the memory folder whose key files hold the landmark keys (mapped;
+    key_path : Path, optional, the memory folder whose key files hold the block keys (mapped;
         a writer appends to them); None: they live in memory.
     shards : list of Shard, optional, a corpus: its documents' blocks, read-only from their own
         stores, whose folders ``shard_path(name)`` gives, instead of a store of its own.
@@ -120,7 +120,7 @@ class BlockMemory:
             self.shards.pack(source, shard.blocks, self.streams, self.shape.n_layer)
 
     def start(self, streams: int) -> None:
-        """Fix the number of streams and create their (empty) landmark keys and indexes."""
+        """Fix the number of streams and create their (empty) block keys and indexes."""
         self.streams = streams
         self.keys.start(streams)
 
@@ -176,7 +176,7 @@ class BlockMemory:
 
     def _new_block_keys(self, k: torch.Tensor) -> torch.Tensor:
         """The keys blocks are searched by, (B, H_kv, n, D), from their un-rotated keys (B, H_kv,
-        n, L, D): each block's landmark key, or (no landmarks) the mean of its tokens' keys
+        n, L, D): each block's block key: its landmark's key, or (no landmarks) the mean of its tokens' keys
         rotated to their offsets in the block, so that a query's score against it, the block
         rotated to where it sits, is the mean of its scores against the block's tokens."""
         if self.shape.landmarks:
@@ -195,23 +195,23 @@ class BlockMemory:
 
     # ---- reading --------------------------------------------------------------------------
     def block_keys(self, layer: int, blocks: torch.Tensor | slice) -> torch.Tensor:
-        """Un-rotated landmark keys (B, H_kv, n, D) of ``blocks`` of ``layer``, in the model's dtype."""
+        """Un-rotated block keys (B, H_kv, n, D) of ``blocks`` of ``layer``, in the model's dtype."""
         ids = np.arange(self.n_blocks)[blocks] if isinstance(blocks, slice) else blocks.cpu().numpy()
         return torch.from_numpy(self._key_rows(layer, ids)).to(self.device, self.dtype)
 
     def mean_key(self, layer: int, lo: int, hi: int) -> np.ndarray:
-        """float64 (B, H_kv, D): the mean landmark key of blocks ``[lo, hi)`` of ``layer``."""
+        """float64 (B, H_kv, D): the mean block key of blocks ``[lo, hi)`` of ``layer``."""
         return self.sums.mean(layer, lo, hi, self._key_run)
 
     def key_sums(self) -> dict[str, np.ndarray]:
-        """Per layer the sum of every block's landmark key, as a commit's state file keeps it."""
+        """Per layer the sum of every block's block key, as a commit's state file keeps it."""
         return self.sums.state(self.n_blocks, self._key_run)
 
     def _key_run(self, layer: int, first: int, last: int) -> np.ndarray:
         return self._key_rows(layer, np.arange(first, last))
 
     def _key_rows(self, layer: int, ids: np.ndarray) -> np.ndarray:
-        """float32 (B, H_kv, n, D): the landmark keys of blocks ``ids`` of ``layer``."""
+        """float32 (B, H_kv, n, D): the block keys of blocks ``ids`` of ``layer``."""
         base = self.n_blocks if self.base is None else self.base
         saved, fed = ids < base, ids >= base
         out = np.empty((self.streams, self.shape.n_kv_head, len(ids), self.shape.head_dim), np.float32)
@@ -332,7 +332,7 @@ class BlockMemory:
         return self.keys.indexes[stream][layer][head]
 
     def usage(self) -> tuple[int, int]:
-        """``(fast, store)`` bytes: landmark keys, indexes and resident hot blocks; every
+        """``(fast, store)`` bytes: block keys, indexes and resident hot blocks; every
         block's keys and values in the store."""
         fast = self.keys.nbytes() + self.cache.bytes + (self.upper.usage()[0] if self.upper is not None else 0)
         return fast, self.n_blocks * (self.streams or 0) * self.shape.n_layer * self.store.nbytes
@@ -362,7 +362,7 @@ class BlockMemory:
         return {TOKENS: layout.encode_tokens(self.ids.since(first)) if self.n_blocks > first else b""}
 
     def sync_keys(self, first: int, crcs: dict[str, int]) -> dict[str, int]:
-        """Make the landmark keys durable; ``{key file: CRC-32}`` of all its rows, carried on
+        """Make the block keys durable; ``{key file: CRC-32}`` of all its rows, carried on
         from ``crcs`` (those of its rows before block ``first``)."""
         return self.keys.sync(first, crcs)
 
@@ -415,6 +415,6 @@ class BlockMemory:
         try:
             self.sums.load(n_blocks, state, (B, cfg.n_kv_head, cfg.head_dim))
         except ValueError as e:
-            raise damaged(f"the state file of {where}", f"garbles the landmark keys' sums ({e})") from None
+            raise damaged(f"the state file of {where}", f"garbles the block keys' sums ({e})") from None
         if self.base is not None:
             self.base = self.n_blocks

@@ -1,7 +1,7 @@
 """LandmarkMemory: chunked inference over inputs of any length with top-k block retrieval.
 
 A memory is a few private parts, each handed what it works on (docs/DESIGN.md, "The memory's
-parts"): ``_blocks`` (``BlockMemory``, blocks.py: landmark keys, indexes, block store, hot
+parts"): ``_blocks`` (``BlockMemory``, blocks.py: block keys, indexes, block store, hot
 cache), ``_lookup`` (``BlockLookup``, lookup.py: which blocks each query reads, and the options),
 ``_decoder`` (``Decoder``, decoding.py: the open chunk and the step that reads tokens through the
 memory), ``_files`` (``SavedFiles``, saved.py: the folder and its commits) and ``_text``
@@ -124,7 +124,7 @@ class LandmarkMemory:
 
     def _new_blocks(self, options: MemoryOptions, readonly: bool, key_files: bool = True) -> BlockMemory:
         """The memory's blocks, none yet; a corpus reads its documents' from their stores or, packed,
-        from its own (``BlockMemory.add_document``). ``key_files``: its landmark keys are (or, for a writer, will
+        from its own (``BlockMemory.add_document``). ``key_files``: its block keys are (or, for a writer, will
         be) in its key files; else in memory (a reader of a memory from before them)."""
         d, documents = self._files.dir, self._files.documents
         return BlockMemory(self.shape, options, store_path=None if d is None else d.store_path(),

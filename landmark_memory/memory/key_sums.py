@@ -1,7 +1,7 @@
-"""Running sums of a memory's landmark keys, so that their mean over any run of blocks costs
+"""Running sums of a memory's block keys, so that their mean over any run of blocks costs
 what changed since it was last asked, not the memory's size.
 
-``centre`` (``MemoryOptions``) scores blocks against the landmark keys less their mean over the
+``centre`` (``MemoryOptions``) scores blocks against the block keys less their mean over the
 retrievable blocks ``[lo, n_blocks)``. That mean is ``(S(n_blocks) - S(lo)) / (n_blocks - lo)``
 with ``S(n)`` the sum of the keys of blocks ``[0, n)``. Per layer two cursors hold ``S`` at the
 two ends and move by adding (or taking out) the rows they pass. A commit saves ``S(n_blocks)``
@@ -17,13 +17,13 @@ Rows = Callable[[int, int, int], np.ndarray]  # (layer, first, last) -> float32 
 
 
 class KeySums:
-    """Sums of the landmark keys of blocks ``[0, n)`` per layer, float64 (B, H_kv, D).
+    """Sums of the block keys of blocks ``[0, n)`` per layer, float64 (B, H_kv, D).
 
     Parameters
     ----------
     n_layer : int.
 
-    Each query takes ``rows``, which reads the landmark keys of blocks ``[first, last)`` of a
+    Each query takes ``rows``, which reads the block keys of blocks ``[first, last)`` of a
     layer (the sums hold no reference to the memory, so a closed memory is freed at once).
     """
 
@@ -62,7 +62,7 @@ class KeySums:
         return s
 
     def mean(self, layer: int, lo: int, hi: int, rows: Rows) -> np.ndarray:
-        """The mean landmark key of blocks ``[lo, hi)`` (``hi > lo``), float64 (B, H_kv, D)."""
+        """The mean block key of blocks ``[lo, hi)`` (``hi > lo``), float64 (B, H_kv, D)."""
         s = self._prefix(layer, hi, "end", rows)
         if lo:
             s = s - self._prefix(layer, lo, "start", rows)

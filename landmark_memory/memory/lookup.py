@@ -19,7 +19,7 @@ class BlockLookup:
 
     Parameters
     ----------
-    blocks : BlockMemory, whose landmark keys and indexes it scores.
+    blocks : BlockMemory, whose block keys and indexes it scores.
     options : MemoryOptions, resolved: top_k, sink and local blocks, retrieval, position mapping,
         max_blocks, centre (``use`` changes them).
     key_row : int, the row of a block its key is scored at (``ModelShape.key_row``).
@@ -38,7 +38,7 @@ class BlockLookup:
         self.rope, self.scale, self.stats = rope, scale, stats
         self.pinned = np.zeros(0, np.int64)
         self._forced = None  # ((lo, n_blocks), the sink and local blocks every query reads: numpy, tensor)
-        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean landmark key per query head (B, H, 1, D))
+        self._mean_keys = {}  # per layer ((lo, n_blocks), the mean block key per query head (B, H, 1, D))
         self._recent_keys = {}  # per layer ((lo, n_blocks), the latest blocks' ids (r,), their keys at their slots)
 
     def use(self, options: MemoryOptions) -> None:
@@ -138,7 +138,7 @@ class BlockLookup:
         return ids, block_positions(ids, nb, o.reads, L, o.position_mapping)
 
     def _mean_key(self, layer, lo, nb):
-        """The mean landmark key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):
+        """The mean block key of blocks ``[lo, nb)`` of ``layer`` per query head, (B, H, 1, D):
         what every query's landmark scores share, which ``centre`` takes out of them (from the
         running sums, ``BlockMemory.sums``: the cost of the blocks since it was last asked)."""
         cached = self._mean_keys.get(layer)

@@ -27,7 +27,7 @@ from ..storage.sharded import Shard
 
 def merge_document(mem: LandmarkMemory, folder: str) -> InputRecord:
     """Append the committed blocks of the document in ``folder`` to the corpus ``mem`` (open
-    for writing with its model): token and landmark rows, landmark keys into every index, and
+    for writing with its model): token and landmark rows, block keys into every index, and
     its blocks: a small document's (``PACK_BYTES``) copied into the corpus's own store, a large
     one's store as the next shard of the corpus's. A document not read to its end is merged as
     far as it was committed and marked abandoned. ``mem.commit()`` makes it durable."""

@@ -221,7 +221,7 @@ def _check_state(m: Manifest, state: dict, report: VerifyReport, rows_sound: boo
                     continue
                 report.indexes_checked += 1
                 if n != m.blocks:
-                    report.problems.append(f"{name} holds {n} landmark keys, the manifest names {m.blocks} blocks")
+                    report.problems.append(f"{name} holds {n} block keys, the manifest names {m.blocks} blocks")
     for name, s in m.pending_shapes().items():
         if name not in state or tuple(state[name].shape) != s:
             report.problems.append(f"the state file {m.state.name if m.state else '(none)'} lacks or misshapes {name} "
