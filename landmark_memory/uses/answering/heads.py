@@ -25,26 +25,26 @@ class HeadsEvidence:
 
     def plan(self, mem, model, messages, options, first) -> Plan:
         tok, heads, text = model.tokenizer, model.heads, messages[-1].content
-        n = mem.n_blocks
+        n_blocks = mem.n_blocks
         chat = chat_prompt(tok, messages, first=first, answer=True)
         frame = heads.frame if chat is None else None
         stop = () if frame is None else tuple(w.strip() for w in frame.split("{question}") if w.strip())
-        reads_evidence = options.evidence != "none" and chat is not None and n > 0
+        reads_evidence = options.evidence != "none" and chat is not None and n_blocks > 0
         if reads_evidence:  # the messages a closed turn: the heads score it, the evidence and question follow
             chat = chat_prompt(tok, messages, first=first, answer=False)
         prompt = chat if chat is not None else plain_prompt(messages, frame.replace("{question}", text))
         question = Question.pose(mem, tok, text, prompt, [m.content for m in messages])
         ids, read, pinned, best = list(question.ids), 0, [], []
-        if n and len(ids) > 1:  # (a prompt the answer opens on: its last token is the answer's first)
+        if n_blocks and len(ids) > 1:  # (a prompt the answer opens on: its last token is the answer's first)
             asked = question.read(mem, len(ids) if reads_evidence else len(ids) - 1)
             count = QUOTES if options.evidence == "quotes" else 1
             ranking, best = find_evidence(mem, tok, heads, asked, max(min(heads.blocks, mem.options.top_k), 1), count)
             pinned, read = [b for b, _ in ranking.fused][:heads.blocks], asked.read_ids
-        elif n:
+        elif n_blocks:
             pinned = text_first(mem, tok, question)
         rest, said, opening = ids[read:], None, None
         if reads_evidence:  # the next turn: the evidence and the question (or, with no quote, the answer's opening)
-            said = _evidence(mem, tok, options.evidence, best, n) if best else None
+            said = _evidence(mem, tok, options.evidence, best, n_blocks) if best else None
             turn = [{"role": "user", "content": EVIDENCE_PROMPT.format(evidence=said, question=text)}] if said else []
             rest = encode_prompt(tok, tok.chat_text(turn, first=False, answer=True), [t["content"] for t in turn]).ids
             opening = encode_prompt(tok, tok.chat_text([], first=False, answer=True), []).ids
