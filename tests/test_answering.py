@@ -3,6 +3,7 @@ policy added in one registry line, the one set of options the command line, the 
 server answer by, and the text index the engine keeps at every commit."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from helpers import ChatTokenizer
 
 from landmark_memory import LandmarkGPT, LandmarkMemory, ask, load_tokenizer
 from landmark_memory.app import serve_routes
+from landmark_memory.app.cli import main
 from landmark_memory.app.cli_args import parser
 from landmark_memory.core.ask_options import AskOptions
 from landmark_memory.format.text_file import TEXT_SEAL
@@ -80,6 +82,18 @@ def test_a_new_policy_is_a_class_of_two_methods_and_one_registry_line(corpus, mo
             want = mem.generate(torch.tensor([tok.encode(QUESTION).ids]), 4, on_read=seen.append)[0].tolist()
     assert got.passages[0].block == 0 and got.tokens == want
     assert all((r[..., 0] == 0).all() for retrieved in seen for r in retrieved)
+
+
+def test_the_command_line_asks_by_the_policy_named_and_refuses_one_the_model_cannot_answer_by(corpus, capsys,
+                                                                                             refused):
+    argv = ["ask", str(corpus), QUESTION, "--max-new-tokens", "3", "--json", "--quiet"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--policy", "text"]) == 0  # (what the bundled model answers by anyway)
+    assert json.loads(capsys.readouterr().out) == plain
+    refused([*argv, "--policy", "heads"], "the heads policy does not fit")
+    refused(["chat", str(corpus), "--session", "p", "--raw", "--policy", "reader"], "the reader policy does not fit")
+    assert not (corpus / "sessions" / "p").exists()  # refused before a session was made
 
 
 def test_the_command_line_the_chat_and_the_server_answer_by_the_same_default_options():

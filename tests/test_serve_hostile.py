@@ -214,6 +214,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "The captain sa
     ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "invalid_stop"),
     ("/v1/completions", {"stop": ""}, "invalid_stop"),
     ("/v1/chat/completions", {"evidence": "all"}, "invalid_evidence"),
+    ("/v1/chat/completions", {"policy": "everything"}, "invalid_policy"),
+    ("/v1/chat/completions", {"policy": "heads"}, "invalid_policy"),  # the bundled model has no heads
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_values_that_were_tracebacks_are_400_streamed_or_not(server, route, change, code, stream):

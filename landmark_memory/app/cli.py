@@ -21,6 +21,7 @@ from ..jobs.distributed import RayReader, WorkerError
 from ..memory import LandmarkMemory
 from ..models.kinds import load_model, model_name
 from ..uses.answer import ask
+from ..uses.answering import choose_policy
 from ..uses.inspect import describe, verify
 from ..uses.search import search, snippet
 from ..uses.session import Session
@@ -203,13 +204,14 @@ def cmd_chat(args):
 
     saved = saved_model(args)
     loaded = load_model(args.model, args.device, saved.model.shape.block_size)
-    model = loaded.model
+    model, options = loaded.model, ask_options(args)
+    choose_policy(loaded, options)  # (a policy the model cannot answer by: one line, before a session is made)
     with LandmarkMemory.open(args.memory, model, readonly=True, **given(args, "top_k")) as mem:
         say_block_keys(model, mem.options)
         with Session.open(mem, args.session) as session:
             if args.session is None:
                 print(f"session {session.name} (resume it with --session {session.name})", file=sys.stderr)
-            return chat(session, loaded, ask_options(args), as_json=args.json)
+            return chat(session, loaded, options, as_json=args.json)
 
 
 def cmd_sessions(args):

@@ -98,6 +98,10 @@ def add_ask_options(p, what: str):
     p.add_argument("--always-answer", dest="refuse", action="store_false",
                    help="answer even where the retrieval heads find too little evidence (by default the answer says "
                         "the memory does not seem to hold one, and names the closest text)")
+    p.add_argument("--policy", metavar="NAME",
+                   help="how the question is answered: heads (the retrieval heads' quote read first), reader (the "
+                        "question reader's blocks), text (the text index's best block); default: the first of "
+                        "them that fits the model")
     p.add_argument("--raw", action="store_true",
                    help=f"continue {what} as written (a model without a chat template, such as the bundled one); by "
                         "default a chat model gets it as a user turn of its chat template and its answer ends at its "
@@ -107,7 +111,8 @@ def add_ask_options(p, what: str):
 def ask_options(args) -> AskOptions:
     """The ``AskOptions`` the command line gave (``add_ask_options``)."""
     return AskOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                      raw=args.raw, passages=args.passages, evidence=args.evidence, refuse=args.refuse)
+                      raw=args.raw, passages=args.passages, evidence=args.evidence, refuse=args.refuse,
+                      policy=args.policy)
 
 
 def add_top_k(p, default=None, new=False):

@@ -24,6 +24,7 @@ from ..core.ask_options import AskOptions
 from ..core.names import EVIDENCE
 from ..models.loaded import LoadedModel
 from ..uses.answer import Answer, check_messages, converse, say
+from ..uses.answering import choose_policy
 from ..uses.asking import Message
 from ..uses.question import QuestionError, check_question
 from ..uses.search import search
@@ -116,6 +117,7 @@ class _Request(BaseModel):
     passages: int = ASKED.passages
     evidence: str = ASKED.evidence  # what a chat model with retrieval heads reads before the question (``converse``)
     refuse: bool = ASKED.refuse  # say the memory holds no answer where the heads find too little (``converse``)
+    policy: str | None = ASKED.policy  # the answer policy (``uses/answering/``); None: the first that fits
     stop: str | list[str] | None = None
     n: int | None = None
     logprobs: bool | int | None = None
@@ -152,7 +154,7 @@ async def chat(req: ChatRequest, request: Request, s: Served = Depends(served)):
     messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
     session = None if req.session is None else existing(s.cfg.memory, req.session)
     n = check(s, req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-              messages)
+              messages, raw=False)
     return await respond(s, "chat", messages, False, req, n, session, request)
 
 
@@ -161,7 +163,7 @@ async def complete(req: CompletionRequest, request: Request, s: Served = Depends
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if len(prompts) != 1:
         raise APIError(400, f"one prompt per request, got {len(prompts)}", "invalid_request")
-    n = check(s, req, req.max_tokens, [Message("user", prompts[0])])
+    n = check(s, req, req.max_tokens, [Message("user", prompts[0])], raw=True)
     return await respond(s, "completion", [Message("user", prompts[0])], True, req, n, None, request)
 
 
@@ -201,9 +203,10 @@ async def index(s: Served = Depends(served)):
     return HTMLResponse(s.page.html, headers={"Content-Security-Policy": s.page.policy})
 
 
-def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]) -> int:
+def check(s: "Served", req: _Request, limit: int | None, messages: list[Message], raw: bool) -> int:
     """The request's new-token count, everything else about it checked before any answer
-    (a streamed answer has sent its status by the time it runs)."""
+    (a streamed answer has sent its status by the time it runs); ``raw``: its messages are read
+    as written (a completion)."""
     if req.model != s.cfg.model_name:
         raise APIError(404, f"model {req.model!r} is not served here; GET /v1/models lists the one that is",
                        "model_not_found")
@@ -219,6 +222,10 @@ def check(s: "Served", req: _Request, limit: int | None, messages: list[Message]
         raise APIError(400, "logprobs and top_logprobs are not supported: leave them out", "invalid_logprobs")
     if req.evidence not in EVIDENCE:
         raise APIError(400, f"evidence must be one of {', '.join(EVIDENCE)}, got {req.evidence!r}", "invalid_evidence")
+    try:  # (a policy the model cannot answer by)
+        choose_policy(s.model, AskOptions(raw=raw, policy=req.policy))
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_policy") from None
     try:  # what converse would refuse, refused before a stream sends its status
         check_messages(messages, seed=req.seed or 0, stop=req.stops())
     except QuestionError as e:
@@ -232,7 +239,7 @@ def answer(s: "Served", messages: list[Message], raw: bool, req: _Request, n: in
     """The answer to ``messages``: read into the ``session`` named, or after the memory alone."""
     options = AskOptions(max_new_tokens=n, temperature=req.temperature, seed=req.seed or 0, raw=raw,
                          passages=max(0, req.passages), stop=tuple(req.stops()), evidence=req.evidence,
-                         refuse=req.refuse)
+                         refuse=req.refuse, policy=req.policy)
     with s.readers.take() as mem:
         if session is None:
             return converse(mem, s.model, messages, options, on_token=on_token)
