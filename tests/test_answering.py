@@ -127,3 +127,16 @@ def test_a_writer_that_keeps_its_text_index_has_it_sealed_and_whole_at_every_com
         with pytest.raises(ValueError, match="writer"):
             mem.text_index.follow(tok)
     assert (path / TEXT_INDEX).is_file()
+
+
+def test_a_memory_hashes_the_tokenizer_its_text_is_read_with_once_however_often_it_is_asked(corpus, monkeypatch):
+    from landmark_memory.memory import text
+
+    hashed = []
+    monkeypatch.setattr(text, "tokenizer_digest", lambda tok: hashed.append(tok) or tokenizer_digest(tok))
+    tok = load_tokenizer()
+    with LandmarkMemory.open(corpus, LandmarkGPT.from_pretrained(), readonly=True) as mem:
+        for _ in range(3):
+            assert mem.text_index.search(tok, ["treasure"], 3, mem.n_blocks)
+            mem.text_index.frequencies(tok, ["treasure", "map"], mem.n_blocks)
+    assert hashed == [tok]  # (its whole definition: tens of milliseconds for SmolLM2's, a question's cost)

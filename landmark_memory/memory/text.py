@@ -39,6 +39,8 @@ class MemoryText:
 
     def bind(self, tokenizer) -> None:
         """Take ``tokenizer`` as the one the memory's text is read with; ``ValueError`` for another."""
+        if tokenizer is self.tokenizer:  # (its digest hashes its whole definition: once per tokenizer)
+            return
         digest = tokenizer_digest(tokenizer)
         if self.digest is not None and digest != self.digest:
             raise ValueError("this memory's text index is read with another tokenizer: ask a memory with the "
