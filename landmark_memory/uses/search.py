@@ -111,7 +111,7 @@ def search(mem: LandmarkMemory, model, question: str, *, k: int = 5) -> Found:
     frame = heads.frame if heads is not None and chat is None else None
     prompt = chat if chat is not None else frame.replace("{question}", question) if frame is not None else ""
     asked = Question.pose(mem, tok, question, prompt if heads is not None else "", [question])
-    found, text = None, None
+    found = None
     if heads is not None and prompt and asked.n_blocks:
         try:  # (a frame's last token is the answer's first)
             ranking, best = find_evidence(mem, tok, heads, asked.read(mem, len(asked.ids) - (chat is None)), k)

@@ -40,7 +40,7 @@ class HeadsEvidence:
             count = QUOTES if options.evidence == "quotes" else 1
             ranking, best = find_evidence(mem, tok, heads, asked, max(min(heads.blocks, mem.options.top_k), 1), count)
             pinned, read = [b for b, _ in ranking.fused][:heads.blocks], asked.read_ids
-        elif n_blocks:
+        else:
             pinned = text_first(mem, tok, question)
         rest, said, opening = ids[read:], None, None
         if reads_evidence:  # the next turn: the evidence and the question (or, with no quote, the answer's opening)

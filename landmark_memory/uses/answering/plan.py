@@ -64,5 +64,6 @@ def prompt_of(model: LoadedModel, messages: Sequence[Message], options: AskOptio
 
 
 def text_first(mem, tokenizer, question: Question) -> list[int]:
-    """The ``TEXT_BLOCKS`` the text index ranks first for ``question`` (at most ``top_k``)."""
+    """The ``TEXT_BLOCKS`` the text index ranks first for ``question`` (at most ``top_k``; none
+    in an empty memory)."""
     return [b for b, _ in TextRetriever(mem, tokenizer).rank(question, min(TEXT_BLOCKS, mem.options.top_k))]

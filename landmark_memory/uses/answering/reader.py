@@ -19,8 +19,7 @@ class ReaderFirst:
         question = Question.pose(mem, model.tokenizer, messages[-1].content, prompt, [m.content for m in messages])
         ids = list(question.ids)
         if not question.n_blocks or len(ids) < 2:  # nothing to rank, or nothing to read before the answer
-            return Plan(chat, 0, ids, text_first(mem, model.tokenizer, question) if question.n_blocks else [],
-                        rarity=question.rarity)
+            return Plan(chat, 0, ids, text_first(mem, model.tokenizer, question), rarity=question.rarity)
         read = question.read(mem, len(ids) - 1)  # (its last token is the answer's first)
         k = min(model.policy.reader_blocks, mem.options.top_k)
         pinned = [b for b, _ in ReaderRetriever(mem, model.reader).rank(read, k)]

@@ -13,5 +13,4 @@ class TextFirst:
     def plan(self, mem, model, messages, options, first) -> Plan:
         prompt, chat = prompt_of(model, messages, options, first)
         question = Question.pose(mem, model.tokenizer, messages[-1].content, prompt, [m.content for m in messages])
-        pinned = text_first(mem, model.tokenizer, question) if question.n_blocks else []
-        return Plan(chat, 0, list(question.ids), pinned, rarity=question.rarity)
+        return Plan(chat, 0, list(question.ids), text_first(mem, model.tokenizer, question), rarity=question.rarity)
